@@ -1,0 +1,260 @@
+"""The evaluator loop: lease -> evaluate due groups -> persist state + outbox (one fenced txn) -> deliver.
+
+Programmatic entry (what `kvpilot alerts run` and `kvpilot demo` use):
+
+    handle = start_evaluator("sqlite:///kvpilot-data/kvpilot.db", rule_files=[DEMO_RULES],
+                             webhook_urls=["http://127.0.0.1:9095/"], group_wait_s=0)
+    ...
+    handle.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from alerts.alertmanager import generator_url
+from alerts.config import NotifierConfig, webhook_config
+from alerts.delivery import DeliveryWorker
+from alerts.dispatch import Dispatcher, NotifyAlert, notifiable
+from alerts.expr_eval import CachingSource, EvalError, Evaluator, SeriesSource
+from alerts.metrics import AlertMetrics
+from alerts.rules import BUILTIN_RULES, RuleGroup, load_rule_files
+from alerts.state import RuleState
+from alerts.store import (
+    Lease,
+    LeaseLostError,
+    delete_rules_except,
+    ensure_lease_row,
+    fence,
+    load_states,
+    release,
+    save_rule_states,
+    try_acquire,
+)
+from collector.db import make_engine, session_factory, translate_errors
+from collector.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TickResult:
+    leader: bool
+    evaluated_rules: int = 0
+    series: int = 0
+    notifications: list[int] = field(default_factory=list)
+    delivered: int = 0
+    error: str | None = None
+
+
+class AlertEvaluator:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        groups: list[RuleGroup],
+        source: SeriesSource,
+        notifier: NotifierConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        holder: str | None = None,
+        lease_ttl_s: float = 15.0,
+        metrics: AlertMetrics | None = None,
+        deliver: bool = True,
+        external_labels: dict[str, str] | None = None,
+        delivery: DeliveryWorker | None = None,
+    ) -> None:
+        self.factory = factory
+        self.groups = groups
+        self.source = source
+        self.notifier = notifier
+        self.dispatcher = Dispatcher(notifier)
+        self.clock = clock
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lease_ttl_s = lease_ttl_s
+        self.metrics = metrics or AlertMetrics()
+        self.external_labels = external_labels or {}
+        self.states: dict[str, RuleState] = {r.name + "\0" + g.name: RuleState(r) for g in groups for r in g.rules}
+        self.next_eval: dict[str, float] = {}
+        self.lease: Lease | None = None
+        self._loaded_token: int | None = None
+        self.delivery = delivery or (DeliveryWorker(factory, {r.name: r for r in notifier.receivers}, clock=clock,
+                                                    metrics=self.metrics) if deliver else None)
+        ensure_lease_row(factory)
+
+    def _key(self, state: RuleState) -> str:
+        return state.rule.name + "\0" + state.rule.group
+
+    def _reload(self, session: Session) -> None:
+        stored = load_states(session)
+        for state in self.states.values():
+            state.active = {fp: a for fp, a in stored.get(state.rule.name, {}).items()}
+        self.next_eval.clear()
+
+    def tick(self) -> TickResult:
+        now = self.clock()
+        try:
+            lease = try_acquire(self.factory, holder=self.holder, now=now, ttl_s=self.lease_ttl_s)
+        except StorageError as exc:
+            self.metrics.storage_errors.inc()
+            log.error("alerts: lease check failed: %s", exc)
+            return TickResult(leader=False, error=str(exc))
+        if lease is None:
+            if self.lease is not None:
+                log.warning("alerts: %s lost the evaluator lease", self.holder)
+            self.lease, self._loaded_token = None, None
+            self.metrics.lease_held.set(0)
+            return TickResult(leader=False)
+        if self.lease is None or self.lease.token != lease.token:
+            log.info("alerts: %s holds the evaluator lease (token %d)", self.holder, lease.token)
+        self.lease = lease
+        self.metrics.lease_held.set(1)
+        result = TickResult(leader=True)
+        try:
+            self._evaluate_and_dispatch(lease, now, result)
+        except LeaseLostError as exc:
+            self.metrics.lease_lost.inc()
+            log.warning("alerts: %s", exc)
+            self.lease, self._loaded_token = None, None
+            return TickResult(leader=False, error=str(exc))
+        except StorageError as exc:
+            self.metrics.storage_errors.inc()
+            self._loaded_token = None  # in-memory state may be ahead of the rolled-back rows
+            log.error("alerts: tick failed on the database: %s", exc)
+            result.error = str(exc)
+            return result
+        if self.delivery is not None:
+            try:
+                result.delivered = sum(1 for r in self.delivery.run_once(lease) if r.outcome == "delivered")
+            except StorageError as exc:
+                self.metrics.storage_errors.inc()
+                log.error("alerts: delivery failed on the database: %s", exc)
+                result.error = str(exc)
+        return result
+
+    def _evaluate_and_dispatch(self, lease: Lease, now: float, result: TickResult) -> None:
+        with translate_errors(), self.factory() as session:
+            try:
+                fence(session, lease, now)
+                if self._loaded_token != lease.token:
+                    self._reload(session)
+                    delete_rules_except(session, {s.rule.name for s in self.states.values()})
+                source = CachingSource(self.source)
+                evaluator = Evaluator(source)
+                due_groups = [g for g in self.groups if self.next_eval.get(g.name, -1.0) <= now]
+                changed: list[RuleState] = []
+                for group in due_groups:
+                    previous = self.next_eval.get(group.name)
+                    self.next_eval[group.name] = now + group.interval_s if previous is None or \
+                        previous + group.interval_s <= now else previous + group.interval_s
+                    for rule in group.rules:
+                        state = self.states[rule.name + "\0" + group.name]
+                        self.metrics.evaluations.labels(rule.name).inc()
+                        try:
+                            vector = evaluator.evaluate(rule.expr, now)
+                            assert isinstance(vector, dict)
+                            transitions = state.evaluate(now, vector, external_labels=self.external_labels,
+                                                         external_url=self.notifier.external_url)
+                        except (EvalError, ValueError) as exc:
+                            self.metrics.evaluation_failures.labels(rule.name).inc()
+                            log.error("alerts: rule %s (%s) failed: %s", rule.name, rule.source, exc)
+                            continue
+                        result.evaluated_rules += 1
+                        result.series += len(vector)
+                        self.metrics.series_evaluated.inc(len(vector))
+                        for t in transitions:
+                            self.metrics.transitions.labels(t.new_state if not t.dropped else "dropped").inc()
+                            log.info("alert %s %s: %s -> %s", rule.name, t.alert.labels.get("instance", ""),
+                                     t.old_state, "dropped" if t.dropped else t.new_state)
+                        changed.append(state)
+                for state in changed:
+                    save_rule_states(session, state.rule.name, state.active,
+                                     generator_url(self.notifier.external_url, state.rule.expr_text))
+                alerts = [NotifyAlert(a, generator_url(self.notifier.external_url, s.rule.expr_text))
+                          for s in self.states.values() for a in s.active.values() if notifiable(a)]
+                result.notifications = self.dispatcher.dispatch(session, alerts, now=now, lease=lease)
+                session.commit()
+            except BaseException:
+                session.rollback()
+                self._loaded_token = None
+                raise
+        self._loaded_token = lease.token
+        for receiver_id in result.notifications:
+            log.debug("alerts: enqueued notification %d", receiver_id)
+        if result.notifications:
+            self.metrics.enqueued.labels("all").inc(len(result.notifications))
+
+    def step_down(self) -> None:
+        if self.lease is not None:
+            try:
+                release(self.factory, self.lease)
+            except StorageError as exc:
+                log.warning("alerts: could not release the lease: %s", exc)
+        self.lease = None
+
+
+class EvaluatorHandle:
+    """A background thread running `AlertEvaluator.tick` every `poll_s`; `stop()` joins it and steps down."""
+
+    def __init__(self, evaluator: AlertEvaluator, engine: Engine | None, poll_s: float) -> None:
+        self.evaluator = evaluator
+        self.engine = engine
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kvpilot-alerts", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.evaluator.tick()
+            except Exception:
+                log.exception("alerts: evaluator tick crashed")
+            self._stop.wait(self.poll_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self.thread.join(timeout_s)
+        self.evaluator.step_down()
+        if self.evaluator.delivery is not None:
+            self.evaluator.delivery.close()
+        if self.engine is not None:
+            self.engine.dispose()
+
+
+def start_evaluator(
+    db_url: str,
+    *,
+    rule_files: list[str | Path] | None = None,
+    webhook_urls: list[str] | None = None,
+    alertmanager_urls: list[str] | None = None,
+    notifier: NotifierConfig | None = None,
+    source: SeriesSource | None = None,
+    poll_s: float = 0.25,
+    group_wait_s: float = 30.0,
+    group_interval_s: float = 300.0,
+    repeat_interval_s: float = 4 * 3600.0,
+    secret: str | None = None,
+    metrics: AlertMetrics | None = None,
+) -> EvaluatorHandle:
+    """Start evaluating `rule_files` (default: the built-in rules) against the database at `db_url`."""
+    from alerts.sql_source import SqlSource
+
+    groups = load_rule_files(list(rule_files or [BUILTIN_RULES]))
+    engine = make_engine(db_url)
+    config = notifier or webhook_config(webhook_urls or [], secret=secret, group_wait_s=group_wait_s,
+                                        group_interval_s=group_interval_s, repeat_interval_s=repeat_interval_s,
+                                        alertmanager_urls=alertmanager_urls)
+    evaluator = AlertEvaluator(session_factory(engine), groups, source or SqlSource(engine), config,
+                               metrics=metrics)
+    return EvaluatorHandle(evaluator, engine, poll_s)

@@ -1,0 +1,373 @@
+"""`kvpilot bench ingest`: end-to-end HTTP ingest throughput against the raw driver's ceiling.
+
+What is measured, in one run:
+- a real collector (uvicorn, `python -m collector serve`, its own process) on a fresh SQLite file
+  (WAL, synchronous=FULL: what it acknowledges is durable) and, where a server answers, PostgreSQL;
+- a separate client process POSTing pre-serialized batches of 1,000 mixed events (request, step,
+  alloc, sample in equal parts) over keep-alive connections, `CLIENT_CONCURRENCY` in flight;
+- the ceiling: the same rows through the raw driver's `executemany` (sqlite3 / psycopg), one
+  transaction per 1,000 rows with the same durability settings, no HTTP, no validation;
+- `telemetry_overhead`: the engine's token throughput with the HTTP sink pushing to a live collector
+  versus telemetry off (NullSink), same workload, runs interleaved to cancel drift: 1 - on/off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+BATCH_EVENTS = 1000
+CLIENT_CONCURRENCY = 4
+T0 = 1_760_000_000.0
+TOKEN = "bench-token"
+
+
+def make_events(n: int, start: int = 0) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for j in range(start, start + n):
+        base = {"instance": f"e{j % 4}", "run_id": "bench", "ts": T0 + j * 1e-3}
+        k = j % 4
+        if k == 0:
+            out.append(
+                {
+                    **base,
+                    "type": "request",
+                    "request_id": f"req-{j}",
+                    "status": "finished",
+                    "prompt_tokens": 128 + j % 512,
+                    "output_tokens": 64 + j % 128,
+                    "queue_s": 0.001 * (j % 50),
+                    "prefill_s": 0.02,
+                    "ttft_s": 0.03 + 0.001 * (j % 100),
+                    "decode_s": 0.8,
+                    "e2e_s": 0.85,
+                }
+            )
+        elif k == 1:
+            out.append(
+                {
+                    **base,
+                    "type": "step",
+                    "step": j,
+                    "duration_s": 0.012,
+                    "forward_s": 0.01,
+                    "num_seqs": 16,
+                    "prefill_tokens": 256,
+                    "decode_tokens": 16,
+                    "kv_blocks_used": 300 + j % 100,
+                    "kv_blocks_total": 1024,
+                    "queue_depth": j % 7,
+                    "busy_s": 0.011,
+                }
+            )
+        elif k == 2:
+            out.append(
+                {
+                    **base,
+                    "type": "alloc",
+                    "op": "alloc",
+                    "request_id": f"req-{j - 2}",
+                    "blocks": 2,
+                    "block_size": 32,
+                    "bytes": 131072,
+                    "usage_after": 0.3,
+                }
+            )
+        else:
+            out.append(
+                {
+                    **base,
+                    "type": "sample",
+                    "utilization": 0.7,
+                    "memory_used_bytes": 40 * 2**30,
+                    "memory_total_bytes": 141 * 2**30,
+                    "kv_usage": 0.31,
+                    "fragmentation": 0.02,
+                    "internal_waste": 0.04,
+                    "queue_depth": j % 7,
+                    "running": 16,
+                }
+            )
+    return out
+
+
+def write_bodies(directory: Path, n_batches: int) -> list[Path]:
+    paths = []
+    for b in range(n_batches):
+        path = directory / f"batch-{b:05d}.json"
+        path.write_bytes(json.dumps({"events": make_events(BATCH_EVENTS, b * BATCH_EVENTS)}).encode())
+        paths.append(path)
+    return paths
+
+
+# --- client process ----------------------------------------------------------------------------------
+
+
+def client_main(url: str, token: str, directory: str, concurrency: int) -> None:
+    """Runs in its own process: POST every body once, report events/s measured here."""
+    import httpx
+
+    bodies = [p.read_bytes() for p in sorted(Path(directory).glob("batch-*.json"))]
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    lock = threading.Lock()
+    queue = list(enumerate(bodies))
+    failures: list[str] = []
+
+    def worker() -> None:
+        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        with httpx.Client(timeout=60.0, transport=transport) as client:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i, body = queue.pop(0)
+                resp = client.post(
+                    f"{url}/v1/ingest", content=body, headers={**headers, "Idempotency-Key": f"bench-{i}"}
+                )
+                if resp.status_code != 202:
+                    failures.append(f"{resp.status_code}: {resp.text[:200]}")
+
+    with httpx.Client() as warm:  # connection setup and first-request costs out of the timing
+        warm.get(f"{url}/health")
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    print(json.dumps({"elapsed_s": elapsed, "events": len(bodies) * BATCH_EVENTS, "failures": failures[:5]}))
+
+
+def _http_ingest(db_url: str, bodies_dir: Path, log_path: Path) -> float:
+    from collector.server import start_subprocess
+    from collector.settings import CollectorSettings
+
+    settings = CollectorSettings(db_url=db_url, ingest_token=TOKEN, scrape_enabled=False, port=0, log_level="warning")
+    proc = start_subprocess(settings, log_path=log_path)
+    try:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.ingest",
+                "client",
+                proc.url,
+                TOKEN,
+                str(bodies_dir),
+                str(CLIENT_CONCURRENCY),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+    finally:
+        proc.stop()
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    if report["failures"]:
+        raise RuntimeError(f"ingest bench: collector refused batches: {report['failures']}")
+    return report["events"] / report["elapsed_s"]
+
+
+# --- raw driver ceiling ------------------------------------------------------------------------------
+
+
+def _rows(events: list[dict[str, Any]]) -> dict[str, list[tuple]]:
+    from collector.events import parse_event
+    from collector.ingest import EVENT_COLUMNS
+
+    rows: dict[str, list[tuple]] = {}
+    for e in events:
+        model = parse_event(e)
+        rows.setdefault(model.type, []).append(tuple(getattr(model, c) for c in EVENT_COLUMNS[model.type]))
+    return rows
+
+
+def _ceiling(db_url: str, bodies: list[Path]) -> float:
+    """Raw executemany of the same rows, commit per batch, same durability; returns events/s."""
+    from collector.db import make_engine
+    from collector.ingest import _insert_sql
+
+    batches = [_rows(json.loads(p.read_bytes())["events"]) for p in bodies]
+    engine = make_engine(db_url)
+    raw = engine.raw_connection()
+    try:
+        paramstyle = engine.dialect.paramstyle
+        cur = raw.cursor()
+        started = time.perf_counter()
+        for rows in batches:
+            for kind, kind_rows in rows.items():
+                cur.executemany(_insert_sql(paramstyle, kind), kind_rows)
+            raw.commit()
+        elapsed = time.perf_counter() - started
+    finally:
+        raw.close()
+        engine.dispose()
+    return len(bodies) * BATCH_EVENTS / elapsed
+
+
+# --- PostgreSQL --------------------------------------------------------------------------------------
+
+
+def _pg_base_url() -> str | None:
+    return os.environ.get("KVPILOT_BENCH_PG_URL") or os.environ.get("KVPILOT_TEST_PG_URL")
+
+
+def _pg_schema(base: str) -> tuple[str, str] | None:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    schema = f"kvp_bench_{uuid.uuid4().hex[:8]}"
+    try:
+        admin = create_engine(base, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        admin.dispose()
+    except Exception:
+        return None
+    url = make_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
+    return schema, url.render_as_string(hide_password=False)
+
+
+def _pg_drop(base: str, schema: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    admin.dispose()
+
+
+# --- telemetry overhead ------------------------------------------------------------------------------
+
+
+def _engine_throughput(sink_factory, n_requests: int, max_tokens: int) -> float:  # type: ignore[no-untyped-def]
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import SamplingParams
+
+    cfg = EngineConfig.from_dict({"device": "auto", "telemetry": {"instance": "bench", "sample_interval_s": 0.05}})
+    sink = sink_factory()
+    engine = LLMEngine(cfg, sink=sink)
+    engine.warmup(2)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(48 + i % 32)] for i in range(n_requests)]
+    started = time.perf_counter()
+    engine.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    sink.close()
+    return n_requests * max_tokens / elapsed
+
+
+def _telemetry_overhead(collector_url: str, spool_dir: Path, quick: bool) -> dict[str, Any]:
+    from engine.http_sink import HttpSink
+    from engine.sinks import NullSink
+
+    n_requests, max_tokens, rounds = (24, 24, 3) if quick else (48, 48, 5)
+    sinks: list[HttpSink] = []
+
+    def http() -> HttpSink:
+        sink = HttpSink(collector_url, token=TOKEN, spool_dir=spool_dir, flush_interval_s=0.2)
+        sinks.append(sink)
+        return sink
+
+    _engine_throughput(NullSink, 4, 4)  # load the model code and kernels once, outside the timings
+    ratios, on, off = [], [], []
+    for _ in range(rounds):
+        a = _engine_throughput(NullSink, n_requests, max_tokens)
+        b = _engine_throughput(http, n_requests, max_tokens)
+        off.append(a)
+        on.append(b)
+        ratios.append(b / a)
+    sent = sum(s.sent for s in sinks)
+    dropped = sum(s.dropped for s in sinks)
+    return {
+        "telemetry_overhead": 1.0 - statistics.median(ratios),
+        "engine_tokens_per_s_telemetry_off": statistics.median(off),
+        "engine_tokens_per_s_http_sink": statistics.median(on),
+        "telemetry_events_sent": sent,
+        "telemetry_events_dropped": dropped,
+        "telemetry_rounds": rounds,
+    }
+
+
+# --- entry point -------------------------------------------------------------------------------------
+
+
+def run_ingest_bench(quick: bool = False) -> dict[str, Any]:
+    from collector.db import upgrade
+
+    n_batches = 40 if quick else 200
+    result: dict[str, Any] = {
+        "quick": quick,
+        "batch_events": BATCH_EVENTS,
+        "batches": n_batches,
+        "client_concurrency": CLIENT_CONCURRENCY,
+        "sqlite_synchronous": "FULL",
+    }
+    with tempfile.TemporaryDirectory(prefix="kvpilot-bench-ingest-") as tmp:
+        root = Path(tmp)
+        bodies_dir = root / "bodies"
+        bodies_dir.mkdir()
+        bodies = write_bodies(bodies_dir, n_batches)
+
+        http_db = f"sqlite:///{root / 'http.db'}"
+        raw_db = f"sqlite:///{root / 'raw.db'}"
+        upgrade(http_db)
+        upgrade(raw_db)
+        result["sqlite_events_per_s"] = _http_ingest(http_db, bodies_dir, root / "collector-sqlite.log")
+        result["sqlite_ceiling_events_per_s"] = _ceiling(raw_db, bodies)
+        result["sqlite_ratio"] = result["sqlite_events_per_s"] / result["sqlite_ceiling_events_per_s"]
+
+        result["postgres_events_per_s"] = None
+        result["postgres_ceiling_events_per_s"] = None
+        result["postgres_ratio"] = None
+        base = _pg_base_url()
+        made = _pg_schema(base) if base else None
+        if made:
+            schema, pg_url = made
+            try:
+                upgrade(pg_url)
+                result["postgres_events_per_s"] = _http_ingest(pg_url, bodies_dir, root / "collector-pg.log")
+                _pg_drop(base, schema)
+                made2 = _pg_schema(base)
+                if made2:
+                    schema = made2[0]
+                    upgrade(made2[1])
+                    result["postgres_ceiling_events_per_s"] = _ceiling(made2[1], bodies)
+                    result["postgres_ratio"] = result["postgres_events_per_s"] / result["postgres_ceiling_events_per_s"]
+            finally:
+                _pg_drop(base, schema)
+
+        from collector.server import start_subprocess
+        from collector.settings import CollectorSettings
+
+        tele_db = f"sqlite:///{root / 'telemetry.db'}"
+        upgrade(tele_db)
+        proc = start_subprocess(
+            CollectorSettings(db_url=tele_db, ingest_token=TOKEN, scrape_enabled=False, port=0, log_level="warning")
+        )
+        try:
+            result.update(_telemetry_overhead(proc.url, root / "spool", quick))
+        finally:
+            proc.stop()
+    result["targets"] = {"sqlite_events_per_s": 100_000, "telemetry_overhead": 0.02}
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["client"]:
+        client_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    else:
+        print(json.dumps(run_ingest_bench(quick="--quick" in sys.argv), indent=2))

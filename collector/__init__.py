@@ -1,0 +1,1 @@
+"""kvpilot collector: the system of record for engine telemetry and scraped metrics."""

@@ -1,0 +1,156 @@
+"""Engine creation, the session boundary that translates database errors, and schema versioning.
+
+SQLite runs in WAL mode with `synchronous=FULL` by default: the collector answers 202 only after
+COMMIT returns, and FULL makes that commit survive power loss, not just a killed process.
+PostgreSQL uses psycopg 3 (`postgresql+psycopg://...`); its default `synchronous_commit=on` already
+gives the same guarantee.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from collector.errors import SchemaOutdatedError, StorageError, StorageUnavailableError
+
+log = logging.getLogger(__name__)
+
+UPGRADE_HINT = "run `kvpilot db upgrade`"
+
+
+def migrations_dir() -> Path:
+    """The Alembic script directory: the top-level `migrations` package, wherever it is installed."""
+    import migrations
+
+    return Path(migrations.__file__).resolve().parent
+
+
+def redact(url: str) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def is_sqlite(url_or_engine: str | Engine) -> bool:
+    url = url_or_engine.url if isinstance(url_or_engine, Engine) else make_url(url_or_engine)
+    return url.get_backend_name() == "sqlite"
+
+
+def make_engine(url: str, *, sqlite_synchronous: str = "FULL", pool_size: int = 8) -> Engine:
+    """An Engine with the pragmas and pool the collector relies on."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            parsed,
+            connect_args={"timeout": 30.0, "check_same_thread": False},
+            pool_size=pool_size,
+            max_overflow=4,
+        )
+        synchronous = sqlite_synchronous.upper()
+        if synchronous not in ("FULL", "NORMAL", "EXTRA"):
+            raise ValueError(f"sqlite_synchronous must be FULL, NORMAL or EXTRA, got {sqlite_synchronous!r}")
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute(f"PRAGMA synchronous={synchronous}")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return create_engine(parsed, pool_size=pool_size, max_overflow=8, pool_pre_ping=True)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """The one place SQLAlchemy/driver errors become the collector's own (STYLE.md 9)."""
+    try:
+        yield
+    except OperationalError as exc:
+        raise StorageUnavailableError(f"database unavailable: {exc.orig or exc}") from exc
+    except DBAPIError as exc:
+        if exc.connection_invalidated:
+            raise StorageUnavailableError(f"database connection lost: {exc.orig or exc}") from exc
+        raise StorageError(f"database error: {exc.orig or exc}") from exc
+    except SQLAlchemyError as exc:
+        raise StorageError(f"database error: {exc}") from exc
+
+
+@contextlib.contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session that commits on success, rolls back on any error, and translates DB errors."""
+    with translate_errors(), factory() as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+# --- Alembic ---------------------------------------------------------------------------------------
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["kvpilot_url"] = url
+    return cfg
+
+
+def head_revision() -> str:
+    heads = ScriptDirectory.from_config(alembic_config("sqlite://")).get_heads()
+    if len(heads) != 1:
+        raise SchemaOutdatedError(f"migrations have {len(heads)} heads ({heads}); merge them first")
+    return heads[0]
+
+
+def current_revision(engine: Engine) -> str | None:
+    with translate_errors(), engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """`kvpilot db upgrade`, callable from code (tests, demo)."""
+    cfg = alembic_config(url)
+    with translate_errors():
+        command.upgrade(cfg, revision)
+
+
+def check_schema_current(engine: Engine) -> None:
+    """Refuse to run on a database that is not exactly at the code's head revision."""
+    where = redact(str(engine.url.render_as_string(hide_password=False)))
+    current = current_revision(engine)
+    head = head_revision()
+    if current is None:
+        raise SchemaOutdatedError(f"database at {where} is not migrated (no schema version); {UPGRADE_HINT}")
+    if current != head:
+        script = ScriptDirectory.from_config(alembic_config(str(engine.url)))
+        known = {rev.revision for rev in script.walk_revisions()}
+        if current not in known:
+            raise SchemaOutdatedError(
+                f"database at {where} is at revision {current}, which this kvpilot does not know "
+                f"(newer kvpilot?); upgrade kvpilot, then {UPGRADE_HINT}"
+            )
+        raise SchemaOutdatedError(
+            f"database at {where} is at revision {current}, not head {head}: it is not migrated to head; {UPGRADE_HINT}"
+        )

@@ -1,0 +1,140 @@
+"""The versioned wire schema engines push to the collector.
+
+This module is the one contract between engine and collector (DESIGN.md): the engine builds these
+objects, the collector validates and stores them. Every event carries `instance`, `run_id` and an
+epoch timestamp in UTC seconds so events from many engines can be merged and ordered.
+
+Version policy: `v` is the schema version of one event type. A reader accepts only versions it knows,
+so an engine newer than its collector gets a clear 422 instead of silently dropped fields.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+SCHEMA_VERSION = 1
+
+RequestStatus = Literal["finished", "failed", "rejected", "aborted"]
+AllocOp = Literal["alloc", "free", "swap_out", "swap_in", "evict", "recycle", "oom"]
+Tier = Literal["hot", "cold"]
+
+NonNegFloat = Annotated[float, Field(ge=0.0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    instance: Annotated[str, Field(min_length=1, max_length=200)]
+    run_id: Annotated[str, Field(min_length=1, max_length=200)]
+    ts: Annotated[float, Field(gt=0.0, description="epoch seconds, UTC")]
+
+
+class RequestEvent(_Event):
+    """One per request that left the engine (finished, failed, rejected or aborted).
+
+    Stage durations are derived from monotonic stage timestamps inside the engine, so they never go
+    negative when the wall clock steps; `ts` is the wall-clock time of the final stage.
+    """
+
+    type: Literal["request"] = "request"
+    request_id: Annotated[str, Field(min_length=1, max_length=200)]
+    status: RequestStatus
+    priority: NonNegInt = 1
+    prompt_tokens: NonNegInt
+    output_tokens: NonNegInt
+    queue_s: NonNegFloat
+    prefill_s: NonNegFloat
+    ttft_s: NonNegFloat | None = None
+    decode_s: NonNegFloat
+    e2e_s: NonNegFloat
+    preemptions: NonNegInt = 0
+    swaps: NonNegInt = 0
+    cached_tokens: NonNegInt = 0
+    finish_reason: str | None = None
+    warmup: bool = False
+
+
+class StepEvent(_Event):
+    """One per engine iteration. KV capacity is counted in base pages (the allocator's unit)."""
+
+    type: Literal["step"] = "step"
+    step: NonNegInt
+    duration_s: NonNegFloat
+    forward_s: NonNegFloat
+    num_seqs: NonNegInt
+    prefill_tokens: NonNegInt
+    decode_tokens: NonNegInt
+    kv_blocks_used: NonNegInt
+    kv_blocks_total: NonNegInt
+    queue_depth: NonNegInt
+    busy_s: NonNegFloat
+    preemptions: NonNegInt = 0
+    swapped_seqs: NonNegInt = 0
+    warmup: bool = False
+
+
+class AllocEvent(_Event):
+    """One KV allocation trace record: what happened to how much memory, and usage after it."""
+
+    type: Literal["alloc"] = "alloc"
+    op: AllocOp
+    request_id: str | None = None
+    blocks: NonNegInt
+    block_size: NonNegInt
+    bytes: NonNegInt
+    tier: Tier = "hot"
+    usage_after: Fraction
+
+
+class SampleEvent(_Event):
+    """Gauges sampled on an interval. Missing gauges stay None rather than a fake zero."""
+
+    type: Literal["sample"] = "sample"
+    utilization: Fraction | None = None
+    memory_used_bytes: NonNegInt | None = None
+    memory_total_bytes: NonNegInt | None = None
+    kv_usage: Fraction | None = None
+    cold_usage: Fraction | None = None
+    fragmentation: Fraction | None = None
+    internal_waste: Fraction | None = None
+    queue_depth: NonNegInt | None = None
+    running: NonNegInt | None = None
+    swap_rate: NonNegFloat | None = None
+    prefix_hit_rate: Fraction | None = None
+    source: str = "engine"
+
+
+Event = Annotated[RequestEvent | StepEvent | AllocEvent | SampleEvent, Field(discriminator="type")]
+EVENT_TYPES: dict[str, type[_Event]] = {
+    "request": RequestEvent,
+    "step": StepEvent,
+    "alloc": AllocEvent,
+    "sample": SampleEvent,
+}
+
+
+class EventBatch(BaseModel):
+    """What POST /v1/ingest takes. The idempotency key may also come as a header."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    idempotency_key: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    events: Annotated[list[Event], Field(max_length=100_000)]
+
+
+event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def event_to_json(event: _Event) -> dict:
+    """The JSON-ready dict of one event (what sinks write and the collector reads)."""
+    return event.model_dump(mode="json")
+
+
+def parse_event(data: dict) -> RequestEvent | StepEvent | AllocEvent | SampleEvent:
+    """Validate one event dict; raises pydantic.ValidationError naming the field."""
+    return event_adapter.validate_python(data)

@@ -1,0 +1,114 @@
+"""Retention (`kvpilot db prune`): raw events for N days, 1-minute aggregates of every series for M days.
+
+Before raw rows older than the cutoff are deleted, their canonical series (sample gauges, step
+series, scraped points) are aggregated into `samples_downsampled` in the same transaction, so no
+value is ever in neither place. The cutoff is aligned to the bucket width: a bucket is never split
+between raw and downsampled data, and `collector.queries.series_points` reads both without overlap.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, Float, case, delete, func, insert, literal, select
+
+from collector.db import translate_errors
+from collector.queries import bucket_expr, is_ratio_series
+from collector.schema import (
+    AllocRow,
+    DownsampledPoint,
+    IngestBatch,
+    RequestRow,
+    SampleRow,
+    SeriesPoint,
+    StepRow,
+)
+from collector.series import CANONICAL, SAMPLE_COLUMNS, STEP_COLUMNS
+
+DAY = 86_400.0
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    raw_cutoff: float
+    downsample_cutoff: float
+    downsampled_rows: int
+    deleted: dict[str, int]
+
+
+def prune(
+    engine: Engine,
+    *,
+    raw_days: float,
+    downsample_days: float,
+    bucket_s: float = 60.0,
+    now: float | None = None,
+) -> PruneResult:
+    if raw_days <= 0 or downsample_days <= 0:
+        raise ValueError("retention days must be positive")
+    if downsample_days < raw_days:
+        raise ValueError("downsampled data must be kept at least as long as raw data")
+    now = time.time() if now is None else now
+    raw_cutoff = math.floor((now - raw_days * DAY) / bucket_s) * bucket_s
+    down_cutoff = now - downsample_days * DAY
+    d = DownsampledPoint.__table__
+    cols = [d.c.instance, d.c.name, d.c.bucket_ts, d.c.bucket_s, d.c.count, d.c.sum, d.c.min, d.c.max]
+    deleted: dict[str, int] = {}
+    written = 0
+    with translate_errors(), engine.begin() as conn:
+        dialect = conn.dialect.name
+        for name, column in {**SAMPLE_COLUMNS, **STEP_COLUMNS}.items():
+            table = SampleRow.__table__ if name in SAMPLE_COLUMNS else StepRow.__table__
+            value = table.c.prefill_tokens + table.c.decode_tokens if name == "step_tokens" else table.c[column]
+            bucket = bucket_expr(table.c.ts, bucket_s, dialect).label("bucket")
+            src = (
+                select(
+                    table.c.instance,
+                    literal(name),
+                    bucket,
+                    literal(bucket_s, Float),
+                    func.count(value),
+                    func.sum(value),
+                    func.min(value),
+                    func.max(value),
+                )
+                .where(table.c.ts < raw_cutoff, value.is_not(None))
+                .group_by(table.c.instance, bucket)
+            )
+            written += conn.execute(insert(d).from_select(cols, src)).rowcount or 0
+        # Scraped points: combine label sets per scrape first (as series_points does), then bucket.
+        sp = SeriesPoint.__table__
+        ratio_names = [n for n in CANONICAL if is_ratio_series(n)]
+        per_scrape = (
+            select(
+                sp.c.instance,
+                sp.c.name,
+                sp.c.ts,
+                case((sp.c.name.in_(ratio_names), func.avg(sp.c.value)), else_=func.sum(sp.c.value)).label("v"),
+            )
+            .where(sp.c.ts < raw_cutoff)
+            .group_by(sp.c.instance, sp.c.name, sp.c.ts)
+            .subquery()
+        )
+        bucket = bucket_expr(per_scrape.c.ts, bucket_s, dialect).label("bucket")
+        src = select(
+            per_scrape.c.instance,
+            per_scrape.c.name,
+            bucket,
+            literal(bucket_s, Float),
+            func.count(per_scrape.c.v),
+            func.sum(per_scrape.c.v),
+            func.min(per_scrape.c.v),
+            func.max(per_scrape.c.v),
+        ).group_by(per_scrape.c.instance, per_scrape.c.name, bucket)
+        written += conn.execute(insert(d).from_select(cols, src)).rowcount or 0
+
+        for model in (RequestRow, StepRow, AllocRow, SampleRow, SeriesPoint):
+            t = model.__table__
+            deleted[t.name] = conn.execute(delete(t).where(t.c.ts < raw_cutoff)).rowcount or 0
+        b = IngestBatch.__table__
+        deleted[b.name] = conn.execute(delete(b).where(b.c.received_at < raw_cutoff)).rowcount or 0
+        deleted[d.name] = conn.execute(delete(d).where(d.c.bucket_ts < down_cutoff)).rowcount or 0
+    return PruneResult(raw_cutoff, down_cutoff, written, deleted)

@@ -1,0 +1,1 @@
+"""kvpilot's inference engine: paged hot/cold KV cache, continuous batching, telemetry."""

@@ -1,0 +1,31 @@
+"""The `kvpilot` command. Each area registers its own typer sub-app from its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from kvpilot.cli_alerts import alerts_app
+from kvpilot.cli_bench import bench_app
+from kvpilot.cli_collector import collector_app, db_app
+from kvpilot.cli_engine import engine_app
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvpilot: observe and tune LLM serving.")
+app.add_typer(engine_app, name="engine", help="Run the inference engine.")
+app.add_typer(bench_app, name="bench", help="Benchmarks with JSON output.")
+app.add_typer(collector_app, name="collector", help="Run the telemetry collector.")
+app.add_typer(db_app, name="db", help="Migrate and prune the collector database.")
+app.add_typer(alerts_app, name="alerts", help="Prometheus-style alert rules and an Alertmanager-compatible notifier.")
+
+
+@app.command()
+def demo(
+    duration_s: float = typer.Option(20.0, help="how long the demo workload runs"),
+) -> None:
+    """Run the whole loop on embedded defaults (SQLite, CPU)."""
+    from kvpilot.demo import run_demo
+
+    raise typer.Exit(run_demo(duration_s=duration_s))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,42 @@
+"""`kvpilot bench ...`: benchmarks that print progress to stderr and write JSON figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+bench_app = typer.Typer(no_args_is_help=True)
+
+JsonOpt = typer.Option(None, "--json", help="write the figures to this file as JSON")
+QuickOpt = typer.Option(False, "--quick", help="a smaller run (within 60 s on 2 cores)")
+
+
+def emit(result: dict, json_path: Path | None) -> None:
+    text = json.dumps(result, indent=2)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(text + "\n")
+    typer.echo(text)
+
+
+@bench_app.command("engine")
+def bench_engine(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> None:
+    """kvpilot's engine vs Hugging Face generate (static batching) on the mixed workload."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        typer.echo("bench engine needs transformers: pip install 'kvpilot[bench]'", err=True)
+        raise typer.Exit(2) from None
+    from benchmarks.engine_bench import run_engine_bench
+
+    emit(run_engine_bench(quick=quick), json_path)
+
+
+@bench_app.command("alerts")
+def bench_alerts(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> None:
+    """Alert delivery latency (condition held -> webhook receipt) and rule evaluation throughput."""
+    from benchmarks.alerts import run_alerts_bench
+
+    emit(run_alerts_bench(quick=quick), json_path)

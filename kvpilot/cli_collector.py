@@ -1,0 +1,183 @@
+"""`kvpilot collector ...` and `kvpilot db ...`: the collector service and its database."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import typer
+
+from collector.db import (
+    check_schema_current,
+    current_revision,
+    head_revision,
+    make_engine,
+    redact,
+    upgrade,
+)
+from collector.errors import CollectorError
+from collector.settings import CollectorSettings
+
+collector_app = typer.Typer(no_args_is_help=True, add_completion=False)
+db_app = typer.Typer(no_args_is_help=True, add_completion=False)
+
+
+def _settings(db_url: str | None) -> CollectorSettings:
+    settings = CollectorSettings()
+    return settings.model_copy(update={"db_url": db_url}) if db_url else settings
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(f"kvpilot: {exc}", err=True)
+    return typer.Exit(1)
+
+
+DbUrl = typer.Option(None, "--db-url", help="database URL (default: KVPILOT_DB_URL or ./kvpilot-data/kvpilot.db)")
+
+
+@collector_app.command("serve")
+def serve_cmd(
+    host: str = typer.Option(None, help="listen address (KVPILOT_HOST, default 127.0.0.1)"),
+    port: int = typer.Option(None, help="listen port (KVPILOT_PORT, default 8100)"),
+    db_url: str = DbUrl,
+    no_scrape: bool = typer.Option(False, "--no-scrape", help="do not run the scraper in this collector"),
+) -> None:
+    """Serve POST /v1/ingest, scrape targets, /health and /metrics. Refuses an unmigrated database."""
+    from collector.server import serve
+
+    update: dict = {}
+    if host:
+        update["host"] = host
+    if port is not None:
+        update["port"] = port
+    if no_scrape:
+        update["scrape_enabled"] = False
+    settings = _settings(db_url).model_copy(update=update)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(settings)
+    except CollectorError as exc:
+        raise _fail(exc) from exc
+
+
+@collector_app.command("import")
+def import_cmd(
+    path: Path = typer.Argument(..., exists=True, dir_okay=False, help="JSONL of events (JsonlSink output)"),
+    db_url: str = DbUrl,
+    batch_events: int = typer.Option(5000, min=1, max=100_000),
+) -> None:
+    """Store a JSONL event file; re-importing the same file stores nothing twice (per-chunk keys)."""
+    from collector.ingest import BatchValidationError, parse_batch, store_batch
+
+    settings = _settings(db_url)
+    engine = make_engine(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
+    try:
+        check_schema_current(engine)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:24]
+        stored = duplicates = 0
+        lines: list[str] = []
+        chunk = 0
+        first_line = 1
+
+        def flush() -> None:
+            nonlocal stored, duplicates, chunk, lines, first_line
+            if not lines:
+                return
+            body = ('{"events":[' + ",".join(lines) + "]}").encode()
+            try:
+                batch = parse_batch(body, max_events=batch_events)
+            except BatchValidationError as exc:
+                for err in exc.errors:
+                    err["loc"] = _line_loc(err["loc"], first_line)
+                raise CollectorError(f"{path}: {exc.errors[0]['loc']}: {exc.errors[0]['msg']}") from exc
+            result = store_batch(engine, batch, idempotency_key=f"import-{digest}-{chunk}", content=body)
+            if result.duplicate:
+                duplicates += result.events
+            else:
+                stored += result.events
+            chunk += 1
+            first_line += len(lines)
+            lines = []
+
+        with path.open(encoding="utf-8") as fh:
+            for raw in fh:
+                line = raw.strip()
+                if not line:
+                    continue
+                json.loads(line)  # a clear error for a broken line before batching
+                lines.append(line)
+                if len(lines) >= batch_events:
+                    flush()
+        flush()
+    except (CollectorError, json.JSONDecodeError) as exc:
+        raise _fail(exc) from exc
+    finally:
+        engine.dispose()
+    typer.echo(f"stored {stored} events, {duplicates} already present")
+
+
+def _line_loc(loc: str, first_line: int) -> str:
+    """`events[3].ttft_s` of a chunk -> `line 42: ttft_s` (blank lines aside)."""
+    if loc.startswith("events["):
+        index, _, rest = loc[len("events[") :].partition("]")
+        if index.isdigit():
+            return f"event {first_line + int(index)}{rest}"
+    return loc
+
+
+@db_app.command("upgrade")
+def upgrade_cmd(db_url: str = DbUrl, revision: str = typer.Option("head")) -> None:
+    """Migrate the database to the code's schema (creates it if needed)."""
+    settings = _settings(db_url)
+    try:
+        upgrade(settings.db_url, revision)
+    except CollectorError as exc:
+        raise _fail(exc) from exc
+    typer.echo(f"{redact(settings.db_url)} is at {revision if revision != 'head' else head_revision()}")
+
+
+@db_app.command("current")
+def current_cmd(db_url: str = DbUrl) -> None:
+    """Print the database's revision and the code's head; exit 1 if they differ."""
+    settings = _settings(db_url)
+    engine = make_engine(settings.db_url)
+    try:
+        current = current_revision(engine)
+        head = head_revision()
+    except CollectorError as exc:
+        raise _fail(exc) from exc
+    finally:
+        engine.dispose()
+    typer.echo(f"database: {current or '(not migrated)'}\nhead:     {head}")
+    if current != head:
+        raise typer.Exit(1)
+
+
+@db_app.command("prune")
+def prune_cmd(
+    db_url: str = DbUrl,
+    raw_days: float = typer.Option(None, help="keep raw events this many days (KVPILOT_RAW_RETENTION_DAYS)"),
+    downsample_days: float = typer.Option(
+        None, help="keep 1-minute aggregates this many days (KVPILOT_DOWNSAMPLE_RETENTION_DAYS)"
+    ),
+) -> None:
+    """Downsample then delete raw rows older than --raw-days; drop aggregates older than --downsample-days."""
+    from collector.retention import prune
+
+    settings = _settings(db_url)
+    engine = make_engine(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
+    try:
+        check_schema_current(engine)
+        result = prune(
+            engine,
+            raw_days=raw_days if raw_days is not None else settings.raw_retention_days,
+            downsample_days=downsample_days if downsample_days is not None else settings.downsample_retention_days,
+        )
+    except (CollectorError, ValueError) as exc:
+        raise _fail(exc) from exc
+    finally:
+        engine.dispose()
+    deleted = ", ".join(f"{k} {v}" for k, v in result.deleted.items())
+    typer.echo(f"downsampled {result.downsampled_rows} buckets; deleted: {deleted}")

@@ -1,0 +1,49 @@
+"""`kvpilot alerts` exit codes and messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from kvpilot.cli import app
+
+HERE = Path(__file__).parent
+runner = CliRunner()
+
+
+def test_alerts_test_exit_codes(tmp_path):
+    ok = runner.invoke(app, ["alerts", "test", str(HERE / "rules" / "scheduler_blocked_test.yml")])
+    assert ok.exit_code == 0 and "SUCCESS" in ok.output
+    bad = tmp_path / "bad_test.yml"
+    text = (HERE / "rules" / "scheduler_blocked_test.yml").read_text().replace("../../../alerts", str(
+        HERE.parent.parent / "alerts")).replace("eval_time: 1m,", "eval_time: 3m,")
+    bad.write_text(text)
+    failed = runner.invoke(app, ["alerts", "test", str(bad)])
+    assert failed.exit_code == 1 and "FAILED" in failed.output and "time: 3m" in failed.output
+
+
+def test_check_rejects_bad_file(tmp_path):
+    bad = tmp_path / "r.yml"
+    bad.write_text("groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: queue_depth >> 1\n")
+    result = runner.invoke(app, ["alerts", "check", str(bad)])
+    assert result.exit_code == 1 and "r.yml:5:" in result.output
+
+
+def test_export_to_file(tmp_path):
+    out = tmp_path / "p.yml"
+    result = runner.invoke(app, ["alerts", "export-prometheus", "--out", str(out)])
+    assert result.exit_code == 0 and "kvpilot_queue_depth" in out.read_text()
+
+
+def test_silence_roundtrip(sqlite_url):
+    added = runner.invoke(app, ["alerts", "silence", "add", "alertname=MemoryPressure", "--db", sqlite_url,
+                                "--duration", "1h"])
+    assert added.exit_code == 0, added.output
+    silence_id = added.output.strip().splitlines()[-1]
+    listed = runner.invoke(app, ["alerts", "silence", "list", "--db", sqlite_url])
+    assert silence_id in listed.output
+    assert runner.invoke(app, ["alerts", "silence", "expire", silence_id, "--db", sqlite_url]).exit_code == 0
+    assert silence_id not in runner.invoke(app, ["alerts", "silence", "list", "--db", sqlite_url]).output
+    bad = runner.invoke(app, ["alerts", "silence", "add", "no-operator", "--db", sqlite_url])
+    assert bad.exit_code == 2 and "bad matcher" in bad.output

@@ -1,0 +1,192 @@
+"""End to end on SQLite and PostgreSQL: state machine + lease + outbox + delivery to a real local receiver."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+
+from alerts.alertmanager import fingerprint
+from alerts.memory_source import MemorySource
+from alerts.sink import run_webhook_sink
+from collector.schema import AlertNotification, AlertNotificationAttempt, AlertState
+
+
+def _feed(source: MemorySource, clock, value: float, seconds: float, step: float = 10.0, instance: str = "a") -> None:
+    """Write `value` for `seconds` of fake time, one point per step, without evaluating."""
+    t = 0.0
+    while t < seconds:
+        source.add("queue_depth", instance, clock.now + t, value)
+        t += step
+
+
+def _run(ev, source, clock, value, seconds, step=10.0, instance="a"):
+    results = []
+    end = clock.now + seconds
+    while clock.now < end:
+        source.add("queue_depth", instance, clock.now, value)
+        results.append(ev.tick())
+        clock.advance(step)
+    return results
+
+
+def test_fires_after_for_and_resolves_with_v4_payload(config_for, make_evaluator, groups, sink, clock):
+    source = MemorySource()
+    ev = make_evaluator(source, groups, config_for(sink))
+    _run(ev, source, clock, 50, 30)
+    _run(ev, source, clock, 500, 20)  # pending at t=30, t=40
+    assert not sink.received
+    assert ev.states["QueueHigh\0test"].active
+    assert next(iter(ev.states["QueueHigh\0test"].active.values())).state == "pending"
+    _run(ev, source, clock, 500, 40)  # fires when held for 30s
+    assert sink.wait_for(1, 5)
+    _run(ev, source, clock, 10, 30)  # resolves
+    assert sink.wait_for(2, 5)
+    firing, resolved = (r.payload for r in sink.received[:2])
+    assert [firing["status"], resolved["status"]] == ["firing", "resolved"]
+    assert set(firing) == {"receiver", "status", "alerts", "groupLabels", "commonLabels", "commonAnnotations",
+                           "externalURL", "version", "groupKey", "truncatedAlerts"}
+    assert firing["version"] == "4" and firing["truncatedAlerts"] == 0
+    assert firing["groupKey"] == '{}:{alertname="QueueHigh"}'
+    labels = {"alertname": "QueueHigh", "instance": "a", "severity": "page"}
+    alert = firing["alerts"][0]
+    assert alert["labels"] == labels and alert["fingerprint"] == fingerprint(labels)
+    assert alert["annotations"] == {"summary": "a queue 500"}
+    assert alert["endsAt"] == "0001-01-01T00:00:00Z" and alert["startsAt"].endswith("Z")
+    assert "graph?g0.expr=queue_depth" in alert["generatorURL"]
+    assert resolved["alerts"][0]["status"] == "resolved" and resolved["alerts"][0]["endsAt"] != "0001-01-01T00:00:00Z"
+    assert all(r.signature_ok for r in sink.received)
+    assert sink.duplicates == 0
+
+
+def test_receiver_down_for_minutes_gets_each_notification_once(config_for, make_evaluator, groups, clock):
+    outage = run_webhook_sink(port=0, secret="s3cret", log_payloads=False)
+    outage.status_code = 503  # up but failing: a real HTTP 5xx
+    port = outage.server.server_address[1]
+    try:
+        source = MemorySource()
+        ev = make_evaluator(source, groups, config_for(outage), base_backoff_s=1.0, max_backoff_s=60.0)
+        _run(ev, source, clock, 500, 60)  # fires
+        outage.stop()  # now connection refused: network errors
+        _run(ev, source, clock, 10, 30)  # resolves while down
+        _run(ev, source, clock, 10, 300, step=15)  # five more minutes down
+        with ev.factory() as s:
+            rows = s.execute(select(AlertNotification).order_by(AlertNotification.id)).scalars().all()
+            assert [r.status for r in rows] == ["pending", "pending"]
+            assert rows[0].attempts >= 3 and rows[1].attempts == 0  # head of line: resolved waits for firing
+        back = run_webhook_sink(port=port, secret="s3cret", log_payloads=False)
+        try:
+            for _ in range(30):
+                ev.tick()
+                clock.advance(60)
+                if len(back.received) >= 2:
+                    break
+            assert back.wait_for(2, 5)
+            for _ in range(5):
+                ev.tick()
+                clock.advance(60)
+            assert [r.payload["status"] for r in back.received] == ["firing", "resolved"]
+            assert back.duplicates == 0
+            with ev.factory() as s:
+                assert s.execute(select(AlertNotification.status)).scalars().all() == ["delivered", "delivered"]
+                outcomes = s.execute(select(AlertNotificationAttempt.outcome)).scalars().all()
+                assert outcomes.count("delivered") == 2 and outcomes.count("retry") >= 3
+        finally:
+            back.stop()
+    finally:
+        pass
+
+
+def test_4xx_is_failed_not_retried(config_for, make_evaluator, groups, clock):
+    bad = run_webhook_sink(port=0, log_payloads=False)
+    bad.status_code = 422
+    try:
+        source = MemorySource()
+        ev = make_evaluator(source, groups, config_for(bad))
+        _run(ev, source, clock, 500, 120)
+        with ev.factory() as s:
+            row = s.execute(select(AlertNotification)).scalar_one()
+            assert row.status == "failed" and row.attempts == 1 and "HTTP 422" in row.last_error
+        assert ev.metrics.finished.labels("webhook", "failed")._value.get() == 1
+    finally:
+        bad.stop()
+
+
+def test_restart_mid_pending_keeps_active_at(config_for, make_evaluator, groups, sink, clock):
+    source = MemorySource()
+    ev = make_evaluator(source, groups, config_for(sink))
+    _run(ev, source, clock, 500, 20)  # pending since t0
+    ev.step_down()
+    ev2 = make_evaluator(source, groups, config_for(sink), holder="b")
+    _run(ev2, source, clock, 500, 10)
+    assert not sink.received  # 20s held: still pending
+    _run(ev2, source, clock, 500, 20)  # 30s after the *original* active_at
+    assert sink.wait_for(1, 5)
+    assert len(sink.received) == 1
+
+
+def test_restart_mid_firing_does_not_repage(config_for, make_evaluator, groups, sink, clock):
+    source = MemorySource()
+    ev = make_evaluator(source, groups, config_for(sink))
+    _run(ev, source, clock, 500, 60)
+    assert sink.wait_for(1, 5)
+    ev.step_down()
+    ev2 = make_evaluator(source, groups, config_for(sink), holder="b")
+    _run(ev2, source, clock, 500, 120)
+    assert len(sink.received) == 1  # no re-page within repeat_interval
+    _run(ev2, source, clock, 10, 30)
+    assert sink.wait_for(2, 5)
+    assert [r.payload["status"] for r in sink.received] == ["firing", "resolved"]
+
+
+def test_two_evaluators_page_once(config_for, make_evaluator, groups, sink, clock):
+    source = MemorySource()
+    a = make_evaluator(source, groups, config_for(sink), holder="a")
+    b = make_evaluator(source, groups, config_for(sink), holder="b")
+    leaders = []
+    for _ in range(12):
+        source.add("queue_depth", "a", clock.now, 500)
+        leaders.append((a.tick().leader, b.tick().leader))
+        clock.advance(10)
+    assert all(x != y for x, y in leaders)
+    assert sink.wait_for(1, 5)
+    assert len(sink.received) == 1
+    with a.factory() as s:
+        assert s.execute(select(func.count()).select_from(AlertNotification)).scalar_one() == 1
+
+
+def test_superseded_evaluator_cannot_write(config_for, make_evaluator, groups, sink, clock):
+    source = MemorySource()
+    a = make_evaluator(source, groups, config_for(sink), holder="a", lease_ttl_s=15)
+    _run(a, source, clock, 500, 20)
+    old_lease = a.lease
+    clock.advance(30)  # a is "paused" past its lease
+    b = make_evaluator(source, groups, config_for(sink), holder="b", lease_ttl_s=15)
+    assert b.tick().leader
+    from alerts.store import LeaseLostError, fence
+
+    with a.factory() as s:
+        try:
+            fence(s, old_lease, clock.now)
+        except LeaseLostError:
+            pass
+        else:
+            raise AssertionError("a stale lease must be refused")
+    assert a.tick().leader is False
+    assert a.metrics.lease_held._value.get() == 0
+
+
+def test_silence_mutes_notification(config_for, make_evaluator, groups, sink, clock):
+    from alerts.silences import SilenceIn, create_silence, parse_matcher
+
+    source = MemorySource()
+    ev = make_evaluator(source, groups, config_for(sink))
+    with ev.factory() as s:
+        create_silence(s, SilenceIn(matchers=[parse_matcher("instance=a")], startsAt=clock.now,
+                                    endsAt=clock.now + 3600, createdBy="test"), now=clock.now)
+        s.commit()
+    _run(ev, source, clock, 500, 60, instance="a")
+    _run(ev, source, clock, 500, 60, instance="b")
+    assert sink.wait_for(1, 5)
+    instances = [a["labels"]["instance"] for r in sink.received for a in r.payload["alerts"]]
+    assert "a" not in instances and "b" in instances
+    with ev.factory() as s:
+        assert {r.labels["instance"] for r in s.execute(select(AlertState)).scalars()} == {"a", "b"}
