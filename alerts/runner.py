@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -44,6 +45,9 @@ from alerts.store import (
 )
 from collector.db import make_engine, session_factory, translate_errors
 from collector.errors import StorageError
+
+if TYPE_CHECKING:
+    from alerts.api_server import ApiServer
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +210,12 @@ class AlertEvaluator:
 class EvaluatorHandle:
     """A background thread running `AlertEvaluator.tick` every `poll_s`; `stop()` joins it and steps down."""
 
-    def __init__(self, evaluator: AlertEvaluator, engine: Engine | None, poll_s: float) -> None:
+    def __init__(self, evaluator: AlertEvaluator, engine: Engine | None, poll_s: float,
+                 api: ApiServer | None = None) -> None:
         self.evaluator = evaluator
         self.engine = engine
         self.poll_s = poll_s
+        self.api = api  # the Alertmanager-compatible API, when start_evaluator was given api_port
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kvpilot-alerts", daemon=True)
         self.thread.start()
@@ -222,9 +228,15 @@ class EvaluatorHandle:
                 log.exception("alerts: evaluator tick crashed")
             self._stop.wait(self.poll_s)
 
+    @property
+    def api_url(self) -> str | None:
+        return self.api.url if self.api is not None else None
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self.thread.join(timeout_s)
+        if self.api is not None:
+            self.api.stop()
         self.evaluator.step_down()
         if self.evaluator.delivery is not None:
             self.evaluator.delivery.close()
@@ -246,8 +258,17 @@ def start_evaluator(
     repeat_interval_s: float = 4 * 3600.0,
     secret: str | None = None,
     metrics: AlertMetrics | None = None,
+    api_port: int | None = None,
+    api_host: str = "127.0.0.1",
+    api_token: str | None = None,
 ) -> EvaluatorHandle:
-    """Start evaluating `rule_files` (default: the built-in rules) against the database at `db_url`."""
+    """Start evaluating `rule_files` (default: the built-in rules) against the database at `db_url`.
+
+    `api_port` (0: any free port, see `handle.api_url`): also serve the Alertmanager-compatible API
+    (alerts.api) with this evaluator's metrics, on `api_host` (loopback unless told otherwise).
+    """
+    from alerts.api import create_api_app
+    from alerts.api_server import serve_api
     from alerts.sql_source import SqlSource
 
     groups = load_rule_files(list(rule_files or [BUILTIN_RULES]))
@@ -257,4 +278,14 @@ def start_evaluator(
                                         alertmanager_urls=alertmanager_urls)
     evaluator = AlertEvaluator(session_factory(engine), groups, source or SqlSource(engine), config,
                                metrics=metrics)
-    return EvaluatorHandle(evaluator, engine, poll_s)
+    api = None
+    if api_port is not None:
+        app = create_api_app(engine=engine, metrics=evaluator.metrics, token=api_token, notifier=config)
+        try:
+            api = serve_api(app, host=api_host, port=api_port)
+        except RuntimeError:
+            if evaluator.delivery is not None:
+                evaluator.delivery.close()
+            engine.dispose()
+            raise
+    return EvaluatorHandle(evaluator, engine, poll_s, api)

@@ -84,22 +84,59 @@ def expire_silence(session: Session, silence_id: str, *, now: float) -> bool:
     return True
 
 
-def list_silences(session: Session, *, now: float, include_expired: bool = False) -> list[dict[str, Any]]:
-    rows = session.execute(select(AlertSilence).order_by(AlertSilence.created_at)).scalars()
+def update_silence(session: Session, silence_id: str, silence: SilenceIn, *, now: float) -> bool:
+    """Replace an existing silence's matchers, window and comment (Alertmanager: POST with an `id`)."""
+    row = session.get(AlertSilence, silence_id)
+    if row is None:
+        return False
+    row.matchers = [m.model_dump() for m in silence.matchers]
+    row.starts_at, row.ends_at = silence.startsAt, silence.endsAt
+    row.created_by, row.comment, row.updated_at = silence.createdBy, silence.comment, now
+    return True
+
+
+def silence_state(row: AlertSilence, now: float) -> str:
+    return "expired" if row.ends_at <= now else ("pending" if row.starts_at > now else "active")
+
+
+def silence_dict(row: AlertSilence, now: float) -> dict[str, Any]:
+    return {"id": row.id, "matchers": row.matchers, "startsAt": row.starts_at, "endsAt": row.ends_at,
+            "createdBy": row.created_by, "comment": row.comment, "updatedAt": row.updated_at,
+            "status": {"state": silence_state(row, now)}}
+
+
+def get_silence(session: Session, silence_id: str, *, now: float) -> dict[str, Any] | None:
+    row = session.get(AlertSilence, silence_id)
+    return None if row is None else silence_dict(row, now)
+
+
+def list_silences(session: Session, *, now: float, include_expired: bool = False,
+                  expired_since: float | None = None) -> list[dict[str, Any]]:
+    """Silences by creation; expired ones only with `include_expired` (and ended after `expired_since`)."""
+    stmt = select(AlertSilence).order_by(AlertSilence.created_at, AlertSilence.id)
+    if include_expired and expired_since is not None:
+        stmt = stmt.where(AlertSilence.ends_at > expired_since)
     out = []
-    for row in rows:
-        state = "expired" if row.ends_at <= now else ("pending" if row.starts_at > now else "active")
-        if state == "expired" and not include_expired:
+    for row in session.execute(stmt).scalars():
+        if silence_state(row, now) == "expired" and not include_expired:
             continue
-        out.append({"id": row.id, "matchers": row.matchers, "startsAt": row.starts_at, "endsAt": row.ends_at,
-                    "createdBy": row.created_by, "comment": row.comment, "status": {"state": state}})
+        out.append(silence_dict(row, now))
     return out
 
 
+def active_silences_by_id(session: Session, now: float) -> dict[str, list[SilenceMatcher]]:
+    rows = session.execute(select(AlertSilence).where(AlertSilence.starts_at <= now, AlertSilence.ends_at > now)
+                           .order_by(AlertSilence.id)).scalars()
+    return {row.id: [SilenceMatcher.model_validate(m) for m in row.matchers] for row in rows}
+
+
 def active_silences(session: Session, now: float) -> list[list[SilenceMatcher]]:
-    rows = session.execute(select(AlertSilence).where(AlertSilence.starts_at <= now,
-                                                      AlertSilence.ends_at > now)).scalars()
-    return [[SilenceMatcher.model_validate(m) for m in row.matchers] for row in rows]
+    return list(active_silences_by_id(session, now).values())
+
+
+def silenced_by(labels: dict[str, str], silences: dict[str, list[SilenceMatcher]]) -> list[str]:
+    """Ids of the silences muting an alert with `labels` (Alertmanager's status.silencedBy)."""
+    return [sid for sid, matchers in silences.items() if all(m.matches(labels) for m in matchers)]
 
 
 def is_silenced(labels: dict[str, str], silences: list[list[SilenceMatcher]]) -> bool:

@@ -1,23 +1,45 @@
-"""The `SeriesSource` over the collector's database, through collector.queries (the one read path)."""
+"""The `SeriesSource` over the collector's database, through collector.queries (the one read path).
+
+`ttft_p99_seconds` is derived here (the collector stores TTFT only per request): the nearest-rank p99
+of each instance's minute, a point at the minute's end. TTFTRegression asks for a day of it every
+evaluation, so the percentile is computed in SQL (GROUP BY instance, minute over ROW_NUMBER/COUNT
+windows, as collector.queries.latency_percentiles does), the scan goes through the (instance, ts) index
+(an `instance IN (...)` of the instances seen in the window), and minutes older than `settle_s` are
+memoised: a settled minute's value does not change, so each tick only recomputes the recent ones.
+A request pushed more than `settle_s` after it finished is missed by an already-memoised minute.
+"""
 
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, case, func, literal, select
 
 from alerts.expr_eval import Points
 from collector import queries
-from collector.schema import RequestRow
+from collector.db import translate_errors
+from collector.schema import Instance, RequestRow
 
 TTFT_P99_BUCKET_S = 60.0
+TTFT_QUANTILE = 0.99
+DEFAULT_SETTLE_S = 15 * 60.0
+MEMO_MAX_AGE_S = 2 * 86400.0
+
+BucketValues = dict[str, dict[float, float]]  # instance -> bucket end -> p99
 
 
 class SqlSource:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.time,
+                 settle_s: float = DEFAULT_SETTLE_S) -> None:
         self.engine = engine
+        self.clock = clock
+        self.settle_s = settle_s
+        self._memo: BucketValues = defaultdict(dict)
+        self._memo_range: tuple[float, float] | None = None  # bucket ends [lo, hi) held in _memo
+        self.p99_queries = 0  # SQL round trips for ttft_p99_seconds (tests and the benchmark read it)
 
     def points(self, name: str, start: float, end: float, instances: Sequence[str] | None = None) -> dict[str, Points]:
         # collector windows are half-open [start, end); the evaluator's are closed.
@@ -26,25 +48,83 @@ class SqlSource:
             return self._ttft_p99(start, stop, instances)
         return queries.series_points(self.engine, name=name, start=start, end=stop, instances=instances)
 
+    # --- ttft_p99_seconds -----------------------------------------------------------------------
+
     def _ttft_p99(self, start: float, stop: float, instances: Sequence[str] | None) -> dict[str, Points]:
-        """p99 (nearest rank, as collector.queries) of TTFT per instance per minute; a point at each minute's end."""
-        stmt = select(RequestRow.instance, RequestRow.ts, RequestRow.ttft_s).where(
-            RequestRow.ts >= start - TTFT_P99_BUCKET_S, RequestRow.ts < stop, RequestRow.ttft_s.is_not(None),
-            RequestRow.warmup.is_(False))
-        if instances is not None:
-            stmt = stmt.where(RequestRow.instance.in_(list(instances)))
-        buckets: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
-        with self.engine.connect() as conn:
-            for instance, ts, ttft in conn.execute(stmt):
-                bucket_end = (math.floor(ts / TTFT_P99_BUCKET_S) + 1) * TTFT_P99_BUCKET_S
-                buckets[instance][bucket_end].append(float(ttft))
-        out: dict[str, Points] = {}
-        for instance, by_bucket in buckets.items():
-            pts = []
-            for bucket_end in sorted(by_bucket):
-                if start <= bucket_end < stop:
-                    values = sorted(by_bucket[bucket_end])
-                    pts.append((bucket_end, values[max(1, math.ceil(0.99 * len(values))) - 1]))
-            if pts:
-                out[instance] = pts
+        """Points at bucket ends in [start, stop): settled ones from the memo, the rest from SQL."""
+        width = TTFT_P99_BUCKET_S
+        lo = math.ceil(start / width) * width  # first bucket end >= start
+        hi = math.ceil(stop / width) * width  # first bucket end >= stop (excluded)
+        settled = min(hi, math.floor((self.clock() - self.settle_s) / width) * width)
+        values: BucketValues = defaultdict(dict)
+        if settled > lo:
+            memo = self._settled(lo, settled)
+            for instance, by_end in memo.items():
+                if instances is None or instance in instances:
+                    values[instance].update((e, v) for e, v in by_end.items() if lo <= e < settled)
+        recent_lo = max(lo, settled)
+        if hi > recent_lo:
+            for instance, by_end in self._query(recent_lo, hi, instances).items():
+                values[instance].update(by_end)
+        return {inst: sorted(by_end.items()) for inst, by_end in values.items() if by_end}
+
+    def _settled(self, lo: float, hi: float) -> BucketValues:
+        """The memo, extended to cover bucket ends [lo, hi) (all instances)."""
+        memo_range = self._memo_range
+        if memo_range is None or hi < memo_range[0] or lo > memo_range[1]:
+            self._memo = defaultdict(dict)
+            self._merge(self._query(lo, hi, None))
+            self._memo_range = (lo, hi)
+            return self._memo
+        have_lo, have_hi = memo_range
+        if lo < have_lo:
+            self._merge(self._query(lo, have_lo, None))
+        if hi > have_hi:
+            self._merge(self._query(have_hi, hi, None))
+        new_lo = min(lo, have_lo)
+        floor = self.clock() - MEMO_MAX_AGE_S
+        if new_lo < floor:
+            new_lo = math.ceil(floor / TTFT_P99_BUCKET_S) * TTFT_P99_BUCKET_S
+            for by_end in self._memo.values():
+                for e in [e for e in by_end if e < new_lo]:
+                    del by_end[e]
+        self._memo_range = (new_lo, max(hi, have_hi))
+        return self._memo
+
+    def _merge(self, fresh: BucketValues) -> None:
+        for instance, by_end in fresh.items():
+            self._memo[instance].update(by_end)
+
+    def _query(self, lo: float, hi: float, instances: Sequence[str] | None) -> BucketValues:
+        """p99 per (instance, bucket) for bucket ends in [lo, hi) (both multiples of the width), in SQL."""
+        width = TTFT_P99_BUCKET_S
+        ts_lo, ts_hi = lo - width, hi - width  # bucket end e holds ts in [e - width, e)
+        r = RequestRow.__table__
+        out: BucketValues = defaultdict(dict)
+        self.p99_queries += 1
+        with translate_errors(), self.engine.connect() as conn:
+            if instances is None:
+                # The index is (instance, ts): name the instances so the range scan can use it.
+                i = Instance.__table__
+                instances = list(conn.execute(select(i.c.name).where(i.c.last_seen_ts >= ts_lo)).scalars())
+                if not instances:
+                    return out
+            bucket = queries.bucket_expr(r.c.ts, width, conn.dialect.name).label("b")
+            ranked = (
+                select(
+                    r.c.instance,
+                    bucket,
+                    r.c.ttft_s.label("v"),
+                    func.row_number().over(partition_by=(r.c.instance, bucket), order_by=r.c.ttft_s).label("rn"),
+                    func.count().over(partition_by=(r.c.instance, bucket)).label("n"),
+                )
+                .where(r.c.instance.in_(list(instances)), r.c.ts >= ts_lo, r.c.ts < ts_hi,
+                       r.c.ttft_s.is_not(None), r.c.warmup.is_(False))
+                .subquery()
+            )
+            # nearest rank: the smallest rank k with k >= q * n
+            p99 = func.min(case((ranked.c.rn >= literal(TTFT_QUANTILE) * ranked.c.n, ranked.c.v), else_=None))
+            stmt = select(ranked.c.instance, ranked.c.b, p99).group_by(ranked.c.instance, ranked.c.b)
+            for instance, bucket_start, value in conn.execute(stmt):
+                out[instance][float(bucket_start) + width] = float(value)
         return out

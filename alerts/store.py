@@ -17,7 +17,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from alerts.state import ActiveAlert
+from alerts.state import FIRING, PENDING, ActiveAlert
 from collector.db import translate_errors
 from collector.schema import AlertEvaluatorLease, AlertState
 
@@ -143,3 +143,30 @@ def delete_rules_except(session: Session, rules: set[str]) -> int:
     result = session.execute(delete(AlertState).where(AlertState.rule.not_in(list(rules))) if rules
                              else delete(AlertState))
     return result.rowcount or 0
+
+
+@dataclass(frozen=True)
+class StoredAlert:
+    """A pending or firing alert as the last evaluation stored it (for the API and the dashboard)."""
+
+    rule: str
+    fingerprint: str
+    state: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    active_at: float
+    fired_at: float | None
+    last_eval_at: float
+    value: float
+    generator_url: str
+
+
+def current_alerts(session: Session, *, include_pending: bool = True) -> list[StoredAlert]:
+    """Firing (and pending) alerts, by rule then fingerprint; resolved ones kept for notification are left out."""
+    wanted = [FIRING, PENDING] if include_pending else [FIRING]
+    rows = session.execute(select(AlertState).where(AlertState.state.in_(wanted))
+                           .order_by(AlertState.rule, AlertState.fingerprint)).scalars()
+    return [StoredAlert(rule=r.rule, fingerprint=r.fingerprint, state=r.state, labels=dict(r.labels),
+                        annotations=dict(r.annotations), active_at=r.active_at, fired_at=r.fired_at,
+                        last_eval_at=r.last_eval_at, value=r.last_value, generator_url=r.generator_url)
+            for r in rows]

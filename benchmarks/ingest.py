@@ -155,6 +155,7 @@ def _http_ingest(db_url: str, bodies_dir: Path, log_path: Path) -> float:
 
     settings = CollectorSettings(db_url=db_url, ingest_token=TOKEN, scrape_enabled=False, port=0, log_level="warning")
     proc = start_subprocess(settings, log_path=log_path)
+    cpu_before = _cpu_seconds(proc.proc.pid)
     try:
         out = subprocess.run(
             [
@@ -172,12 +173,22 @@ def _http_ingest(db_url: str, bodies_dir: Path, log_path: Path) -> float:
             check=True,
             timeout=600,
         )
+        cpu = _cpu_seconds(proc.proc.pid) - cpu_before
     finally:
         proc.stop()
     report = json.loads(out.stdout.strip().splitlines()[-1])
     if report["failures"]:
         raise RuntimeError(f"ingest bench: collector refused batches: {report['failures']}")
-    return report["events"] / report["elapsed_s"]
+    return report["events"] / report["elapsed_s"], cpu / report["events"] * 1e6
+
+
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process (Linux /proc): cost per event, independent of other load."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 # --- raw driver ceiling ------------------------------------------------------------------------------
@@ -274,7 +285,7 @@ def _telemetry_overhead(collector_url: str, spool_dir: Path, quick: bool) -> dic
     from engine.http_sink import HttpSink
     from engine.sinks import NullSink
 
-    n_requests, max_tokens, rounds = (24, 24, 3) if quick else (48, 48, 5)
+    n_requests, max_tokens, rounds = (64, 48, 3) if quick else (128, 64, 5)
     sinks: list[HttpSink] = []
 
     def http() -> HttpSink:
@@ -315,6 +326,8 @@ def run_ingest_bench(quick: bool = False) -> dict[str, Any]:
         "batches": n_batches,
         "client_concurrency": CLIENT_CONCURRENCY,
         "sqlite_synchronous": "FULL",
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": os.getloadavg()[0],
     }
     with tempfile.TemporaryDirectory(prefix="kvpilot-bench-ingest-") as tmp:
         root = Path(tmp)
@@ -326,7 +339,9 @@ def run_ingest_bench(quick: bool = False) -> dict[str, Any]:
         raw_db = f"sqlite:///{root / 'raw.db'}"
         upgrade(http_db)
         upgrade(raw_db)
-        result["sqlite_events_per_s"] = _http_ingest(http_db, bodies_dir, root / "collector-sqlite.log")
+        rate, cpu_us = _http_ingest(http_db, bodies_dir, root / "collector-sqlite.log")
+        result["sqlite_events_per_s"] = rate
+        result["sqlite_collector_cpu_us_per_event"] = cpu_us
         result["sqlite_ceiling_events_per_s"] = _ceiling(raw_db, bodies)
         result["sqlite_ratio"] = result["sqlite_events_per_s"] / result["sqlite_ceiling_events_per_s"]
 
@@ -339,7 +354,9 @@ def run_ingest_bench(quick: bool = False) -> dict[str, Any]:
             schema, pg_url = made
             try:
                 upgrade(pg_url)
-                result["postgres_events_per_s"] = _http_ingest(pg_url, bodies_dir, root / "collector-pg.log")
+                rate, cpu_us = _http_ingest(pg_url, bodies_dir, root / "collector-pg.log")
+                result["postgres_events_per_s"] = rate
+                result["postgres_collector_cpu_us_per_event"] = cpu_us
                 _pg_drop(base, schema)
                 made2 = _pg_schema(base)
                 if made2:

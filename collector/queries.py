@@ -29,6 +29,7 @@ from sqlalchemy.sql import ColumnElement
 
 from collector.db import translate_errors
 from collector.schema import (
+    AllocRow,
     DownsampledPoint,
     Instance,
     RequestRow,
@@ -691,3 +692,289 @@ def throughput_over_time(
 
 def _f(v: Any) -> float | None:
     return None if v is None else float(v)
+
+
+# --- dashboard read helpers (added for the dashboard, issue 6) -------------------------------------
+# Per-bucket latency quantiles, the stage breakdown, histograms, the KV allocation trace and the latest
+# gauges. All downsampled in SQL (one row per bucket), so a week-long range stays a few hundred rows.
+
+
+def _int_floor(expr: ColumnElement, dialect: str) -> ColumnElement:
+    """floor() as an integer; SQLite's CAST truncates (= floor for x >= 0), PostgreSQL's CAST rounds."""
+    if dialect == "sqlite":
+        return cast(expr, Integer)
+    return cast(func.floor(expr), Integer)
+
+
+@dataclass(frozen=True)
+class QuantileBucket:
+    ts: float
+    count: int
+    mean: float
+    quantiles: dict[float, float | None]
+
+
+def latency_quantiles_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    metric: LatencyMetric = "ttft",
+    quantiles: Sequence[float] = DEFAULT_QUANTILES,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    statuses: Sequence[str] | None = ("finished",),
+    include_warmup: bool = False,
+) -> list[QuantileBucket]:
+    """Exact nearest-rank quantiles of a request stage per time bucket (the same definition as latency_percentiles)."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    for q in quantiles:
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantiles must be within [0, 1], got {q}")
+    r = RequestRow.__table__.c
+    column = _metric_column(metric)
+    conds = _request_filter(start, end, instances, run_id, statuses, include_warmup)
+    with _bound(db) as conn:
+        bucket = bucket_expr(r.ts, bucket_s, _dialect(conn)).label("b")
+        ranked = (
+            select(
+                bucket,
+                column.label("v"),
+                func.row_number().over(partition_by=bucket, order_by=column).label("rn"),
+                func.count().over(partition_by=bucket).label("n"),
+            )
+            .where(*conds, column.is_not(None))
+            .subquery()
+        )
+        cols: list[Any] = [ranked.c.b, func.count(), func.avg(ranked.c.v)]
+        for q in quantiles:
+            cols.append(func.min(case((ranked.c.rn >= literal(float(q)) * ranked.c.n, ranked.c.v), else_=None)))
+        rows = conn.execute(select(*cols).group_by(ranked.c.b).order_by(ranked.c.b)).all()
+    return [
+        QuantileBucket(
+            ts=float(row[0]),
+            count=int(row[1]),
+            mean=float(row[2]),
+            quantiles={float(q): _f(v) for q, v in zip(quantiles, row[3:], strict=True)},
+        )
+        for row in rows
+    ]
+
+
+@dataclass(frozen=True)
+class StageBucket:
+    """Mean seconds per request stage in one bucket; the stages add up to the mean end-to-end latency.
+
+    `first_token_gap_s` is e2e - queue - prefill - decode: time between the end of prefill and the first
+    token (the engine counts time a decoding sequence spends swapped out or preempted inside decode).
+    """
+
+    ts: float
+    requests: int
+    queue_s: float
+    prefill_s: float
+    first_token_gap_s: float
+    decode_s: float
+    e2e_s: float
+    swaps: int
+    preemptions: int
+
+
+def stage_breakdown_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    include_warmup: bool = False,
+) -> list[StageBucket]:
+    """Per bucket: mean queue, prefill, first-token gap and decode seconds of finished requests, and swap counts."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    r = RequestRow.__table__.c
+    conds = _request_filter(start, end, instances, run_id, ("finished",), include_warmup)
+    with _bound(db) as conn:
+        bucket = bucket_expr(r.ts, bucket_s, _dialect(conn)).label("b")
+        stmt = (
+            select(
+                bucket,
+                func.count(),
+                func.avg(r.queue_s),
+                func.avg(r.prefill_s),
+                func.avg(r.decode_s),
+                func.avg(r.e2e_s),
+                func.sum(r.swaps),
+                func.sum(r.preemptions),
+            )
+            .where(*conds)
+            .group_by(bucket)
+            .order_by(bucket)
+        )
+        rows = conn.execute(stmt).all()
+    out = []
+    for b, n, queue, prefill, decode, e2e, swaps, preemptions in rows:
+        queue, prefill, decode, e2e = float(queue), float(prefill), float(decode), float(e2e)
+        out.append(
+            StageBucket(
+                ts=float(b),
+                requests=int(n),
+                queue_s=queue,
+                prefill_s=prefill,
+                first_token_gap_s=max(0.0, e2e - queue - prefill - decode),
+                decode_s=decode,
+                e2e_s=e2e,
+                swaps=int(swaps or 0),
+                preemptions=int(preemptions or 0),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class HistogramBin:
+    lo: float
+    hi: float
+    count: int
+
+
+def latency_histogram(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    metric: LatencyMetric = "ttft",
+    bins: int = 40,
+    upper: float | None = None,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    include_warmup: bool = False,
+) -> list[HistogramBin]:
+    """Equal-width bins from the smallest value to `upper` (default: the largest), counted in SQL.
+
+    Values above `upper` land in the last bin, so the counts always add up to the requests in the window.
+    """
+    if bins < 1:
+        raise ValueError("bins must be at least 1")
+    column = _metric_column(metric)
+    conds = [*_request_filter(start, end, instances, run_id, ("finished",), include_warmup), column.is_not(None)]
+    with _bound(db) as conn:
+        lo, hi = conn.execute(select(func.min(column), func.max(column)).where(*conds)).one()
+        if lo is None:
+            return []
+        lo = float(lo)
+        hi = float(hi) if upper is None else max(lo, min(float(upper), float(hi)))
+        width = (hi - lo) / bins if hi > lo else 1.0
+        index = _int_floor((column - literal(lo)) / literal(width), _dialect(conn))
+        clamped = case((index >= bins, bins - 1), else_=index).label("i")
+        counted = dict(conn.execute(select(clamped, func.count()).where(*conds).group_by(clamped)).all())
+    n_bins = bins if hi > lo else 1
+    return [HistogramBin(lo + i * width, lo + (i + 1) * width, int(counted.get(i, 0))) for i in range(n_bins)]
+
+
+@dataclass(frozen=True)
+class AllocOpBucket:
+    ts: float
+    op: str
+    tier: str
+    events: int
+    blocks: int
+    bytes: int
+
+
+def alloc_ops_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> list[AllocOpBucket]:
+    """KV allocation trace downsampled: events, blocks and bytes per (bucket, op, tier)."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    a = AllocRow.__table__.c
+    conds = _alloc_filter(start, end, instances, run_id)
+    with _bound(db) as conn:
+        bucket = bucket_expr(a.ts, bucket_s, _dialect(conn)).label("b")
+        stmt = (
+            select(bucket, a.op, a.tier, func.count(), func.sum(a.blocks), func.sum(a.bytes))
+            .where(*conds)
+            .group_by(bucket, a.op, a.tier)
+            .order_by(bucket, a.op, a.tier)
+        )
+        rows = conn.execute(stmt).all()
+    return [AllocOpBucket(float(b), op, tier, int(n), int(blk or 0), int(by or 0)) for b, op, tier, n, blk, by in rows]
+
+
+def _alloc_filter(start: float, end: float, instances: Sequence[str] | None, run_id: str | None) -> list[ColumnElement]:
+    a = AllocRow.__table__.c
+    conds: list[ColumnElement] = [a.ts >= start, a.ts < end]
+    if instances is not None:
+        conds.append(a.instance.in_(instances))
+    if run_id is not None:
+        conds.append(a.run_id == run_id)
+    return conds
+
+
+@dataclass(frozen=True)
+class AllocTrace:
+    total: int
+    events: list[dict[str, Any]]
+
+
+def alloc_trace(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    limit: int = 2000,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    ops: Sequence[str] | None = None,
+) -> AllocTrace:
+    """The newest `limit` allocation events of the window in time order, and how many the window holds."""
+    t = AllocRow.__table__
+    conds = _alloc_filter(start, end, instances, run_id)
+    if ops is not None:
+        conds.append(t.c.op.in_(ops))
+    with _bound(db) as conn:
+        total = int(conn.execute(select(func.count()).select_from(t).where(*conds)).scalar_one())
+        stmt = select(t).where(*conds).order_by(t.c.ts.desc(), t.c.id.desc()).limit(max(0, int(limit)))
+        events = [dict(row._mapping) for row in conn.execute(stmt)]
+    events.reverse()
+    return AllocTrace(total=total, events=events)
+
+
+def latest_samples(
+    db: Db,
+    *,
+    end: float,
+    start: float | None = None,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """instance -> its newest sample row with `start <= ts < end` (all sample columns, NULL gauges as None)."""
+    s = SampleRow.__table__
+    conds: list[ColumnElement] = [s.c.ts < end]
+    if start is not None:
+        conds.append(s.c.ts >= start)
+    if instances is not None:
+        conds.append(s.c.instance.in_(instances))
+    if run_id is not None:
+        conds.append(s.c.run_id == run_id)
+    ranked = (
+        select(
+            s,
+            func.row_number().over(partition_by=s.c.instance, order_by=(s.c.ts.desc(), s.c.id.desc())).label("rn"),
+        )
+        .where(*conds)
+        .subquery()
+    )
+    stmt = select(*[ranked.c[c.name] for c in s.columns]).where(ranked.c.rn == 1).order_by(ranked.c.instance)
+    with _bound(db) as conn:
+        return {row.instance: dict(row._mapping) for row in conn.execute(stmt)}

@@ -77,7 +77,7 @@ def prune(
                 .where(table.c.ts < raw_cutoff, value.is_not(None))
                 .group_by(table.c.instance, bucket)
             )
-            written += conn.execute(insert(d).from_select(cols, src)).rowcount or 0
+            written += max(conn.execute(insert(d).from_select(cols, src)).rowcount or 0, 0)
         # Scraped points: combine label sets per scrape first (as series_points does), then bucket.
         sp = SeriesPoint.__table__
         ratio_names = [n for n in CANONICAL if is_ratio_series(n)]
@@ -103,7 +103,7 @@ def prune(
             func.min(per_scrape.c.v),
             func.max(per_scrape.c.v),
         ).group_by(per_scrape.c.instance, per_scrape.c.name, bucket)
-        written += conn.execute(insert(d).from_select(cols, src)).rowcount or 0
+        written += max(conn.execute(insert(d).from_select(cols, src)).rowcount or 0, 0)
 
         for model in (RequestRow, StepRow, AllocRow, SampleRow, SeriesPoint):
             t = model.__table__

@@ -236,10 +236,10 @@ def decode_body(request: Request, raw: bytes, settings: CollectorSettings) -> by
 def ingest_sync(state: CollectorState, body: bytes, key: str | None) -> IngestResult:
     """Validate and store one batch in a worker thread, one batch at a time.
 
-    Validation and the inserts both need the GIL. Overlapping them across threads is slower than
-    not: sqlite3/psycopg release the GIL around every row they step, then wait for a validator that
-    holds it for a whole batch (a lock convoy; measured 2-3x slower). So the whole batch runs under
-    `ingest_lock`; the event loop keeps receiving the next bodies meanwhile.
+    Validation and the inserts both need the GIL. Overlapping them across threads buys nothing: the
+    drivers release the GIL around every row they step, then wait for a validator that holds it for
+    a whole batch (a lock convoy). So each batch runs under `ingest_lock`; the event loop keeps
+    receiving the next bodies meanwhile.
     """
     with state.ingest_lock:
         batch = parse_batch(body, max_events=state.settings.max_batch_events)

@@ -17,7 +17,10 @@ class PrometheusStatLogger:
         self.queue_depth = Gauge("kvpilot_queue_depth", "Requests waiting to be scheduled.", registry=r)
         self.running = Gauge("kvpilot_running_seqs", "Sequences in the running batch.", registry=r)
         self.swapped = Gauge("kvpilot_swapped_seqs", "Sequences swapped out to the host tier.", registry=r)
-        self.kv_usage = Gauge("kvpilot_kv_usage", "Hot-tier KV pool usage (0-1), cached blocks included.", registry=r)
+        self.kv_usage = Gauge("kvpilot_kv_usage", "Hot-tier KV pages held by sequences (0-1).", registry=r)
+        self.kv_occupancy = Gauge(
+            "kvpilot_kv_occupancy", "Hot-tier pages in use, cached prefix blocks included (0-1).", registry=r
+        )
         self.kv_cold = Gauge("kvpilot_kv_cold_usage", "Cold-tier (host) KV pool usage (0-1).", registry=r)
         self.kv_frag = Gauge(
             "kvpilot_kv_fragmentation", "Share of free KV memory unable to serve the largest block size.", registry=r
@@ -28,7 +31,7 @@ class PrometheusStatLogger:
         self.utilization = Gauge(
             "kvpilot_utilization", "Busy fraction: share of wall time inside the model forward.", registry=r
         )
-        self.memory_used = Gauge("kvpilot_memory_used_bytes", "KV pool bytes in use.", registry=r)
+        self.memory_used = Gauge("kvpilot_memory_used_bytes", "KV pool bytes held by sequences.", registry=r)
         self.memory_total = Gauge("kvpilot_memory_total_bytes", "KV pool bytes in total.", registry=r)
         self.swaps = Counter("kvpilot_swaps", "Sequence swaps between KV tiers.", ["direction"], registry=r)
         self.preemptions = Counter("kvpilot_preemptions", "Sequences preempted on KV exhaustion.", registry=r)
@@ -67,10 +70,11 @@ class PrometheusStatLogger:
         self.running.set(stats.running)
         self.swapped.set(stats.swapped)
         self.kv_usage.set(kv.usage)
+        self.kv_occupancy.set(kv.occupancy)
         self.kv_cold.set(kv.cold_usage)
         self.kv_frag.set(kv.fragmentation)
         self.kv_waste.set(kv.internal_waste)
-        self.memory_used.set(kv.hot_pages_used * self._page_bytes)
+        self.memory_used.set((kv.hot_pages_used - kv.cached_pages) * self._page_bytes)
         self.memory_total.set(kv.hot_pages_total * self._page_bytes)
         if stats.duration_s > 0:
             self.utilization.set(min(1.0, stats.forward_s / stats.duration_s))

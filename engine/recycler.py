@@ -1,7 +1,7 @@
 """Memory recycling between steps.
 
 `passive`: nothing here — the KV manager reclaims cached prefix blocks only when an allocation fails.
-`active`: every `recycle_interval_ms`, when hot-tier usage exceeds `threshold`, evict least recently
+`active`: every `recycle_interval_ms`, when hot-tier occupancy exceeds `threshold`, evict least recently
 used cached prefix blocks down to the threshold, so admissions do not pay for eviction later.
 `aggressive`: also swap out the lowest-priority idle running sequences (not scheduled last step).
 """

@@ -16,15 +16,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.async_engine import AsyncEngine, RequestHandle
-from engine.config import ConfigError
+from engine.config import PRIORITY_CLASSES, ConfigError
 from engine.llm_engine import InvalidRequestError, LLMEngine, QueueFullError
 from engine.sequence import SamplingParams
 
@@ -36,13 +36,23 @@ class GenerateRequest(BaseModel):
 
     prompt: Annotated[str, Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] = 64
-    priority: Literal["high", "normal", "low"] | Annotated[int, Field(ge=0, le=2)] = "normal"
+    priority: str | int = "normal"
     stream: bool = False
     temperature: Annotated[float, Field(ge=0.0, le=5.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: int | None = None
     ignore_eos: bool = False
     request_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _known_priority(cls, v: object) -> str | int:
+        """One clear error for both spellings (a name or a class number), not a union's two."""
+        if isinstance(v, str) and v in PRIORITY_CLASSES:
+            return v
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < len(PRIORITY_CLASSES):
+            return v
+        raise ValueError(f"priority must be one of {list(PRIORITY_CLASSES)} or 0..{len(PRIORITY_CLASSES) - 1}")
 
 
 class CompletionRequest(BaseModel):

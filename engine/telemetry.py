@@ -135,7 +135,7 @@ class EventLogger:
         queries = kv.prefix_queries - self._prefix[0]
         hits = kv.prefix_hits - self._prefix[1]
         self._prefix = (kv.prefix_queries, kv.prefix_hits)
-        used = kv.hot_pages_used * self.kv.page_bytes
+        used = (kv.hot_pages_used - kv.cached_pages) * self.kv.page_bytes
         total = kv.hot_pages_total * self.kv.page_bytes
         source = "engine"
         if self.device is not None:

@@ -8,6 +8,7 @@ from kvpilot.cli_alerts import alerts_app
 from kvpilot.cli_bench import bench_app
 from kvpilot.cli_collector import collector_app, db_app
 from kvpilot.cli_engine import engine_app
+from kvpilot.cli_loadtest import loadtest_cmd
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvpilot: observe and tune LLM serving.")
 app.add_typer(engine_app, name="engine", help="Run the inference engine.")
@@ -15,16 +16,20 @@ app.add_typer(bench_app, name="bench", help="Benchmarks with JSON output.")
 app.add_typer(collector_app, name="collector", help="Run the telemetry collector.")
 app.add_typer(db_app, name="db", help="Migrate and prune the collector database.")
 app.add_typer(alerts_app, name="alerts", help="Prometheus-style alert rules and an Alertmanager-compatible notifier.")
+app.command("loadtest")(loadtest_cmd)
 
 
 @app.command()
 def demo(
-    duration_s: float = typer.Option(20.0, help="how long the demo workload runs"),
+    duration_s: float = typer.Option(30.0, "--duration", help="seconds of load (mixed, with a burst)"),
+    keep_running: bool | None = typer.Option(
+        None, "--keep-running/--exit", help="keep serving after the load until Ctrl-C (default: if a terminal)"
+    ),
 ) -> None:
     """Run the whole loop on embedded defaults (SQLite, CPU)."""
     from kvpilot.demo import run_demo
 
-    raise typer.Exit(run_demo(duration_s=duration_s))
+    raise typer.Exit(run_demo(duration_s=duration_s, keep_running=keep_running))
 
 
 if __name__ == "__main__":

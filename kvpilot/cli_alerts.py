@@ -95,6 +95,11 @@ def run_cmd(
     group_interval: str = typer.Option("5m", help="Alertmanager group_interval"),
     repeat_interval: str = typer.Option("4h", help="Alertmanager repeat_interval"),
     duration_s: float | None = typer.Option(None, help="stop after this long (default: until Ctrl-C)"),
+    api_port: int | None = typer.Option(None, "--api-port", help="serve the Alertmanager API v2 subset "
+                                        "(silences, alerts, /metrics) on this port, e.g. 9093; 0: any free port"),
+    api_host: str = typer.Option("127.0.0.1", "--api-host", help="address the API binds to"),
+    api_token: str | None = typer.Option(None, "--api-token", envvar="KVPILOT_ALERTS_API_TOKEN",
+                                         help="require Authorization: Bearer TOKEN on the API"),
 ) -> None:
     """Evaluate rules against the database and deliver notifications (one active evaluator per DB)."""
     from alerts.config import load_notifier_config
@@ -114,18 +119,24 @@ def run_cmd(
     except (DurationError, ValueError, OSError) as exc:
         typer.echo(f"bad notifier settings: {exc}", err=True)
         raise typer.Exit(2) from None
-    if not urls and notifier is None and not alertmanager:
-        typer.echo("no receivers: pass --webhook URL, --sink-port PORT, --alertmanager URL or --config", err=True)
+    if not urls and notifier is None and not alertmanager and api_port is None:
+        typer.echo("no receivers: pass --webhook URL, --sink-port PORT, --alertmanager URL, --config "
+                   "(or --api-port to only serve alert state)", err=True)
         raise typer.Exit(2)
     try:
         handle = start_evaluator(_db_url(db), rule_files=list(rules or []) or None, webhook_urls=urls,
                                  alertmanager_urls=list(alertmanager or []), notifier=notifier, secret=secret,
-                                 group_wait_s=waits[0], group_interval_s=waits[1], repeat_interval_s=waits[2])
-    except StorageError as exc:
-        typer.echo(f"database error: {exc}", err=True)
+                                 group_wait_s=waits[0], group_interval_s=waits[1], repeat_interval_s=waits[2],
+                                 api_port=api_port, api_host=api_host, api_token=api_token)
+    except (StorageError, RuntimeError) as exc:
+        typer.echo(f"database error: {exc}" if isinstance(exc, StorageError) else str(exc), err=True)
+        if sink:
+            sink.stop()
         raise typer.Exit(1) from None
     if sink:
         typer.echo(f"webhook sink listening on {sink.url}", err=True)
+    if handle.api_url:
+        typer.echo(f"alerts API (Alertmanager v2 subset) on {handle.api_url}/api/v2/", err=True)
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

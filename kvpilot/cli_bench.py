@@ -40,3 +40,11 @@ def bench_alerts(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> No
     from benchmarks.alerts import run_alerts_bench
 
     emit(run_alerts_bench(quick=quick), json_path)
+
+
+@bench_app.command("ingest")
+def bench_ingest(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> None:
+    """HTTP ingest into SQLite (and PostgreSQL if reachable) vs the raw driver ceiling; telemetry overhead."""
+    from benchmarks.ingest import run_ingest_bench
+
+    emit(run_ingest_bench(quick=quick), json_path)

@@ -76,6 +76,7 @@ class KVStats:
     cold_pages_total: int
     cold_pages_used: int
     usage: float
+    occupancy: float
     cold_usage: float
     internal_waste: float
     fragmentation: float
@@ -147,6 +148,12 @@ class KVCacheManager:
         return [b.size for b in self._seqs[seq_id].blocks]
 
     def usage(self) -> float:
+        """Hot pages held by sequences (memory pressure). Cached prefix blocks nobody references are
+        reclaimable on demand, so — as in vLLM's kv_cache_usage — they do not count; see occupancy()."""
+        return (self.hot.used_pages - self.cached_pages) / self.hot.num_pages
+
+    def occupancy(self) -> float:
+        """Hot pages in use, cached prefix blocks included (what the active recycler trims)."""
         return self.hot.used_pages / self.hot.num_pages
 
     def pages_needed(self, num_tokens: int) -> int:
@@ -162,6 +169,7 @@ class KVCacheManager:
             cold_pages_total=self.cold.num_pages,
             cold_pages_used=self.cold.used_pages,
             usage=self.usage(),
+            occupancy=self.occupancy(),
             cold_usage=self.cold.used_pages / self.cold.num_pages if self.cold.num_pages else 0.0,
             internal_waste=1.0 - self.stored / self.capacity if self.capacity else 0.0,
             fragmentation=self.hot.fragmentation(order),

@@ -108,9 +108,7 @@ def test_bad_event_rejects_whole_batch_with_index_and_field(client: TestClient, 
     [{"type": "histogram"}, {"v": 99}, {"ts": "yesterday"}, {"instance": None}, {"extra_field": True}],
     ids=["unknown-type", "unknown-version", "wrong-type", "null", "unknown-field"],
 )
-def test_invalid_events_get_422_and_store_nothing(
-    client: TestClient, settings: CollectorSettings, patch: dict
-) -> None:
+def test_invalid_events_get_422_and_store_nothing(client: TestClient, settings: CollectorSettings, patch: dict) -> None:
     events = ev.mixed(4)
     events[1] = {**events[1], **patch}
     resp = post(client, ev.body(events), **AUTH)
@@ -119,9 +117,7 @@ def test_invalid_events_get_422_and_store_nothing(
     assert stored(settings) == NOTHING
 
 
-@pytest.mark.parametrize(
-    "content", [b"", b"not json", b"[]", b'{"events": {}}', b'{"events": [1]}', b'{"evnts": []}']
-)
+@pytest.mark.parametrize("content", [b"", b"not json", b"[]", b'{"events": {}}', b'{"events": [1]}', b'{"evnts": []}'])
 def test_malformed_bodies_get_422(client: TestClient, settings: CollectorSettings, content: bytes) -> None:
     assert post(client, content, **AUTH).status_code == 422
     assert stored(settings) == NOTHING

@@ -46,7 +46,7 @@ def test_prefix_cache_reuses_full_blocks_and_counts_hits() -> None:
     kv.commit(0, prompt, 50)
     kv.free(0)
     assert kv.cached_pages == 6  # 3 blocks x 2 pages stay cached
-    other = prompt[:40] + [1, 2, 3]
+    other = [*prompt[:40], 1, 2, 3]
     alloc = kv.allocate(1, "b", other, budget=100)
     assert alloc.cached_tokens == 32 and alloc.num_new_tokens == len(other) - 32
     assert kv.stats().prefix_hits == 1

@@ -101,7 +101,7 @@ def test_local_hf_checkpoint_loads_and_generates_like_hf(tmp_path: object) -> No
 def test_bad_checkpoint_is_a_clear_error(tmp_path: object) -> None:
     from engine.weights import CheckpointError
 
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         LLMEngine(tiny_config(model={"checkpoint": str(tmp_path)}), sink=NullSink())
 
 

@@ -8,7 +8,7 @@ from engine.clock import VirtualClock
 from engine.config import CacheConfig, RecyclerConfig, SchedulerConfig
 from engine.kv import KVCacheManager
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, SeqStatus, StageTimes
+from engine.sequence import SamplingParams, SeqStatus, Sequence, StageTimes
 
 BPT = 64
 
@@ -20,7 +20,8 @@ def make(pages: int = 64, cold_pages: int = 64, **sched: object) -> Scheduler:
 
 
 def seq(i: int, n: int = 10, *, prio: int = 1, at: float = 0.0, out: int = 4) -> Sequence:
-    return Sequence(i, f"r{i}", [i % 200 + 1] * n, SamplingParams(max_tokens=out, ignore_eos=True), prio, StageTimes(at))
+    params = SamplingParams(max_tokens=out, ignore_eos=True)
+    return Sequence(i, f"r{i}", [i % 200 + 1] * n, params, prio, StageTimes(at))
 
 
 def run_step(s: Scheduler, now: float) -> list[Sequence]:
@@ -107,7 +108,7 @@ def test_active_recycler_evicts_cached_blocks_above_threshold() -> None:
         t += 0.01
     assert s.kv.cached_pages > 0
     s.schedule(t + 1.0)
-    assert s.kv.usage() <= 0.2 and s.recycler.pages_recycled > 0
+    assert s.kv.occupancy() <= 0.2 and s.recycler.pages_recycled > 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -1,0 +1,52 @@
+"""`kvpilot dashboard` entrypoint: page config, sidebar filters, routing with st.navigation (STYLE.md 14).
+
+Run it as `kvpilot dashboard` (or `streamlit run dashboard/app.py`); KVPILOT_DB_URL picks the database.
+"""
+
+from __future__ import annotations
+
+import time
+
+import streamlit as st
+
+from dashboard import data, filters, ui
+
+st.set_page_config(page_title="kvpilot", page_icon=":material/speed:", layout="wide")
+
+PAGES = [
+    st.Page("app_pages/overview.py", title="Overview", icon=":material/dashboard:", url_path="overview", default=True),
+    st.Page("app_pages/latency.py", title="Latency", icon=":material/timer:", url_path="latency"),
+    st.Page("app_pages/kv_memory.py", title="KV memory", icon=":material/memory:", url_path="kv-memory"),
+    st.Page("app_pages/alerts.py", title="Alerts", icon=":material/notifications:", url_path="alerts"),
+    st.Page("app_pages/tuning.py", title="Tuning", icon=":material/tune:", url_path="tuning"),
+    st.Page("app_pages/targets.py", title="Targets", icon=":material/lan:", url_path="targets"),
+]
+
+page = st.navigation(PAGES)
+st.sidebar.title("kvpilot")
+url = data.db_url()
+problem = data.schema_problem(url)
+if problem:
+    st.title(page.title)
+    st.error(f"**The dashboard cannot read its database.** {problem}", icon=":material/database:")
+    st.stop()
+
+with ui.guarded("Filters"):
+    resolved = filters.sidebar(url)
+    if resolved is not None:
+        selection, window = resolved
+        st.session_state[ui.FILTERS_KEY] = selection
+        st.session_state[ui.WINDOW_KEY] = window.describe()
+        st.session_state["kvpilot_full_run_at"] = time.time()
+        page.run()
+
+interval = filters.refresh_interval_s()
+if interval:
+
+    @st.fragment(run_every=interval)
+    def _auto_refresh() -> None:
+        # The fragment also runs with every full run; only a timer tick (a full interval later) reruns the app.
+        if time.time() - st.session_state.get("kvpilot_full_run_at", 0.0) >= interval * 0.9:
+            st.rerun(scope="app")
+
+    _auto_refresh()

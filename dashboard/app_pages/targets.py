@@ -1,0 +1,72 @@
+"""Targets: the Prometheus endpoints the collector scrapes, whether each is up, and how long scrapes take."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, data, timewin, ui
+
+st.title("Targets")
+f = ui.current_filters()
+now = time.time()
+
+with ui.guarded("Scrape targets"):
+    targets = data.targets(f.db_url)
+    if targets.empty:
+        st.info("**No scrape targets.** Engines that push events need none. To scrape vLLM, SGLang, a DCGM "
+                "exporter or a kvpilot engine's /metrics, register it with the collector:\n\n"
+                "`curl -X POST http://127.0.0.1:8100/v1/targets -H 'content-type: application/json' "
+                "-d '{\"url\": \"http://HOST:8000/metrics\", \"job\": \"vllm\"}'`", icon=":material/info:")
+        st.stop()
+
+    def health(row: pd.Series) -> str:
+        if not row["enabled"]:
+            return "disabled"
+        if row["up"] is None or pd.isna(row["up"]):
+            return "unknown (never scraped)"
+        if not row["up"]:
+            return "down"
+        stale = row["last_scrape_at"] is not None and now - row["last_scrape_at"] > 3 * row["interval_s"]
+        return "stale" if stale else "up"
+
+    targets["health"] = targets.apply(health, axis=1)
+    counts = targets["health"].value_counts()
+    cols = st.columns(4)
+    cols[0].metric("Targets", len(targets))
+    cols[1].metric("Up", int(counts.get("up", 0)))
+    cols[2].metric("Down", int(counts.get("down", 0)))
+    cols[3].metric("Stale / never scraped", int(counts.get("stale", 0) + counts.get("unknown (never scraped)", 0)),
+                   help="stale: no scrape for three intervals (is the collector's scraper running?)")
+    down = targets[targets["health"] == "down"]
+    for row in down.itertuples():
+        st.error(f"**{row.job} · {row.instance}** ({row.url}) is down: {row.last_error or 'no error recorded'}",
+                 icon=":material/cloud_off:")
+
+    targets["last scrape"] = targets["last_scrape_at"].map(lambda ts: timewin.fmt_ago(ts, now))
+    marks = {"up": "🟢 up", "down": "🔴 down", "stale": "🟠 stale", "disabled": "⚪ disabled",
+             "unknown (never scraped)": "⚪ never scraped"}
+    targets["health"] = targets["health"].map(marks)
+    st.dataframe(targets[["health", "job", "instance", "url", "last scrape", "scrape_duration_s", "interval_s",
+                          "last_error", "id"]], hide_index=True, width="stretch",
+                 column_config={"scrape_duration_s": st.column_config.NumberColumn("scrape (s)", format="%.3f"),
+                                "interval_s": st.column_config.NumberColumn("interval (s)", format="%.0f"),
+                                "url": st.column_config.LinkColumn("url")})
+
+st.subheader("Scrape history")
+with ui.guarded("Scrape history"):
+    history = data.gauges(f, ("up", "scrape_duration_seconds"))
+    if history.empty:
+        ui.empty("scrapes", "The collector's scraper records `up` and the scrape duration each interval.")
+    else:
+        left, right = st.columns(2)
+        up = history[history["series"] == "up"]
+        dur = history[history["series"] == "scrape_duration_seconds"]
+        if not up.empty:
+            left.altair_chart(charts.lines(up, y="value", color="instance", y_title="up", percent=True,
+                                           title="Up (share of scrapes that succeeded)"), width="stretch")
+        if not dur.empty:
+            right.altair_chart(charts.lines(dur, y="value", color="instance", title="Scrape duration",
+                                            y_title="seconds"), width="stretch")

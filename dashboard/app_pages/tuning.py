@@ -1,0 +1,145 @@
+"""Tuning: Optuna studies (trials, history, Pareto front, importances) and proposals to accept or reject."""
+
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+import streamlit as st
+import yaml
+
+from dashboard import charts, data, transform, ui
+
+st.title("Tuning")
+f = ui.current_filters()
+
+st.subheader("Studies")
+with ui.guarded("Studies"):
+    studies = data.studies(f.db_url)
+    if studies.empty:
+        raise data.DataUnavailable("No Optuna studies in this database yet: run `kvpilot tune` to start one.")
+    st.dataframe(studies, hide_index=True, width="stretch",
+                 column_config={"started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")})
+    name = st.selectbox("Study", options=list(studies["study"]), key="study_pick")
+    s = data.study(f.db_url, name)
+    trials = s.trials
+    complete = trials[trials["state"] == "COMPLETE"]
+    cols = st.columns(4)
+    cols[0].metric("Trials", len(trials))
+    cols[1].metric("Complete", len(complete))
+    cols[2].metric("Pruned / failed", int(trials["state"].isin(["PRUNED", "FAIL"]).sum()))
+    cols[3].metric("Objectives", " · ".join(f"{o} ({d})" for o, d in zip(s.objectives, s.directions, strict=True)))
+
+    st.dataframe(trials, hide_index=True, width="stretch",
+                 column_config={o: st.column_config.NumberColumn(format="%.5g") for o in s.objectives})
+
+    if complete.empty:
+        st.info("No completed trials yet: history, Pareto front and importances appear after the first one.",
+                icon=":material/info:")
+    else:
+        history_cols = st.columns(min(2, len(s.objectives)))
+        for i, (objective, direction) in enumerate(zip(s.objectives, s.directions, strict=True)):
+            h = complete[["trial", objective]].dropna().sort_values("trial")
+            h["best"] = h[objective].cummin() if direction == "minimize" else h[objective].cummax()
+            history_cols[i % len(history_cols)].altair_chart(
+                charts.history_line(h, y=objective, title=f"Optimization history: {objective} ({direction})",
+                                    direction=direction), width="stretch")
+        if len(s.objectives) >= 2:
+            c1, c2 = st.columns(2)
+            x = c1.selectbox("Pareto x", options=s.objectives, index=0, key="pareto_x")
+            y = c2.selectbox("Pareto y", options=s.objectives, index=1, key="pareto_y")
+            front = complete.copy()
+            front["front"] = front["trial"].map(lambda n: "Pareto front" if n in s.pareto_numbers else "dominated")
+            st.altair_chart(charts.pareto(front, x=x, y=y, title=f"Pareto front ({len(s.pareto_numbers)} trials)"),
+                            width="stretch")
+        else:
+            best = complete.sort_values(s.objectives[0], ascending=s.directions[0] == "minimize").iloc[0]
+            params = {p: best[f"param: {p}"] for p in s.params}
+            st.success(f"Best trial #{int(best['trial'])}: {s.objectives[0]} = {best[s.objectives[0]]:.5g} with "
+                       + ", ".join(f"`{k}={v}`" for k, v in params.items()), icon=":material/emoji_events:")
+        with ui.guarded("Parameter importances"):
+            target = st.selectbox("Importances for", options=s.objectives, key="importance_target") \
+                if len(s.objectives) > 1 else s.objectives[0]
+            imp = data.importances(f.db_url, name, s.objectives.index(target))
+            if imp.empty:
+                st.info("No parameter varies across completed trials.", icon=":material/info:")
+            else:
+                st.altair_chart(charts.importance_bars(imp, title=f"Parameter importances for {target}"),
+                                width="stretch")
+
+st.subheader("Proposals")
+with ui.guarded("Proposals"):
+    props = data.proposals(f.db_url)
+    if props.empty:
+        raise data.DataUnavailable("No tuning proposals yet: a finished `kvpilot tune` run writes one when it beats "
+                                   "the running config.")
+    counts = props["status"].value_counts()
+    st.caption(" · ".join(f"{k}: {v}" for k, v in counts.items()))
+    listing = props[["id", "status", "study_name", "instance", "created_at", "updated_at"]].copy()
+    for c in ("created_at", "updated_at"):
+        listing[c] = pd.to_datetime(listing[c], unit="s", utc=True)
+    st.dataframe(listing, hide_index=True, width="stretch",
+                 column_config={c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
+                                for c in ("created_at", "updated_at")})
+    pid = st.selectbox("Proposal", options=list(props["id"]), key="proposal_pick",
+                       format_func=lambda i: f"#{i} ({props.set_index('id').loc[i, 'status']})")
+    p = props.set_index("id").loc[pid]
+    st.markdown(f"#### Proposal #{pid} — {p['status']}")
+    proposed = yaml.safe_load(p["config_yaml"] or "") or {}
+
+    st.markdown("**Measured before / after**")
+    comparison = pd.DataFrame(transform.metric_comparison(p["baseline_metrics"], p["best_metrics"]))
+    if comparison.empty:
+        st.caption("The proposal carries no measurements.")
+    else:
+        st.dataframe(comparison, hide_index=True, width="stretch",
+                     column_config={"change %": st.column_config.NumberColumn(format="%+.1f%%"),
+                                    "change": st.column_config.NumberColumn(format="%+.5g")})
+
+    st.markdown("**Config diff against the running config**")
+    engine_url = st.text_input("Engine URL (GET /admin/config, token from KVPILOT_ADMIN_TOKEN)",
+                               value=data.default_engine_url(), key="engine_url",
+                               placeholder="http://127.0.0.1:8000")
+    running, source = None, ""
+    if engine_url:
+        with ui.guarded("Running config"):
+            running = data.running_config(engine_url, os.environ.get("KVPILOT_ADMIN_TOKEN"))
+            source = f"running engine at {engine_url}"
+    if running is None:
+        applied = props[(props["status"] == "applied") & (props["id"] != pid)]
+        if not applied.empty:
+            last = applied.iloc[0]
+            running = yaml.safe_load(last["config_yaml"] or "") or {}
+            source = f"last applied proposal #{last['id']}"
+    if running is None:
+        st.info("Set the engine URL to diff this proposal against the config the engine runs now.",
+                icon=":material/info:")
+    else:
+        changes = pd.DataFrame(transform.config_changes(running, proposed))
+        st.caption(f"Compared with the {source}.")
+        if changes.empty:
+            st.success("The proposal sets nothing the running config does not already have.")
+        else:
+            st.dataframe(changes, hide_index=True, width="stretch")
+            st.code(transform.unified_diff(running, proposed, running_label=source), language="diff")
+    with st.expander("Proposal config (apply with `kvpilot engine serve --config proposal.yaml`)"):
+        st.code(p["config_yaml"], language="yaml")
+    if p["report_md"]:
+        with st.expander("Report", expanded=False):
+            st.markdown(p["report_md"])
+
+    if p["status"] == "pending":
+        c1, c2, _ = st.columns([1, 1, 4])
+        decision = None
+        if c1.button("Accept", key=f"accept_{pid}", type="primary", icon=":material/check:"):
+            decision = "accepted"
+        if c2.button("Reject", key=f"reject_{pid}", icon=":material/close:"):
+            decision = "rejected"
+        if decision:
+            if data.set_proposal_status(f.db_url, int(pid), decision):
+                st.toast(f"Proposal #{pid} {decision}.")
+                st.rerun()
+            else:
+                st.warning(f"Proposal #{pid} was already decided by someone else; reloaded.")
+    else:
+        st.caption(f"This proposal is {p['status']}; only pending proposals can be accepted or rejected.")

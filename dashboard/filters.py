@@ -1,0 +1,101 @@
+"""The sidebar: instance, run and time range filters and the auto-refresh option, resolved into `Filters`."""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import UTC, datetime, timedelta
+
+import pandas as pd
+import streamlit as st
+
+from collector.db import redact
+from dashboard import data, timewin
+from dashboard.data import Filters
+
+ALL_RUNS = "__all__"
+REFRESH_CHOICES_S = (10, 30, 60, 300)
+
+
+def _run_label(run_id: str, runs: pd.DataFrame) -> str:
+    if run_id == ALL_RUNS:
+        return "All runs"
+    rows = runs[runs["run_id"] == run_id]
+    where = ", ".join(sorted(rows["instance"]))
+    return f"{run_id} · {where} · to {timewin.fmt_ts(rows['last_seen_ts'].max())[5:16]}"
+
+
+def _span(runs: pd.DataFrame, instances: list[str] | None, run_id: str | None) -> tuple[float, float] | None:
+    sel = runs
+    if instances:
+        sel = sel[sel["instance"].isin(instances)]
+    if run_id is not None:
+        sel = sel[sel["run_id"] == run_id]
+    if sel.empty:
+        return None
+    return float(sel["first_seen_ts"].min()), float(sel["last_seen_ts"].max())
+
+
+def _custom_range(span: tuple[float, float] | None, now: float) -> tuple[float, float]:
+    lo = datetime.fromtimestamp(span[0] if span else now - 3600, tz=UTC)
+    hi = datetime.fromtimestamp((span[1] + 1) if span else now, tz=UTC)
+    c1, c2 = st.sidebar.columns(2)
+    start_d = c1.date_input("From (UTC)", value=lo.date(), key="f_start_date")
+    start_t = c2.time_input("at", value=lo.time().replace(microsecond=0), key="f_start_time", step=60)
+    c3, c4 = st.sidebar.columns(2)
+    end_d = c3.date_input("To (UTC)", value=hi.date(), key="f_end_date")
+    end_t = c4.time_input("at ", value=(hi + timedelta(minutes=1)).time().replace(second=0, microsecond=0),
+                          key="f_end_time", step=60)
+    start = datetime.combine(start_d, start_t, tzinfo=UTC).timestamp()
+    end = datetime.combine(end_d, end_t, tzinfo=UTC).timestamp()
+    return start, end
+
+
+def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Window] | None:
+    """Draw the filters; None (with the reason shown) when the range is unusable."""
+    # Whole 5 s steps: reruns within a few seconds share cache entries instead of missing on a new `now`.
+    now = math.ceil(time.time() / 5.0) * 5.0 if now is None else now
+    runs = data.runs(url)
+    instances = data.instances(url)
+    side = st.sidebar
+    side.subheader("Filters")
+    chosen = side.multiselect("Instances", options=instances, key="f_instances", placeholder="All instances",
+                              help="Engines by their `instance` label; none selected means all of them.")
+    pool = runs[runs["instance"].isin(chosen)] if chosen else runs
+    run_ids = [ALL_RUNS, *dict.fromkeys(pool["run_id"])]
+    if st.session_state.get("f_run") not in run_ids:
+        st.session_state["f_run"] = ALL_RUNS
+    run_choice = side.selectbox("Run", options=run_ids, key="f_run", format_func=lambda r: _run_label(r, runs))
+    run_id = None if run_choice == ALL_RUNS else run_choice
+    span = _span(runs, chosen or None, run_id)
+
+    if "f_range" not in st.session_state:
+        newest = float(runs["last_seen_ts"].max()) if not runs.empty else None
+        st.session_state["f_range"] = timewin.default_preset(newest, now)
+    preset = side.selectbox("Time range", options=timewin.PRESETS, key="f_range",
+                            help="'Whole run' spans the selected run(s) from first to last event.")
+    custom = _custom_range(span, now) if preset == timewin.CUSTOM else None
+    try:
+        window = timewin.resolve(preset, now=now, run_span=span, custom=custom)
+    except ValueError as exc:
+        side.error(f"{exc}: pick an end after the start.")
+        return None
+    bucket_s = timewin.pick_bucket_s(window.span_s)
+    side.caption(f"{window.describe()} · charts in {timewin.fmt_span(bucket_s)} buckets")
+
+    side.divider()
+    refresh = side.toggle("Auto-refresh", key="f_refresh", help="Re-run the page on an interval (live runs).")
+    if refresh:
+        side.selectbox("Every", options=REFRESH_CHOICES_S, key="f_refresh_s", format_func=lambda s: f"{s} s")
+    if side.button("Refresh now", key="f_refresh_now", icon=":material/refresh:"):
+        st.cache_data.clear()
+    side.caption(f"Database: `{redact(url)}`")
+    filters = Filters(db_url=url, instances=tuple(chosen) or None, run_id=run_id, start=window.start,
+                      end=window.end, bucket_s=bucket_s)
+    return filters, window
+
+
+def refresh_interval_s() -> float | None:
+    if not st.session_state.get("f_refresh"):
+        return None
+    return float(st.session_state.get("f_refresh_s", REFRESH_CHOICES_S[1]))

@@ -1,0 +1,159 @@
+"""Pure reshaping for the pages: config diffs, alert history from notification bodies, matcher parsing.
+
+No Streamlit and no database here, so each piece is tested on plain values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from datetime import datetime
+from typing import Any
+
+import yaml
+
+MISSING = object()
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'cache': {'block_size': 16}} -> {'cache.block_size': 16}; lists and scalars are leaves."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_changes(running: dict[str, Any], proposed: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per setting the proposal sets to a value other than the running one.
+
+    Only keys the proposal names are compared: a proposal file may omit settings it leaves as they are.
+    """
+    ran = flatten(running)
+    rows = []
+    for key, value in flatten(proposed).items():
+        current = ran.get(key, MISSING)
+        if current is MISSING or current != value:
+            rows.append(
+                {
+                    "setting": key,
+                    "running": "(not set)" if current is MISSING else _show(current),
+                    "proposed": _show(value),
+                }
+            )
+    return rows
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
+
+
+def unified_diff(running: dict[str, Any], proposed: dict[str, Any], *, running_label: str) -> str:
+    """A unified diff of the proposal's settings against the same settings of the running config."""
+    ran = flatten(running)
+    subset: dict[str, Any] = {}
+    for key in flatten(proposed):
+        if key in ran:
+            _set_path(subset, key.split("."), ran[key])
+    before = yaml.safe_dump(subset, sort_keys=True).splitlines(keepends=True)
+    after = yaml.safe_dump(proposed, sort_keys=True).splitlines(keepends=True)
+    return "".join(difflib.unified_diff(before, after, fromfile=running_label, tofile="proposal"))
+
+
+def _set_path(target: dict[str, Any], path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        target = target.setdefault(part, {})
+    target[path[-1]] = value
+
+
+def metric_comparison(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Baseline vs. proposal metrics side by side, with the change; non-numeric values shown as they are."""
+    before, after = before or {}, after or {}
+    rows = []
+    for key in sorted(set(before) | set(after)):
+        b, a = before.get(key), after.get(key)
+        row: dict[str, Any] = {"metric": key, "before": _num_or_text(b), "after": _num_or_text(a)}
+        if _is_num(b) and _is_num(a):
+            row["change"] = float(a) - float(b)
+            row["change %"] = (float(a) - float(b)) / abs(float(b)) * 100.0 if float(b) else None
+        else:
+            row["change"], row["change %"] = None, None
+        rows.append(row)
+    return rows
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _num_or_text(v: Any) -> Any:
+    return float(v) if _is_num(v) else (None if v is None else str(v))
+
+
+def parse_time(value: str | None) -> float | None:
+    """RFC 3339 (what Alertmanager bodies carry) to epoch seconds; Go's zero time means 'not set'."""
+    if not value or value.startswith("0001-01-01"):
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def alerts_in_notification(notification: dict[str, Any], body: str) -> list[dict[str, Any]]:
+    """The alerts one outbox row notified about: webhook bodies list them, Alertmanager bodies are a list."""
+    try:
+        payload = json.loads(body)
+    except (TypeError, ValueError):
+        return []
+    if isinstance(payload, dict):
+        alerts = payload.get("alerts") or []
+    elif isinstance(payload, list):
+        alerts = payload
+    else:
+        return []
+    out = []
+    for alert in alerts:
+        if not isinstance(alert, dict):
+            continue
+        labels = alert.get("labels") or {}
+        annotations = alert.get("annotations") or {}
+        ends = parse_time(alert.get("endsAt"))
+        status = alert.get("status") or (
+            "resolved" if ends is not None and ends <= notification["created_at"] else "firing"
+        )
+        out.append(
+            {
+                "notified_at": notification["created_at"],
+                "alertname": labels.get("alertname", ""),
+                "status": status,
+                "severity": labels.get("severity", ""),
+                "instance": labels.get("instance", ""),
+                "summary": annotations.get("summary", ""),
+                "starts_at": parse_time(alert.get("startsAt")),
+                "ends_at": ends,
+                "receiver": notification["receiver"],
+                "delivery": notification["status"],
+                "notification_id": notification["id"],
+            }
+        )
+    return out
+
+
+def matcher_text(matchers: list[dict[str, Any]]) -> str:
+    """Matchers as amtool writes them: alertname="X", instance=~"gpu.*"."""
+    parts = []
+    for m in matchers:
+        op = ("=~" if m.get("isRegex") else "=") if m.get("isEqual", True) else ("!~" if m.get("isRegex") else "!=")
+        parts.append(f'{m.get("name")}{op}"{m.get("value")}"')
+    return ", ".join(parts)
+
+
+def matches(matchers: list[dict[str, Any]], labels: dict[str, str]) -> bool:
+    """Whether a silence's matchers (stored dicts) all match these labels (Alertmanager's rules)."""
+    from alerts.silences import SilenceMatcher
+
+    return all(SilenceMatcher.model_validate(m).matches(labels) for m in matchers)

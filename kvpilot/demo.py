@@ -1,0 +1,181 @@
+"""`kvpilot demo`: the whole loop on embedded defaults, in one process tree, with one command.
+
+collector (SQLite) <- engine (HTTP sink) <- load (mixed, then a burst); the alert evaluator watches the
+stored metrics and pages a local webhook sink when the burst pushes KV memory over 90%; a short tuning
+job on the simulator writes a proposal; the dashboard serves it all. Ctrl-C stops everything cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import typer
+
+DATA_DIR = Path("kvpilot-data")
+
+log = logging.getLogger("kvpilot.demo")
+
+
+def _say(msg: str) -> None:
+    typer.echo(f"[demo] {msg}", err=True)
+
+
+def demo_engine_config(collector_url: str, port: int, run_id: str) -> dict:
+    """A small model and a small hot KV pool, so a burst on 2 CPU cores really fills memory."""
+    return {
+        "device": "cpu",
+        "model": {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256, "max_position": 2048},
+        "cache": {"hot_bytes": 4 * 2**20, "cold_bytes": 24 * 2**20, "block_size": 32},
+        "scheduler": {"max_num_seqs": 32, "queue_limit": 400, "preemption_mode": "swap"},
+        "warmup": {"requests": 4, "prompt_tokens": 32, "max_tokens": 4},
+        "server": {"host": "127.0.0.1", "port": port, "admin_token": "demo-admin"},
+        "telemetry": {"instance": "demo-engine", "run_id": run_id, "sink": "http", "collector_url": collector_url,
+                      "sample_interval_s": 0.5, "spool_dir": str(DATA_DIR / "spool"), "http_flush_interval_s": 0.25},
+    }
+
+
+class _Stack:
+    """Things started, stopped in reverse order whatever happens."""
+
+    def __init__(self) -> None:
+        self._stops: list[tuple[str, object]] = []
+
+    def push(self, name: str, stop: object) -> None:
+        self._stops.append((name, stop))
+
+    def close(self) -> None:
+        while self._stops:
+            name, stop = self._stops.pop()
+            try:
+                stop()  # type: ignore[operator]
+            except Exception as exc:  # a failing stop must not keep the others running
+                log.warning("stopping %s failed: %s", name, exc)
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[threading.Event]:
+    stop = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum: int, frame: object) -> None:
+        _say("Ctrl-C: stopping everything")
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _serve_engine(cfg: dict, stack: _Stack) -> tuple[str, object]:
+    import uvicorn
+
+    from engine.config import EngineConfig
+    from engine.factory import build_app
+
+    app = build_app(EngineConfig.from_dict(cfg, source="demo engine config"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg["server"]["port"], log_level="warning",
+                                           access_log=False))
+    thread = threading.Thread(target=server.run, name="kvpilot-demo-engine", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("demo engine did not start")
+        time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(15)
+
+    stack.push("engine", stop)
+    return f"http://127.0.0.1:{cfg['server']['port']}", app
+
+
+def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dashboard_port: int = 8501) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from alerts.rules import DEMO_RULES
+    from alerts.runner import start_evaluator
+    from alerts.sink import run_webhook_sink
+    from collector.db import upgrade
+    from collector.server import free_port, run_in_thread
+    from collector.settings import CollectorSettings
+    from kvpilot.demo_load import drive_demo_load
+
+    DATA_DIR.mkdir(exist_ok=True)
+    db_path = (DATA_DIR / "kvpilot.db").resolve()
+    db_url = f"sqlite:///{db_path}"
+    run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    stack = _Stack()
+    keep = sys.stdin.isatty() if keep_running is None else keep_running
+    with _interruptible() as stop:
+        try:
+            _say(f"database {db_path}: migrating to head")
+            upgrade(db_url)
+            collector = run_in_thread(CollectorSettings(db_url=db_url, port=0, log_level="warning"))
+            stack.push("collector", collector.stop)
+            _say(f"collector on {collector.url}")
+            sink = run_webhook_sink(port=0)
+            stack.push("webhook sink", sink.stop)
+            evaluator = start_evaluator(db_url, rule_files=[DEMO_RULES], webhook_urls=[sink.url],
+                                        group_wait_s=0, group_interval_s=1)
+            stack.push("alert evaluator", evaluator.stop)
+            _say(f"alert evaluator on {DEMO_RULES.name}, paging the webhook sink at {sink.url}")
+            engine_url, _ = _serve_engine(demo_engine_config(collector.url, free_port(), run_id), stack)
+            _say(f"engine on {engine_url} (run {run_id})")
+            report = asyncio.run(drive_demo_load(engine_url, duration_s=duration_s, stop=stop, say=_say))
+            _say("waiting for alerts to resolve")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not stop.is_set():
+                statuses = {(a["labels"]["alertname"], a["status"]) for n in sink.received for a in n.payload["alerts"]}
+                fired = {name for name, status in statuses if status == "firing"}
+                resolved = {name for name, status in statuses if status == "resolved"}
+                if fired and fired <= resolved:
+                    break
+                time.sleep(0.5)
+            _print_summary(report, [n.payload for n in sink.received], db_url, run_id)
+            if keep and not stop.is_set():
+                _say(f"everything keeps running; open the dashboard on port {dashboard_port}. Ctrl-C stops.")
+                while not stop.is_set():
+                    stop.wait(1.0)
+        finally:
+            stack.close()
+    return 0
+
+
+def _print_summary(report: dict, notifications: list[dict], db_url: str, run_id: str) -> None:
+    from sqlalchemy import func, select
+
+    from collector.db import make_engine
+    from collector.schema import RequestRow, StepRow
+
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        stored_requests = conn.execute(select(func.count()).select_from(RequestRow).where(
+            RequestRow.run_id == run_id)).scalar_one()
+        stored_steps = conn.execute(select(func.count()).select_from(StepRow).where(StepRow.run_id == run_id)
+                                    ).scalar_one()
+    engine.dispose()
+    typer.echo("")
+    typer.echo("kvpilot demo summary")
+    typer.echo(f"  requests sent / answered / refused (429): {report['sent']} / {report['answered']} / "
+               f"{report['refused']}")
+    typer.echo(f"  output tokens: {report['output_tokens']}  throughput: {report['tokens_per_s']:.0f} tokens/s")
+    typer.echo(f"  e2e p50 / p99: {report['p50_s']:.3f} s / {report['p99_s']:.3f} s")
+    typer.echo(f"  ttft p50: {report['ttft_p50_s']:.3f} s")
+    typer.echo(f"  stored in SQL (run {run_id}): {stored_requests} requests, {stored_steps} steps")
+    for n in notifications:
+        for a in n["alerts"]:
+            typer.echo(f"  alert {a['labels']['alertname']:<16} {a['status']:<8} startsAt {a['startsAt']}")
+    if not notifications:
+        typer.echo("  alerts: none arrived at the webhook sink")

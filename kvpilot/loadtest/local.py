@@ -1,0 +1,118 @@
+"""Engines the load tester starts itself (--quick without --target, --cold-start, --fault): a real
+`kvpilot engine serve` child process on a free loopback port, stopped when the context ends.
+
+The tiny model (dim 64, 2 layers) keeps a CPU run short; `--engine-config` replaces it with any
+EngineConfig YAML (a tuning proposal included).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+TINY_ENGINE: dict = {
+    "device": "cpu",
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "max_position": 1024},
+    "warmup": {"requests": 0},
+    "telemetry": {"sink": "none"},
+}
+
+
+class LocalProcessError(RuntimeError):
+    """A child engine that would not start; the message carries the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def merge(base: dict, patch: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_engine_config(path: Path | None) -> dict:
+    if path is None:
+        return copy.deepcopy(TINY_ENGINE)
+    from engine.config import EngineConfig
+
+    return EngineConfig.from_yaml(path).model_dump(mode="json")  # raises ConfigError naming the field
+
+
+@dataclass
+class LocalEngine:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    workdir: Path
+    log_path: Path
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def start_engine(config: dict, *, workdir: Path | None = None, timeout_s: float = 120.0,
+                 name: str = "engine") -> LocalEngine:
+    """Write `config` (an EngineConfig dict) to a file, serve it on a free port, wait for /health."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpilot-loadtest-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cfg = merge(config, {"server": {"host": "127.0.0.1", "port": port}})
+    cfg_path = workdir / f"{name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    log_path = workdir / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpilot.cli", "engine", "serve", "--config", str(cfg_path), "--log-level",
+             "warning"], stdout=log, stderr=log, env=env, cwd=workdir)
+    url = f"http://127.0.0.1:{port}"
+    engine = LocalEngine(url, port, proc, workdir, log_path)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise LocalProcessError(f"{name} exited with {proc.returncode} before serving:\n{engine.log_tail()}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return engine
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            engine.stop()
+            raise LocalProcessError(f"{name} did not answer /health within {timeout_s}s:\n{engine.log_tail()}")
+        time.sleep(0.1)

@@ -1,0 +1,178 @@
+"""The open-loop run: every planned request is sent at its arrival offset whether or not earlier ones
+have finished (as vLLM's benchmark_serving and k6's arrival-rate executors do), so a slow target sees a
+growing queue rather than a politely slowed client. `max_concurrency` optionally caps requests in flight
+(arrivals then wait for a slot, and `late_starts` counts them).
+
+While the load runs, /metrics is scraped and results are published to the collector if one is given.
+Every request ends within its timeout and the run ends within `duration + timeout + drain`, so a run
+always stops by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvpilot.loadtest.client import ClientOptions, RequestResult, send
+from kvpilot.loadtest.plan import PlannedRequest
+from kvpilot.loadtest.publish import Publisher
+from kvpilot.loadtest.scrape import MetricsSample, Scraper
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    client: ClientOptions = ClientOptions()
+    max_concurrency: int | None = None
+    scrape_interval_s: float = 0.5
+    collector_url: str | None = None
+    collector_token: str | None = None
+    publish_drain_s: float = 30.0
+    progress: bool = True
+    slow_share: float = 0.0
+    slow_read_delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TimedAction:
+    """Something a fault does at `at_s` into the run (kill a collector, bring a receiver back)."""
+
+    at_s: float
+    name: str
+    action: Callable[[], Awaitable[None]]
+
+
+@dataclass
+class RunResult:
+    results: list[RequestResult]
+    samples: list[MetricsSample]
+    started_wall: float
+    wall_s: float
+    send_span_s: float
+    late_starts: int = 0
+    scrape_failures: int = 0
+    published: dict | None = None
+    actions: list[dict] = field(default_factory=list)
+
+
+def _is_slow(index: int, share: float) -> bool:
+    """Deterministic: every 1/share-th request reads slowly."""
+    if share <= 0:
+        return False
+    step = max(1, round(1 / share))
+    return index % step == step - 1
+
+
+async def run_load(
+    base_url: str,
+    plan: list[PlannedRequest],
+    opts: RunOptions,
+    *,
+    actions: list[TimedAction] | None = None,
+) -> RunResult:
+    base_url = base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(opts.client.timeout_s, connect=min(10.0, opts.client.timeout_s))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, \
+            httpx.AsyncClient(timeout=10.0) as side:
+        t0 = time.perf_counter()
+        wall_t0 = time.time()
+        scraper = Scraper(side, base_url, t0, interval_s=opts.scrape_interval_s)
+        publisher = None
+        stop_publish = asyncio.Event()
+        await scraper.scrape_once()  # the baseline that counters are differenced against
+        background = [asyncio.create_task(scraper.run())]
+        if opts.collector_url:
+            publisher = Publisher(side, opts.collector_url, opts.client.run_id, wall_t0, token=opts.collector_token)
+            background.append(asyncio.create_task(publisher.run(stop_publish)))
+        done_log: list[dict] = []
+        action_tasks = [asyncio.create_task(_at(t0, a, done_log)) for a in (actions or [])]
+        bar = _progress(len(plan), opts.progress)
+        sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
+        late = 0
+        results: list[RequestResult] = []
+
+        async def one(req: PlannedRequest) -> None:
+            nonlocal late
+            delay = opts.slow_read_delay_s if _is_slow(req.index, opts.slow_share) else 0.0
+            if sem is not None:
+                if sem.locked():
+                    late += 1
+                async with sem:
+                    res = await send(client, base_url, req, opts.client, t0=t0, read_delay_s=delay)
+            else:
+                res = await send(client, base_url, req, opts.client, t0=t0, read_delay_s=delay)
+            results.append(res)
+            if publisher is not None:
+                publisher.add(res)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(_postfix(results), refresh=False)
+
+        tasks = []
+        for req in sorted(plan, key=lambda r: r.arrival_s):
+            wait = req.arrival_s - (time.perf_counter() - t0)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(one(req)))
+        send_span = time.perf_counter() - t0
+        if tasks:
+            await asyncio.gather(*tasks)
+        if action_tasks:  # actions are bounded; a hung one is cancelled rather than waited for
+            _, pending = await asyncio.wait(action_tasks, timeout=opts.client.timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in action_tasks:
+                if not task.cancelled() and task.exception() is not None:
+                    done_log.append({"action": "error", "error": repr(task.exception())})
+        await scraper.scrape_once()
+        scraper.stop()
+        published = None
+        if publisher is not None:
+            stop_publish.set()
+            await asyncio.gather(*background, return_exceptions=True)
+            drained = await publisher.drain(opts.publish_drain_s)
+            published = {
+                "collector_url": opts.collector_url, "instance": publisher.instance, "run_id": publisher.run_id,
+                "events": len(results), "acknowledged": publisher.acknowledged, "unsent": publisher.unsent,
+                "duplicate_batches": publisher.duplicates, "retries": publisher.retries, "drained": drained,
+                "last_error": publisher.last_error,
+            }
+        else:
+            await asyncio.gather(*background, return_exceptions=True)
+        if bar is not None:
+            bar.close()
+        results.sort(key=lambda r: r.index)
+        return RunResult(results, scraper.samples, wall_t0, time.perf_counter() - t0, send_span, late,
+                         scraper.failures, published, done_log)
+
+
+async def _at(t0: float, action: TimedAction, log_to: list[dict]) -> None:
+    wait = action.at_s - (time.perf_counter() - t0)
+    if wait > 0:
+        await asyncio.sleep(wait)
+    started = time.perf_counter() - t0
+    await action.action()
+    log_to.append({"action": action.name, "at_s": round(started, 3), "took_s": round(time.perf_counter() - t0 - started, 3)})
+
+
+def _progress(total: int, enabled: bool):  # type: ignore[no-untyped-def]
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="loadtest", leave=False, dynamic_ncols=True)
+
+
+def _postfix(results: list[RequestResult]) -> str:
+    ok = sum(r.outcome == "ok" for r in results)
+    refused = sum(r.outcome == "refused" for r in results)
+    bad = len(results) - ok - refused
+    return f"ok={ok} 429={refused} err={bad}"

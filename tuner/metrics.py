@@ -1,0 +1,190 @@
+"""A trial's measured metrics, read back from the collector's database (the dashboard's own queries).
+
+The trial's events are stored through the collector's ingest path (validation, one transaction per
+batch, idempotency key per trial and chunk) under the trial's run id; the objective is then computed
+with `collector.queries` over the trial's window. Two aggregates the query module does not offer yet —
+output tokens of SLO-meeting requests, and KV `oom` records — are read here from the same tables with
+the same filters (see `good_tokens` and `oom_records`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from sqlalchemy import Engine, and_, case, func, select
+
+from collector.db import translate_errors
+from collector.events import event_to_json
+from collector.ingest import parse_batch, store_batch
+from collector.queries import goodput, latency_percentiles, request_rates
+from collector.schema import AllocRow, RequestRow, StepRow
+from engine.sinks import AnyEvent
+
+log = logging.getLogger("kvpilot.tuner.metrics")
+
+CHUNK_EVENTS = 10_000
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+    p99_e2e_s: float | None = None  # constraint: p99 end-to-end latency within this
+    max_rejection_rate: float = 0.01  # constraint: share of requests refused at admission
+    max_oom: int = 0  # constraint: KV allocations that failed (forced preemptions) per trial
+    p99_ttft_s: float | None = None  # constraint on p99 TTFT; None: the TTFT SLO
+
+    def validate(self) -> SLO:
+        for name in ("ttft_s", "tpot_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not 0 <= self.max_rejection_rate <= 1:
+            raise ValueError(f"max_rejection_rate: must be within [0, 1], got {self.max_rejection_rate}")
+        if self.max_oom < 0:
+            raise ValueError(f"max_oom: must be >= 0, got {self.max_oom}")
+        return self
+
+
+@dataclass(frozen=True)
+class TrialMetrics:
+    run_id: str
+    window_s: float
+    requests: int
+    finished: int
+    rejected: int
+    failed: int
+    throughput_tps: float  # output tokens/s of finished requests
+    goodput_tps: float  # output tokens/s of requests meeting the TTFT and TPOT SLOs
+    goodput_rps: float
+    good_fraction: float
+    rejection_rate: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p99_s: float | None
+    oom: int
+    preemptions: int
+
+    def constraints(self, slo: SLO) -> dict[str, float]:
+        """Optuna constraint values: feasible when every value is <= 0."""
+        p99_ttft_limit = slo.p99_ttft_s if slo.p99_ttft_s is not None else slo.ttft_s
+        out = {
+            "oom": float(self.oom - slo.max_oom),
+            "rejection": self.rejection_rate - slo.max_rejection_rate,
+            "p99_ttft": (self.ttft_p99_s if self.ttft_p99_s is not None else 1e9) - p99_ttft_limit,
+        }
+        if slo.p99_e2e_s is not None:
+            out["p99_e2e"] = (self.e2e_p99_s if self.e2e_p99_s is not None else 1e9) - slo.p99_e2e_s
+        if self.finished == 0:
+            out["finished"] = 1.0
+        return out
+
+    def feasible(self, slo: SLO) -> bool:
+        return all(v <= 0 for v in self.constraints(slo).values())
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def store_events(db: Engine, events: Sequence[AnyEvent], *, key_prefix: str) -> int:
+    """Store events through the collector's ingest (validated, atomic per chunk, idempotent)."""
+    stored = 0
+    for i in range(0, len(events), CHUNK_EVENTS):
+        chunk = events[i : i + CHUNK_EVENTS]
+        body = json.dumps({"events": [event_to_json(e) for e in chunk]}, separators=(",", ":")).encode()
+        batch = parse_batch(body, max_events=CHUNK_EVENTS)
+        result = store_batch(db, batch, idempotency_key=f"{key_prefix}-{i // CHUNK_EVENTS}", content=body)
+        stored += result.events
+    return stored
+
+
+def good_tokens(
+    db: Engine, *, start: float, end: float, run_id: str | None, slo: SLO, instances: Sequence[str] | None = None
+) -> int:
+    """Output tokens of requests `collector.queries.goodput` counts as good (same SLO semantics)."""
+    r = RequestRow.__table__.c
+    conds = [r.status == "finished", r.ttft_s.is_not(None), r.ttft_s <= slo.ttft_s,
+             case((r.output_tokens > 1, r.decode_s <= slo.tpot_s * (r.output_tokens - 1)), else_=True)]
+    where = [r.ts >= start, r.ts < end, r.warmup.is_(False)]
+    if run_id is not None:
+        where.append(r.run_id == run_id)
+    if instances is not None:
+        where.append(r.instance.in_(instances))
+    stmt = select(func.coalesce(func.sum(case((and_(*conds), r.output_tokens), else_=0)), 0)).where(*where)
+    with translate_errors(), db.connect() as conn:
+        return int(conn.execute(stmt).scalar_one())
+
+
+def oom_records(db: Engine, *, start: float, end: float, run_id: str | None, instances: Sequence[str] | None = None
+                ) -> tuple[int, int]:
+    """(KV `oom` alloc records, preemptions from step events) of the run in the window."""
+    a, s = AllocRow.__table__.c, StepRow.__table__.c
+    a_where = [a.ts >= start, a.ts < end, a.op == "oom"]
+    s_where = [s.ts >= start, s.ts < end, s.warmup.is_(False)]
+    if run_id is not None:
+        a_where.append(a.run_id == run_id)
+        s_where.append(s.run_id == run_id)
+    if instances is not None:
+        a_where.append(a.instance.in_(instances))
+        s_where.append(s.instance.in_(instances))
+    with translate_errors(), db.connect() as conn:
+        oom = conn.execute(select(func.count()).where(*a_where)).scalar_one()
+        pre = conn.execute(select(func.coalesce(func.sum(s.preemptions), 0)).where(*s_where)).scalar_one()
+    return int(oom), int(pre)
+
+
+def trial_metrics(
+    db: Engine,
+    *,
+    run_id: str | None,
+    start: float,
+    end: float,
+    slo: SLO,
+    instances: Sequence[str] | None = None,
+) -> TrialMetrics:
+    """The objective's inputs for one trial window. `run_id` None (live backend): every run of the
+    instances in the window."""
+    end = max(end, start + 1e-6)
+    window = end - start
+    rates = request_rates(db, start=start, end=end, group_by="all", run_id=run_id, instances=instances)
+    good = goodput(db, start=start, end=end, ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s, group_by="all",
+                   run_id=run_id, instances=instances)
+    lat = {
+        m: latency_percentiles(db, start=start, end=end, metric=m, quantiles=(0.5, 0.99), group_by="all",
+                               run_id=run_id, instances=instances)
+        for m in ("ttft", "tpot", "e2e")
+    }
+    rr = rates[0] if rates else None
+    gg = good[0] if good else None
+    tokens = good_tokens(db, start=start, end=end, run_id=run_id, slo=slo, instances=instances)
+    oom, preempt = oom_records(db, start=start, end=end, run_id=run_id, instances=instances)
+
+    def q(metric: str, quantile: float) -> float | None:
+        stats = lat[metric]
+        return stats[0].quantiles.get(quantile) if stats else None
+
+    requests = rr.requests if rr else 0
+    return TrialMetrics(
+        run_id=run_id or "*",
+        window_s=window,
+        requests=requests,
+        finished=rr.finished if rr else 0,
+        rejected=rr.rejected if rr else 0,
+        failed=rr.failed if rr else 0,
+        throughput_tps=rr.output_tokens_per_s if rr else 0.0,
+        goodput_tps=tokens / window,
+        goodput_rps=gg.good_per_s if gg else 0.0,
+        good_fraction=gg.fraction if gg else 0.0,
+        rejection_rate=(rr.rejected / requests) if rr and requests else 0.0,
+        ttft_p50_s=q("ttft", 0.5),
+        ttft_p99_s=q("ttft", 0.99),
+        tpot_p99_s=q("tpot", 0.99),
+        e2e_p50_s=q("e2e", 0.5),
+        e2e_p99_s=q("e2e", 0.99),
+        oom=oom,
+        preemptions=preempt,
+    )

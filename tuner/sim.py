@@ -1,0 +1,103 @@
+"""The simulator: the engine's own scheduler, KV cache manager, recycler and telemetry, with an
+executor that predicts each step's cost from a profile and advances a virtual clock instead of
+running a model (DESIGN.md "Engine inside"). Same code, another executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from engine.clock import VirtualClock
+from engine.config import EngineConfig
+from engine.executor import ExecuteResult
+from engine.llm_engine import LLMEngine
+from engine.sinks import EventSink
+from engine.stats import StatLogger
+from tuner.profile import CostProfile, StepShape
+
+if TYPE_CHECKING:
+    from engine.kv import KVCacheManager
+    from engine.scheduler import SchedulerOutput
+
+EOS_TOKEN = 257  # the byte tokenizer's; the simulator never samples it
+
+
+def step_shape(out: SchedulerOutput, kv: KVCacheManager, page_tokens: int) -> StepShape:
+    """The cost-model features of a scheduled step (also used when calibrating on the real engine)."""
+    prefill_tokens = prefill_seqs = decode_seqs = 0
+    decode_ctx = decode_slots = decode_blocks = attn_pairs = prefill_ctx = 0
+    for item in out.scheduled:
+        n, start = item.num_new_tokens, item.start
+        if n == 1 and item.samples and item.seq.num_output_tokens > 0:
+            decode_seqs += 1
+            decode_ctx += start + 1
+            sizes = kv.block_sizes(item.seq.seq_id)
+            decode_blocks += len(sizes)
+            decode_slots += sum(sizes)
+        else:
+            prefill_seqs += 1
+            prefill_tokens += n
+            attn_pairs += n * start + n * (n + 1) // 2
+            prefill_ctx += start + n
+    swap_pages = sum(p.num_pages for p in out.swap_out) + sum(p.num_pages for p in out.swap_in)
+    return StepShape(
+        prefill_tokens=prefill_tokens,
+        prefill_seqs=prefill_seqs,
+        decode_seqs=decode_seqs,
+        decode_ctx_tokens=decode_ctx,
+        decode_kv_slots=decode_slots,
+        decode_blocks=decode_blocks,
+        attn_pairs=attn_pairs,
+        prefill_ctx_tokens=prefill_ctx,
+        swap_tokens=swap_pages * page_tokens,
+    )
+
+
+class SimExecutor:
+    """An `engine.executor.Executor` that costs steps instead of computing them."""
+
+    device = "sim"
+
+    def __init__(self, profile: CostProfile, clock: VirtualClock) -> None:
+        self.profile = profile
+        self.model_cfg = profile.model.config
+        self.clock = clock
+        self.page_tokens = 8
+        self.steps = 0
+        self.busy_s = 0.0
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.profile.model.kv_bytes_per_token
+
+    def allocate_cache(self, hot_pages: int, cold_pages: int, page_tokens: int) -> None:
+        self.page_tokens = page_tokens
+
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ExecuteResult:
+        cost = self.profile.predict(step_shape(out, kv, self.page_tokens))
+        self.clock.advance(cost)
+        self.steps += 1
+        self.busy_s += cost
+        # Any non-EOS token will do: workloads fix output lengths with ignore_eos.
+        tokens = [(len(item.seq.token_ids) % 250) + 1 if item.samples else None for item in out.scheduled]
+        return ExecuteResult(tokens, cost)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        return None
+
+
+def sim_engine(
+    config: EngineConfig,
+    profile: CostProfile,
+    *,
+    sink: EventSink | None = None,
+    stat_loggers: Iterable[StatLogger] = (),
+    start_wall: float = 1_700_000_000.0,
+) -> tuple[LLMEngine, VirtualClock]:
+    """An LLMEngine on the profile's cost model and a virtual clock (starting at `start_wall`)."""
+    clock = VirtualClock(start_wall=start_wall)
+    executor = SimExecutor(profile, clock)
+    cfg = profile.engine_config(config)
+    engine = LLMEngine(cfg, executor=executor, clock=clock, sink=sink, stat_loggers=stat_loggers)
+    return engine, clock
