@@ -110,7 +110,8 @@ def run_webhook_sink(host: str = "127.0.0.1", port: int = 0, *, secret: str | No
             self.end_headers()
 
     server = ThreadingHTTPServer((host, port), Handler)
-    thread = threading.Thread(target=server.serve_forever, name="kvpilot-webhook-sink", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              name="kvpilot-webhook-sink", daemon=True)
     sink = WebhookSink(server, thread, secret)
     holder["sink"] = sink
     thread.start()

@@ -153,16 +153,29 @@ def run_engine_bench(quick: bool = False, progress: Callable[[str], None] | None
     torch.manual_seed(0)
     cfg = bench_config(quick)
     reqs = bench_workload(quick)
-    say(f"[1/3] kvpilot engine: {len(reqs)} requests, {sum(r.prompt_tokens for r in reqs)} prompt tokens")
-    main = run_kvpilot(cfg, reqs)
-    weights = {k: v.detach().clone() for k, v in main.pop("engine").executor.model.state_dict().items()}
-    say(f"      {main['tokens_per_s']:.0f} tokens/s in {main['wall_s']:.1f} s")
-    say(f"[2/3] Hugging Face generate, static batches of {cfg.scheduler.max_num_seqs}")
-    hf = run_hf(cfg, reqs, weights, cfg.scheduler.max_num_seqs)
-    say(f"      {hf['tokens_per_s']:.0f} tokens/s in {hf['wall_s']:.1f} s")
+    reps = 2
+    say(f"[1/2] kvpilot engine vs Hugging Face generate (static batches of {cfg.scheduler.max_num_seqs}): "
+        f"{len(reqs)} requests, {sum(r.prompt_tokens for r in reqs)} prompt tokens, {reps} interleaved reps")
+    # Interleaved repetitions, best of each: a noisy 2-core machine slows whichever run it hits.
+    main: dict | None = None
+    hf: dict | None = None
+    weights = None
+    for rep in range(1, reps + 1):
+        ours = run_kvpilot(cfg, reqs)
+        engine = ours.pop("engine")
+        if weights is None:
+            weights = {k: v.detach().clone() for k, v in engine.executor.model.state_dict().items()}
+        del engine
+        say(f"      rep {rep}/{reps} kvpilot: {ours['tokens_per_s']:.0f} tokens/s in {ours['wall_s']:.1f} s")
+        theirs = run_hf(cfg, reqs, weights, cfg.scheduler.max_num_seqs)
+        say(f"      rep {rep}/{reps} hf:      {theirs['tokens_per_s']:.0f} tokens/s in {theirs['wall_s']:.1f} s")
+        if main is None or ours["tokens_per_s"] > main["tokens_per_s"]:
+            main = ours
+        if hf is None or theirs["tokens_per_s"] > hf["tokens_per_s"]:
+            hf = theirs
+        gc.collect()
     del weights
-    gc.collect()
-    say("[3/3] internal waste per block policy")
+    say("[2/2] internal waste per block policy")
     waste = {}
     per_policy_tps = {}
     for i, (name, patch) in enumerate(POLICIES.items(), 1):
@@ -200,4 +213,5 @@ def run_engine_bench(quick: bool = False, progress: Callable[[str], None] | None
         ),
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "steps": main["steps"],
+        "repetitions": reps,
     }

@@ -16,10 +16,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pydantic import ValidationError
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, bindparam, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
+from collector import fastdecode
 from collector.db import translate_errors
 from collector.errors import CollectorError, IdempotencyConflictError
 from collector.events import EVENT_TYPES
@@ -31,6 +32,10 @@ EVENT_COLUMNS: dict[str, tuple[str, ...]] = {
     kind: tuple(name for name in model.model_fields if name not in ("type", "v")) for kind, model in EVENT_TYPES.items()
 }
 _GETTERS = {kind: operator.itemgetter(*cols) for kind, cols in EVENT_COLUMNS.items()}
+if any(cols[:3] != ("instance", "run_id", "ts") for cols in EVENT_COLUMNS.values()):
+    raise ValueError("every event's first fields must be instance, run_id, ts (row layout of _spans)")
+if fastdecode.ENABLED and fastdecode.FAST_COLUMNS != EVENT_COLUMNS:
+    raise ValueError("collector.fastdecode rows do not match EVENT_COLUMNS")
 
 
 class BatchValidationError(CollectorError):
@@ -88,21 +93,30 @@ class ParsedBatch:
 
 
 def parse_batch(body: bytes, *, max_events: int) -> ParsedBatch:
-    """Parse and validate in pydantic-core (Rust JSON parsing); raises BatchValidationError."""
-    try:
-        key, events = validate_wire(body)
-    except ValidationError as exc:
-        raise BatchValidationError(format_errors(exc)) from exc
-    if len(events) > max_events:
-        raise BatchTooLargeError(f"batch has {len(events)} events; the limit is {max_events}")
-    if b"\\u0000" in body:
-        _reject_nul(key, events)
-    grouped: dict[str, list[dict]] = defaultdict(list)
-    for event in events:
-        grouped[event["type"]].append(event)
-    rows = {kind: list(map(_GETTERS[kind], kind_events)) for kind, kind_events in grouped.items()}
-    instances, runs = _spans(events)
-    return ParsedBatch(key, rows, len(events), instances, runs)
+    """Validate a batch body into row tuples; raises BatchValidationError naming `events[i].field`.
+
+    msgspec (collector.fastdecode) is tried first; anything it refuses is judged by the pydantic
+    validator (collector.validation), which has the last word and writes the error messages.
+    """
+    fast = fastdecode.decode(body)
+    if fast is not None:
+        key, rows = fast
+    else:
+        try:
+            key, events = validate_wire(body)
+        except ValidationError as exc:
+            raise BatchValidationError(format_errors(exc)) from exc
+        if b"\\u0000" in body:
+            _reject_nul(key, events)
+        grouped: dict[str, list[dict]] = defaultdict(list)
+        for event in events:
+            grouped[event["type"]].append(event)
+        rows = {kind: list(map(_GETTERS[kind], kind_events)) for kind, kind_events in grouped.items()}
+    count = sum(len(kind_rows) for kind_rows in rows.values())
+    if count > max_events:
+        raise BatchTooLargeError(f"batch has {count} events; the limit is {max_events}")
+    instances, runs = _spans(rows)
+    return ParsedBatch(key, rows, count, instances, runs)
 
 
 def _reject_nul(key: str | None, events: list[dict]) -> None:
@@ -132,23 +146,24 @@ def _insert_sql(paramstyle: str, kind: str, batch_id: int | None = None) -> str:
 
 
 def _spans(
-    events: list[dict],
+    rows: dict[str, list[tuple]],
 ) -> tuple[dict[str, tuple[float, float]], dict[tuple[str, str], tuple[float, float]]]:
-    """First/last event time per instance and per (instance, run) in this batch."""
-    if not events:
-        return {}, {}
-    keys = {(e["instance"], e["run_id"]) for e in events}
-    if len(keys) == 1:
-        stamps = [e["ts"] for e in events]
-        span = (min(stamps), max(stamps))
-        ((instance, run),) = keys
-        return {instance: span}, {(instance, run): span}
+    """First/last event time per instance and per (instance, run); rows start (instance, run_id, ts)."""
     runs: dict[tuple[str, str], tuple[float, float]] = {}
-    for e in events:
-        k = (e["instance"], e["run_id"])
-        ts = e["ts"]
-        lo, hi = runs.get(k, (ts, ts))
-        runs[k] = (min(lo, ts), max(hi, ts))
+    for kind_rows in rows.values():
+        keys = {(r[0], r[1]) for r in kind_rows}
+        if len(keys) == 1:
+            stamps = [r[2] for r in kind_rows]
+            spans = {keys.pop(): (min(stamps), max(stamps))}
+        else:
+            spans = {}
+            for r in kind_rows:
+                k = (r[0], r[1])
+                lo, hi = spans.get(k, (r[2], r[2]))
+                spans[k] = (min(lo, r[2]), max(hi, r[2]))
+        for k, (lo, hi) in spans.items():
+            a, b = runs.get(k, (lo, hi))
+            runs[k] = (min(a, lo), max(b, hi))
     instances: dict[str, tuple[float, float]] = {}
     for (instance, _), (lo, hi) in runs.items():
         a, b = instances.get(instance, (lo, hi))
@@ -156,17 +171,23 @@ def _spans(
     return instances, runs
 
 
-def _upsert(engine: Engine, table, values: list[dict], keys: list[str]):  # type: ignore[no-untyped-def]
-    """INSERT ... ON CONFLICT: keep first_seen, raise last_seen. Same SQL shape on both dialects."""
-    dialect_insert = sqlite.insert if engine.dialect.name == "sqlite" else postgresql.insert
-    stmt = dialect_insert(table).values(values)
-    excluded = stmt.excluded
-
-    greatest = func.max if engine.dialect.name == "sqlite" else func.greatest
+@functools.cache
+def _upsert(dialect: str, table_name: str):  # type: ignore[no-untyped-def]
+    """INSERT ... ON CONFLICT: keep first_seen, raise last_seen. Built once per dialect, run as executemany."""
+    table = {"instances": Instance.__table__, "runs": Run.__table__}[table_name]
+    keys = ["name"] if table_name == "instances" else ["instance", "run_id"]
+    dialect_insert = sqlite.insert if dialect == "sqlite" else postgresql.insert
+    stmt = dialect_insert(table)
+    greatest = func.max if dialect == "sqlite" else func.greatest
     return stmt.on_conflict_do_update(
         index_elements=keys,
-        set_={"last_seen_ts": greatest(table.c.last_seen_ts, excluded.last_seen_ts)},
+        set_={"last_seen_ts": greatest(table.c.last_seen_ts, stmt.excluded.last_seen_ts)},
     )
+
+
+_BATCHES = IngestBatch.__table__
+_INSERT_BATCH = insert(_BATCHES).returning(_BATCHES.c.id)
+_FIND_BATCH = select(_BATCHES).where(_BATCHES.c.idempotency_key == bindparam("key"))
 
 
 def store_batch(
@@ -188,7 +209,6 @@ def store_batch(
 
     rows, instances, runs = batch.rows, batch.instances, batch.runs
 
-    batches = IngestBatch.__table__
     with translate_errors():
         existing = _find_batch(engine, key)
         if existing is not None:
@@ -196,14 +216,13 @@ def store_batch(
         try:
             with engine.begin() as conn:
                 batch_id = conn.execute(
-                    insert(batches)
-                    .values(
-                        idempotency_key=key,
-                        content_sha256=digest,
-                        event_count=batch.count,
-                        received_at=received,
-                    )
-                    .returning(batches.c.id)
+                    _INSERT_BATCH,
+                    {
+                        "idempotency_key": key,
+                        "content_sha256": digest,
+                        "event_count": batch.count,
+                        "received_at": received,
+                    },
                 ).scalar_one()
                 for kind, kind_rows in rows.items():
                     # Raw executemany of plain tuples: SQLAlchemy's per-row bind processing would cost
@@ -211,27 +230,17 @@ def store_batch(
                     conn.exec_driver_sql(_insert_sql(conn.dialect.paramstyle, kind, int(batch_id)), kind_rows)
                 if instances:
                     # Sorted, so concurrent batches take row locks in one order (no deadlocks on PostgreSQL).
+                    dialect = conn.dialect.name
                     conn.execute(
-                        _upsert(
-                            engine,
-                            Instance.__table__,
-                            [
-                                {"name": n, "first_seen_ts": a, "last_seen_ts": b}
-                                for n, (a, b) in sorted(instances.items())
-                            ],
-                            ["name"],
-                        )
+                        _upsert(dialect, "instances"),
+                        [{"name": n, "first_seen_ts": a, "last_seen_ts": b} for n, (a, b) in sorted(instances.items())],
                     )
                     conn.execute(
-                        _upsert(
-                            engine,
-                            Run.__table__,
-                            [
-                                {"instance": i, "run_id": r, "first_seen_ts": a, "last_seen_ts": b}
-                                for (i, r), (a, b) in sorted(runs.items())
-                            ],
-                            ["instance", "run_id"],
-                        )
+                        _upsert(dialect, "runs"),
+                        [
+                            {"instance": i, "run_id": r, "first_seen_ts": a, "last_seen_ts": b}
+                            for (i, r), (a, b) in sorted(runs.items())
+                        ],
                     )
         except IntegrityError:
             # A concurrent retry of the same batch committed first (the unique key caught it).
@@ -244,9 +253,8 @@ def store_batch(
 
 
 def _find_batch(engine: Engine, key: str) -> IngestBatch | None:
-    t = IngestBatch.__table__
     with engine.connect() as conn:
-        row = conn.execute(select(t).where(t.c.idempotency_key == key)).first()
+        row = conn.execute(_FIND_BATCH, {"key": key}).first()
     return None if row is None else IngestBatch(**row._asdict())
 
 

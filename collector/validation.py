@@ -4,19 +4,24 @@ Validating into the frozen pydantic models costs twice as much as validating the
 TypedDicts, and the collector only needs the values to hand to `executemany`. So the TypedDicts are
 generated here from the models' own fields (types, constraints, defaults), not written by hand: the
 two cannot drift apart, and a differential test (tests/collector/test_validation.py) checks that both
-accept and reject the same inputs. A model that grows its own validators cannot be mirrored; then the
-models themselves are used (`FAST_PATH` is False) and a test fails to say so.
+accept and reject the same inputs, except for one deliberate difference: the mirror also refuses what
+no column can hold (integers or strings wider than their column, infinite or NaN floats), as a 422.
+A model that grows its own validators cannot be mirrored; then the models themselves are used
+(`FAST_PATH` is False, without the storage bounds) and a test fails to say so.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, NotRequired, Required, Union
+from types import UnionType
+from typing import Annotated, Any, NotRequired, Required, Union, get_args, get_origin
 
 from pydantic import ConfigDict, Field, TypeAdapter
+from sqlalchemy import BigInteger, Float, Integer, String
 from typing_extensions import TypedDict
 
 from collector.events import EVENT_TYPES, EventBatch
+from collector.schema import EVENT_TABLES
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +34,47 @@ def _mirrorable() -> bool:
     return True
 
 
-def _typed_dict(model: type) -> tuple[type, dict[str, Any]]:
+# What the columns can hold, on top of the wire schema: integers within the column's width (INTEGER is
+# 32-bit on PostgreSQL), finite floats and strings within VARCHAR lengths. Without these an out-of-range
+# value would fail in the database (a 5xx, retried forever by senders) instead of a 422 up front.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def _storage_bound(column: Any) -> Any:
+    if isinstance(column.type, BigInteger):
+        return Field(ge=-INT64_MAX, le=INT64_MAX)
+    if isinstance(column.type, Integer):
+        return Field(ge=-INT32_MAX, le=INT32_MAX)
+    if isinstance(column.type, Float):
+        return Field(allow_inf_nan=False)
+    if isinstance(column.type, String) and column.type.length:
+        return Field(max_length=column.type.length)
+    return None
+
+
+def _bounded(annotation: Any, bound: Any) -> Any:
+    """Add `bound` to the int/float inside `annotation` (which may be Annotated or `X | None`)."""
+    if bound is None:
+        return annotation
+    if annotation in (int, float, str):
+        return Annotated[annotation, bound]
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        base, *meta = get_args(annotation)
+        # the bound goes first: the model's own (tighter) constraints, applied after it, win
+        return Annotated[(base, bound, *meta)] if base in (int, float, str) else annotation
+    if origin in (Union, UnionType):
+        return Union[tuple(_bounded(arg, bound) for arg in get_args(annotation))]  # noqa: UP007
+    return annotation
+
+
+def _typed_dict(model: type, table: Any) -> tuple[type, dict[str, Any]]:
     fields: dict[str, Any] = {}
     defaults: dict[str, Any] = {}
     for name, info in model.model_fields.items():  # type: ignore[attr-defined]
-        annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        base = _bounded(info.annotation, _storage_bound(table.c[name]) if name in table.c else None)
+        annotation = Annotated[(base, *info.metadata)] if info.metadata else base
         if info.is_required():
             fields[name] = Required[annotation]
         else:
@@ -50,7 +91,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {}
 if FAST_PATH:
     _mirrors = []
     for _kind, _model in EVENT_TYPES.items():
-        _td, DEFAULTS[_kind] = _typed_dict(_model)
+        _td, DEFAULTS[_kind] = _typed_dict(_model, EVENT_TABLES[_kind])
         _mirrors.append(_td)
     _WireEvent = Annotated[Union[tuple(_mirrors)], Field(discriminator="type")]  # noqa: UP007
 

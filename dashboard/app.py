@@ -23,7 +23,6 @@ PAGES = [
 ]
 
 page = st.navigation(PAGES)
-st.sidebar.title("kvpilot")
 url = data.db_url()
 problem = data.schema_problem(url)
 if problem:

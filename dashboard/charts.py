@@ -9,7 +9,8 @@ import altair as alt
 import pandas as pd
 
 HEIGHT = 240
-TIME_AXIS = alt.Axis(title=None, format="%H:%M:%S", labelAngle=0, labelOverlap=True)
+# No fixed format: Vega picks one per zoom level (seconds within a minute, dates across days), in UTC.
+TIME_AXIS = alt.Axis(title=None, labelAngle=0, labelOverlap=True)
 TIME = alt.X("time:T", axis=TIME_AXIS, scale=alt.Scale(type="utc"))
 STAGE_COLORS = {"queue": "#f58518", "prefill": "#4c78a8", "first-token gap": "#b279a2", "decode": "#54a24b"}
 OP_COLORS = {"alloc": "#4c78a8", "free": "#9ecae9", "swap_out": "#e45756", "swap_in": "#f58518",
@@ -22,20 +23,30 @@ def _time_tooltip() -> alt.Tooltip:
 
 
 def lines(df: pd.DataFrame, *, y: str, color: str, title: str, y_title: str, y_format: str = "~s",
-          percent: bool = False, height: int = HEIGHT) -> alt.Chart:
-    """One line per `color` value over time; `percent` formats a 0..1 axis as %."""
+          percent: bool = False, dash: str | None = None, log: bool = False, height: int = HEIGHT) -> alt.Chart:
+    """One line per `color` value over time (and per `dash` value, drawn dashed); `percent` formats 0..1 as %."""
     fmt = ".0%" if percent else y_format
     scale = alt.Scale(domain=[0, 1]) if percent else alt.Scale(zero=True)
+    if log:
+        scale = alt.Scale(type="symlog", constant=0.001)
+    legend = alt.Legend(orient="bottom", title=None)
+    tooltip = [_time_tooltip(), alt.Tooltip(f"{color}:N")]
+    if dash:
+        tooltip.append(alt.Tooltip(f"{dash}:N"))
+    tooltip.append(alt.Tooltip(f"{y}:Q", format=".1%" if percent else ".4~g"))
+    encoding: dict = {
+        "x": TIME,
+        "y": alt.Y(f"{y}:Q", title=y_title, axis=alt.Axis(format=fmt), scale=scale),
+        "color": alt.Color(f"{color}:N", legend=legend),
+        "tooltip": tooltip,
+    }
+    if dash:
+        encoding["strokeDash"] = alt.StrokeDash(f"{dash}:N", legend=legend)
+        encoding["detail"] = alt.Detail(f"{dash}:N")
     return (
         alt.Chart(df, title=title, height=height)
         .mark_line(point=len(df) < 40, interpolate="monotone")
-        .encode(
-            x=TIME,
-            y=alt.Y(f"{y}:Q", title=y_title, axis=alt.Axis(format=fmt), scale=scale),
-            color=alt.Color(f"{color}:N", title=None, legend=alt.Legend(orient="bottom")),
-            tooltip=[_time_tooltip(), alt.Tooltip(f"{color}:N"),
-                     alt.Tooltip(f"{y}:Q", format=".1%" if percent else ".4~g")],
-        )
+        .encode(**encoding)
         .interactive(bind_y=False)
     )
 
@@ -48,7 +59,7 @@ def stacked_stages(df: pd.DataFrame, *, title: str) -> alt.Chart:
         .mark_bar()
         .encode(
             x=TIME,
-            y=alt.Y("seconds:Q", title="mean seconds per request", stack="zero"),
+            y=alt.Y("seconds:Q", title="seconds (mean)", stack="zero"),
             color=alt.Color("stage:N", title=None, sort=order, legend=alt.Legend(orient="bottom"),
                             scale=alt.Scale(domain=order, range=[STAGE_COLORS[s] for s in order])),
             order=alt.Order("stage_order:Q"),
@@ -76,7 +87,8 @@ def histogram(df: pd.DataFrame, *, title: str, x_title: str) -> alt.Chart:
 
 def stacked_counts(df: pd.DataFrame, *, y: str, color: str, title: str, y_title: str,
                    colors: dict[str, str] | None = None) -> alt.Chart:
-    scale = alt.Scale(domain=list(colors), range=list(colors.values())) if colors else alt.Undefined
+    present = [k for k in colors if k in set(df[color])] if colors else []
+    scale = alt.Scale(domain=present, range=[colors[k] for k in present]) if colors else alt.Undefined
     return (
         alt.Chart(df, title=title, height=HEIGHT)
         .mark_bar()
@@ -104,13 +116,15 @@ def alloc_timeline(df: pd.DataFrame, *, title: str) -> alt.LayerChart:
                 scale=alt.Scale(domain=[0, 1])),
         tooltip=[_time_tooltip(), alt.Tooltip("usage_after:Q", format=".1%")],
     ).properties(height=160)
-    return alt.vconcat(events, usage).resolve_scale(x="shared").interactive(bind_y=False)
+    zoom = alt.selection_interval(bind="scales", encodings=["x"], name="trace_zoom")
+    return alt.vconcat(events.add_params(zoom), usage).resolve_scale(x="shared")
 
 
 def history_line(df: pd.DataFrame, *, y: str, title: str, direction: str) -> alt.LayerChart:
     """Objective per trial (dots) with the best value so far (step line)."""
     points = alt.Chart(df).mark_circle(size=50, opacity=0.7).encode(
-        x=alt.X("trial:Q", title="trial"), y=alt.Y(f"{y}:Q", title=y, scale=alt.Scale(zero=False)),
+        x=alt.X("trial:Q", title="trial", axis=alt.Axis(format="d", tickMinStep=1)),
+        y=alt.Y(f"{y}:Q", title=y, scale=alt.Scale(zero=False)),
         tooltip=["trial:Q", alt.Tooltip(f"{y}:Q", format=".5~g")],
     )
     best = alt.Chart(df).mark_line(interpolate="step-after", color="#e45756").encode(
@@ -136,11 +150,11 @@ def pareto(df: pd.DataFrame, *, x: str, y: str, title: str) -> alt.Chart:
 
 def importance_bars(df: pd.DataFrame, *, title: str) -> alt.Chart:
     return (
-        alt.Chart(df, title=title, height=max(120, 28 * len(df)))
+        alt.Chart(df, title=title, height=alt.Step(28))
         .mark_bar(color="#4c78a8")
         .encode(
-            x=alt.X("importance:Q", title="importance (fANOVA)", axis=alt.Axis(format=".0%")),
-            y=alt.Y("parameter:N", sort="-x", title=None),
+            x=alt.X("importance:Q", title="importance (PED-ANOVA)", axis=alt.Axis(format=".0%")),
+            y=alt.Y("parameter:N", sort="-x", title=None, axis=alt.Axis(labelLimit=320)),
             tooltip=["parameter:N", alt.Tooltip("importance:Q", format=".1%")],
         )
     )
@@ -149,15 +163,16 @@ def importance_bars(df: pd.DataFrame, *, title: str) -> alt.Chart:
 def alert_timeline(df: pd.DataFrame, *, title: str) -> alt.Chart:
     """Pending and firing intervals per alert (a Gantt of the alert state rows)."""
     return (
-        alt.Chart(df, title=title, height=max(80, 26 * df["alert"].nunique() + 30))
-        .mark_bar(height=14)
+        alt.Chart(df, title=title, height=alt.Step(28))
+        .mark_bar(cornerRadius=2)
         .encode(
             x=alt.X("from:T", axis=TIME_AXIS, scale=alt.Scale(type="utc")),
             x2="to:T",
-            y=alt.Y("alert:N", title=None),
+            y=alt.Y("alert:N", title=None, axis=alt.Axis(labelLimit=320)),
             color=alt.Color("phase:N", title=None, scale=alt.Scale(domain=["pending", "firing"],
                                                                   range=["#f2cf5b", "#e45756"])),
-            tooltip=["alert:N", "phase:N", alt.Tooltip("from:T", format="%H:%M:%S"),
-                     alt.Tooltip("to:T", format="%H:%M:%S")],
+            tooltip=["alert:N", "phase:N",
+                     alt.Tooltip("from:T", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds"),
+                     alt.Tooltip("to:T", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds")],
         )
     )

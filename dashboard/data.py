@@ -43,6 +43,13 @@ class Filters:
     bucket_s: float
 
     @property
+    def bar_bucket_s(self) -> float:
+        """Coarser buckets for bar charts: about 60 bars stay readable where 240 line points do."""
+        from dashboard.timewin import pick_bucket_s
+
+        return max(self.bucket_s, pick_bucket_s(self.end - self.start, target_points=60))
+
+    @property
     def instance_list(self) -> list[str] | None:
         return None if self.instances is None else list(self.instances)
 
@@ -212,7 +219,7 @@ STAGES = {"queue_s": "queue", "prefill_s": "prefill", "first_token_gap_s": "firs
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def stage_breakdown(f: Filters) -> pd.DataFrame:
     """Mean seconds per stage per bucket (long format for stacked bars), with swap/preemption counts."""
-    buckets = queries.stage_breakdown_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s,
+    buckets = queries.stage_breakdown_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bar_bucket_s,
                                                 instances=f.instance_list, run_id=f.run_id)
     rows = [{"ts": b.ts, "stage": label, "seconds": getattr(b, key), "requests": b.requests, "swaps": b.swaps,
              "preemptions": b.preemptions, "e2e (s)": b.e2e_s}
@@ -260,7 +267,7 @@ def kv_memory(f: Filters) -> pd.DataFrame:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def alloc_ops(f: Filters) -> pd.DataFrame:
-    buckets = queries.alloc_ops_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s,
+    buckets = queries.alloc_ops_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bar_bucket_s,
                                           instances=f.instance_list, run_id=f.run_id)
     df = pd.DataFrame([b.__dict__ for b in buckets], columns=["ts", "op", "tier", "events", "blocks", "bytes"])
     df["time"] = _ts(df["ts"])
@@ -289,10 +296,11 @@ def alert_states(url: str) -> pd.DataFrame:
         data = [{"alertname": r.rule, "state": "resolved" if r.state == "inactive" else r.state,
                  "severity": r.labels.get("severity", ""), "instance": r.labels.get("instance", ""),
                  "summary": r.annotations.get("summary", ""), "value": r.last_value, "active_at": r.active_at,
-                 "fired_at": r.fired_at, "resolved_at": r.resolved_at, "labels": dict(r.labels),
+                 "fired_at": r.fired_at, "resolved_at": r.resolved_at, "last_eval_at": r.last_eval_at,
+                 "labels": dict(r.labels),
                  "fingerprint": r.fingerprint} for r in rows]
     return pd.DataFrame(data, columns=["alertname", "state", "severity", "instance", "summary", "value", "active_at",
-                                       "fired_at", "resolved_at", "labels", "fingerprint"])
+                                       "fired_at", "resolved_at", "last_eval_at", "labels", "fingerprint"])
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -479,13 +487,16 @@ def study(url: str, name: str) -> StudyData:
 
 @st.cache_data(ttl=60, show_spinner=False)
 def importances(url: str, name: str, objective_index: int) -> pd.DataFrame:
-    """fANOVA parameter importances for one objective (seeded, so a page reload shows the same bars)."""
+    """PED-ANOVA parameter importances for one objective: numpy only (fANOVA would need scikit-learn) and
+    deterministic, so a page reload shows the same bars."""
     optuna = _optuna()
     s = optuna.load_study(study_name=name, storage=_storage(url))
-    evaluator = optuna.importance.FanovaImportanceEvaluator(seed=0)
+    evaluator = optuna.importance.PedAnovaImportanceEvaluator()
+    # PED-ANOVA explains what achieves *low* target values; flip maximized objectives.
+    sign = -1.0 if s.directions[objective_index] == optuna.study.StudyDirection.MAXIMIZE else 1.0
     try:
         result = optuna.importance.get_param_importances(
-            s, evaluator=evaluator, target=lambda t: t.values[objective_index])
+            s, evaluator=evaluator, target=lambda t: sign * t.values[objective_index])
     except (ValueError, RuntimeError) as exc:
         raise DataUnavailable(f"importances need completed trials that vary their parameters ({exc})") from exc
     return pd.DataFrame([{"parameter": k, "importance": v} for k, v in result.items()],

@@ -155,7 +155,6 @@ class TelemetryConfig(_Strict):
 
 class EngineConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    cuda_graphs: bool = True
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -18,6 +18,7 @@ Batches the collector refuses for good (413/422/409) are dropped with a log line
 from __future__ import annotations
 
 import collections
+import fcntl
 import gzip
 import logging
 import os
@@ -43,6 +44,10 @@ log = logging.getLogger(__name__)
 _events_adapter: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
 
 RETRYABLE_STATUS = frozenset({401, 403, 408, 425, 429, 500, 502, 503, 504})
+
+
+class SpoolLockedError(RuntimeError):
+    """Another live sink owns this spool directory."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,15 @@ class DiskSpool:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        # One sink per directory: two draining one spool would race on its files.
+        self._lock_fh = (self.dir / ".lock").open("a")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_fh.close()
+            raise SpoolLockedError(
+                f"spool {self.dir} is in use by another sink; give each engine its own telemetry.spool_dir"
+            ) from None
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
         self._files: collections.deque[tuple[Path, int, str, int]] = collections.deque()
@@ -151,6 +165,12 @@ class DiskSpool:
         self._bytes += size
         return evicted
 
+    def close(self) -> None:
+        """Release the directory (files stay for the next sink on it)."""
+        if not self._lock_fh.closed:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+            self._lock_fh.close()
+
     def peek(self) -> SpooledBatch | None:
         while self._files:
             path, events, key, _size = self._files[0]
@@ -172,6 +192,11 @@ class DiskSpool:
     @property
     def bytes(self) -> int:
         return self._bytes
+
+
+def _safe_name(name: str) -> str:
+    """An instance label as a directory name (each engine spools into its own subdirectory)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "engine"
 
 
 class _SinkCollector:
@@ -260,7 +285,7 @@ class HttpSink:
             batch_size=telemetry.http_batch_size,
             flush_interval_s=telemetry.http_flush_interval_s,
             queue_size=telemetry.http_queue_size,
-            spool_dir=telemetry.spool_dir,
+            spool_dir=Path(telemetry.spool_dir) / _safe_name(telemetry.instance) if telemetry.spool_dir else None,
             spool_max_bytes=telemetry.spool_max_bytes,
             compress=telemetry.http_compress,
             registry=registry,
@@ -313,6 +338,8 @@ class HttpSink:
                 self.spool.remove(batch)
             self._dropped_shutdown += lost
             log.warning("telemetry: %d unsent events lost at close (no spool_dir configured)", lost)
+        if isinstance(self.spool, DiskSpool):
+            self.spool.close()
         self._client.close()
 
     # --- counters ------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ import typer
 from kvpilot.cli_alerts import alerts_app
 from kvpilot.cli_bench import bench_app
 from kvpilot.cli_collector import collector_app, db_app
+from kvpilot.cli_dashboard import dashboard_cmd
 from kvpilot.cli_engine import engine_app
 from kvpilot.cli_loadtest import loadtest_cmd
+from kvpilot.cli_tune import sim_app, tune_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvpilot: observe and tune LLM serving.")
 app.add_typer(engine_app, name="engine", help="Run the inference engine.")
@@ -16,7 +18,10 @@ app.add_typer(bench_app, name="bench", help="Benchmarks with JSON output.")
 app.add_typer(collector_app, name="collector", help="Run the telemetry collector.")
 app.add_typer(db_app, name="db", help="Migrate and prune the collector database.")
 app.add_typer(alerts_app, name="alerts", help="Prometheus-style alert rules and an Alertmanager-compatible notifier.")
+app.add_typer(tune_app, name="tune", help="Tune the engine config: Optuna studies, nightly proposals, apply.")
+app.add_typer(sim_app, name="sim", help="The simulator: calibrate cost profiles, run what-ifs.")
 app.command("loadtest")(loadtest_cmd)
+app.command("dashboard")(dashboard_cmd)
 
 
 @app.command()

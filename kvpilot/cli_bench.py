@@ -48,3 +48,23 @@ def bench_ingest(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> No
     from benchmarks.ingest import run_ingest_bench
 
     emit(run_ingest_bench(quick=quick), json_path)
+
+
+@bench_app.command("sim")
+def bench_sim(
+    quick: bool = QuickOpt,
+    json_path: Path | None = JsonOpt,
+    profile: str = typer.Option("cpu-2core", "--profile", help="calibrated CPU profile to check"),
+) -> None:
+    """Simulator fidelity: the same workloads on the torch engine and the simulator (throughput, p99 error)."""
+    from benchmarks.sim_bench import run_sim_bench
+
+    emit(run_sim_bench(quick=quick, profile=profile), json_path)
+
+
+@bench_app.command("tuner")
+def bench_tuner(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> None:
+    """Trials TPE and random search need to get within 2% of the exhaustive optimum; gain over the default."""
+    from benchmarks.tuner_bench import run_tuner_bench
+
+    emit(run_tuner_bench(quick=quick), json_path)

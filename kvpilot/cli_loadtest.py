@@ -56,7 +56,8 @@ def loadtest_cmd(
     request_timeout: str = typer.Option("60s", "--request-timeout", help="a request not answered by then fails"),
     max_concurrency: int = typer.Option(None, "--max-concurrency", min=1, help="cap on requests in flight"),
     windows: int = typer.Option(5, "--windows", min=2, help="windows for P99 drift and utilization"),
-    p99_metric: str = typer.Option("e2e", "--p99-metric", help="latency for the P99 criterion: e2e | ttft | tpot"),
+    p99_metric: str = typer.Option("tpot", "--p99-metric", help="latency for the P99 criterion: tpot | ttft | e2e "
+                                   "(tpot: per output token, so the length mix does not decide a window's P99)"),
     collector: str = typer.Option(None, "--collector", help="collector URL; store per-request results there"),
     collector_token: str = typer.Option(None, "--collector-token", envvar="KVPILOT_INGEST_TOKEN"),
     run_id: str = typer.Option(None, "--run-id", help="run id of the stored results (default: generated)"),
@@ -98,6 +99,8 @@ def loadtest_cmd(
         raise _fail("--capacity-share", f"must be in (0, 1], got {capacity_share}")
     if capacity is not None and capacity <= 0:
         raise _fail("--capacity", f"must be positive, got {capacity}")
+    if scenario == "trace" and trace is None:
+        raise _fail("--trace", "--scenario trace needs --trace FILE (Azure CSV)")
     if trace is not None and not trace.is_file():
         raise _fail("--trace", f"no such file: {trace}")
     try:

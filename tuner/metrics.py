@@ -20,7 +20,7 @@ from collector.db import translate_errors
 from collector.events import event_to_json
 from collector.ingest import parse_batch, store_batch
 from collector.queries import goodput, latency_percentiles, request_rates
-from collector.schema import AllocRow, RequestRow, StepRow
+from collector.schema import AllocRow, RequestRow
 from engine.sinks import AnyEvent
 
 log = logging.getLogger("kvpilot.tuner.metrics")
@@ -121,19 +121,19 @@ def good_tokens(
 
 def oom_records(db: Engine, *, start: float, end: float, run_id: str | None, instances: Sequence[str] | None = None
                 ) -> tuple[int, int]:
-    """(KV `oom` alloc records, preemptions from step events) of the run in the window."""
-    a, s = AllocRow.__table__.c, StepRow.__table__.c
+    """(KV `oom` alloc records, preemptions of the requests that left) of the run in the window."""
+    a, r = AllocRow.__table__.c, RequestRow.__table__.c
     a_where = [a.ts >= start, a.ts < end, a.op == "oom"]
-    s_where = [s.ts >= start, s.ts < end, s.warmup.is_(False)]
+    r_where = [r.ts >= start, r.ts < end, r.warmup.is_(False)]
     if run_id is not None:
         a_where.append(a.run_id == run_id)
-        s_where.append(s.run_id == run_id)
+        r_where.append(r.run_id == run_id)
     if instances is not None:
         a_where.append(a.instance.in_(instances))
-        s_where.append(s.instance.in_(instances))
+        r_where.append(r.instance.in_(instances))
     with translate_errors(), db.connect() as conn:
         oom = conn.execute(select(func.count()).where(*a_where)).scalar_one()
-        pre = conn.execute(select(func.coalesce(func.sum(s.preemptions), 0)).where(*s_where)).scalar_one()
+        pre = conn.execute(select(func.coalesce(func.sum(r.preemptions), 0)).where(*r_where)).scalar_one()
     return int(oom), int(pre)
 
 

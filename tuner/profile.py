@@ -40,6 +40,8 @@ class StepShape:
     decode_ctx_tokens: int = 0  # KV tokens the decode batch attends to (sum of context lengths)
     decode_kv_slots: int = 0  # the same, padded to whole KV blocks (what paged attention reads)
     decode_blocks: int = 0  # KV blocks the decode batch spans (per-block gather overhead)
+    decode_attn_tokens: int = 0  # key slots the torch executor's decode attention computes (padded per group)
+    decode_groups: int = 0  # decode attention groups (a fixed cost per group and layer)
     attn_pairs: int = 0  # query x key pairs of the prefill chunks (causal, incl. earlier chunks)
     prefill_ctx_tokens: int = 0  # KV tokens the prefill chunks read (earlier chunks + themselves)
     swap_tokens: int = 0  # KV tokens copied between the hot and cold tier
@@ -54,8 +56,11 @@ LINEAR_FEATURES = (
     "prefill_seqs",
     "decode_seqs",
     "decode_ctx_tokens",
+    "decode_attn_tokens",
+    "decode_groups",
     "decode_blocks",
     "attn_pairs",
+    "prefill_ctx_tokens",
     "swap_tokens",
 )
 
@@ -103,8 +108,11 @@ class LinearCost(_Strict):
     prefill_seqs: float = Field(0.0, ge=0)
     decode_seqs: float = Field(0.0, ge=0)
     decode_ctx_tokens: float = Field(0.0, ge=0)
+    decode_attn_tokens: float = Field(0.0, ge=0)
+    decode_groups: float = Field(0.0, ge=0)
     decode_blocks: float = Field(0.0, ge=0)
     attn_pairs: float = Field(0.0, ge=0)
+    prefill_ctx_tokens: float = Field(0.0, ge=0)
     swap_tokens: float = Field(0.0, ge=0)
 
 
@@ -163,8 +171,11 @@ class CostProfile(_Strict):
                 + c.prefill_seqs * s.prefill_seqs
                 + c.decode_seqs * s.decode_seqs
                 + c.decode_ctx_tokens * s.decode_ctx_tokens
+                + c.decode_attn_tokens * s.decode_attn_tokens
+                + c.decode_groups * s.decode_groups
                 + c.decode_blocks * s.decode_blocks
                 + c.attn_pairs * s.attn_pairs
+                + c.prefill_ctx_tokens * s.prefill_ctx_tokens
                 + c.swap_tokens * s.swap_tokens
             )
         hw, m, r = self.hardware, self.model, self.roofline

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from engine import workload as W
 from engine.llm_engine import InvalidRequestError, LLMEngine, QueueFullError
 from engine.sequence import SamplingParams
-from engine.sinks import AnyEvent, EventSink
+from engine.sinks import AnyEvent
 from engine.stats import FinishedRequest, IterationStats
 
 log = logging.getLogger("kvpilot.tuner.replay")
@@ -46,16 +46,18 @@ class SkipClock:
 
 
 class TrialSink:
-    """Keeps the events a trial's objective needs: requests, steps, samples and the KV `oom` records
-    (every other alloc record is dropped here; the full trace would only slow the simulator down)."""
+    """Keeps the events a trial's objective needs: requests, samples, the KV `oom` records and, if
+    `keep_steps`, step events. Other alloc records are dropped here; storing the full trace (and one
+    step row per simulated step) would cost more than simulating."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_steps: bool = True) -> None:
         self.events: list[AnyEvent] = []
-        self.dropped_alloc = 0
+        self.keep_steps = keep_steps
+        self.dropped = 0
 
     def emit(self, event: AnyEvent) -> None:
-        if event.type == "alloc" and event.op != "oom":
-            self.dropped_alloc += 1
+        if (event.type == "alloc" and event.op != "oom") or (event.type == "step" and not self.keep_steps):
+            self.dropped += 1
             return
         self.events.append(event)
 

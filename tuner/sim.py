@@ -27,11 +27,13 @@ def step_shape(out: SchedulerOutput, kv: KVCacheManager, page_tokens: int) -> St
     """The cost-model features of a scheduled step (also used when calibrating on the real engine)."""
     prefill_tokens = prefill_seqs = decode_seqs = 0
     decode_ctx = decode_slots = decode_blocks = attn_pairs = prefill_ctx = 0
+    lens: list[int] = []
     for item in out.scheduled:
         n, start = item.num_new_tokens, item.start
-        if n == 1 and item.samples and item.seq.num_output_tokens > 0:
+        if n == 1 and item.samples and item.seq.num_output_tokens > 0 and not prefill_seqs:
             decode_seqs += 1
             decode_ctx += start + 1
+            lens.append(start + 1)
             sizes = kv.block_sizes(item.seq.seq_id)
             decode_blocks += len(sizes)
             decode_slots += sum(sizes)
@@ -41,6 +43,7 @@ def step_shape(out: SchedulerOutput, kv: KVCacheManager, page_tokens: int) -> St
             attn_pairs += n * start + n * (n + 1) // 2
             prefill_ctx += start + n
     swap_pages = sum(p.num_pages for p in out.swap_out) + sum(p.num_pages for p in out.swap_in)
+    attn_tokens, groups = _decode_attention(lens, page_tokens)
     return StepShape(
         prefill_tokens=prefill_tokens,
         prefill_seqs=prefill_seqs,
@@ -48,10 +51,28 @@ def step_shape(out: SchedulerOutput, kv: KVCacheManager, page_tokens: int) -> St
         decode_ctx_tokens=decode_ctx,
         decode_kv_slots=decode_slots,
         decode_blocks=decode_blocks,
+        decode_attn_tokens=attn_tokens,
+        decode_groups=groups,
         attn_pairs=attn_pairs,
         prefill_ctx_tokens=prefill_ctx,
         swap_tokens=swap_pages * page_tokens,
     )
+
+
+def _decode_attention(lens: list[int], page_tokens: int) -> tuple[int, int]:
+    """(padded key slots, groups) of the torch executor's decode attention: rows sorted by length,
+    a new group (at most 4) when a length falls below half the group's longest and the group has 4 rows;
+    each group is padded to its longest row in whole pages (engine.executor.TorchExecutor._decode_groups)."""
+    if not lens:
+        return 0, 0
+    ordered = sorted(lens, reverse=True)
+    groups: list[list[int]] = [[]]
+    for n in ordered:
+        if groups[-1] and n * 2 < groups[-1][0] and len(groups) < 4 and len(groups[-1]) >= 4:
+            groups.append([])
+        groups[-1].append(n)
+    slots = sum(len(g) * -(-g[0] // page_tokens) * page_tokens for g in groups)
+    return slots, len(groups)
 
 
 class SimExecutor:

@@ -64,7 +64,7 @@ class Param:
         if self.step is None and not self.is_int:
             raise SpaceError(f"{self.name}: a continuous range has no grid; give choices or a step", self.name)
         step = self.step or 1
-        n = int(round((self.high - self.low) / step))
+        n = round((self.high - self.low) / step)
         vals = [self.low + k * step for k in range(n + 1)]
         return [int(v) for v in vals] if self.is_int else [round(v, 10) for v in vals]
 

@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import Engine
@@ -94,9 +94,11 @@ def scenario(name: str, capacity_rps: float, opts: WorkloadOptions, *, seed: int
     elif name == "sustained":
         rate = (opts.load or 0.8) * capacity_rps
         duration = opts.duration_s or opts.requests / rate
-        reqs = [r for r in W.mixed(int(duration * rate * 1.5) + 16, seed=seed, rate=rate, **mix) if r.arrival_s < duration]
+        pool = W.mixed(int(duration * rate * 1.5) + 16, seed=seed, rate=rate, **mix)
+        reqs = [r for r in pool if r.arrival_s < duration]
     else:
-        raise WorkloadError("workload", f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}, trace:FILE, collector")
+        raise WorkloadError("workload",
+                            f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}, trace:FILE, collector")
     return [_clipped(r, opts.max_total_tokens) for r in reqs]
 
 
@@ -126,7 +128,7 @@ def _timestamp(raw: str) -> float:
     text = f"{head}.{frac[:6]}" if dot else head
     for fmt in ("%Y-%m-%d %H:%M:%S.%f", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S"):
         try:
-            return datetime.strptime(text, fmt).replace(tzinfo=timezone.utc).timestamp()
+            return datetime.strptime(text, fmt).replace(tzinfo=UTC).timestamp()
         except ValueError:
             continue
     raise ValueError(f"TIMESTAMP {raw!r} is neither seconds nor a 'YYYY-MM-DD HH:MM:SS[.fff]' datetime")
@@ -146,7 +148,8 @@ def load_trace(path: str | Path, opts: WorkloadOptions) -> list[W.WorkloadReques
         reader = csv.DictReader(fh)
         missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise WorkloadError("trace", f"{path}: missing column(s) {', '.join(missing)}; need {', '.join(TRACE_COLUMNS)}")
+            raise WorkloadError("trace",
+                                f"{path}: missing column(s) {', '.join(missing)}; need {', '.join(TRACE_COLUMNS)}")
         for line, row in enumerate(reader, start=2):
             try:
                 ts = _timestamp(row["TIMESTAMP"] or "")

@@ -56,7 +56,8 @@ else:
     spans = []
     for r in states.itertuples():
         name = f"{r.alertname} · {r.instance}" if r.instance else r.alertname
-        end = r.resolved_at if r.resolved_at is not None and not pd.isna(r.resolved_at) else now
+        # Up to the last evaluation: what the evaluator last saw, not what it would see if it ran now.
+        end = r.resolved_at if r.resolved_at is not None and not pd.isna(r.resolved_at) else r.last_eval_at
         fired = r.fired_at if r.fired_at is not None and not pd.isna(r.fired_at) else None
         spans.append({"alert": name, "phase": "pending", "from": r.active_at, "to": fired or end})
         if fired:
@@ -64,7 +65,8 @@ else:
     gantt = pd.DataFrame(spans)
     for c in ("from", "to"):
         gantt[c] = pd.to_datetime(gantt[c], unit="s", utc=True)
-    st.altair_chart(charts.alert_timeline(gantt, title="Pending and firing intervals"), width="stretch")
+    st.altair_chart(charts.alert_timeline(gantt, title="Pending and firing intervals (to the last evaluation)"),
+                    width="stretch")
 
 st.subheader("Notification history")
 with ui.guarded("Notification history"):

@@ -27,15 +27,14 @@ with ui.guarded("KV usage"):
                        help="average of the bucket averages in the window; peak is the highest bucket")
             col.caption(f"peak {ui.fmt_pct(peak)}")
         tiers = kv[kv["series"].isin(["hot tier usage", "cold tier usage"])].copy()
-        tiers["line"] = tiers["instance"] + " · " + tiers["series"]
-        st.altair_chart(charts.lines(tiers, y="value", color="line", title="Hot (device) and cold (host) tier usage",
-                                     y_title="used", percent=True), width="stretch")
+        st.altair_chart(charts.lines(tiers, y="value", color="instance", dash="series", y_title="used", percent=True,
+                                     title="Hot (device) and cold (host) tier usage"), width="stretch")
         waste = kv[kv["series"].isin(["internal waste", "external fragmentation"])].copy()
         if waste.empty:
             st.info("This engine reports no waste or fragmentation gauges.", icon=":material/info:")
         else:
-            waste["line"] = waste["instance"] + " · " + waste["series"]
-            st.altair_chart(charts.lines(waste, y="value", color="line", percent=True, y_title="of KV memory",
+            st.altair_chart(charts.lines(waste, y="value", color="instance", dash="series", percent=True,
+                                         y_title="of KV memory",
                                          title="Internal waste (allocated slots holding no token) and external "
                                                "fragmentation (free memory unusable for a block)"),
                             width="stretch")
@@ -67,7 +66,7 @@ with ui.guarded("Allocation trace"):
         for col, (op, row) in zip(cols, totals.iterrows(), strict=True):
             col.metric(op, f"{int(row['events']):,}", help=f"{int(row['blocks']):,} blocks")
         st.altair_chart(charts.stacked_counts(ops, y="events", color="op", colors=charts.OP_COLORS,
-                                              title=f"Events per {ui.fmt_s(f.bucket_s)} bucket by operation",
+                                              title=f"Events per {ui.fmt_s(f.bar_bucket_s)} bucket by operation",
                                               y_title="events"), width="stretch")
         total, trace = data.alloc_trace(f)
         if len(trace) < total:

@@ -43,7 +43,8 @@ with ui.guarded("Percentiles over time"):
     if over_time.empty:
         ui.empty(f"{data.LATENCY_METRICS[metric]} values", "TPOT needs requests with more than one output token.")
     else:
-        st.altair_chart(charts.lines(over_time, y="seconds", color="quantile",
+        log = st.toggle("Log scale", key="lat_log", help="keeps p50 readable next to a slow tail")
+        st.altair_chart(charts.lines(over_time, y="seconds", color="quantile", log=log,
                                      title=f"{data.LATENCY_METRICS[metric]} p50 / p90 / p99 per "
                                            f"{ui.fmt_s(f.bucket_s)} bucket", y_title="seconds"),
                         width="stretch")
@@ -69,14 +70,14 @@ st.subheader("Distributions")
 left, right = st.columns(2)
 for col, hist_metric in ((left, "ttft"), (right, "e2e")):
     with col, ui.guarded(f"{data.LATENCY_METRICS[hist_metric]} histogram"):
-        clip = by_stage.loc[data.LATENCY_METRICS[hist_metric], "p99 (s)"] \
+        clip = by_stage.loc[data.LATENCY_METRICS[hist_metric], "p95 (s)"] \
             if data.LATENCY_METRICS[hist_metric] in by_stage.index else None
-        full = st.toggle("Include the slowest 1%", key=f"hist_full_{hist_metric}", value=False)
+        full = st.toggle("Spread out the slowest 5%", key=f"hist_full_{hist_metric}", value=False)
         bins = data.histogram(f, hist_metric, None if full else clip)
         if bins.empty:
             ui.empty(f"{data.LATENCY_METRICS[hist_metric]} values", NO_REQUESTS)
         else:
-            note = "" if full else " (up to p99; slower requests in the last bar)"
+            note = "" if full else " (to p95; slower ones in the last bar)"
             st.altair_chart(charts.histogram(bins, title=f"{data.LATENCY_METRICS[hist_metric]} distribution{note}",
                                              x_title="seconds"), width="stretch")
 

@@ -14,14 +14,15 @@ with ui.guarded("Headline numbers"):
     t = data.totals(f)
     cols = st.columns(6)
     cols[0].metric("Requests", f"{t['requests']:,}", help="requests that left the engine in the window")
-    cols[1].metric("Throughput", f"{t['requests_per_s']:.2f} req/s")
-    cols[2].metric("Output tokens", f"{ui.fmt_num(t['output_tokens_per_s'])} tok/s")
-    cols[3].metric("TTFT p50 / p99", f"{ui.fmt_s(t['ttft_p50'])} / {ui.fmt_s(t['ttft_p99'])}")
-    cols[4].metric("TPOT p50 / p99", f"{ui.fmt_s(t['tpot_p50'])} / {ui.fmt_s(t['tpot_p99'])}")
+    cols[1].metric("Requests/s", f"{t['requests_per_s']:.2f}")
+    cols[2].metric("Output tokens/s", ui.fmt_num(t["output_tokens_per_s"]))
+    cols[3].metric("TTFT p99", ui.fmt_s(t["ttft_p99"]), help="time to first token, finished requests")
+    cols[3].caption(f"p50 {ui.fmt_s(t['ttft_p50'])}")
+    cols[4].metric("TPOT p99", ui.fmt_s(t["tpot_p99"]), help="decode time per output token after the first")
+    cols[4].caption(f"p50 {ui.fmt_s(t['tpot_p50'])}")
     failed = t["failed"] + t["rejected"] + t["aborted"]
-    cols[5].metric("Not finished", f"{failed:,}", help="failed, rejected or aborted requests",
-                   delta=f"{failed / t['requests']:.1%} of requests" if t["requests"] else None,
-                   delta_color="inverse" if failed else "off")
+    cols[5].metric("Not finished", f"{failed:,}", help="failed, rejected or aborted requests")
+    cols[5].caption(f"{failed / t['requests']:.1%} of requests" if t["requests"] else "no requests")
 
 with ui.guarded("Firing alerts"):
     alerts = data.alert_states(f.db_url)
@@ -67,17 +68,16 @@ with left, ui.guarded("Throughput"):
     else:
         long = tp.melt(id_vars=["instance", "time"], value_vars=["prefill tok/s", "decode tok/s"],
                        var_name="kind", value_name="tokens/s")
-        long["series"] = long["instance"] + " · " + long["kind"]
-        st.altair_chart(charts.lines(long, y="tokens/s", color="series", title="Engine throughput",
+        st.altair_chart(charts.lines(long, y="tokens/s", color="instance", dash="kind", title="Engine throughput",
                                      y_title="tokens/s"), width="stretch")
 with right, ui.guarded("Queue and running"):
     g = data.gauges(f, ("queue_depth", "running"))
     if g.empty:
         ui.empty("queue samples", "Engines sample queue depth and running sequences every telemetry interval.")
     else:
-        g["series"] = g["instance"] + " · " + g["series"].str.replace("_", " ")
-        st.altair_chart(charts.lines(g, y="value", color="series", title="Queue depth and running sequences",
-                                     y_title="requests"), width="stretch")
+        g["series"] = g["series"].str.replace("_", " ")
+        st.altair_chart(charts.lines(g, y="value", color="instance", dash="series", y_title="requests",
+                                     title="Queue depth and running sequences"), width="stretch")
 
 left, right = st.columns(2)
 with left, ui.guarded("KV usage"):

@@ -28,7 +28,9 @@ with ui.guarded("Studies"):
     cols[0].metric("Trials", len(trials))
     cols[1].metric("Complete", len(complete))
     cols[2].metric("Pruned / failed", int(trials["state"].isin(["PRUNED", "FAIL"]).sum()))
-    cols[3].metric("Objectives", " · ".join(f"{o} ({d})" for o, d in zip(s.objectives, s.directions, strict=True)))
+    cols[3].metric("Pareto-optimal" if len(s.objectives) > 1 else "Objectives",
+                   len(s.pareto_numbers) if len(s.objectives) > 1 else 1)
+    st.caption("Objectives: " + " · ".join(f"**{o}** ({d})" for o, d in zip(s.objectives, s.directions, strict=True)))
 
     st.dataframe(trials, hide_index=True, width="stretch",
                  column_config={o: st.column_config.NumberColumn(format="%.5g") for o in s.objectives})

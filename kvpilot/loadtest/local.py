@@ -23,7 +23,7 @@ import yaml
 TINY_ENGINE: dict = {
     "device": "cpu",
     "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "max_position": 1024},
-    "warmup": {"requests": 0},
+    "warmup": {"requests": 8},  # a served engine is warm; --cold-start measures the difference
     "telemetry": {"sink": "none"},
 }
 
@@ -96,7 +96,11 @@ def start_engine(config: dict, *, workdir: Path | None = None, timeout_s: float 
     cfg_path = workdir / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log_path = workdir / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the child runs in `workdir`; keep this checkout importable there (editable installs list packages
+    # as they were at install time)
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvpilot.cli", "engine", "serve", "--config", str(cfg_path), "--log-level",

@@ -9,6 +9,7 @@ was killed after COMMIT) is stored once. A batch is retried with backoff until `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -125,10 +126,8 @@ class Publisher:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self.flush_once()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.flush_interval_s)
-            except TimeoutError:
-                pass
 
     async def drain(self, timeout_s: float) -> bool:
         """Send everything left, retrying until `timeout_s`; True when nothing is left unacknowledged."""

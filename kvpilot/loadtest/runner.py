@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RunOptions:
-    client: ClientOptions = ClientOptions()
+    client: ClientOptions = field(default_factory=ClientOptions)
     max_concurrency: int | None = None
     scrape_interval_s: float = 0.5
     collector_url: str | None = None
@@ -160,7 +160,8 @@ async def _at(t0: float, action: TimedAction, log_to: list[dict]) -> None:
         await asyncio.sleep(wait)
     started = time.perf_counter() - t0
     await action.action()
-    log_to.append({"action": action.name, "at_s": round(started, 3), "took_s": round(time.perf_counter() - t0 - started, 3)})
+    took = time.perf_counter() - t0 - started
+    log_to.append({"action": action.name, "at_s": round(started, 3), "took_s": round(took, 3)})
 
 
 def _progress(total: int, enabled: bool):  # type: ignore[no-untyped-def]

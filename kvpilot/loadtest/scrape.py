@@ -7,6 +7,7 @@ does not expose one of them leaves it None, and the criterion that needs it is r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ WANTED = {
     "kvpilot_telemetry_events_sent_total": "telemetry_sent",
     "kvpilot_telemetry_queue_events": "telemetry_queued",
     "kvpilot_telemetry_spool_bytes": "telemetry_spool_bytes",
+    "kvpilot_telemetry_send_retries_total": "telemetry_retries",
 }
 
 
@@ -91,10 +93,8 @@ class Scraper:
     async def run(self) -> None:
         while not self._stop.is_set():
             await self.scrape_once()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.interval_s)
-            except TimeoutError:
-                pass
 
     def stop(self) -> None:
         self._stop.set()

@@ -17,7 +17,7 @@ from kvpilot.loadtest.capacity import measure_capacity
 from kvpilot.loadtest.client import ClientOptions
 from kvpilot.loadtest.coldstart import measure_cold_start
 from kvpilot.loadtest.local import load_engine_config, start_engine
-from kvpilot.loadtest.plan import PlannedRequest, PlanError, PlanOptions
+from kvpilot.loadtest.plan import PlanError, PlannedRequest, PlanOptions
 from kvpilot.loadtest.runner import RunOptions, run_load
 from kvpilot.loadtest.trace import load_trace
 
@@ -43,7 +43,7 @@ class LoadTestSpec:
     timeout_s: float = 60.0
     max_concurrency: int | None = None
     windows: int = 5
-    p99_metric: str = "e2e"
+    p99_metric: str = "tpot"
     collector_url: str | None = None
     collector_token: str | None = None
     run_id: str | None = None

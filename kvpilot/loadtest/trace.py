@@ -12,7 +12,7 @@ import csv
 from datetime import datetime
 from pathlib import Path
 
-from kvpilot.loadtest.plan import PlannedRequest, PlanError, _clip
+from kvpilot.loadtest.plan import PlanError, PlannedRequest, _clip
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 

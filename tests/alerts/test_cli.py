@@ -47,3 +47,40 @@ def test_silence_roundtrip(sqlite_url):
     assert silence_id not in runner.invoke(app, ["alerts", "silence", "list", "--db", sqlite_url]).output
     bad = runner.invoke(app, ["alerts", "silence", "add", "no-operator", "--db", sqlite_url])
     assert bad.exit_code == 2 and "bad matcher" in bad.output
+
+
+def test_run_serves_the_api(sqlite_url):
+    """`kvpilot alerts run --api-port`: silences posted over HTTP are what `kvpilot alerts silence list` shows."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+
+    from alerts.alertmanager import rfc3339
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done: dict = {}
+    thread = threading.Thread(target=lambda: done.setdefault("result", runner.invoke(app, [
+        "alerts", "run", "--db", sqlite_url, "--api-port", str(port), "--api-token", "tok", "--duration-s", "3"])))
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if httpx.get(f"{url}/-/healthy", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline and thread.is_alive(), done
+            time.sleep(0.05)
+    now = time.time()
+    body = {"matchers": [{"name": "alertname", "value": "MemoryPressure", "isRegex": False}],
+            "startsAt": rfc3339(now), "endsAt": rfc3339(now + 600), "createdBy": "api", "comment": "via HTTP"}
+    assert httpx.post(f"{url}/api/v2/silences", json=body, timeout=5).status_code == 401
+    created = httpx.post(f"{url}/api/v2/silences", json=body, headers={"Authorization": "Bearer tok"}, timeout=5)
+    silence_id = created.json()["silenceID"]
+    thread.join(15)
+    assert not thread.is_alive() and done["result"].exit_code == 0, done["result"].output
+    assert silence_id in runner.invoke(app, ["alerts", "silence", "list", "--db", sqlite_url]).output

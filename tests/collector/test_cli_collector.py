@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import evfactory as ev
 from sqlalchemy import text
 from typer.testing import CliRunner
 
 from collector.db import head_revision, make_engine
 from kvpilot.cli_collector import collector_app, db_app
+from tests.collector import evfactory as ev
 
 runner = CliRunner()
 

@@ -204,3 +204,22 @@ def test_from_config() -> None:
     s = HttpSink.from_config(cfg)
     assert s.batch_size == 7 and s.endpoint == "http://127.0.0.1:1/v1/ingest"
     s.close(timeout_s=0.2)
+
+
+def test_one_sink_per_spool_directory(fake: FakeCollector, tmp_path: Path) -> None:
+    from engine.http_sink import SpoolLockedError
+
+    first = make_sink(fake, spool_dir=tmp_path)
+    with pytest.raises(SpoolLockedError, match=r"own telemetry\.spool_dir"):
+        make_sink(fake, spool_dir=tmp_path)
+    first.close()
+    make_sink(fake, spool_dir=tmp_path).close()  # released on close
+
+
+def test_from_config_spools_per_instance(tmp_path: Path) -> None:
+    from engine.config import TelemetryConfig
+
+    cfg = TelemetryConfig(sink="http", instance="gpu/0", collector_url="http://127.0.0.1:1", spool_dir=str(tmp_path))
+    s = HttpSink.from_config(cfg)
+    assert isinstance(s.spool, DiskSpool) and s.spool.dir == tmp_path / "gpu_0"
+    s.close(timeout_s=0.2)

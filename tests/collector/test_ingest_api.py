@@ -6,7 +6,6 @@ import gzip
 import json
 from collections.abc import Iterator
 
-import evfactory as ev
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
@@ -15,6 +14,7 @@ from collector.db import make_engine
 from collector.schema import IngestBatch, RequestRow, SampleRow, StepRow
 from collector.server import create_app
 from collector.settings import CollectorSettings
+from tests.collector import evfactory as ev
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

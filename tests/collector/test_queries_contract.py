@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 
-import evfactory as ev
 import pytest
 from sqlalchemy import Engine, insert
 
@@ -13,6 +12,7 @@ from collector import queries as q
 from collector.ingest import parse_batch, store_batch
 from collector.schema import ScrapeTarget, SeriesPoint
 from collector.series import labels_json
+from tests.collector import evfactory as ev
 
 T0 = ev.T0
 

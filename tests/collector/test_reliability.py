@@ -10,7 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-import evfactory as ev
 import httpx
 import pytest
 from sqlalchemy import text
@@ -19,6 +18,7 @@ from collector.db import make_engine
 from collector.server import CollectorProcess, free_port, start_subprocess
 from collector.settings import CollectorSettings
 from engine.http_sink import HttpSink
+from tests.collector import evfactory as ev
 
 TOKEN = "reliable"
 

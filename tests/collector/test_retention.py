@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import evfactory as ev
 import pytest
 from sqlalchemy import Engine, func, insert, select
 
@@ -10,6 +9,7 @@ from collector import queries as q
 from collector.ingest import parse_batch, store_batch
 from collector.retention import DAY, prune
 from collector.schema import DownsampledPoint, IngestBatch, RequestRow, SampleRow, SeriesPoint, StepRow
+from tests.collector import evfactory as ev
 
 OLD = (ev.T0 // 60 + 1) * 60  # a minute boundary
 NOW = OLD + 30 * DAY

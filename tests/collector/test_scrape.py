@@ -6,6 +6,7 @@ import http.server
 import json
 import threading
 from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 from sqlalchemy import Engine, insert
@@ -123,9 +124,9 @@ def test_kvpilot_names_keep_their_labels() -> None:
 
 
 class _Exporter(http.server.BaseHTTPRequestHandler):
-    pages: dict[str, tuple[int, str]] = {}
+    pages: ClassVar[dict[str, tuple[int, str]]] = {}
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         status, body = self.pages.get(self.path, (404, "not found"))
         data = body.encode()
         self.send_response(status)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import threading
 
-import evfactory as ev
 import pytest
 from sqlalchemy import Engine, func, select
 
 from collector.errors import IdempotencyConflictError
 from collector.ingest import BatchTooLargeError, BatchValidationError, parse_batch, store_batch
 from collector.schema import AllocRow, IngestBatch, Instance, RequestRow, Run, SampleRow, StepRow
+from tests.collector import evfactory as ev
 
 
 def _count(engine: Engine, model) -> int:  # type: ignore[no-untyped-def]
@@ -115,3 +115,31 @@ def test_instances_and_runs_are_upserted_with_first_and_last_seen(db_engine: Eng
     assert inst["e0"] == (ev.T0 + 5, ev.T0 + 20)
     assert inst["e1"] == (ev.T0 + 1, ev.T0 + 1)
     assert runs == {("e0", "r1"): ev.T0 + 20, ("e0", "r2"): ev.T0 + 9, ("e1", "r1"): ev.T0 + 1}
+
+
+@pytest.mark.parametrize(
+    ("event", "loc"),
+    [
+        (ev.request(0, prompt_tokens=2**31), "events[0].prompt_tokens"),
+        (ev.sample(0, memory_used_bytes=2**63), "events[0].memory_used_bytes"),
+        (ev.request(0, finish_reason="x" * 65), "events[0].finish_reason"),
+        (ev.sample(0, source="s" * 65), "events[0].source"),
+    ],
+)
+def test_values_no_column_can_hold_are_422_not_5xx(event: dict, loc: str) -> None:
+    with pytest.raises(BatchValidationError) as info:
+        parse_batch(ev.body([event]), max_events=10)
+    assert info.value.errors[0]["loc"] == loc
+
+
+def test_values_at_the_column_limits_are_stored(db_engine: Engine) -> None:
+    edge = [
+        ev.request(0, prompt_tokens=2**31 - 1, request_id="r" * 200, finish_reason="f" * 64),
+        ev.sample(1, memory_used_bytes=2**63 - 1, memory_total_bytes=2**63 - 1, source="s" * 64),
+        ev.step(2, step=2**63 - 1, kv_blocks_total=2**63 - 1),
+    ]
+    result = _ingest(db_engine, edge, "edges")
+    assert result.events == 3
+    with db_engine.connect() as conn:
+        assert conn.execute(select(SampleRow.memory_used_bytes)).scalar_one() == 2**63 - 1
+        assert conn.execute(select(RequestRow.prompt_tokens)).scalar_one() == 2**31 - 1

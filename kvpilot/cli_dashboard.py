@@ -1,0 +1,112 @@
+"""`kvpilot dashboard`: the Streamlit app (`streamlit run dashboard/app.py` underneath), and a programmatic start.
+
+    proc = start_dashboard("sqlite:///kvpilot-data/kvpilot.db", port=8501)
+    wait_until_healthy("http://127.0.0.1:8501")   # raises TimeoutError with the dashboard's output
+    ...
+    proc.terminate(); proc.wait()
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+
+def app_path() -> Path:
+    """dashboard/app.py wherever the `dashboard` package is installed (a checkout or site-packages)."""
+    spec = importlib.util.find_spec("dashboard")
+    if spec is not None and spec.origin is not None:
+        return Path(spec.origin).resolve().parent / "app.py"
+    return Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+
+
+def dashboard_command(*, port: int, host: str, headless: bool) -> list[str]:
+    """The streamlit command line: no file watcher, no usage stats, nothing opened unless asked."""
+    return [
+        sys.executable, "-m", "streamlit", "run", str(app_path()),
+        "--server.headless", "true" if headless else "false",
+        "--browser.gatherUsageStats", "false",
+        "--server.port", str(port),
+        "--server.address", host,
+        "--server.fileWatcherType", "none",
+        "--server.runOnSave", "false",
+        "--global.developmentMode", "false",
+        "--client.toolbarMode", "minimal",
+    ]
+
+
+def _env(db_url: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if db_url:
+        env["KVPILOT_DB_URL"] = db_url
+    return env
+
+
+def dashboard_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"http://{shown}:{port}"
+
+
+def start_dashboard(db_url: str | None, port: int = 8501, *, host: str = "127.0.0.1", headless: bool = True,
+                    log_path: str | Path | None = None) -> subprocess.Popen:
+    """Start the dashboard in the background (the demo's entry point); output goes to `log_path` or is dropped."""
+    if not app_path().is_file():
+        raise FileNotFoundError(f"dashboard app not found at {app_path()}")
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    try:
+        return subprocess.Popen(dashboard_command(port=port, host=host, headless=headless), env=_env(db_url),
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    finally:
+        if log_path:
+            out.close()
+
+
+def wait_until_healthy(base_url: str, *, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll Streamlit's /_stcore/health until it answers ok; fail fast if `proc` exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"dashboard exited with status {proc.returncode} before becoming healthy")
+        try:
+            response = httpx.get(f"{base_url}/_stcore/health", timeout=2.0)
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = str(exc)
+        time.sleep(0.25)
+    raise TimeoutError(f"dashboard at {base_url} not healthy after {timeout_s:.0f} s ({last})")
+
+
+def dashboard_cmd(
+    db_url: str | None = typer.Option(
+        None, "--db-url", help="database URL (default: KVPILOT_DB_URL or ./kvpilot-data/kvpilot.db)"),
+    port: int = typer.Option(8501, help="port to listen on"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 to share on the network)"),
+    headless: bool = typer.Option(True, "--headless/--open", help="--open also opens a browser tab"),
+) -> None:
+    """Open the dashboard: latency by stage, KV memory, alerts, tuning proposals and scrape targets."""
+    typer.echo(f"kvpilot dashboard on {dashboard_url(host, port)} (Ctrl-C to stop)")
+    proc = subprocess.Popen(dashboard_command(port=port, host=host, headless=headless), env=_env(db_url))
+    # A service manager (or a test) stops us with SIGTERM: pass it on, so Streamlit is not left orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    raise typer.Exit(code if code >= 0 else 0)

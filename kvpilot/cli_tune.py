@@ -1,0 +1,442 @@
+"""`kvpilot tune ...` (studies, nightly proposals, apply/review) and `kvpilot sim ...` (calibrate, what-if).
+
+Bad input exits 2 with `error: <field>: <message>`; a failure while running (database down, engine
+refusing a config) exits 1. Nothing is written before the input has been validated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+
+tune_app = typer.Typer(no_args_is_help=True)
+sim_app = typer.Typer(no_args_is_help=True)
+proposals_app = typer.Typer(no_args_is_help=True)
+tune_app.add_typer(proposals_app, name="proposals", help="List and review tuning proposals.")
+
+log = logging.getLogger("kvpilot.cli.tune")
+
+
+def _db_url(value: str | None) -> str:
+    from collector.settings import CollectorSettings
+
+    return value or CollectorSettings().db_url
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """Known failures -> a one-line message and an exit code (2 bad input, 1 runtime)."""
+    from collector.errors import CollectorError, SchemaOutdatedError
+    from engine.config import ConfigError
+    from tuner.profile import ProfileError
+    from tuner.proposals import ApplyError, ProposalError
+    from tuner.space import SpaceError
+    from tuner.workloads import WorkloadError
+
+    try:
+        yield
+    except (ConfigError, ProfileError, SpaceError, WorkloadError, ProposalError, SchemaOutdatedError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (ApplyError, CollectorError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _output_range(value: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"output_range: expected LOW,HIGH, got {value!r}") from None
+    return lo, hi
+
+
+def _options(requests: int, scale: float, output_range: str, load: float | None, duration: float | None,
+             time_scale: float, length_scale: float, hours: float):  # type: ignore[no-untyped-def]
+    from tuner.workloads import WorkloadOptions
+
+    return WorkloadOptions(requests=requests, scale=scale, output_range=_output_range(output_range), load=load,
+                           duration_s=duration, time_scale=time_scale, length_scale=length_scale,
+                           hours=hours).validate()
+
+
+def _slo(ttft: float, tpot: float, p99_e2e: float | None, max_rejection: float, max_oom: int):  # type: ignore[no-untyped-def]
+    from tuner.metrics import SLO
+
+    try:
+        return SLO(ttft_s=ttft, tpot_s=tpot, p99_e2e_s=p99_e2e, max_rejection_rate=max_rejection,
+                   max_oom=max_oom).validate()
+    except ValueError as exc:
+        raise ValueError(f"slo: {exc}") from None
+
+
+def _emit(data: Any, json_path: Path | None) -> None:
+    text = json.dumps(data, indent=2, default=str)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(text + "\n")
+    typer.echo(text)
+
+
+# Shared options
+DbOpt = typer.Option(None, "--db-url", envvar="KVPILOT_DB_URL", help="kvpilot database (default: collector settings)")
+ProfileOpt = typer.Option("cpu-2core", "--profile", help="cost profile: a shipped name or a JSON file")
+ConfigOpt = typer.Option(None, "--config", help="current EngineConfig YAML (default: the profile's defaults)")
+WorkloadOpt = typer.Option("mixed", "--workload", help="mixed | burst | sustained | trace:FILE | collector")
+RequestsOpt = typer.Option(200, "--requests", help="requests per workload (at most)")
+ScaleOpt = typer.Option(4.0, "--scale", help="divide the mix's prompt lengths (4: CPU size, 1: seed size)")
+OutRangeOpt = typer.Option("16,256", "--output-range", help="output tokens LOW,HIGH of scenario requests")
+LoadOpt = typer.Option(None, "--load", help="arrival rate as a multiple of the default config's capacity")
+DurationOpt = typer.Option(None, "--duration", help="burst/sustained/trace length in seconds")
+TimeScaleOpt = typer.Option(1.0, "--time-scale", help="trace/collector: 2.0 replays twice as fast")
+LengthScaleOpt = typer.Option(1.0, "--length-scale", help="trace/collector: divide token counts")
+HoursOpt = typer.Option(24.0, "--hours", help="collector workload: fit the last N hours")
+TtftOpt = typer.Option(1.0, "--ttft-slo", help="TTFT SLO, seconds (goodput and p99 constraint)")
+TpotOpt = typer.Option(0.1, "--tpot-slo", help="time per output token SLO, seconds")
+E2eOpt = typer.Option(None, "--p99-e2e-slo", help="optional constraint on p99 end-to-end latency, seconds")
+RejOpt = typer.Option(0.01, "--max-rejection-rate", help="constraint: share of requests refused at admission")
+OomOpt = typer.Option(0, "--max-oom", help="constraint: failed KV allocations per trial")
+VerboseOpt = typer.Option(False, "--verbose", "-v", help="log progress details")
+
+
+@tune_app.command("study")
+def study_cmd(
+    trials: int = typer.Option(40, "--trials", help="trials in the study (and in the random baseline)"),
+    backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
+    sampler: str = typer.Option("tpe", "--sampler", help="tpe | random"),
+    multi_objective: bool = typer.Option(False, "--multi-objective", help="throughput vs p99, Pareto front"),
+    random_baseline: bool = typer.Option(True, "--random-baseline/--no-random-baseline"),
+    study_name: str | None = typer.Option(None, "--study-name", help="join or resume this study (parallel workers)"),
+    space: Path | None = typer.Option(None, "--space", help="search space YAML (default tuner/space.yml)"),
+    config: Path | None = ConfigOpt,
+    profile: str = ProfileOpt,
+    workload: str = WorkloadOpt,
+    requests: int = RequestsOpt,
+    scale: float = ScaleOpt,
+    output_range: str = OutRangeOpt,
+    load: float | None = LoadOpt,
+    duration: float | None = DurationOpt,
+    time_scale: float = TimeScaleOpt,
+    length_scale: float = LengthScaleOpt,
+    hours: float = HoursOpt,
+    instance: str | None = typer.Option(None, "--instance", help="collector/live: the engine instance"),
+    ttft_slo: float = TtftOpt,
+    tpot_slo: float = TpotOpt,
+    p99_e2e_slo: float | None = E2eOpt,
+    max_rejection_rate: float = RejOpt,
+    max_oom: int = OomOpt,
+    seed: int = typer.Option(0, "--seed"),
+    db_url: str | None = DbOpt,
+    storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL",
+                                       help="Optuna storage URL (default: next to the kvpilot database)"),
+    engine_url: str | None = typer.Option(None, "--engine-url", help="live: the engine's base URL"),
+    admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
+    window: float = typer.Option(30.0, "--window", help="live: seconds observed per trial"),
+    settle: float = typer.Option(5.0, "--settle", help="live: seconds after a change before observing"),
+    json_path: Path | None = typer.Option(None, "--json", help="write the summary as JSON"),
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Run (or join) an Optuna study on the simulator, the engine or a live engine."""
+    _setup_logging(verbose)
+    with _errors():
+        import uuid
+
+        from tuner.jobs import BACKENDS, base_config, make_backend, open_db, workload_factory
+        from tuner.profile import load_profile
+        from tuner.report import search_summary
+        from tuner.space import load_space
+        from tuner.storage import open_storage
+        from tuner.study import SAMPLERS, run_study
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: one of {', '.join(BACKENDS)}, got {backend!r}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler: one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        if trials < 1:
+            raise ValueError(f"trials: must be >= 1, got {trials}")
+        live = None
+        if backend == "live":
+            if not engine_url or not instance:
+                raise ValueError("engine_url: the live backend needs --engine-url and --instance")
+            live = {"engine_url": engine_url, "admin_token": admin_token, "instance": instance, "window_s": window,
+                    "settle_s": settle}
+        slo = _slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate, max_oom)
+        opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
+        prof = load_profile(profile)
+        base = base_config(config, prof, backend)
+        sp = load_space(space, base=base)
+        url = _db_url(db_url)
+        db = open_db(url)
+        try:
+            factory, wdesc = workload_factory(workload, opts, profile=prof, base=base, db=db,
+                                              instances=[instance] if instance else None)
+            be = make_backend(backend, profile=prof, workload=factory, db=db, slo=slo, live=live)
+            name = study_name or f"tune-{uuid.uuid4().hex[:8]}"
+            result = run_study(be, sp, base, name=name, trials=trials, slo=slo, storage=open_storage(url,
+                               storage_url=storage), sampler=sampler, seed=seed, workload_seed=seed,
+                               multi_objective=multi_objective, random_baseline=random_baseline)
+        finally:
+            db.dispose()
+        best = result.best
+        summary = {**search_summary(result), "workload": wdesc, "backend": backend,
+                   "best_params": best.params if best else None,
+                   "best_metrics": best.metrics if best else None,
+                   "baseline_metrics": result.baseline.metrics if result.baseline else None}
+        if multi_objective:
+            summary["pareto"] = [{"trial": t.number, "throughput_tps": t.values[0], "e2e_p99_s": t.values[1],
+                                  "params": t.params} for t in result.pareto]
+        _emit(summary, json_path)
+
+
+@tune_app.command("nightly")
+def nightly_cmd(
+    trials: int = typer.Option(40, "--trials"),
+    backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
+    out_dir: Path = typer.Option(Path("kvpilot-data/proposals"), "--out-dir", help="proposal files go here"),
+    workload: str = typer.Option("collector", "--workload", help="collector | mixed | burst | sustained | trace:FILE"),
+    config: Path | None = ConfigOpt,
+    profile: str = ProfileOpt,
+    space: Path | None = typer.Option(None, "--space"),
+    requests: int = RequestsOpt,
+    scale: float = ScaleOpt,
+    output_range: str = OutRangeOpt,
+    load: float | None = LoadOpt,
+    duration: float | None = DurationOpt,
+    time_scale: float = TimeScaleOpt,
+    length_scale: float = LengthScaleOpt,
+    hours: float = HoursOpt,
+    instance: str | None = typer.Option(None, "--instance", help="fit the workload of this instance only"),
+    ttft_slo: float = TtftOpt,
+    tpot_slo: float = TpotOpt,
+    p99_e2e_slo: float | None = E2eOpt,
+    max_rejection_rate: float = RejOpt,
+    max_oom: int = OomOpt,
+    confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="new workload seeds for the confirmation"),
+    min_gain: float = typer.Option(0.02, "--min-gain", help="propose only above this relative goodput gain"),
+    seed: int = typer.Option(0, "--seed"),
+    db_url: str | None = DbOpt,
+    storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL"),
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Collector workload -> study -> confirmation -> a proposal (only if the gain holds)."""
+    _setup_logging(verbose)
+    with _errors():
+        from tuner.nightly import run_nightly
+
+        result = run_nightly(
+            db_url=_db_url(db_url), out_dir=out_dir, trials=trials, backend=backend, profile=profile,
+            workload=workload, options=_options(requests, scale, output_range, load, duration, time_scale,
+                                                length_scale, hours),
+            config_path=config, space_path=space, slo=_slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate,
+                                                           max_oom),
+            seed=seed, confirm_seeds=confirm_seeds, min_gain=min_gain, instance=instance, storage_url=storage,
+        )
+        typer.echo(result.decision)
+        for kind, path in result.files.items():
+            typer.echo(f"  {kind}: {path}")
+        if result.proposal is not None:
+            typer.echo(f"  proposal id {result.proposal.id} (pending): kvpilot tune apply {result.proposal.id}")
+
+
+@tune_app.command("apply")
+def apply_cmd(
+    proposal_id: int = typer.Argument(..., help="proposal id"),
+    engine_url: str = typer.Option("http://127.0.0.1:8000", "--engine-url"),
+    admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
+    db_url: str | None = DbOpt,
+) -> None:
+    """Apply a proposal's tunables to a running engine through /admin/config."""
+    _setup_logging(False)
+    with _errors():
+        from tuner.jobs import open_db
+        from tuner.proposals import apply_proposal
+
+        db = open_db(_db_url(db_url))
+        try:
+            view = apply_proposal(db, proposal_id, engine_url=engine_url, admin_token=admin_token)
+        finally:
+            db.dispose()
+        typer.echo(f"proposal {view.id} applied to {engine_url}")
+
+
+def _review(proposal_id: int, status: str, db_url: str | None) -> None:
+    with _errors():
+        from tuner.jobs import open_db
+        from tuner.proposals import set_status
+
+        db = open_db(_db_url(db_url))
+        try:
+            view = set_status(db, proposal_id, status)
+        finally:
+            db.dispose()
+        typer.echo(f"proposal {view.id}: {view.status}")
+
+
+@proposals_app.command("list")
+def proposals_list(
+    status: str | None = typer.Option(None, "--status", help="pending | accepted | rejected | applied"),
+    limit: int = typer.Option(50, "--limit"),
+    db_url: str | None = DbOpt,
+) -> None:
+    with _errors():
+        from tuner.jobs import open_db
+        from tuner.proposals import list_proposals
+
+        db = open_db(_db_url(db_url))
+        try:
+            rows = list_proposals(db, status=status, limit=limit)
+        finally:
+            db.dispose()
+        for p in rows:
+            gain = f"{p.gain:+.1%}" if p.gain is not None else "—"
+            typer.echo(f"{p.id:>5}  {p.status:<9} gain {gain:>7}  {p.study_name or ''}")
+        if not rows:
+            typer.echo("no proposals")
+
+
+@proposals_app.command("show")
+def proposals_show(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+    with _errors():
+        from tuner.jobs import open_db
+        from tuner.proposals import get_proposal
+
+        db = open_db(_db_url(db_url))
+        try:
+            p = get_proposal(db, proposal_id)
+        finally:
+            db.dispose()
+        typer.echo(p.report_md)
+        typer.echo(p.config_yaml)
+
+
+@proposals_app.command("accept")
+def proposals_accept(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+    _review(proposal_id, "accepted", db_url)
+
+
+@proposals_app.command("reject")
+def proposals_reject(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+    _review(proposal_id, "rejected", db_url)
+
+
+# --- kvpilot sim ------------------------------------------------------------------------------------
+
+
+@sim_app.command("calibrate")
+def calibrate_cmd(
+    out: Path = typer.Option(Path("tuner/profiles/cpu-2core.json"), "--out", help="profile JSON to write"),
+    name: str = typer.Option("cpu-2core", "--name"),
+    config: Path | None = typer.Option(None, "--config", help="engine config to calibrate (default: CPU bench model)"),
+    quick: bool = typer.Option(False, "--quick", help="a smaller grid"),
+    threads: int | None = typer.Option(1, "--threads", help="torch threads during calibration (recorded)"),
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Run the torch engine over a grid of batch shapes and fit the cost model."""
+    _setup_logging(verbose)
+    with _errors():
+        from tqdm import tqdm
+
+        from engine.config import EngineConfig
+        from tuner.calibrate import calibrate, grid
+
+        cfg = EngineConfig.from_yaml(config) if config is not None else None
+        with tqdm(total=2 * (len(grid(quick)) + 1), desc="calibrate", unit="run") as bar:
+            def progress(msg: str) -> None:
+                bar.set_postfix_str(msg[:40])
+                bar.update(1)
+
+            profile = calibrate(name=name, config=cfg, quick=quick, threads=threads, progress=progress)
+        profile.save(out)
+        typer.echo(f"wrote {out}: {profile.fit.samples} steps, R^2 {profile.fit.r2}, MAPE {profile.fit.mape:.1%}")
+
+
+@sim_app.command("profiles")
+def profiles_cmd() -> None:
+    """List the shipped cost profiles."""
+    with _errors():
+        from tuner.profile import load_profile, shipped_profiles
+
+        for name in shipped_profiles():
+            p = load_profile(name)
+            typer.echo(f"{name:<20} {p.kind:<8} {p.hardware.name} / {p.model.name}")
+
+
+@sim_app.command("run")
+def sim_run_cmd(
+    profile: str = ProfileOpt,
+    config: Path | None = ConfigOpt,
+    set_: list[str] = typer.Option([], "--set", help="override a tunable: section.field=value (repeatable)"),
+    workload: str = WorkloadOpt,
+    requests: int = RequestsOpt,
+    scale: float = ScaleOpt,
+    output_range: str = OutRangeOpt,
+    load: float | None = LoadOpt,
+    duration: float | None = DurationOpt,
+    time_scale: float = TimeScaleOpt,
+    length_scale: float = LengthScaleOpt,
+    hours: float = HoursOpt,
+    ttft_slo: float = TtftOpt,
+    tpot_slo: float = TpotOpt,
+    seed: int = typer.Option(0, "--seed"),
+    db_url: str | None = typer.Option(None, "--db-url", help="store the run here (default: a temporary database)"),
+    json_path: Path | None = typer.Option(None, "--json"),
+    verbose: bool = VerboseOpt,
+) -> None:
+    """What-if: one config on the simulator (e.g. `--profile h200-llama3-8b --set scheduler.max_num_seqs=128`)."""
+    _setup_logging(verbose)
+    with _errors():
+        import uuid
+
+        import yaml
+
+        from collector.db import upgrade
+        from tuner.backends import SimBackend
+        from tuner.jobs import base_config, open_db, workload_factory
+        from tuner.profile import load_profile
+
+        prof = load_profile(profile)
+        base = base_config(config, prof, "sim")
+        patch: dict[str, dict[str, Any]] = {}
+        for item in set_:
+            key, eq, raw = item.partition("=")
+            if not eq or "." not in key:
+                raise ValueError(f"--set: expected section.field=value, got {item!r}")
+            section, field = key.split(".", 1)
+            patch.setdefault(section, {})[field] = yaml.safe_load(raw)
+        cfg = base.with_tunable(patch) if patch else base
+        slo = _slo(ttft_slo, tpot_slo, None, 1.0, 10**9)
+        opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
+        with tempfile.TemporaryDirectory() as tmp:
+            url = db_url or f"sqlite:///{tmp}/sim.db"
+            if db_url is None:
+                upgrade(url)
+            db = open_db(url)
+            try:
+                factory, wdesc = workload_factory(workload, opts, profile=prof, base=cfg, db=db)
+                backend = SimBackend(prof, factory, db, slo)
+                metrics = backend.evaluate(cfg, run_id=f"sim-{uuid.uuid4().hex[:8]}", seed=seed)
+            finally:
+                db.dispose()
+        rep = backend.last_replay
+        _emit({"profile": prof.name, "workload": wdesc, "patch": patch, "metrics": metrics.as_dict(),
+               "simulated_s": rep.duration_s if rep else None, "steps": rep.steps if rep else None,
+               "wall_s": round(backend.sim_seconds, 3)}, json_path)
+
+
+tune_app.command("run", help="Alias of `tune study`.")(study_cmd)

@@ -1,0 +1,123 @@
+"""A real `kvpilot dashboard` on a seeded database, every page loaded by Debian's headless chromium.
+
+Screenshots land in build/screenshots/ (CI keeps them as artifacts). Without chromium on PATH the test is
+skipped with the reason; with KVPILOT_REQUIRE_CHROMIUM=1 (CI) a missing chromium fails it instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpilot.cli_dashboard import dashboard_url, wait_until_healthy
+from tests.dashboard.cdp import chromium_page
+from tests.dashboard.seed import seed_database
+
+REPO = Path(__file__).resolve().parents[2]
+SHOTS = REPO / "build" / "screenshots"
+PAGES = ("overview", "latency", "kv-memory", "alerts", "tuning", "targets")
+# Text the last section of each page shows: the page ran to its end.
+EXPECTED_TEXT = {"overview": "Accelerator utilization", "latency": "Slowest requests", "kv-memory": "Allocation trace",
+                 "alerts": "New silence", "tuning": "Proposal #2", "targets": "Scrape history"}
+# Numbers and names from the seeded data that a reader must see (tests/dashboard/seed.py); outside tables,
+# which draw on a canvas.
+SHOWN = {"overview": ["101", "KvCacheNearlyFull"], "latency": ["3.71 s", "Where the time goes"],
+         "kv-memory": ["32.4%", "peak 59.5%"], "alerts": ["failed: 1 · delivered: 1", "HighTTFT"],
+         "tuning": ["Objectives: ttft_p99_s (minimize)", "max_num_seqs"], "targets": ["connection refused", "vllm-a"]}
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ink(png: Path) -> float:
+    """Fraction of clearly dark pixels: text and chart lines. A loading skeleton or blank page has ~0."""
+    from PIL import Image
+
+    with Image.open(png) as img:
+        hist = img.convert("L").histogram()
+    return sum(hist[:160]) / max(1, sum(hist))
+
+
+@pytest.fixture
+def chromium() -> str:
+    binary = _chromium()
+    if binary is None:
+        reason = "chromium not on PATH (Debian: apt-get install -y chromium)"
+        if os.environ.get("KVPILOT_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(f"KVPILOT_REQUIRE_CHROMIUM=1 but {reason}")
+        pytest.skip(reason)
+    return binary
+
+
+@pytest.mark.timeout(240)
+def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path: Path) -> None:
+    seed_database(sqlite_url)
+    port = _free_port()
+    base = dashboard_url("127.0.0.1", port)
+    log = tmp_path / "dashboard.log"
+    # The real command, as an engineer types it (the console script; `python -m kvpilot.cli` where absent).
+    script = Path(sys.executable).with_name("kvpilot")
+    cli = [str(script)] if script.exists() else [sys.executable, "-m", "kvpilot.cli"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*cli, "dashboard", "--db-url", sqlite_url, "--port", str(port)], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        try:
+            wait_until_healthy(base, timeout_s=90, proc=proc)
+        except (TimeoutError, RuntimeError) as exc:
+            pytest.fail(f"{exc}\n{log.read_text()[-3000:]}")
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        problems = []
+        with chromium_page(chromium, tmp_path / "chromium-profile") as page:
+            for name in PAGES:
+                target = SHOTS / f"{name}.png"
+                target.unlink(missing_ok=True)
+                try:
+                    # The default page (Overview) lives at "/": Streamlit ignores its url_path.
+                    path = "" if name == "overview" else name
+                    text = page.load(f"{base}/{path}", expect=EXPECTED_TEXT[name])
+                except TimeoutError as exc:
+                    problems.append(str(exc))
+                    continue
+                page.screenshot(target, width=1400, height=1000)
+                problems += [f"{name}: {want!r} not shown" for want in SHOWN[name] if want not in text]
+                if "Traceback" in text or "Error:" in text or "Page not found" in text:
+                    problems.append(f"{name}: the page shows an error: {text[:400]!r}")
+                ink = _ink(target)
+                if target.stat().st_size < 20_000 or ink < 0.004:
+                    problems.append(f"{name}: screenshot looks blank ({target.stat().st_size} bytes, ink {ink:.4f})")
+        assert not problems, "\n".join(problems) + f"\n--- dashboard log ---\n{log.read_text()[-3000:]}"
+    finally:
+        proc.terminate()  # `kvpilot dashboard` passes SIGTERM on to Streamlit
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert _stops_answering(base), "Streamlit kept serving after `kvpilot dashboard` was stopped"
+
+
+def _stops_answering(base: str, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{base}/_stcore/health", timeout=1.0)
+        except httpx.HTTPError:
+            return True
+        time.sleep(0.2)
+    return False

@@ -1,0 +1,322 @@
+"""Every page through AppTest on the seeded database: no exception, and the numbers shown are the seed's."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from sqlalchemy import inspect, select
+
+from collector.db import make_engine
+from collector.schema import AlertSilence, Proposal
+from dashboard import ui
+from tests.dashboard.conftest import PAGE_FILES, metrics, no_exception, texts
+from tests.dashboard.seed import OPS, TRIALS, Seed, nearest_rank, pareto_trials, seed_database
+
+
+def _ttfts(seed: Seed, instance: str | None = None) -> list[float]:
+    return [r["ttft_s"] for r in seed.finished(instance)]
+
+
+def test_overview_headline_and_per_instance_numbers(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url)
+    no_exception(at)
+    shown = metrics(at)
+    assert shown["Requests"] == f"{len(seeded.requests):,}"
+    assert shown["TTFT p99"] == ui.fmt_s(nearest_rank(_ttfts(seeded), 0.99))
+    tpots = [r["decode_s"] / (r["output_tokens"] - 1) for r in seeded.finished()]
+    assert shown["TPOT p99"] == ui.fmt_s(nearest_rank(tpots, 0.99))
+    assert shown["Not finished"] == str(sum(r["status"] != "finished" for r in seeded.requests))
+    assert "KvCacheNearlyFull" in texts(at)  # the firing alert, by name
+
+    table = at.dataframe[0].value.set_index("instance")
+    for inst in ("e0", "e1"):
+        assert table.loc[inst, "requests"] == sum(r["instance"] == inst for r in seeded.requests)
+        assert table.loc[inst, "TTFT p99 (s)"] == pytest.approx(nearest_rank(_ttfts(seeded, inst), 0.99))
+        newest = max((s for s in seeded.samples if s["instance"] == inst), key=lambda s: s["ts"])
+        assert table.loc[inst, "KV usage"] == pytest.approx(newest["kv_usage"])
+        assert table.loc[inst, "utilization"] == pytest.approx(newest["utilization"])
+
+
+def test_instance_and_run_filters_narrow_every_number(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url)
+    at.multiselect(key="f_instances").set_value(["e1"]).run()
+    no_exception(at)
+    assert metrics(at)["Requests"] == str(sum(r["instance"] == "e1" for r in seeded.requests))
+    assert metrics(at)["TTFT p99"] == ui.fmt_s(nearest_rank(_ttfts(seeded, "e1"), 0.99))
+    assert list(at.dataframe[0].value["instance"]) == ["e1"]
+    # The firing alert is on e0: filtered to e1 the page says nothing fires (one pending on e1).
+    assert "No alerts firing (1 pending)" in texts(at)
+    assert at.selectbox(key="f_run").options == ["All runs", "r1 · e0, e1 · to 10-09 09:03"]
+
+
+def test_custom_time_range_limits_the_window(seeded: Seed, open_page) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    at = open_page(seeded.url)
+    at.selectbox(key="f_range").set_value("Custom").run()
+    # Minutes (the time inputs step by a minute): 08:54 to 08:56 UTC, inside the seeded run.
+    start = datetime.fromtimestamp(seeded.requests[0]["ts"] + 60, tz=UTC).replace(second=0)
+    end = start + timedelta(minutes=2)
+    at.date_input(key="f_start_date").set_value(start.date())
+    at.time_input(key="f_start_time").set_value(start.time())
+    at.date_input(key="f_end_date").set_value(end.date())
+    at.time_input(key="f_end_time").set_value(end.time()).run()
+    no_exception(at)
+    lo, hi = start.timestamp(), end.timestamp()
+    assert 0 < sum(lo <= r["ts"] < hi for r in seeded.requests) < len(seeded.requests)
+    assert metrics(at)["Requests"] == str(sum(lo <= r["ts"] < hi for r in seeded.requests))
+
+
+def test_relative_range_on_old_data_says_what_to_do(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url)
+    assert at.selectbox(key="f_range").value == "Whole run"  # data older than an hour: the run's span
+    at.selectbox(key="f_range").set_value("Last hour").run()
+    no_exception(at)
+    assert metrics(at)["Requests"] == "0"
+    assert "No engine data" in texts(at) and "widen the time range" in texts(at)
+
+
+def test_latency_page_percentiles_stages_and_slowest(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url, "latency")
+    no_exception(at)
+    finished = seeded.finished()
+    shown = metrics(at)
+    assert shown["TTFT p99"] == ui.fmt_s(nearest_rank(_ttfts(seeded), 0.99))
+    assert shown["End to end p99"] == ui.fmt_s(nearest_rank([r["e2e_s"] for r in finished], 0.99))
+    assert shown["Finished requests"] == str(len(finished))
+    summary = at.dataframe[0].value.set_index("stage")
+    for stage, key in (("Queue", "queue_s"), ("Prefill", "prefill_s"), ("Decode", "decode_s"), ("End to end", "e2e_s")):
+        values = [r[key] for r in finished]
+        assert summary.loc[stage, "requests"] == len(values)
+        assert summary.loc[stage, "mean (s)"] == pytest.approx(statistics.fmean(values))
+        for q in (0.5, 0.9, 0.95, 0.99):
+            assert summary.loc[stage, f"p{round(q * 100)} (s)"] == pytest.approx(nearest_rank(values, q))
+    swaps = sum(r.get("swaps", 0) for r in finished)
+    assert f"swapped {swaps:,}" in texts(at)
+    slowest = at.dataframe[1].value
+    assert slowest.iloc[0]["request_id"] == "e0-slow"
+    assert slowest.iloc[0]["End to end (s)"] == pytest.approx(3.71)
+    assert list(slowest["End to end (s)"]) == sorted(slowest["End to end (s)"], reverse=True)
+
+    at.segmented_control(key="lat_metric").set_value("tpot").run()
+    at.selectbox(key="slow_metric").set_value("ttft").run()
+    no_exception(at)
+    assert at.dataframe[1].value.iloc[0]["TTFT (s)"] == pytest.approx(1.71)
+
+
+def test_kv_memory_page_usage_and_allocation_trace(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url, "kv_memory")
+    no_exception(at)
+    shown = metrics(at)
+    # One sample per instance per bucket: the mean of the bucket averages is the mean of the samples.
+    assert shown["Hot tier usage (mean)"] == ui.fmt_pct(statistics.fmean(s["kv_usage"] for s in seeded.samples))
+    assert shown["External fragmentation (mean)"] == ui.fmt_pct(0.1)
+    for op in set(OPS):
+        assert shown[op] == f"{sum(a['op'] == op for a in seeded.allocs):,}"
+    assert f"all {len(seeded.allocs)} events in the window" in texts(at)
+    trace = at.dataframe[0].value
+    assert len(trace) == len(seeded.allocs)
+    assert list(trace["op"][:3]) == list(OPS[:3])  # time order
+
+
+def test_alerts_page_state_deliveries_and_silences(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url, "alerts")
+    no_exception(at)
+    shown = metrics(at)
+    assert (shown["Firing"], shown["Pending"], shown["Active silences"]) == ("1", "1", "1")
+    states = at.dataframe[0].value
+    assert list(states["alertname"]) == ["KvCacheNearlyFull", "HighTTFT"]  # firing first
+    assert list(states["silenced"]) == [False, True]  # the seeded silence matches HighTTFT
+    history = at.dataframe[1].value
+    assert set(history["receiver"]) == {"team", "pager"} and set(history["alertname"]) == {"KvCacheNearlyFull"}
+    deliveries = at.dataframe[2].value.set_index("id")
+    assert deliveries.loc[2, "status"] == "failed" and deliveries.loc[2, "attempts"] == 3
+    assert deliveries.loc[2, "last_error"] == "HTTP 500 from receiver"
+    attempts = at.dataframe[3].value  # of the newest delivery, #2
+    assert list(attempts["outcome"]) == ["retry", "retry", "failed"]
+
+
+def test_creating_and_expiring_a_silence_writes_through_alerts(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url, "alerts")
+    at.text_area(key="silence_matchers").set_value('alertname=KvCacheNearlyFull\ninstance=~"e.*"')
+    at.text_input(key="silence_comment").set_value("resizing the cache")
+    next(b for b in at.button if b.label == "Create silence").click().run()
+    no_exception(at)
+    assert metrics(at)["Active silences"] == "2"
+    assert list(at.dataframe[0].value["silenced"]) == [True, True]
+    engine = make_engine(seeded.url)
+    with engine.connect() as conn:
+        created = conn.execute(select(AlertSilence).where(AlertSilence.comment == "resizing the cache")).one()
+    assert [m["name"] for m in created.matchers] == ["alertname", "instance"]
+    assert created.ends_at - created.starts_at == pytest.approx(2 * 3600)
+
+    at.selectbox(key="silence_expire_pick").set_value(created.id)
+    at.button(key="silence_expire").click().run()
+    no_exception(at)
+    assert metrics(at)["Active silences"] == "1"
+    with engine.connect() as conn:
+        row = conn.execute(select(AlertSilence).where(AlertSilence.id == created.id)).one()
+    engine.dispose()
+    assert row.ends_at <= row.updated_at  # expired now
+
+
+def test_bad_matcher_is_refused_with_the_reason(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url, "alerts")
+    at.text_area(key="silence_matchers").set_value("not a matcher")
+    next(b for b in at.button if b.label == "Create silence").click().run()
+    no_exception(at)
+    assert "Silence not created: bad matcher 'not a matcher'" in texts(at)
+    assert metrics(at)["Active silences"] == "1"
+
+
+def test_tuning_page_study_pareto_and_proposal_diff(seeded: Seed, open_page) -> None:
+    pytest.importorskip("optuna")
+    at = open_page(seeded.url, "tuning")
+    no_exception(at)
+    shown = metrics(at)
+    assert shown["Trials"] == "8" and shown["Complete"] == "8"
+    assert shown["Pareto-optimal"] == str(len(pareto_trials()))
+    trials = at.dataframe[1].value
+    assert list(trials["ttft_p99_s"]) == pytest.approx([t[2] for t in TRIALS])
+    # The newest proposal (#2, pending) against the last applied one (#1).
+    assert "Compared with the last applied proposal #1." in texts(at)
+    changes = next(d.value for d in at.dataframe if "setting" in d.value.columns)
+    assert dict(zip(changes["setting"], zip(changes["running"], changes["proposed"], strict=True), strict=True)) == {
+        "scheduler.max_num_seqs": ("64", "96"), "cache.block_size": ("32", "16")}
+    comparison = next(d.value for d in at.dataframe if "change %" in d.value.columns).set_index("metric")
+    assert comparison.loc["throughput_tok_s", "change %"] == pytest.approx(25.0)
+    assert comparison.loc["ttft_p99_s", "change"] == pytest.approx(-0.03)
+
+
+def test_accepting_a_proposal_updates_its_status(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url, "tuning")
+    at.button(key="accept_2").click().run()
+    no_exception(at)
+    engine = make_engine(seeded.url)
+    with engine.connect() as conn:
+        status = conn.execute(select(Proposal.status).where(Proposal.id == 2)).scalar_one()
+    engine.dispose()
+    assert status == "accepted"
+    assert "This proposal is accepted" in texts(at)
+    assert not [b for b in at.button if b.key in ("accept_2", "reject_2")]
+
+
+def test_proposal_decision_is_compare_and_set(seeded: Seed) -> None:
+    from dashboard import data
+
+    assert data.set_proposal_status(seeded.url, 2, "rejected") is True
+    assert data.set_proposal_status(seeded.url, 2, "accepted") is False  # already decided
+    assert data.set_proposal_status(seeded.url, 1, "accepted") is False  # applied, not pending
+    with pytest.raises(ValueError, match="accepted or rejected"):
+        data.set_proposal_status(seeded.url, 2, "applied")
+
+
+def test_targets_page_health(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url, "targets")
+    no_exception(at)
+    shown = metrics(at)
+    assert (shown["Targets"], shown["Up"], shown["Down"]) == ("2", "1", "1")
+    assert "is down: connection refused" in texts(at)
+    table = at.dataframe[0].value.set_index("instance")
+    assert table.loc["gpu-b", "health"] == "🔴 down" and table.loc["vllm-a", "health"] == "🟢 up"
+
+
+@pytest.mark.parametrize("page", list(PAGE_FILES))
+def test_every_page_on_an_empty_database_explains_what_to_do(page: str, sqlite_url: str, open_page) -> None:
+    at = open_page(sqlite_url, page)
+    no_exception(at)
+    said = texts(at)
+    assert "No " in said, said  # each empty state starts "No <what>"
+    assert any(hint in said for hint in ("kvpilot", "Start", "run", "POST")), said
+
+
+def test_missing_database_file_says_how_to_get_one(tmp_path, open_page) -> None:
+    at = open_page(f"sqlite:///{tmp_path}/absent.db")
+    no_exception(at)
+    assert "No database at" in texts(at) and "kvpilot collector serve" in texts(at)
+    assert not (tmp_path / "absent.db").exists()  # the dashboard only reads: it created nothing
+
+
+def test_unmigrated_database_says_run_upgrade(tmp_path, open_page) -> None:
+    path = tmp_path / "empty.db"
+    engine = make_engine(f"sqlite:///{path}")
+    engine.connect().close()
+    engine.dispose()
+    at = open_page(f"sqlite:///{path}")
+    no_exception(at)
+    assert "kvpilot db upgrade" in texts(at)
+
+
+def test_storage_outage_shows_an_error_not_a_traceback(seeded: Seed, open_page, monkeypatch) -> None:
+    from collector.errors import StorageUnavailableError
+    from dashboard import data
+
+    def down(*_a, **_k):
+        raise StorageUnavailableError("connection refused")
+
+    monkeypatch.setattr(data, "latency_summary", down)
+    at = open_page(seeded.url, "latency")
+    no_exception(at)
+    assert "database is unreachable (connection refused)" in texts(at)
+
+
+def test_tuning_page_without_optuna_still_lists_proposals(seeded: Seed, open_page, monkeypatch) -> None:
+    from dashboard import data
+
+    def missing():
+        raise data.DataUnavailable("Optuna is not installed here")
+
+    monkeypatch.setattr(data, "_optuna", missing)
+    at = open_page(seeded.url, "tuning")
+    no_exception(at)
+    assert "Optuna is not installed here" in texts(at)
+    assert "Proposal #2 — pending" in texts(at)
+
+
+def test_tuning_page_without_studies_says_how_to_start_one(sqlite_url: str, open_page) -> None:
+    seed_database(sqlite_url, with_study=False)
+    at = open_page(sqlite_url, "tuning")
+    no_exception(at)
+    assert "No Optuna studies in this database yet" in texts(at)
+    engine = make_engine(sqlite_url)
+    assert not inspect(engine).has_table("studies")  # the dashboard only reads: it created no Optuna tables
+    engine.dispose()
+    assert "Proposal #2 — pending" in texts(at)  # proposals do not need a study
+
+
+def test_refresh_now_shows_new_data_and_auto_refresh_offers_intervals(seeded: Seed, open_page) -> None:
+    from collector.ingest import parse_batch, store_batch
+    from tests.collector import evfactory as ev
+
+    at = open_page(seeded.url)
+    before = int(metrics(at)["Requests"])
+    engine = make_engine(seeded.url)
+    body = ev.body([ev.request(0, ts=seeded.requests[0]["ts"] + 100.5, request_id="late")])
+    store_batch(engine, parse_batch(body, max_events=10), idempotency_key=None, content=body)
+    engine.dispose()
+    at.run()
+    assert int(metrics(at)["Requests"]) == before  # still cached (TTL)
+    at.button(key="f_refresh_now").click().run()
+    assert int(metrics(at)["Requests"]) == before + 1
+
+    at.toggle(key="f_refresh").set_value(True).run()
+    no_exception(at)
+    assert at.selectbox(key="f_refresh_s").options == ["10 s", "30 s", "60 s", "300 s"]
+
+
+@pytest.mark.postgres
+def test_every_page_shows_the_same_numbers_on_postgresql(pg_url: str, sqlite_url: str, open_page) -> None:
+    """One dashboard, two backends: each page's headline numbers agree (Optuna left out: the schema is shared)."""
+    seed_database(pg_url, with_study=False)
+    seed_database(sqlite_url, with_study=False)
+    for page in PAGE_FILES:
+        on_pg = open_page(pg_url, page)
+        no_exception(on_pg)
+        on_sqlite = open_page(sqlite_url, page)
+        shown = metrics(on_pg)
+        assert shown or page == "tuning", page
+        assert ("Proposal #2 — pending" in texts(on_pg)) == (page == "tuning")
+        volatile = {"Up", "Stale / never scraped"}  # relative to now: the two seeds ran a moment apart
+        assert {k: v for k, v in shown.items() if k not in volatile} == {
+            k: v for k, v in metrics(on_sqlite).items() if k not in volatile}, page

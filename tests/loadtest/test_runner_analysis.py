@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvpilot.loadtest.analysis import analyze, counter_increase, fluctuation, percentile
+from kvpilot.loadtest.client import ClientOptions, RequestResult
+from kvpilot.loadtest.plan import PlannedRequest
+from kvpilot.loadtest.runner import RunOptions, RunResult, run_load
+from kvpilot.loadtest.scrape import MetricsSample, parse_metrics
+
+
+def _plan(n: int, spacing: float = 0.01) -> list[PlannedRequest]:
+    return [PlannedRequest(i, i * spacing, 10 + i % 7, 5) for i in range(n)]
+
+
+def test_open_loop_outcomes_against_a_misbehaving_target(fake_engine: tuple[str, dict]) -> None:
+    url, state = fake_engine
+    kinds = {0: "429", 1: "500", 2: "hang", 3: "cut"}
+    state["behaviour"] = lambda body: kinds.get(int(body["request_id"].rsplit("-", 1)[1]) % 10, "ok")
+    opts = RunOptions(client=ClientOptions(timeout_s=1.5, run_id="t"), progress=False, scrape_interval_s=0.1)
+    started = time.monotonic()
+    run = asyncio.run(run_load(url, _plan(40), opts))
+    assert time.monotonic() - started < 10  # the hung requests ended at their timeout
+    by = {r.index: r for r in run.results}
+    assert len(by) == 40 and state["requests"] == 40
+    assert {by[i].outcome for i in range(0, 40, 10)} == {"refused"}
+    assert {by[i].http_status for i in range(1, 40, 10)} == {500}
+    assert {by[i].outcome for i in range(2, 40, 10)} == {"timeout"}
+    assert {by[i].outcome for i in range(3, 40, 10)} == {"error"}
+    ok = [r for r in run.results if r.outcome == "ok"]
+    assert len(ok) == 24 and all(r.output_tokens == 5 and r.ttft_s is not None for r in ok)
+    report = analyze(run, span_s=0.4, windows=2)
+    assert report["requests_refused"] == 4 and report["requests_failed"] == 8 and report["requests_timed_out"] == 4
+    assert report["criteria"]["no_errors"]["passed"] is False
+    assert report["passed"] is False
+    assert report["oom_events"] == 0
+
+
+def test_oom_on_the_target_fails_the_run(fake_engine: tuple[str, dict]) -> None:
+    url, state = fake_engine
+
+    async def go() -> RunResult:
+        async def bump() -> None:
+            await asyncio.sleep(0.3)
+            state["oom"] = 3
+
+        task = asyncio.create_task(bump())
+        run = await run_load(url, _plan(60, 0.01), RunOptions(progress=False, scrape_interval_s=0.1))
+        await task
+        return run
+
+    report = analyze(asyncio.run(go()), span_s=0.6, windows=2)
+    assert report["oom_events"] == 3
+    assert report["criteria"]["no_oom"]["passed"] is False
+    assert report["requests_answered"] == 60
+
+
+def _result(i: int, t: float, e2e: float) -> RequestResult:
+    r = RequestResult(i, f"r-{i}", "medium", 10, 5, scheduled_s=t, start_s=t, end_s=t + e2e, outcome="ok",
+                      output_tokens=5, ttft_s=e2e / 5)
+    return r
+
+
+def _samples(utils: list[float], dt: float = 1.0) -> list[MetricsSample]:
+    return [MetricsSample(i * dt, {"utilization": u, "steps_total": float(i), "oom_total": 0.0})
+            for i, u in enumerate(utils)]
+
+
+@pytest.mark.parametrize(("last_e2e", "stable"), [(0.11, True), (0.13, False), (0.07, False)])
+def test_p99_drift_criterion(last_e2e: float, stable: bool) -> None:
+    results = [_result(i, i * 0.1, 0.1) for i in range(50)] + [_result(50 + i, 5 + i * 0.1, last_e2e)
+                                                              for i in range(50)]
+    run = RunResult(results, _samples([0.8] * 11), 0.0, 10.0, 10.0)
+    report = analyze(run, span_s=10.0, windows=2, metric="e2e")
+    assert report["p99_drift"] == pytest.approx((last_e2e - 0.1) / 0.1, abs=1e-3)
+    assert report["criteria"]["p99_stable"]["passed"] is stable
+    assert report["passed"] is stable
+
+
+def test_utilization_fluctuation_is_cv_of_window_means() -> None:
+    results = [_result(i, i * 0.1, 0.1) for i in range(100)]
+    steady = analyze(RunResult(results, _samples([0.8, 0.82, 0.79, 0.81] * 3), 0.0, 12.0, 10.0), span_s=10.0)
+    assert steady["util_fluctuation"] < 0.15 and steady["criteria"]["util_stable"]["passed"]
+    assert steady["util_fluctuation_method"] == "cv"
+    swing = [0.9] * 6 + [0.3] * 6
+    report = analyze(RunResult(results, _samples(swing), 0.0, 12.0, 10.0), span_s=10.0, windows=2)
+    # window 1 averages the stepping scrapes at t=1..4 (0.9), window 2 those at t=5..11 (0.9 once, 0.3 six times)
+    windows = [0.9, (0.9 + 6 * 0.3) / 7]
+    assert report["util_fluctuation"] == pytest.approx(fluctuation(windows), abs=1e-3)
+    assert report["util_fluctuation"] == pytest.approx(0.4, abs=1e-3)
+    assert report["criteria"]["util_stable"]["passed"] is False
+
+
+def test_unmeasured_criteria_fail_with_a_reason() -> None:
+    results = [_result(i, i * 0.1, 0.1) for i in range(100)]
+    report = analyze(RunResult(results, [], 0.0, 10.0, 10.0), span_s=10.0)
+    assert report["criteria"]["no_oom"]["passed"] is False
+    assert "not exposed" in report["criteria"]["no_oom"]["detail"]
+    assert report["criteria"]["util_stable"]["passed"] is False
+
+
+def test_helpers() -> None:
+    assert percentile([3, 1, 2, 4], 50) == 2 and percentile([], 99) is None
+    assert percentile(list(range(1, 101)), 99) == 99
+    samples = [MetricsSample(i, {"oom_total": v}) for i, v in enumerate([0, 2, 5, 1, 3])]  # reset after 5
+    assert counter_increase(samples, "oom_total") == 5 + 1 + 2
+    text = ("# TYPE kvpilot_oom counter\nkvpilot_oom_total 4.0\n"
+            "# TYPE kvpilot_utilization gauge\nkvpilot_utilization 0.5\n")
+    assert parse_metrics(text) == {"oom_total": 4.0, "utilization": 0.5}

@@ -1,0 +1,90 @@
+"""The live backend against a running engine app: apply, observe through the database, roll back, guard."""
+
+from __future__ import annotations
+
+import threading
+
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from collector.db import make_engine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.server import create_app
+from tuner import workloads as WL
+from tuner.live import LiveBackend
+from tuner.metrics import SLO, store_events
+
+from .conftest import TINY_MODEL
+
+
+class DbSink:
+    """Stands in for engine -> HTTP sink -> collector: request events land in the database at once."""
+
+    def __init__(self, db) -> None:  # type: ignore[no-untyped-def]
+        self.db = db
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def emit(self, event) -> None:  # type: ignore[no-untyped-def]
+        if event.type == "request":
+            with self.lock:
+                self.n += 1
+                store_events(self.db, [event], key_prefix=f"live-{self.n}")
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _setup(sqlite_url: str):  # type: ignore[no-untyped-def]
+    db = make_engine(sqlite_url)
+    cfg = EngineConfig.from_dict({"device": "cpu", "model": dict(TINY_MODEL), "warmup": {"requests": 0},
+                                  "server": {"admin_token": "tok"},
+                                  "telemetry": {"instance": "live-1", "trace_alloc": False}})
+    engine = LLMEngine(cfg, sink=DbSink(db))
+    return db, cfg, create_app(engine, CollectorRegistry()), engine
+
+
+def _workload(seed: int) -> list:
+    return WL.scenario("mixed", 20.0, WL.WorkloadOptions(requests=40, scale=32.0, output_range=(2, 6)), seed=seed)
+
+
+def test_live_trial_applies_observes_and_rolls_back(sqlite_url: str) -> None:
+    db, cfg, app, engine = _setup(sqlite_url)
+    with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
+        backend = LiveBackend(db=db, slo=SLO(ttft_s=2.0, tpot_s=0.5), workload=_workload, engine_url="http://engine",
+                              instance="live-1", window_s=2.0, settle_s=0.3, guard_interval_s=0.5, drive=True,
+                              drive_concurrency=4, ingest_lag_s=0.2, client=client)
+        trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 4}})
+        seen: list[int] = []
+        original = backend._call  # noqa: SLF001 - spy on the PUTs
+
+        def spy(method, path, json=None):  # type: ignore[no-untyped-def]
+            if method == "PUT":
+                seen.append(json["scheduler"]["max_num_seqs"])
+            return original(method, path, json)
+
+        backend._call = spy  # type: ignore[method-assign]
+        metrics = backend.evaluate(trial, run_id="live-t0", seed=0)
+        assert seen == [4, 32]  # applied, then rolled back
+        assert engine.config.scheduler.max_num_seqs == 32
+        assert metrics.requests > 0 and metrics.finished > 0
+    db.dispose()
+
+
+def test_live_guard_ends_a_bad_trial_early(sqlite_url: str) -> None:
+    db, cfg, app, engine = _setup(sqlite_url)
+    with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
+        backend = LiveBackend(db=db, slo=SLO(ttft_s=2.0, tpot_s=0.5), workload=_workload, engine_url="http://engine",
+                              instance="live-1", window_s=6.0, settle_s=0.0, guard_interval_s=0.5,
+                              guard_rejection_rate=0.05, drive=True, drive_concurrency=8, ingest_lag_s=0.2,
+                              client=client)
+        trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 1, "queue_limit": 1}})
+        metrics = backend.evaluate(trial, run_id="live-bad", seed=0)
+        assert backend.aborted_trials == 1 and metrics.window_s < 6.0
+        assert metrics.rejected > 0 and not metrics.feasible(SLO(ttft_s=2.0, tpot_s=0.5))
+        assert engine.config.scheduler.queue_limit == cfg.scheduler.queue_limit
+    db.dispose()

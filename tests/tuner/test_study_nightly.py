@@ -1,0 +1,198 @@
+"""Metrics read back from the database, Optuna studies, the nightly proposal and proposal review."""
+
+from __future__ import annotations
+
+import logging
+
+import optuna
+import pytest
+import yaml
+
+from collector.db import make_engine
+from collector.events import RequestEvent
+from collector.queries import goodput
+from engine.config import EngineConfig
+from tuner import workloads as WL
+from tuner.backends import SimBackend
+from tuner.metrics import SLO, store_events, trial_metrics
+from tuner.nightly import run_nightly
+from tuner.proposals import ProposalError, get_proposal, list_proposals, set_status
+from tuner.space import load_space, space_from_dict
+from tuner.storage import open_storage, optuna_storage_url
+from tuner.study import pareto_front, run_study
+
+from .conftest import SMALL, tiny_profile
+
+SLO_T = SLO(ttft_s=0.3, tpot_s=0.05)
+
+
+def _req(i: int, **kw) -> RequestEvent:  # type: ignore[no-untyped-def]
+    base = {"instance": "e", "run_id": "run-a", "ts": 1_700_000_010.0 + i, "request_id": f"r{i}", "status": "finished",
+            "prompt_tokens": 10, "output_tokens": 11, "queue_s": 0.0, "prefill_s": 0.1, "ttft_s": 0.1,
+            "decode_s": 0.2, "e2e_s": 0.3}
+    return RequestEvent(**{**base, **kw})
+
+
+def test_trial_metrics_come_from_the_collector_queries(db_url: str) -> None:
+    db = make_engine(db_url)
+    events = [
+        _req(0),  # good
+        _req(1, ttft_s=0.5),  # misses TTFT
+        _req(2, decode_s=1.0),  # misses TPOT (0.1 s/token)
+        _req(3, status="rejected", output_tokens=0, ttft_s=None, decode_s=0.0),
+        _req(4, run_id="other"),  # another trial
+    ]
+    store_events(db, events, key_prefix="t")
+    m = trial_metrics(db, run_id="run-a", start=1_700_000_000.0, end=1_700_000_020.0, slo=SLO_T)
+    assert (m.requests, m.finished, m.rejected) == (4, 3, 1)
+    assert m.goodput_tps == pytest.approx(11 / 20.0) and m.throughput_tps == pytest.approx(33 / 20.0)
+    gp = goodput(db, start=1_700_000_000.0, end=1_700_000_020.0, ttft_slo_s=0.3, tpot_slo_s=0.05, group_by="all",
+                 run_id="run-a")
+    assert m.good_fraction == gp[0].fraction == pytest.approx(0.25)
+    assert m.rejection_rate == 0.25
+    cons = m.constraints(SLO_T)
+    assert cons["rejection"] > 0 and not m.feasible(SLO_T)
+    db.dispose()
+
+
+def _backend(db, profile=None, scenario="mixed"):  # type: ignore[no-untyped-def]
+    profile = profile or tiny_profile()
+    return SimBackend(profile, lambda s: WL.scenario(scenario, 6.0, SMALL, seed=s), db, SLO_T)
+
+
+SPACE = {"params": {"scheduler.max_num_seqs": {"choices": [2, 4, 32]},
+                    "scheduler.max_num_batched_tokens": {"choices": [256, 1024]},
+                    "block_policy": {"choices": ["fixed-16", "fixed-32", "dynamic-512-2048"]}}}
+
+
+def test_study_enqueues_the_current_config_and_runs_a_random_baseline(sqlite_url: str) -> None:
+    db = make_engine(sqlite_url)
+    profile = tiny_profile()
+    base = profile.engine_config(None)
+    storage = open_storage(sqlite_url)
+    assert optuna_storage_url(sqlite_url).endswith("kvpilot-optuna.db")
+    result = run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="s1", trials=6, slo=SLO_T,
+                       storage=storage, seed=1, progress=False)
+    first = result.trials[0]
+    assert first.baseline and first.params == {"scheduler.max_num_seqs": 32, "scheduler.max_num_batched_tokens": 1024,
+                                               "block_policy": "fixed-32"}
+    assert len(result.trials) == 6 and result.random is not None and len(result.random.trials) == 6
+    assert result.random.trials[0].baseline
+    assert set(first.constraints) >= {"oom", "rejection", "p99_ttft"}
+    assert result.best is not None and result.best.feasible
+    assert result.best.goodput >= max(t.goodput for t in result.completed if t.feasible)
+    # The study lives in the RDB storage: another worker joins it and tops it up to 8 trials.
+    again = run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="s1", trials=8, slo=SLO_T,
+                      storage=open_storage(sqlite_url), random_baseline=False, progress=False)
+    assert len(again.trials) == 8 and sum(t.baseline for t in again.trials) == 1
+    loaded = optuna.load_study(study_name="s1", storage=open_storage(sqlite_url))
+    assert len(loaded.trials) == 8
+    assert all(t.user_attrs["run_id"].startswith("s1-t") for t in loaded.trials)
+    db.dispose()
+
+
+def test_multi_objective_reports_a_pareto_front(sqlite_url: str) -> None:
+    db = make_engine(sqlite_url)
+    profile = tiny_profile()
+    base = profile.engine_config(None)
+    result = run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="mo", trials=8, slo=SLO_T,
+                       multi_objective=True, random_baseline=False, progress=False)
+    front = result.pareto
+    assert front and all(t.feasible for t in front)
+    feasible = [t for t in result.completed if t.feasible]
+    for t in feasible:  # nothing feasible dominates a front member
+        for f in front:
+            assert not (t.values[0] > f.values[0] and t.values[1] < f.values[1])
+    assert pareto_front(front) == front
+    db.dispose()
+
+
+def test_failed_trials_are_logged_and_marked(sqlite_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    db = make_engine(sqlite_url)
+    base = tiny_profile().engine_config(None)
+
+    class Broken:
+        name = "broken"
+
+        def evaluate(self, config, *, run_id, seed):  # type: ignore[no-untyped-def]
+            raise RuntimeError("engine exploded")
+
+    with caplog.at_level(logging.ERROR, logger="kvpilot.tuner.study"):
+        result = run_study(Broken(), space_from_dict(SPACE, base=base), base, name="b", trials=2, slo=SLO_T,
+                           random_baseline=False, progress=False)
+    assert result.failed == 2 and result.best is None
+    assert "engine exploded" in caplog.text
+    db.dispose()
+
+
+def test_nightly_writes_a_proposal_only_when_the_gain_holds(sqlite_url: str, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    profile = tiny_profile()
+    path = tmp_path / "tiny.json"
+    profile.save(path)
+    current = profile.engine_config(None).with_tunable({"scheduler": {"max_num_seqs": 2}})
+    cfg_path = tmp_path / "current.yaml"
+    cfg_path.write_text(current.to_yaml())
+    space = tmp_path / "space.yml"
+    space.write_text(yaml.safe_dump(SPACE))
+    common = {"db_url": sqlite_url, "trials": 6, "profile": str(path), "workload": "mixed", "options": SMALL,
+              "config_path": cfg_path, "space_path": space, "slo": SLO_T, "confirm_seeds": 2, "progress": False}
+    result = run_nightly(out_dir=tmp_path / "out", **common)
+    assert result.proposal is not None, result.decision
+    p = result.proposal
+    assert p.status == "pending" and p.gain > 0.02
+    proposed = EngineConfig.from_yaml(result.files["config"])
+    assert proposed.scheduler.max_num_seqs != 2 and proposed.model == current.model  # the file's own model
+    assert proposed.tunable() == p.config().tunable()
+    report = result.files["report"].read_text()
+    assert "## What changed" in report and "random search, same budget" in report and "± " in report
+    assert result.files["plot"].read_bytes()[:4] == b"\x89PNG"
+    assert get_proposal(make_engine(sqlite_url), p.id).report_md == report
+    # Same search, but a gain threshold nothing can reach: a report, no proposal, no row.
+    none = run_nightly(out_dir=tmp_path / "out2", min_gain=10.0, **common)
+    assert none.proposal is None and "did not hold" in none.decision
+    assert none.files["report"].exists() and not list((tmp_path / "out2").glob("proposal-*.yaml"))
+    assert [q.id for q in list_proposals(make_engine(sqlite_url))] == [p.id]
+
+
+def test_nightly_from_an_empty_collector_is_a_clear_error(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "tiny.json"
+    tiny_profile().save(path)
+    with pytest.raises(WL.WorkloadError, match="holds 0 requests"):
+        run_nightly(db_url=sqlite_url, out_dir=tmp_path / "o", trials=2, profile=str(path), progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_proposal_status_transitions(sqlite_url: str) -> None:
+    from tuner.proposals import create_proposal
+
+    db = make_engine(sqlite_url)
+    p = create_proposal(db, config_yaml=EngineConfig().to_yaml(), report_md="r", study_name="s", instance=None,
+                        baseline_metrics={}, best_metrics={})
+    assert set_status(db, p.id, "accepted").status == "accepted"
+    with pytest.raises(ProposalError, match="cannot become pending"):
+        set_status(db, p.id, "pending")
+    assert set_status(db, p.id, "rejected").status == "rejected"
+    with pytest.raises(ProposalError, match="rejected; it cannot become applied"):
+        set_status(db, p.id, "applied")
+    with pytest.raises(ProposalError, match="does not exist"):
+        get_proposal(db, 999)
+    with pytest.raises(ProposalError, match="status must be one of"):
+        list_proposals(db, status="maybe")
+    with pytest.raises(Exception, match="model.dim"):
+        create_proposal(db, config_yaml="model: {dim: 3}", report_md="", study_name=None, instance=None,
+                        baseline_metrics={}, best_metrics={})
+    db.dispose()
+
+
+def test_default_space_study_on_the_shipped_cpu_profile(sqlite_url: str) -> None:
+    from tuner.profile import load_profile
+
+    profile = load_profile("cpu-2core")
+    base = profile.engine_config(None)
+    db = make_engine(sqlite_url)
+    be = SimBackend(profile, lambda s: WL.scenario("burst", 12.0, WL.WorkloadOptions(requests=40), seed=s), db,
+                    SLO(ttft_s=1.0, tpot_s=0.1))
+    result = run_study(be, load_space(base=base), base, name="cpu", trials=4, slo=SLO(), random_baseline=False,
+                       progress=False)
+    assert len(result.completed) == 4
+    db.dispose()

@@ -1,0 +1,118 @@
+"""Where a trial runs: `sim` (the simulator, default), `engine` (in-process replay on the torch engine).
+The `live` backend (a running engine through /admin/config) is in `tuner.live`.
+
+Every backend measures the same way: the trial's events are stored in the kvpilot database under the
+trial's run id and the metrics are read back with the collector's queries (`tuner.metrics`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from sqlalchemy import Engine
+
+from engine import workload as W
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from tuner.metrics import SLO, TrialMetrics, store_events, trial_metrics
+from tuner.profile import CostProfile
+from tuner.replay import ReplayResult, SkipClock, TrialSink, prepare_prompts, replay
+from tuner.sim import sim_engine
+
+log = logging.getLogger("kvpilot.tuner.backends")
+
+WorkloadFactory = Callable[[int], list[W.WorkloadRequest]]
+
+
+class Backend(Protocol):
+    name: str
+
+    def evaluate(self, config: EngineConfig, *, run_id: str, seed: int) -> TrialMetrics: ...
+
+
+def _telemetry(config: EngineConfig, run_id: str, instance: str) -> EngineConfig:
+    data = config.model_dump(mode="json")
+    data["telemetry"].update({"run_id": run_id, "instance": instance, "sink": "memory", "trace_alloc": True})
+    return EngineConfig.from_dict(data, source="trial config")
+
+
+class _Base:
+    name = "base"
+
+    def __init__(self, workload: WorkloadFactory, db: Engine, slo: SLO, *, instance: str) -> None:
+        self.workload = workload
+        self.db = db
+        self.slo = slo.validate()
+        self.instance = instance
+        self._workloads: dict[int, tuple[list[W.WorkloadRequest], list[list[int]]]] = {}
+        self.last_replay: ReplayResult | None = None
+
+    def requests(self, seed: int) -> tuple[list[W.WorkloadRequest], list[list[int]]]:
+        if seed not in self._workloads:
+            reqs = self.workload(seed)
+            if not reqs:
+                raise ValueError(f"workload for seed {seed} has no requests")
+            self._workloads[seed] = (reqs, prepare_prompts(reqs, seed))
+        return self._workloads[seed]
+
+    def _measure(self, sink: TrialSink, result: ReplayResult, run_id: str) -> TrialMetrics:
+        self.last_replay = result
+        store_events(self.db, sink.events, key_prefix=run_id)
+        return trial_metrics(self.db, run_id=run_id, start=result.wall_start, end=result.wall_end + 1e-3,
+                             slo=self.slo)
+
+
+class SimBackend(_Base):
+    """The simulator on a cost profile. Deterministic, so a config seen before is not re-simulated:
+    its stored metrics are returned again (`cache_hits` counts them)."""
+
+    name = "sim"
+
+    def __init__(self, profile: CostProfile, workload: WorkloadFactory, db: Engine, slo: SLO, *,
+                 instance: str = "tuner-sim", keep_steps: bool = False) -> None:
+        super().__init__(workload, db, slo, instance=instance)
+        self.profile = profile
+        self.keep_steps = keep_steps
+        self._cache: dict[tuple[str, int], TrialMetrics] = {}
+        self.cache_hits = 0
+        self.sim_seconds = 0.0
+
+    def evaluate(self, config: EngineConfig, *, run_id: str, seed: int) -> TrialMetrics:
+        key = (hashlib.sha256(self.profile.engine_config(config).to_yaml().encode()).hexdigest(), seed)
+        if key in self._cache:
+            self.cache_hits += 1
+            return self._cache[key]
+        reqs, prompts = self.requests(seed)
+        sink = TrialSink(keep_steps=self.keep_steps)
+        engine, _ = sim_engine(_telemetry(config, run_id, self.instance), self.profile, sink=sink,
+                               start_wall=time.time())
+        t = time.perf_counter()
+        result = replay(engine, reqs, seed=seed, prompts=prompts)
+        self.sim_seconds += time.perf_counter() - t
+        metrics = self._measure(sink, result, run_id)
+        self._cache[key] = metrics
+        return metrics
+
+
+class EngineBackend(_Base):
+    """In-process replay on the torch engine (real compute, idle gaps skipped). Warm-up requests run
+    first (and are excluded from the metrics), as a freshly started server would."""
+
+    name = "engine"
+
+    def __init__(self, workload: WorkloadFactory, db: Engine, slo: SLO, *, instance: str = "tuner-engine",
+                 warmup: int = 4) -> None:
+        super().__init__(workload, db, slo, instance=instance)
+        self.warmup = warmup
+
+    def evaluate(self, config: EngineConfig, *, run_id: str, seed: int) -> TrialMetrics:
+        reqs, prompts = self.requests(seed)
+        sink = TrialSink(keep_steps=True)
+        engine = LLMEngine(_telemetry(config, run_id, self.instance), clock=SkipClock(), sink=sink)
+        engine.warmup(self.warmup)
+        result = replay(engine, reqs, seed=seed, prompts=prompts)
+        return self._measure(sink, result, run_id)

@@ -1,0 +1,157 @@
+"""The `live` backend: try a config on a running engine, observe a window, roll back.
+
+Each trial PUTs the config's tunables to /admin/config, waits `settle_s`, then observes `window_s`
+of the engine's traffic as the collector stored it (instance filter, every run of the instance). The
+original tunables are restored after every trial — also when the trial fails or is interrupted — and
+a failed rollback stops the study. Guard limits end a trial early: a rejection rate or p99 TTFT over
+the guard while observing (checked every `guard_interval_s`). `drive=True` sends the study's workload
+to the engine's /generate while observing (for staging engines without production traffic).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine
+
+from engine import workload as W
+from engine.config import EngineConfig
+from tuner.metrics import SLO, TrialMetrics, trial_metrics
+
+log = logging.getLogger("kvpilot.tuner.live")
+
+
+class LiveError(RuntimeError):
+    """The engine could not be reconfigured or restored."""
+
+
+class LiveBackend:
+    name = "live"
+
+    def __init__(
+        self,
+        *,
+        db: Engine,
+        slo: SLO,
+        workload: Callable[[int], list[W.WorkloadRequest]],
+        engine_url: str,
+        instance: str,
+        admin_token: str | None = None,
+        window_s: float = 30.0,
+        settle_s: float = 5.0,
+        guard_rejection_rate: float = 0.2,
+        guard_p99_ttft_s: float | None = None,
+        guard_interval_s: float = 2.0,
+        drive: bool = False,
+        drive_concurrency: int = 16,
+        timeout_s: float = 10.0,
+        ingest_lag_s: float = 2.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        if window_s <= 0 or settle_s < 0:
+            raise ValueError("window_s must be positive and settle_s >= 0")
+        self.db, self.slo, self.workload = db, slo.validate(), workload
+        self.instance = instance
+        self.window_s, self.settle_s = window_s, settle_s
+        self.guard_rejection_rate = guard_rejection_rate
+        self.guard_p99_ttft_s = guard_p99_ttft_s if guard_p99_ttft_s is not None else 5 * slo.ttft_s
+        self.guard_interval_s = guard_interval_s
+        self.drive, self.drive_concurrency = drive, drive_concurrency
+        self.ingest_lag_s = ingest_lag_s
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.http = client or httpx.Client(base_url=engine_url, timeout=timeout_s, headers=headers)
+        self.engine_url = engine_url
+        self.original: dict[str, Any] | None = None
+        self.aborted_trials = 0
+        self.trials = 0
+
+    def _call(self, method: str, path: str, json: Any = None) -> dict:
+        try:
+            resp = self.http.request(method, path, json=json)
+        except httpx.HTTPError as exc:
+            raise LiveError(f"{method} {self.engine_url}{path} failed: {exc}") from exc
+        if resp.status_code >= 400:
+            raise LiveError(f"{method} {self.engine_url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.json()
+
+    def evaluate(self, config: EngineConfig, *, run_id: str, seed: int) -> TrialMetrics:
+        current = self._call("GET", "/admin/config")["tunable"]
+        if self.original is None:
+            self.original = current
+        self.trials += 1
+        stop = threading.Event()
+        driver = None
+        try:
+            self._call("PUT", "/admin/config", json=config.tunable())
+            log.info("live trial %s: applied %s", run_id, config.tunable())
+            if self.drive:
+                driver = threading.Thread(target=self._drive, args=(self.workload(seed), stop), daemon=True)
+                driver.start()
+            time.sleep(self.settle_s)
+            start = time.time()
+            end = start + self.window_s
+            while time.time() < end:
+                time.sleep(min(self.guard_interval_s, max(0.0, end - time.time())))
+                if self._guard_tripped(start, time.time(), run_id):
+                    end = time.time()
+                    self.aborted_trials += 1
+                    break
+        finally:
+            stop.set()
+            if driver is not None:
+                driver.join(timeout=30)
+            self.restore()
+        time.sleep(self.ingest_lag_s)  # the engine's HTTP sink flushes about every second
+        return trial_metrics(self.db, run_id=None, start=start, end=end, slo=self.slo, instances=[self.instance])
+
+    def _guard_tripped(self, start: float, now: float, run_id: str) -> bool:
+        if now - start < self.guard_interval_s:
+            return False
+        m = trial_metrics(self.db, run_id=None, start=start, end=now, slo=self.slo, instances=[self.instance])
+        if m.requests and m.rejection_rate > self.guard_rejection_rate:
+            log.warning("live trial %s: guard tripped: rejection rate %.2f > %.2f; rolling back", run_id,
+                        m.rejection_rate, self.guard_rejection_rate)
+            return True
+        if m.ttft_p99_s is not None and m.ttft_p99_s > self.guard_p99_ttft_s:
+            log.warning("live trial %s: guard tripped: p99 TTFT %.2f s > %.2f s; rolling back", run_id,
+                        m.ttft_p99_s, self.guard_p99_ttft_s)
+            return True
+        return False
+
+    def restore(self) -> None:
+        """Put the engine's original tunables back; a failure here stops the study (raised)."""
+        if self.original is None:
+            return
+        try:
+            self._call("PUT", "/admin/config", json=self.original)
+        except LiveError as exc:
+            log.critical("live: rollback to the original config FAILED: %s", exc)
+            raise
+        log.info("live: rolled back to the original config")
+
+    def _drive(self, reqs: list[W.WorkloadRequest], stop: threading.Event) -> None:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(self.drive_concurrency) as pool:
+            i = 0
+            while not stop.is_set():
+                req = reqs[i % len(reqs)]
+                loop = (i // len(reqs)) * (reqs[-1].arrival_s + 1.0)
+                delay = t0 + loop + req.arrival_s - time.monotonic()
+                if delay > 0 and stop.wait(delay):
+                    break
+                prompt = "".join(chr(32 + (b % 95)) for b in W.prompt_ids(req, i)[1:])
+                pool.submit(self._send, prompt, req.output_tokens)
+                i += 1
+
+    def _send(self, prompt: str, max_tokens: int) -> None:
+        try:
+            self.http.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+                           timeout=120)
+        except httpx.HTTPError as exc:
+            log.debug("live driver: request failed: %s", exc)

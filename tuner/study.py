@@ -1,0 +1,231 @@
+"""Optuna studies as ask -> measure -> tell (STYLE.md 12), the current config enqueued as trial 0.
+
+Single-objective mode maximizes goodput (output tokens/s of requests meeting the TTFT and TPOT SLOs)
+subject to constraints set with `trial.set_constraint` (no KV OOM, rejections under a rate, p99 TTFT
+(and optionally p99 end-to-end) within the SLO). Multi-objective mode maximizes throughput and
+minimizes p99 end-to-end latency under the same constraints and reports the Pareto front.
+Every study can be paired with a random-search study of the same budget, so each report says how much
+the sampler actually bought. Several workers may run one study on a shared RDB storage: each asks
+until the study holds `trials` trials.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+from tqdm import tqdm
+
+from collector.errors import StorageError
+from engine.config import ConfigError, EngineConfig
+from tuner.backends import Backend
+from tuner.metrics import SLO, TrialMetrics
+from tuner.replay import ReplayError
+from tuner.space import SearchSpace
+
+log = logging.getLogger("kvpilot.tuner.study")
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SAMPLERS = ("tpe", "random")
+
+
+@dataclass
+class TrialRecord:
+    number: int
+    params: dict[str, Any]
+    patch: dict[str, Any]
+    metrics: dict[str, Any] | None
+    values: list[float] | None
+    constraints: dict[str, float]
+    feasible: bool
+    state: str
+    run_id: str | None = None
+    baseline: bool = False
+
+    @property
+    def goodput(self) -> float:
+        return float(self.metrics["goodput_tps"]) if self.metrics else 0.0
+
+
+@dataclass
+class StudyResult:
+    name: str
+    sampler: str
+    multi_objective: bool
+    trials: list[TrialRecord]
+    failed: int = 0
+    random: StudyResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def completed(self) -> list[TrialRecord]:
+        return [t for t in self.trials if t.state == "COMPLETE"]
+
+    @property
+    def baseline(self) -> TrialRecord | None:
+        return next((t for t in self.trials if t.baseline and t.state == "COMPLETE"), None)
+
+    @property
+    def best(self) -> TrialRecord | None:
+        """Best feasible trial: most goodput (single) / most throughput on the Pareto front (multi)."""
+        feasible = [t for t in self.completed if t.feasible]
+        if not feasible:
+            return None
+        if self.multi_objective:
+            return max(pareto_front(feasible), key=lambda t: (t.values[0], -t.number))
+        return max(feasible, key=lambda t: (t.goodput, -t.number))
+
+    @property
+    def pareto(self) -> list[TrialRecord]:
+        feasible = [t for t in self.completed if t.feasible and t.values is not None]
+        return sorted(pareto_front(feasible), key=lambda t: t.values[0]) if self.multi_objective else []
+
+    def best_so_far(self) -> list[float]:
+        """Best feasible goodput after each trial, in trial order (the benchmark's convergence curve)."""
+        out, best = [], float("-inf")
+        for t in sorted(self.trials, key=lambda t: t.number):
+            if t.state == "COMPLETE" and t.feasible:
+                best = max(best, t.goodput)
+            out.append(best)
+        return out
+
+
+def pareto_front(trials: list[TrialRecord]) -> list[TrialRecord]:
+    """Trials no other trial dominates on (throughput up, p99 down)."""
+    front = []
+    for t in trials:
+        thr, p99 = t.values[0], t.values[1]
+        dominated = any(
+            (o.values[0] >= thr and o.values[1] <= p99) and (o.values[0] > thr or o.values[1] < p99) for o in trials
+        )
+        if not dominated:
+            front.append(t)
+    return front
+
+
+def make_sampler(kind: str, *, seed: int, trials: int, multi_objective: bool) -> optuna.samplers.BaseSampler:
+    if kind == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if kind != "tpe":
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {kind!r}")
+    startup = max(4, min(10, trials // 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True,
+                                          constant_liar=True)
+
+
+def _objective_values(m: TrialMetrics, multi: bool) -> list[float]:
+    if multi:
+        return [m.throughput_tps, m.e2e_p99_s if m.e2e_p99_s is not None else 1e9]
+    return [m.goodput_tps]
+
+
+def _record(ft: optuna.trial.FrozenTrial) -> TrialRecord:
+    constraints = dict(ft.constraints)
+    return TrialRecord(
+        number=ft.number,
+        params=dict(ft.params),
+        patch=ft.user_attrs.get("patch", {}),
+        metrics=ft.user_attrs.get("metrics"),
+        values=list(ft.values) if ft.values is not None else None,
+        constraints=constraints,
+        feasible=ft.state == TrialState.COMPLETE and all(v <= 0 for v in constraints.values()),
+        state=ft.state.name,
+        run_id=ft.user_attrs.get("run_id"),
+        baseline=bool(ft.user_attrs.get("baseline")),
+    )
+
+
+def run_study(
+    backend: Backend,
+    space: SearchSpace,
+    base: EngineConfig,
+    *,
+    name: str,
+    trials: int,
+    slo: SLO,
+    storage: Any = None,
+    sampler: str = "tpe",
+    seed: int = 0,
+    workload_seed: int = 0,
+    multi_objective: bool = False,
+    random_baseline: bool = True,
+    progress: bool = True,
+) -> StudyResult:
+    """Run (or join) the study `name` until it holds `trials` trials; then the random baseline."""
+    if trials < 1:
+        raise ValueError(f"trials: must be >= 1, got {trials}")
+    slo.validate()
+    space = space.including(base)
+    result = _run_one(backend, space, base, name=name, trials=trials, slo=slo, storage=storage, sampler=sampler,
+                      seed=seed, workload_seed=workload_seed, multi=multi_objective, progress=progress)
+    if random_baseline and sampler != "random":
+        result.random = _run_one(backend, space, base, name=f"{name}-random", trials=trials, slo=slo,
+                                 storage=storage, sampler="random", seed=seed, workload_seed=workload_seed,
+                                 multi=multi_objective, progress=progress)
+    elif not random_baseline:
+        result.notes.append("random-search baseline not run (disabled)")
+    return result
+
+
+def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: str, trials: int, slo: SLO,
+             storage: Any, sampler: str, seed: int, workload_seed: int, multi: bool, progress: bool) -> StudyResult:
+    directions = ["maximize", "minimize"] if multi else ["maximize"]
+    study = optuna.create_study(
+        storage=storage if storage is not None else optuna.storages.InMemoryStorage(),
+        study_name=name,
+        directions=directions,
+        sampler=make_sampler(sampler, seed=seed, trials=trials, multi_objective=multi),
+        load_if_exists=True,
+    )
+    if list(study.directions) != [optuna.study.StudyDirection.MAXIMIZE if d == "maximize" else
+                                  optuna.study.StudyDirection.MINIMIZE for d in directions]:
+        raise ValueError(f"study {name!r} exists with other objectives; pick another --study-name")
+    if not study.trials:
+        study.set_user_attr("backend", backend.name)
+        study.set_user_attr("sampler", sampler)
+        study.set_user_attr("space", space.describe())
+        study.set_user_attr("base_config", base.tunable())
+        study.enqueue_trial(space.from_config(base), user_attrs={"baseline": True}, skip_if_exists=True)
+    failed = 0
+    with tqdm(total=trials, initial=min(trials, len(study.trials)), desc=f"{name} [{sampler}]", unit="trial",
+              disable=not progress, leave=False) as bar:
+        while len(study.get_trials(deepcopy=False)) < trials:
+            trial = study.ask()
+            values = space.suggest(trial)
+            try:
+                config = space.apply(base, values)
+            except ConfigError as exc:
+                log.error("trial %d: params %s make no valid config: %s", trial.number, values, exc)
+                study.tell(trial, state=TrialState.FAIL)
+                failed += 1
+                bar.update(1)
+                continue
+            run_id = f"{name}-t{trial.number}-{uuid.uuid4().hex[:6]}"
+            trial.set_user_attr("patch", space.to_patch(values))
+            trial.set_user_attr("run_id", run_id)
+            try:
+                metrics = backend.evaluate(config, run_id=run_id, seed=workload_seed)
+            except (ReplayError, StorageError, ConfigError, RuntimeError, OSError) as exc:
+                log.error("trial %d (%s) failed on backend %s: %s", trial.number, run_id, backend.name, exc)
+                study.tell(trial, state=TrialState.FAIL)
+                failed += 1
+                bar.update(1)
+                continue
+            trial.set_user_attr("metrics", metrics.as_dict())
+            for key, value in metrics.constraints(slo).items():
+                trial.set_constraint(key, value)
+            study.tell(trial, _objective_values(metrics, multi))
+            bar.update(1)
+            bar.set_postfix(goodput=f"{metrics.goodput_tps:.1f}", feasible=metrics.feasible(slo))
+    records = [_record(t) for t in study.get_trials(deepcopy=False)]
+    if failed:
+        log.warning("study %s: %d trial(s) failed (see errors above)", name, failed)
+    return StudyResult(name=name, sampler=sampler, multi_objective=multi, trials=records,
+                       failed=sum(r.state == "FAIL" for r in records))
