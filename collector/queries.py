@@ -173,6 +173,8 @@ def _sources(
                 t.c.ts >= start, t.c.ts < end, t.c.warmup.is_(False)
             )
             selects.append(stmt.where(t.c.instance.in_(instances)) if instances is not None else stmt)
+    if labels is None and name in EVENT_COUNTERS:
+        selects.append(_event_counter(name, start, end, instances))
     # Scraped points; several label sets of one instance (GPUs, directions) are combined per scrape:
     # averaged for ratios, summed for amounts and counters.
     t = SeriesPoint.__table__
@@ -201,6 +203,30 @@ def _sources(
             .group_by(d.c.instance, d.c.bucket_ts, d.c.bucket_s)
         )
     return selects
+
+
+# Counters that pushed telemetry carries as events rather than as a counter: a request refused at
+# admission is a `requests` row with status 'rejected', a failed KV growth an `alloc_events` row with op
+# 'oom'. They are served as cumulative counts stamped at each sample of the instance, counted from the
+# window's start: increase() and rate() only need differences, and a sample grid gives them two points
+# even when one event is all the window holds.
+EVENT_COUNTERS: dict[str, tuple[Any, str, str]] = {
+    "requests_rejected_total": (RequestRow, "status", "rejected"),
+    "oom_total": (AllocRow, "op", "oom"),
+}
+
+
+def _event_counter(name: str, start: float, end: float, instances: Sequence[str] | None) -> Select:
+    table_cls, column, value = EVENT_COUNTERS[name]
+    ev = table_cls.__table__.alias("ev")
+    smp = SampleRow.__table__
+    count = (
+        select(func.count())
+        .where(ev.c.instance == smp.c.instance, ev.c[column] == value, ev.c.ts >= start, ev.c.ts <= smp.c.ts)
+        .scalar_subquery()
+    )
+    stmt = select(smp.c.instance, smp.c.ts, cast(count, Float).label("value")).where(smp.c.ts >= start, smp.c.ts < end)
+    return stmt.where(smp.c.instance.in_(instances)) if instances is not None else stmt
 
 
 def series_points(
@@ -978,3 +1004,38 @@ def latest_samples(
     stmt = select(*[ranked.c[c.name] for c in s.columns]).where(ranked.c.rn == 1).order_by(ranked.c.instance)
     with _bound(db) as conn:
         return {row.instance: dict(row._mapping) for row in conn.execute(stmt)}
+
+
+def run_gauges_over_time(
+    db: Db,
+    *,
+    names: Sequence[str],
+    start: float,
+    end: float,
+    bucket_s: float,
+    run_id: str,
+    instances: Sequence[str] | None = None,
+) -> dict[str, Points]:
+    """name -> instance -> [(bucket_start, average)] of engine-sampled gauges of one run, downsampled in SQL.
+
+    Only the samples table carries a run id, so scraped series (which have none) are not part of a run.
+    """
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    unknown = [n for n in names if n not in SAMPLE_COLUMNS]
+    if unknown:
+        raise ValueError(f"not engine-sampled gauges: {unknown}; sampled: {', '.join(sorted(SAMPLE_COLUMNS))}")
+    s = SampleRow.__table__.c
+    conds: list[ColumnElement] = [s.ts >= start, s.ts < end, s.run_id == run_id]
+    if instances is not None:
+        conds.append(s.instance.in_(instances))
+    out: dict[str, Points] = {}
+    with _bound(db) as conn:
+        b = bucket_expr(s.ts, bucket_s, _dialect(conn)).label("bucket")
+        averages = [func.avg(s[SAMPLE_COLUMNS[n]]) for n in names]
+        stmt = select(s.instance, b, *averages).where(*conds).group_by(s.instance, b).order_by(s.instance, b)
+        for row in conn.execute(stmt):
+            for name, value in zip(names, row[2:], strict=True):
+                if value is not None:
+                    out.setdefault(name, {}).setdefault(row[0], []).append((float(row[1]), float(value)))
+    return out

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import streamlit as st
-from sqlalchemy import Engine, inspect, select, update
+from sqlalchemy import Engine, inspect, select
 from sqlalchemy.engine import make_url
 
 from collector import queries
@@ -173,11 +174,27 @@ def throughput(f: Filters) -> pd.DataFrame:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def gauges(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
-    """Canonical gauge series, bucket averages per instance (long format: instance, time, series, value)."""
+    """Canonical gauge series, bucket averages per instance (long format: instance, time, series, value).
+
+    With a run selected, engine-sampled gauges come from that run's samples only; scraped series carry no run
+    and are shown whole.
+    """
+    from collector.series import SAMPLE_COLUMNS
+
+    db = engine(f.db_url)
     rows = []
+    per_run = [n for n in names if n in SAMPLE_COLUMNS] if f.run_id is not None else []
+    if per_run:
+        by_name = queries.run_gauges_over_time(db, names=per_run, start=f.start, end=f.end, bucket_s=f.bucket_s,
+                                               run_id=f.run_id, instances=f.instance_list)
+        for name, per_instance in by_name.items():
+            for inst, points in per_instance.items():
+                rows.extend({"instance": inst, "ts": ts, "series": name, "value": v} for ts, v in points)
     for name in names:
-        for inst, points in queries.bucketed(engine(f.db_url), name=name, start=f.start, end=f.end,
-                                             bucket_s=f.bucket_s, instances=f.instance_list).items():
+        if name in per_run:
+            continue
+        for inst, points in queries.bucketed(db, name=name, start=f.start, end=f.end, bucket_s=f.bucket_s,
+                                             instances=f.instance_list).items():
             rows.extend({"instance": inst, "ts": ts, "series": name, "value": v} for ts, v in points)
     df = pd.DataFrame(rows, columns=["instance", "ts", "series", "value"])
     df["time"] = _ts(df["ts"])
@@ -387,17 +404,20 @@ def proposals(url: str) -> pd.DataFrame:
                                        "config_yaml", "report_md", "baseline_metrics", "best_metrics"])
 
 
-def set_proposal_status(url: str, proposal_id: int, status: str, *, expected: str = "pending") -> bool:
-    """Accept or reject a proposal: compare-and-set on its status, so two reviewers cannot both decide."""
+def set_proposal_status(url: str, proposal_id: int, status: str) -> None:
+    """Accept or reject a proposal through the tuner's compare-and-set transition (tuner.proposals).
+
+    Raises tuner.proposals.ProposalError (a ValueError) when the transition is not allowed or someone else
+    decided first; the page shows its message.
+    """
+    from tuner.proposals import set_status
+
     if status not in ("accepted", "rejected"):
-        raise ValueError(f"status must be accepted or rejected, got {status!r}")
-    t = Proposal.__table__
-    with session_scope(session_factory(engine(url))) as session:
-        result = session.execute(update(t).where(t.c.id == proposal_id, t.c.status == expected)
-                                 .values(status=status, updated_at=time.time()))
-        changed = result.rowcount == 1
-    proposals.clear()
-    return changed
+        raise ValueError(f"the dashboard only accepts or rejects proposals, not {status!r}")
+    try:
+        set_status(engine(url), proposal_id, status)
+    finally:
+        proposals.clear()
 
 
 def running_config(engine_url: str, token: str | None) -> dict[str, Any]:
@@ -424,14 +444,37 @@ def _optuna() -> Any:
     return optuna
 
 
+def study_storage_url(url: str) -> str:
+    """Where the tuner keeps studies for this database (tuner.storage: a sibling SQLite file or a schema)."""
+    from tuner.storage import optuna_storage_url
+
+    return optuna_storage_url(url)
+
+
+NO_STUDIES = "No Optuna studies for this database yet: `kvpilot tune` runs one (and writes a proposal)."
+
+
 @st.cache_resource(show_spinner=False)
 def _optuna_storage(url: str) -> Any:
     optuna = _optuna()
-    # Never create Optuna's tables from the dashboard: it only reads (DESIGN.md).
-    if not inspect(engine(url)).has_table("studies"):
-        raise DataUnavailable("No Optuna studies in this database yet: run `kvpilot tune` to start one.")
-    # skip_compatibility_check: alembic_version holds kvpilot's revision, not Optuna's, in a shared database.
-    return optuna.storages.RDBStorage(url, skip_table_creation=True, skip_compatibility_check=True)
+    storage_url = study_storage_url(url)
+    parsed = make_url(storage_url)
+    # Never create the storage or Optuna's tables from the dashboard: it only reads (DESIGN.md).
+    if parsed.get_backend_name() == "sqlite" and (not parsed.database or parsed.database == ":memory:"
+                                                  or not Path(parsed.database).exists()):
+        raise DataUnavailable(NO_STUDIES)
+    probe = make_engine(storage_url, pool_size=1)
+    try:
+        has_studies = inspect(probe).has_table("studies")
+    except CollectorError as exc:
+        raise DataUnavailable(f"{NO_STUDIES} ({exc})") from exc
+    except Exception as exc:  # a missing PostgreSQL schema and the like: no storage yet
+        raise DataUnavailable(f"{NO_STUDIES} ({type(exc).__name__})") from exc
+    finally:
+        probe.dispose()
+    if not has_studies:
+        raise DataUnavailable(NO_STUDIES)
+    return optuna.storages.RDBStorage(storage_url, skip_table_creation=True, skip_compatibility_check=True)
 
 
 def _storage(url: str) -> Any:
@@ -495,8 +538,10 @@ def importances(url: str, name: str, objective_index: int) -> pd.DataFrame:
     # PED-ANOVA explains what achieves *low* target values; flip maximized objectives.
     sign = -1.0 if s.directions[objective_index] == optuna.study.StudyDirection.MAXIMIZE else 1.0
     try:
-        result = optuna.importance.get_param_importances(
-            s, evaluator=evaluator, target=lambda t: sign * t.values[objective_index])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the "low target values" note: handled by `sign`
+            result = optuna.importance.get_param_importances(
+                s, evaluator=evaluator, target=lambda t: sign * t.values[objective_index])
     except (ValueError, RuntimeError) as exc:
         raise DataUnavailable(f"importances need completed trials that vary their parameters ({exc})") from exc
     return pd.DataFrame([{"parameter": k, "importance": v} for k, v in result.items()],

@@ -51,12 +51,46 @@ def _custom_range(span: tuple[float, float] | None, now: float) -> tuple[float, 
     return start, end
 
 
+def _seed_from_url(instances: list[str]) -> None:
+    """Once per session, take the filters from the URL, so a copied link opens the same view."""
+    if st.session_state.get("f_from_url"):
+        return
+    st.session_state["f_from_url"] = True
+    q = st.query_params
+    if "instance" in q:
+        st.session_state["f_instances"] = [i for i in q.get_all("instance") if i in instances]
+    if "run" in q:
+        st.session_state["f_run"] = q["run"]  # checked against the runs below
+    if q.get("range") in timewin.PRESETS:
+        st.session_state["f_range"] = q["range"]
+    if q.get("range") == timewin.CUSTOM and "from" in q and "to" in q:
+        try:
+            lo, hi = (datetime.fromtimestamp(float(q[k]), tz=UTC) for k in ("from", "to"))
+        except ValueError:
+            return
+        st.session_state.update(f_start_date=lo.date(), f_start_time=lo.time().replace(microsecond=0),
+                                f_end_date=hi.date(), f_end_time=hi.time().replace(microsecond=0))
+
+
+def _write_url(chosen: list[str], run_id: str | None, window: timewin.Window) -> None:
+    params: dict[str, str | list[str]] = {"range": window.label if window.label in timewin.PRESETS else
+                                          timewin.WHOLE_RUN}
+    if chosen:
+        params["instance"] = chosen
+    if run_id is not None:
+        params["run"] = run_id
+    if window.label == timewin.CUSTOM:
+        params["from"], params["to"] = f"{window.start:.0f}", f"{window.end:.0f}"
+    st.query_params.from_dict(params)
+
+
 def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Window] | None:
     """Draw the filters; None (with the reason shown) when the range is unusable."""
     # Whole 5 s steps: reruns within a few seconds share cache entries instead of missing on a new `now`.
     now = math.ceil(time.time() / 5.0) * 5.0 if now is None else now
     runs = data.runs(url)
     instances = data.instances(url)
+    _seed_from_url(instances)
     side = st.sidebar
     side.subheader("Filters")
     chosen = side.multiselect("Instances", options=instances, key="f_instances", placeholder="All instances",
@@ -80,6 +114,7 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     except ValueError as exc:
         side.error(f"{exc}: pick an end after the start.")
         return None
+    _write_url(chosen, run_id, window)
     bucket_s = timewin.pick_bucket_s(window.span_s)
     side.caption(f"{window.describe()} · charts in {timewin.fmt_span(bucket_s)} buckets")
 

@@ -85,6 +85,52 @@ def metric_comparison(before: dict[str, Any] | None, after: dict[str, Any] | Non
     return rows
 
 
+def proposal_measurements(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[tuple[str, list]]:
+    """(title, rows) sections comparing a proposal's baseline and best measurements.
+
+    The tuner records the study's trial metrics (`trial`), the parameters (`params`) and confirmation re-runs
+    on fresh seeds (`confirmation`: a list of runs for the baseline, `{runs: [...], gain, ...}` for the best).
+    Plain flat metric dicts are compared as they are.
+    """
+    before, after = before or {}, after or {}
+    sections: list[tuple[str, list]] = []
+    runs_before, conf_after = before.get("confirmation"), after.get("confirmation")
+    runs_after = conf_after.get("runs") if isinstance(conf_after, dict) else None
+    if isinstance(runs_before, list) and isinstance(runs_after, list):
+        sections.append((f"Confirmation re-runs (mean of {len(runs_before)} baseline and {len(runs_after)} "
+                         "proposal runs on fresh seeds)", metric_comparison(_mean_runs(runs_before),
+                                                                            _mean_runs(runs_after))))
+    for key, title in (("trial", "In the study (the trial's measurement)"), ("params", "Parameters")):
+        if isinstance(before.get(key), dict) or isinstance(after.get(key), dict):
+            sections.append((title, metric_comparison(before.get(key), after.get(key))))
+    if not sections:
+        flat_before = {k: v for k, v in before.items() if not isinstance(v, (dict, list))}
+        flat_after = {k: v for k, v in after.items() if not isinstance(v, (dict, list))}
+        if flat_before or flat_after:
+            sections.append(("Measured", metric_comparison(flat_before, flat_after)))
+    return sections
+
+
+def confirmation_verdict(after: dict[str, Any] | None) -> str | None:
+    """'holds: +12.0% goodput (needed +5.0%)' from the tuner's confirmation, or None without one."""
+    conf = (after or {}).get("confirmation")
+    if not isinstance(conf, dict) or not _is_num(conf.get("gain")):
+        return None
+    needed = f" (needed {conf['min_gain']:+.1%})" if _is_num(conf.get("min_gain")) else ""
+    verdict = "holds" if conf.get("holds") else "does not hold"
+    return f"Confirmation {verdict}: {conf['gain']:+.1%} goodput{needed}."
+
+
+def _mean_runs(runs: list[Any]) -> dict[str, float]:
+    values: dict[str, list[float]] = {}
+    for run in runs:
+        if isinstance(run, dict):
+            for k, v in run.items():
+                if _is_num(v):
+                    values.setdefault(k, []).append(float(v))
+    return {k: sum(vs) / len(vs) for k, vs in values.items()}
+
+
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 

@@ -190,23 +190,24 @@ def _design(samples: list[Sample]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fit(samples: list[Sample]) -> tuple[LinearCost, dict[str, float]]:
-    """NNLS on relative error; points more than 5 robust sigmas off (at most 5%) are dropped and refitted."""
+    """NNLS on relative error, then iteratively reweighted (Huber) so steps slowed by a noisy neighbour
+    pull the coefficients less than the typical step; points over 8 robust sigmas off are dropped."""
     if len(samples) < len(LINEAR_FEATURES) + 2:
         raise ValueError(f"need at least {len(LINEAR_FEATURES) + 2} steps to fit, got {len(samples)}")
     a, y = _design(samples)
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
     keep = np.ones(len(y), dtype=bool)
+    huber = np.ones(len(y))
     coef = np.zeros(a.shape[1])
-    for _ in range(2):
-        w = 1.0 / y[keep]
+    for _ in range(6):
+        w = huber[keep] / y[keep]
         coef = _nnls(a[keep] / scale * w[:, None], y[keep] * w) / scale
         rel = (a @ coef - y) / y
-        mad = np.median(np.abs(rel - np.median(rel))) * 1.4826 or 1e-9
-        off = np.abs(rel - np.median(rel)) > 5 * mad
-        if off.sum() > 0.05 * len(y):
-            off = np.abs(rel) >= np.quantile(np.abs(rel), 0.95)
-        keep = ~off
+        sigma = float(np.median(np.abs(rel - np.median(rel)))) * 1.4826 or 1e-9
+        keep = np.abs(rel) <= 8 * sigma
+        k = 1.345 * sigma
+        huber = np.sqrt(np.minimum(1.0, k / np.maximum(np.abs(rel), 1e-12)))
     pred = a @ coef
     rel = np.abs(pred - y) / y
     ss_res = float(((pred - y) ** 2).sum())

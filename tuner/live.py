@@ -65,6 +65,7 @@ class LiveBackend:
         self.drive, self.drive_concurrency = drive, drive_concurrency
         self.ingest_lag_s = ingest_lag_s
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._own_client = client is None
         self.http = client or httpx.Client(base_url=engine_url, timeout=timeout_s, headers=headers)
         self.engine_url = engine_url
         self.original: dict[str, Any] | None = None
@@ -151,7 +152,8 @@ class LiveBackend:
 
     def _send(self, prompt: str, max_tokens: int) -> None:
         try:
+            extra = {"timeout": 120.0} if self._own_client else {}
             self.http.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
-                           timeout=120)
+                           **extra)
         except httpx.HTTPError as exc:
             log.debug("live driver: request failed: %s", exc)

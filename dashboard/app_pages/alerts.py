@@ -23,6 +23,10 @@ with ui.guarded("Alert state"):
 with ui.guarded("Silences"):
     silence_rows = data.silences(f.db_url)
 active_matchers = [s["matchers"] for s in silence_rows if s["status"]["state"] == "active"]
+if f.instances is not None and not states.empty:
+    # Alerts of the selected instances, and those without an instance label (fleet-wide rules).
+    states = states[states["instance"].isin(f.instances) | (states["instance"] == "")]
+    st.caption(f"Alerts of {', '.join(f.instances)} and fleet-wide ones; clear the instance filter to see all.")
 
 
 def _silenced(labels: dict) -> bool:

@@ -45,7 +45,8 @@ with left, ui.guarded("Swap rate"):
     if swaps.empty:
         ui.empty("swap-rate samples", "Swapping starts when the hot tier runs out; none sampled means none seen.")
     else:
-        st.altair_chart(charts.lines(swaps, y="value", color="instance", title="Swap rate", y_title="swaps/s"),
+        st.altair_chart(charts.lines(swaps, y="value", color="instance", title="Swap rate", y_title="swaps/s",
+                                     y_format=".3~g"),
                         width="stretch")
 with right, ui.guarded("Prefix-cache hit rate"):
     hits = data.gauges(f, ("prefix_hit_rate",))

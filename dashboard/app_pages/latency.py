@@ -46,7 +46,7 @@ with ui.guarded("Percentiles over time"):
         log = st.toggle("Log scale", key="lat_log", help="keeps p50 readable next to a slow tail")
         st.altair_chart(charts.lines(over_time, y="seconds", color="quantile", log=log,
                                      title=f"{data.LATENCY_METRICS[metric]} p50 / p90 / p99 per "
-                                           f"{ui.fmt_s(f.bucket_s)} bucket", y_title="seconds"),
+                                           f"{ui.fmt_s(f.bucket_s)} bucket", y_title="seconds", y_format=".3~g"),
                         width="stretch")
 
 st.subheader("Where the time goes")

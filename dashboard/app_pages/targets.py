@@ -46,9 +46,6 @@ with ui.guarded("Scrape targets"):
                  icon=":material/cloud_off:")
 
     targets["last scrape"] = targets["last_scrape_at"].map(lambda ts: timewin.fmt_ago(ts, now))
-    marks = {"up": "🟢 up", "down": "🔴 down", "stale": "🟠 stale", "disabled": "⚪ disabled",
-             "unknown (never scraped)": "⚪ never scraped"}
-    targets["health"] = targets["health"].map(marks)
     st.dataframe(targets[["health", "job", "instance", "url", "last scrape", "scrape_duration_s", "interval_s",
                           "last_error", "id"]], hide_index=True, width="stretch",
                  column_config={"scrape_duration_s": st.column_config.NumberColumn("scrape (s)", format="%.3f"),
@@ -69,4 +66,4 @@ with ui.guarded("Scrape history"):
                                            title="Up (share of scrapes that succeeded)"), width="stretch")
         if not dur.empty:
             right.altair_chart(charts.lines(dur, y="value", color="instance", title="Scrape duration",
-                                            y_title="seconds"), width="stretch")
+                                            y_title="seconds", y_format=".3~g"), width="stretch")

@@ -17,7 +17,7 @@ st.subheader("Studies")
 with ui.guarded("Studies"):
     studies = data.studies(f.db_url)
     if studies.empty:
-        raise data.DataUnavailable("No Optuna studies in this database yet: run `kvpilot tune` to start one.")
+        raise data.DataUnavailable(data.NO_STUDIES)
     st.dataframe(studies, hide_index=True, width="stretch",
                  column_config={"started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")})
     name = st.selectbox("Study", options=list(studies["study"]), key="study_pick")
@@ -90,11 +90,15 @@ with ui.guarded("Proposals"):
     proposed = yaml.safe_load(p["config_yaml"] or "") or {}
 
     st.markdown("**Measured before / after**")
-    comparison = pd.DataFrame(transform.metric_comparison(p["baseline_metrics"], p["best_metrics"]))
-    if comparison.empty:
+    verdict = transform.confirmation_verdict(p["best_metrics"])
+    if verdict:
+        (st.success if "holds:" in verdict else st.warning)(verdict)
+    sections = transform.proposal_measurements(p["baseline_metrics"], p["best_metrics"])
+    if not sections:
         st.caption("The proposal carries no measurements.")
-    else:
-        st.dataframe(comparison, hide_index=True, width="stretch",
+    for title, rows in sections:
+        st.caption(title)
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
                      column_config={"change %": st.column_config.NumberColumn(format="%+.1f%%"),
                                     "change": st.column_config.NumberColumn(format="%+.5g")})
 
@@ -130,18 +134,24 @@ with ui.guarded("Proposals"):
         with st.expander("Report", expanded=False):
             st.markdown(p["report_md"])
 
-    if p["status"] == "pending":
-        c1, c2, _ = st.columns([1, 1, 4])
+    choices = {"pending": ("accepted", "rejected"), "accepted": ("rejected",)}.get(p["status"], ())
+    if choices:
+        cols = st.columns([1, 1, 4])
         decision = None
-        if c1.button("Accept", key=f"accept_{pid}", type="primary", icon=":material/check:"):
+        if "accepted" in choices and cols[0].button("Accept", key=f"accept_{pid}", type="primary",
+                                                    icon=":material/check:"):
             decision = "accepted"
-        if c2.button("Reject", key=f"reject_{pid}", icon=":material/close:"):
+        if "rejected" in choices and cols[1].button("Reject", key=f"reject_{pid}", icon=":material/close:"):
             decision = "rejected"
+        st.caption(f"Accepting records the decision; `kvpilot tune apply {pid} --engine-url URL` applies it to a "
+                   "running engine, or restart one with the config above.")
         if decision:
-            if data.set_proposal_status(f.db_url, int(pid), decision):
+            try:
+                data.set_proposal_status(f.db_url, int(pid), decision)
+            except ValueError as exc:
+                st.warning(f"Proposal #{pid} not changed: {exc}")
+            else:
                 st.toast(f"Proposal #{pid} {decision}.")
                 st.rerun()
-            else:
-                st.warning(f"Proposal #{pid} was already decided by someone else; reloaded.")
     else:
-        st.caption(f"This proposal is {p['status']}; only pending proposals can be accepted or rejected.")
+        st.caption(f"This proposal is {p['status']}: that is final.")

@@ -224,3 +224,19 @@ def test_instances_runs_and_target_health(db_engine: Engine) -> None:
         )
     (health,) = q.target_health(db_engine)
     assert health.up is False and health.last_error == "boom"
+
+
+def test_pushed_rejections_and_ooms_read_as_counters(db_engine: Engine) -> None:
+    """Engines that only push events still feed requests_rejected_total / oom_total (the alert rules'
+    counters): cumulative counts at each sample, so increase() over a window sees every event."""
+    events = [ev.sample(i) for i in range(0, 10)]
+    events += [ev.request(100 + i, ts=ev.T0 + 2.5 + i, status="rejected") for i in range(3)]
+    events += [ev.request(200, ts=ev.T0 + 3.2)]  # finished: not counted
+    events += [ev.alloc(300, ts=ev.T0 + 6.5, op="oom")]
+    raw = ev.body(events)
+    store_batch(db_engine, parse_batch(raw, max_events=1000), idempotency_key="counters", content=raw)
+    with db_engine.connect() as conn:
+        rejected = q.series_points(conn, name="requests_rejected_total", start=ev.T0, end=ev.T0 + 10)["e0"]
+        oom = q.series_points(conn, name="oom_total", start=ev.T0, end=ev.T0 + 10)["e0"]
+    assert [v for _, v in rejected] == [0, 0, 0, 1, 2, 3, 3, 3, 3, 3]
+    assert [v for _, v in oom] == [0] * 7 + [1] * 3

@@ -42,6 +42,10 @@ def seeded(_seeded_template: tuple[Path, Seed], tmp_path: Path) -> Seed:
     template, seed = _seeded_template
     path = tmp_path / "kvpilot.db"
     shutil.copyfile(template, path)
+    # The tuner keeps studies beside the database (tuner.storage): copy that file too.
+    studies = template.with_name(f"{template.stem}-optuna.db")
+    if studies.exists():
+        shutil.copyfile(studies, path.with_name(f"{path.stem}-optuna.db"))
     return Seed(url=f"sqlite:///{path}", requests=seed.requests, samples=seed.samples, steps=seed.steps,
                 allocs=seed.allocs, study_name=seed.study_name)
 

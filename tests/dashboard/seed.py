@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,10 +174,16 @@ def _proposals(session) -> None:  # type: ignore[no-untyped-def]
         Proposal(id=1, created_at=T0 - 3600, updated_at=T0 - 3000, status="applied", study_name="kv-tune",
                  instance="e0", config_yaml=APPLIED_YAML, report_md="first tuning round",
                  baseline_metrics={"ttft_p99_s": 0.2}, best_metrics={"ttft_p99_s": 0.15}),
+        # As tuner.nightly records them: the trial, the parameters, confirmation re-runs on fresh seeds.
         Proposal(id=2, created_at=T0 + 700, updated_at=T0 + 700, status="pending", study_name="kv-tune",
                  instance="e0", config_yaml=PROPOSED_YAML, report_md="## Why\nmore sequences per step",
-                 baseline_metrics={"ttft_p99_s": 0.15, "throughput_tok_s": 1000.0},
-                 best_metrics={"ttft_p99_s": 0.12, "throughput_tok_s": 1250.0}),
+                 baseline_metrics={"trial": {"ttft_p99_s": 0.15, "throughput_tok_s": 1000.0},
+                                   "params": {"max_num_seqs": 64, "block_size": 32},
+                                   "confirmation": [{"goodput_tps": 900.0}, {"goodput_tps": 1100.0}]},
+                 best_metrics={"trial": {"ttft_p99_s": 0.12, "throughput_tok_s": 1250.0},
+                               "params": {"max_num_seqs": 96, "block_size": 16},
+                               "confirmation": {"gain": 0.2, "min_gain": 0.05, "holds": True,
+                                                "runs": [{"goodput_tps": 1150.0}, {"goodput_tps": 1250.0}]}}),
     ])
 
 
@@ -201,9 +208,13 @@ def _study(url: str, name: str) -> None:
     from optuna.distributions import CategoricalDistribution, IntDistribution
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.RDBStorage(url, skip_compatibility_check=True)
+    from tuner.storage import open_storage
+
+    storage = open_storage(url)  # where the tuner keeps studies for this database
     study = optuna.create_study(study_name=name, storage=storage, directions=["minimize", "maximize"])
-    study.set_metric_names(["ttft_p99_s", "throughput_tok_s"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(["ttft_p99_s", "throughput_tok_s"])
     dists = {"max_num_seqs": IntDistribution(16, 256), "block_size": CategoricalDistribution([16, 32])}
     for seqs, block, ttft, tput in TRIALS:
         study.add_trial(optuna.trial.create_trial(params={"max_num_seqs": seqs, "block_size": block},

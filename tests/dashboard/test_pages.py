@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect, select
@@ -184,32 +185,53 @@ def test_tuning_page_study_pareto_and_proposal_diff(seeded: Seed, open_page) -> 
     changes = next(d.value for d in at.dataframe if "setting" in d.value.columns)
     assert dict(zip(changes["setting"], zip(changes["running"], changes["proposed"], strict=True), strict=True)) == {
         "scheduler.max_num_seqs": ("64", "96"), "cache.block_size": ("32", "16")}
-    comparison = next(d.value for d in at.dataframe if "change %" in d.value.columns).set_index("metric")
-    assert comparison.loc["throughput_tok_s", "change %"] == pytest.approx(25.0)
-    assert comparison.loc["ttft_p99_s", "change"] == pytest.approx(-0.03)
+    tables = [d.value.set_index("metric") for d in at.dataframe if "change %" in d.value.columns]
+    confirmation, trial, params = tables  # in that order: the re-runs first, the study's trial, the parameters
+    assert confirmation.loc["goodput_tps", "before"] == pytest.approx(1000.0)  # mean of the baseline runs
+    assert confirmation.loc["goodput_tps", "change %"] == pytest.approx(20.0)
+    assert trial.loc["throughput_tok_s", "change %"] == pytest.approx(25.0)
+    assert trial.loc["ttft_p99_s", "change"] == pytest.approx(-0.03)
+    assert params.loc["max_num_seqs", "after"] == 96
+    assert "Confirmation holds: +20.0% goodput (needed +5.0%)." in texts(at)
 
 
-def test_accepting_a_proposal_updates_its_status(seeded: Seed, open_page) -> None:
+def test_accepting_then_rejecting_a_proposal_goes_through_the_tuner(seeded: Seed, open_page) -> None:
     at = open_page(seeded.url, "tuning")
     at.button(key="accept_2").click().run()
     no_exception(at)
-    engine = make_engine(seeded.url)
-    with engine.connect() as conn:
-        status = conn.execute(select(Proposal.status).where(Proposal.id == 2)).scalar_one()
-    engine.dispose()
-    assert status == "accepted"
-    assert "This proposal is accepted" in texts(at)
+    assert _status(seeded.url, 2) == "accepted"
+    assert not [b for b in at.button if b.key == "accept_2"]  # accepted: only Reject is left
+    at.button(key="reject_2").click().run()
+    no_exception(at)
+    assert _status(seeded.url, 2) == "rejected"
+    assert "This proposal is rejected: that is final." in texts(at)
     assert not [b for b in at.button if b.key in ("accept_2", "reject_2")]
 
 
-def test_proposal_decision_is_compare_and_set(seeded: Seed) -> None:
-    from dashboard import data
+def _status(url: str, proposal_id: int) -> str:
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        status = conn.execute(select(Proposal.status).where(Proposal.id == proposal_id)).scalar_one()
+    engine.dispose()
+    return status
 
-    assert data.set_proposal_status(seeded.url, 2, "rejected") is True
-    assert data.set_proposal_status(seeded.url, 2, "accepted") is False  # already decided
-    assert data.set_proposal_status(seeded.url, 1, "accepted") is False  # applied, not pending
-    with pytest.raises(ValueError, match="accepted or rejected"):
-        data.set_proposal_status(seeded.url, 2, "applied")
+
+def test_a_proposal_decided_elsewhere_is_not_overwritten(seeded: Seed, open_page) -> None:
+    from dashboard import data
+    from tuner.proposals import set_status
+
+    at = open_page(seeded.url, "tuning")
+    # Another reviewer (`kvpilot tune reject`, another dashboard) decides after this page loaded: the cached
+    # page still offers Accept, and the compare-and-set refuses it.
+    engine = make_engine(seeded.url)
+    set_status(engine, 2, "rejected")
+    engine.dispose()
+    at.button(key="accept_2").click().run()
+    no_exception(at)
+    assert _status(seeded.url, 2) == "rejected"
+    assert "Proposal #2 not changed: proposal 2 is rejected; it cannot become accepted" in texts(at)
+    with pytest.raises(ValueError, match="only accepts or rejects"):
+        data.set_proposal_status(seeded.url, 1, "applied")
 
 
 def test_targets_page_health(seeded: Seed, open_page) -> None:
@@ -219,7 +241,7 @@ def test_targets_page_health(seeded: Seed, open_page) -> None:
     assert (shown["Targets"], shown["Up"], shown["Down"]) == ("2", "1", "1")
     assert "is down: connection refused" in texts(at)
     table = at.dataframe[0].value.set_index("instance")
-    assert table.loc["gpu-b", "health"] == "🔴 down" and table.loc["vllm-a", "health"] == "🟢 up"
+    assert table.loc["gpu-b", "health"] == "down" and table.loc["vllm-a", "health"] == "up"
 
 
 @pytest.mark.parametrize("page", list(PAGE_FILES))
@@ -278,9 +300,13 @@ def test_tuning_page_without_studies_says_how_to_start_one(sqlite_url: str, open
     seed_database(sqlite_url, with_study=False)
     at = open_page(sqlite_url, "tuning")
     no_exception(at)
-    assert "No Optuna studies in this database yet" in texts(at)
+    assert "No Optuna studies for this database yet" in texts(at)
+    from dashboard import data
+
+    storage = Path(data.study_storage_url(sqlite_url).removeprefix("sqlite:///"))
+    assert not storage.exists()  # the dashboard only reads: it created no study storage
     engine = make_engine(sqlite_url)
-    assert not inspect(engine).has_table("studies")  # the dashboard only reads: it created no Optuna tables
+    assert not inspect(engine).has_table("studies")
     engine.dispose()
     assert "Proposal #2 — pending" in texts(at)  # proposals do not need a study
 
@@ -320,3 +346,77 @@ def test_every_page_shows_the_same_numbers_on_postgresql(pg_url: str, sqlite_url
         volatile = {"Up", "Stale / never scraped"}  # relative to now: the two seeds ran a moment apart
         assert {k: v for k, v in shown.items() if k not in volatile} == {
             k: v for k, v in metrics(on_sqlite).items() if k not in volatile}, page
+
+
+def test_run_filter_keeps_gauges_to_that_run(seeded: Seed, open_page) -> None:
+    from collector.ingest import parse_batch, store_batch
+    from dashboard import data
+    from tests.collector import evfactory as ev
+
+    # A second run on e0 with a full KV cache; r1's charts must not show it.
+    engine = make_engine(seeded.url)
+    body = ev.body([ev.sample(0, ts=seeded.samples[0]["ts"] + k, run_id="r2", kv_usage=1.0) for k in range(5)])
+    store_batch(engine, parse_batch(body, max_events=10), idempotency_key=None, content=body)
+    engine.dispose()
+    at = open_page(seeded.url)
+    at.selectbox(key="f_run").set_value("r1").run()
+    no_exception(at)
+    f = at.session_state[ui.FILTERS_KEY]
+    assert f.run_id == "r1"
+    kv = data.gauges(f, ("kv_usage",))
+    assert kv["value"].max() == pytest.approx(max(s["kv_usage"] for s in seeded.samples))
+    assert data.gauges(f.__class__(**{**f.__dict__, "run_id": None}), ("kv_usage",))["value"].max() == 1.0
+
+
+def test_alerts_page_follows_the_instance_filter(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url, "alerts")
+    at.multiselect(key="f_instances").set_value(["e1"]).run()
+    no_exception(at)
+    assert (metrics(at)["Firing"], metrics(at)["Pending"]) == ("0", "1")
+    assert list(at.dataframe[0].value["alertname"]) == ["HighTTFT"]
+
+
+def test_proposal_diff_against_the_running_engine(seeded: Seed, open_page, monkeypatch) -> None:
+    from dashboard import data
+
+    seen = {}
+
+    def fake_running_config(url: str, token: str | None) -> dict:
+        seen["url"], seen["token"] = url, token
+        return {"scheduler": {"max_num_seqs": 80, "max_num_batched_tokens": 4096}, "cache": {"block_size": 16}}
+
+    monkeypatch.setattr(data, "running_config", fake_running_config)
+    monkeypatch.setenv("KVPILOT_ADMIN_TOKEN", "s3cret")
+    at = open_page(seeded.url, "tuning")
+    at.text_input(key="engine_url").set_value("http://127.0.0.1:8000").run()
+    no_exception(at)
+    assert seen == {"url": "http://127.0.0.1:8000", "token": "s3cret"}
+    assert "Compared with the running engine at http://127.0.0.1:8000." in texts(at)
+    changes = next(d.value for d in at.dataframe if "setting" in d.value.columns)
+    assert list(changes["setting"]) == ["scheduler.max_num_seqs"]  # block_size 16 already runs
+
+
+def test_unreachable_engine_is_reported_not_raised(seeded: Seed) -> None:
+    from dashboard import data
+
+    with pytest.raises(data.DataUnavailable, match="unreachable"):
+        data.running_config("http://127.0.0.1:9", None)
+
+
+def test_filters_round_trip_through_the_url(seeded: Seed, open_page, monkeypatch) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    from tests.dashboard.conftest import APP
+
+    monkeypatch.setenv("KVPILOT_DB_URL", seeded.url)
+    at = AppTest.from_file(str(APP), default_timeout=30)
+    lo = seeded.requests[0]["ts"] + 60
+    at.query_params.update({"instance": "e1", "range": "Custom", "from": str(int(lo)), "to": str(int(lo) + 120)})
+    at.run()
+    no_exception(at)
+    assert at.multiselect(key="f_instances").value == ["e1"]
+    assert at.selectbox(key="f_range").value == "Custom"
+    f = at.session_state[ui.FILTERS_KEY]
+    assert (f.instances, f.start, f.end) == (("e1",), int(lo), int(lo) + 120)
+    at.selectbox(key="f_range").set_value("Whole run").run()
+    assert dict(at.query_params) == {"range": "Whole run", "instance": "e1"}

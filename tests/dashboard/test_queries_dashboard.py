@@ -128,3 +128,14 @@ def test_quantiles_over_time_rejects_bad_arguments(db_engine: Engine, bad: dict)
     kwargs = {"start": T0, "end": T0 + 10, "bucket_s": 1.0, **bad}
     with pytest.raises(ValueError):
         queries.latency_quantiles_over_time(db_engine, **kwargs)
+
+
+def test_run_gauges_over_time_keeps_to_the_run(db_engine: Engine) -> None:
+    _store(db_engine, [ev.sample(i, kv_usage=0.1, queue_depth=i, run_id="r1") for i in range(10)]
+           + [ev.sample(i, kv_usage=0.9, queue_depth=100, run_id="r2") for i in range(10)])
+    got = queries.run_gauges_over_time(db_engine, names=["kv_usage", "queue_depth"], start=T0, end=T0 + 10,
+                                       bucket_s=5.0, run_id="r1")
+    assert got["kv_usage"]["e0"] == [(T0, pytest.approx(0.1)), (T0 + 5, pytest.approx(0.1))]
+    assert got["queue_depth"]["e0"] == [(T0, pytest.approx(2.0)), (T0 + 5, pytest.approx(7.0))]
+    with pytest.raises(ValueError, match="not engine-sampled"):
+        queries.run_gauges_over_time(db_engine, names=["up"], start=T0, end=T0 + 10, bucket_s=5.0, run_id="r1")

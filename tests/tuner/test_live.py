@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from collector.db import make_engine
+from engine import workload as W
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.server import create_app
@@ -60,7 +61,7 @@ def test_live_trial_applies_observes_and_rolls_back(sqlite_url: str) -> None:
                               drive_concurrency=4, ingest_lag_s=0.2, client=client)
         trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 4}})
         seen: list[int] = []
-        original = backend._call  # noqa: SLF001 - spy on the PUTs
+        original = backend._call
 
         def spy(method, path, json=None):  # type: ignore[no-untyped-def]
             if method == "PUT":
@@ -78,7 +79,8 @@ def test_live_trial_applies_observes_and_rolls_back(sqlite_url: str) -> None:
 def test_live_guard_ends_a_bad_trial_early(sqlite_url: str) -> None:
     db, cfg, app, engine = _setup(sqlite_url)
     with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
-        backend = LiveBackend(db=db, slo=SLO(ttft_s=2.0, tpot_s=0.5), workload=_workload, engine_url="http://engine",
+        flood = lambda seed: [W.WorkloadRequest(0.0, 16, 64) for _ in range(40)]  # noqa: E731 - all at once
+        backend = LiveBackend(db=db, slo=SLO(ttft_s=2.0, tpot_s=0.5), workload=flood, engine_url="http://engine",
                               instance="live-1", window_s=6.0, settle_s=0.0, guard_interval_s=0.5,
                               guard_rejection_rate=0.05, drive=True, drive_concurrency=8, ingest_lag_s=0.2,
                               client=client)

@@ -53,7 +53,7 @@ def test_profile_errors_name_the_field(tmp_path) -> None:  # type: ignore[no-unt
         CostProfile.from_dict(bad)
     bad = json.loads(json.dumps(good))
     bad["linear"]["decode_seqs"] = -1.0
-    with pytest.raises(ProfileError, match="linear.decode_seqs") as err:
+    with pytest.raises(ProfileError, match=r"linear\.decode_seqs") as err:
         CostProfile.from_dict(bad)
     assert err.value.field == "linear.decode_seqs"
     path = tmp_path / "broken.json"
@@ -111,7 +111,7 @@ def test_step_shape_counts_prefill_decode_and_attention() -> None:
 def test_simulation_uses_the_real_scheduler_under_memory_pressure() -> None:
     profile = tiny_profile()
     data = profile.engine_config(None).model_dump(mode="json")
-    data["cache"].update({"hot_bytes": 320 * 1024, "cold_bytes": 4 * 2**20})  # 1280 tokens of KV
+    data["cache"].update({"hot_bytes": 256 * 1024, "cold_bytes": 4 * 2**20})  # 512 tokens of KV
     data["scheduler"].update({"preemption_mode": "swap"})
     cfg = EngineConfig.from_dict(data)
     reqs = [W.WorkloadRequest(0.0, 200, 120) for _ in range(12)]

@@ -48,7 +48,7 @@ def test_azure_trace_replay_with_scaling(tmp_path) -> None:  # type: ignore[no-u
     assert [r.arrival_s for r in WL.load_trace(seconds, WL.WorkloadOptions())] == [0.0, 1.5]
     missing = tmp_path / "m.csv"
     missing.write_text("TIMESTAMP,ContextTokens\n1,2\n")
-    with pytest.raises(WL.WorkloadError, match="missing column.*GeneratedTokens"):
+    with pytest.raises(WL.WorkloadError, match=r"missing column.*GeneratedTokens"):
         WL.load_trace(missing, WL.WorkloadOptions())
     bad = tmp_path / "b.csv"
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\nyesterday,2,3\n")
