@@ -3,7 +3,9 @@ with the calibrated profile; relative errors of throughput and p99 latency (targ
 
 Both runs use the same requests, prompts and config, the same replay driver and the profile's torch
 thread count; the real engine runs on a SkipClock (real time while busy, idle gaps skipped) after a
-warm-up on the workload's own shapes.
+warm-up on the workload's own shapes. The real engine replays each workload twice, so the report also
+says how well the engine reproduces itself on this machine (`real_self_*_diff`): the floor under any
+simulator error.
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ from tuner.jobs import capacity_rps
 from tuner.profile import load_profile
 from tuner.replay import ReplayResult, SkipClock, TrialSink, prepare_prompts, replay
 from tuner.sim import sim_engine
+
+# (name, scenario, load x capacity (None: the scenario's own), counted in the headline errors).
+# Near saturation (0.9 x capacity) queueing multiplies any cost error, and the real engine on a shared
+# 2-core machine does not reproduce its own p99 there either; that case is reported, not headlined.
+CASES = (
+    ("mixed", "mixed", 0.7, True),
+    ("burst", "burst", None, True),
+    ("sustained", "sustained", None, True),
+    ("mixed-near-saturation", "mixed", 0.9, False),
+)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -70,32 +82,41 @@ def run_sim_bench(quick: bool = False, profile: str = "cpu-2core", progress: Cal
         real_engine.add_request(prepare_prompts([r], 99)[0], SamplingParams(max_tokens=4, ignore_eos=True),
                                 request_id=f"warm-{i}", warmup=True)
     real_engine.run_until_done()
-    for k, name in enumerate(("mixed", "burst")):
-        reqs = WL.scenario(name, cap, opts, seed=11 + k)
+    for k, (name, scenario, load, headline) in enumerate(CASES):
+        case_opts = WL.WorkloadOptions(**{**opts.__dict__, "load": load})
+        reqs = WL.scenario(scenario, cap, case_opts, seed=11 + k)
         prompts = prepare_prompts(reqs, 11 + k)
-        say(f"[{k + 1}/2] {name}: {len(reqs)} requests on the torch engine ...")
+        say(f"[{k + 1}/{len(CASES)}] {name}: {len(reqs)} requests on the torch engine ...")
         t = time.perf_counter()
         real = replay(real_engine, reqs, seed=11 + k, prompts=prompts)
         real_wall = time.perf_counter() - t
+        again = _figures(replay(real_engine, reqs, seed=11 + k, prompts=prompts))  # the engine against itself
         engine, _ = sim_engine(cfg, prof, sink=TrialSink(keep_steps=False))
         t = time.perf_counter()
         sim = replay(engine, reqs, seed=11 + k, prompts=prompts)
         sim_wall = time.perf_counter() - t
         fr, fs = _figures(real), _figures(sim)
         row = {
+            "scenario": scenario,
+            "load": load,
+            "headline": headline,
             "real": fr,
             "sim": fs,
             "throughput_error": round(_rel(fs["throughput_tps"], fr["throughput_tps"]), 4),
             "p99_error": round(_rel(fs["e2e_p99_s"], fr["e2e_p99_s"]), 4),
             "ttft_p99_error": round(_rel(fs["ttft_p99_s"], fr["ttft_p99_s"]), 4),
+            "real_repeat": again,
+            "real_self_throughput_diff": round(_rel(again["throughput_tps"], fr["throughput_tps"]), 4),
+            "real_self_p99_diff": round(_rel(again["e2e_p99_s"], fr["e2e_p99_s"]), 4),
             "real_wall_s": round(real_wall, 2),
             "sim_wall_s": round(sim_wall, 3),
             "sim_speedup_vs_real_time": round(sim.duration_s / sim_wall, 1) if sim_wall else None,
         }
         out["workloads"][name] = row
-        say(f"      throughput error {row['throughput_error']:.3f}, p99 error {row['p99_error']:.3f} "
+        say(f"      throughput error {row['throughput_error']:.3f}, p99 error {row['p99_error']:.3f}; "
+            f"real vs itself {row['real_self_throughput_diff']:.3f} / {row['real_self_p99_diff']:.3f} "
             f"(real {real_wall:.1f} s, sim {sim_wall:.2f} s)")
-    rows = out["workloads"].values()
+    rows = [r for r in out["workloads"].values() if r["headline"]]
     out["throughput_error"] = max(r["throughput_error"] for r in rows)
     out["p99_error"] = max(r["p99_error"] for r in rows)
     out["target"] = 0.10

@@ -54,6 +54,7 @@ class RequestEvent(_Event):
     e2e_s: NonNegFloat
     preemptions: NonNegInt = 0
     swaps: NonNegInt = 0
+    swap_s: NonNegFloat = 0.0  # time spent swapped out to the host tier (counted inside decode_s/prefill_s)
     cached_tokens: NonNegInt = 0
     finish_reason: str | None = None
     warmup: bool = False

@@ -44,7 +44,7 @@ from collector.series import list_series_names as _list_series_names
 
 Db = Session | Connection | Engine
 GroupBy = Literal["instance", "run", "all"]
-LatencyMetric = Literal["ttft", "e2e", "queue", "prefill", "decode", "tpot"]
+LatencyMetric = Literal["ttft", "e2e", "queue", "prefill", "decode", "swap", "tpot"]
 Points = dict[str, list[tuple[float, float]]]
 
 DEFAULT_QUANTILES = (0.5, 0.9, 0.95, 0.99)
@@ -355,6 +355,7 @@ def _metric_column(metric: LatencyMetric) -> ColumnElement:
         "queue": r.queue_s,
         "prefill": r.prefill_s,
         "decode": r.decode_s,
+        "swap": r.swap_s,
         "tpot": case((r.output_tokens > 1, r.decode_s / (r.output_tokens - 1)), else_=None),
     }
     if metric not in columns:
@@ -407,7 +408,10 @@ def latency_percentiles(
     statuses: Sequence[str] | None = ("finished",),
     include_warmup: bool = False,
 ) -> list[LatencyStats]:
-    """Exact nearest-rank quantiles of a request stage (ttft, e2e, queue, prefill, decode, tpot) per group."""
+    """Exact nearest-rank quantiles of a request stage (ttft, e2e, queue, prefill, decode, swap, tpot) per group.
+
+    `swap` is the time swapped out to the host tier, which also counts inside prefill or decode.
+    """
     for q in quantiles:
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"quantiles must be within [0, 1], got {q}")
@@ -791,10 +795,15 @@ def latency_quantiles_over_time(
 
 @dataclass(frozen=True)
 class StageBucket:
-    """Mean seconds per request stage in one bucket; the stages add up to the mean end-to-end latency.
+    """Mean seconds per request stage in one bucket; the stacked stages add up to the mean end-to-end latency.
 
-    `first_token_gap_s` is e2e - queue - prefill - decode: time between the end of prefill and the first
-    token (the engine counts time a decoding sequence spends swapped out or preempted inside decode).
+    The stacked stages are queue, prefill, first-token gap, decode excluding swap and swap. The engine
+    counts time swapped out to the host tier inside the stage it interrupted, so `decode_excl_swap_s`
+    is the mean of decode - swap per request (clamped at 0), `swap_s` the mean swap time, and
+    `first_token_gap_s` what is left of e2e: e2e - queue - prefill - decode, prefill done to first
+    token, except that a request swapped out longer than it decoded (swapped during prefill) gives the
+    excess back there, so the five still add up (unless the excess is longer than the gap, rare: the
+    gap is clamped at 0). `decode_s` is the whole decode stage, swap included.
     """
 
     ts: float
@@ -802,6 +811,8 @@ class StageBucket:
     queue_s: float
     prefill_s: float
     first_token_gap_s: float
+    decode_excl_swap_s: float
+    swap_s: float
     decode_s: float
     e2e_s: float
     swaps: int
@@ -818,11 +829,12 @@ def stage_breakdown_over_time(
     run_id: str | None = None,
     include_warmup: bool = False,
 ) -> list[StageBucket]:
-    """Per bucket: mean queue, prefill, first-token gap and decode seconds of finished requests, and swap counts."""
+    """Per bucket: mean queue, prefill, first-token gap, decode and swap seconds of finished requests, and counts."""
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
     r = RequestRow.__table__.c
     conds = _request_filter(start, end, instances, run_id, ("finished",), include_warmup)
+    decode_excl_swap = case((r.decode_s > r.swap_s, r.decode_s - r.swap_s), else_=literal(0.0))
     with _bound(db) as conn:
         bucket = bucket_expr(r.ts, bucket_s, _dialect(conn)).label("b")
         stmt = (
@@ -832,6 +844,8 @@ def stage_breakdown_over_time(
                 func.avg(r.queue_s),
                 func.avg(r.prefill_s),
                 func.avg(r.decode_s),
+                func.avg(decode_excl_swap),
+                func.avg(r.swap_s),
                 func.avg(r.e2e_s),
                 func.sum(r.swaps),
                 func.sum(r.preemptions),
@@ -842,15 +856,18 @@ def stage_breakdown_over_time(
         )
         rows = conn.execute(stmt).all()
     out = []
-    for b, n, queue, prefill, decode, e2e, swaps, preemptions in rows:
+    for b, n, queue, prefill, decode, decode_excl, swap, e2e, swaps, preemptions in rows:
         queue, prefill, decode, e2e = float(queue), float(prefill), float(decode), float(e2e)
+        decode_excl, swap = float(decode_excl), float(swap)
         out.append(
             StageBucket(
                 ts=float(b),
                 requests=int(n),
                 queue_s=queue,
                 prefill_s=prefill,
-                first_token_gap_s=max(0.0, e2e - queue - prefill - decode),
+                first_token_gap_s=max(0.0, e2e - queue - prefill - decode_excl - swap),
+                decode_excl_swap_s=decode_excl,
+                swap_s=swap,
                 decode_s=decode,
                 e2e_s=e2e,
                 swaps=int(swaps or 0),

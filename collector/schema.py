@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -104,6 +105,9 @@ class RequestRow(_EventColumns, Base):
     e2e_s: Mapped[float] = mapped_column(Float)
     preemptions: Mapped[int] = mapped_column(Integer)
     swaps: Mapped[int] = mapped_column(Integer)
+    # Seconds swapped out to the host tier, counted inside prefill_s/decode_s. The server default gives
+    # rows stored before the column existed 0, as the wire default does for batches without the field.
+    swap_s: Mapped[float] = mapped_column(Float, server_default=text("0"))
     cached_tokens: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str | None] = mapped_column(String(64))
     warmup: Mapped[bool] = mapped_column(Boolean)

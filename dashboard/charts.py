@@ -12,7 +12,8 @@ HEIGHT = 240
 # No fixed format: Vega picks one per zoom level (seconds within a minute, dates across days), in UTC.
 TIME_AXIS = alt.Axis(title=None, labelAngle=0, labelOverlap=True)
 TIME = alt.X("time:T", axis=TIME_AXIS, scale=alt.Scale(type="utc"))
-STAGE_COLORS = {"queue": "#f58518", "prefill": "#4c78a8", "first-token gap": "#b279a2", "decode": "#54a24b"}
+STAGE_COLORS = {"queue": "#f58518", "prefill": "#4c78a8", "first-token gap": "#b279a2", "decode": "#54a24b",
+                "swap": "#e45756"}
 OP_COLORS = {"alloc": "#4c78a8", "free": "#9ecae9", "swap_out": "#e45756", "swap_in": "#f58518",
              "evict": "#b279a2", "recycle": "#54a24b", "oom": "#000000"}
 

@@ -28,7 +28,7 @@ from collector.settings import CollectorSettings
 
 TTL_S = 10
 LATENCY_METRICS = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "End to end", "queue": "Queue", "prefill": "Prefill",
-                   "decode": "Decode"}
+                   "decode": "Decode", "swap": "Swap"}
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
 
@@ -230,12 +230,14 @@ def latency_over_time(f: Filters, metric: str) -> pd.DataFrame:
     return df
 
 
-STAGES = {"queue_s": "queue", "prefill_s": "prefill", "first_token_gap_s": "first-token gap", "decode_s": "decode"}
+# The stacked stages, in stack order; they add up to the mean e2e. Decode excludes the swap stage.
+STAGES = {"queue_s": "queue", "prefill_s": "prefill", "first_token_gap_s": "first-token gap",
+          "decode_excl_swap_s": "decode", "swap_s": "swap"}
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def stage_breakdown(f: Filters) -> pd.DataFrame:
-    """Mean seconds per stage per bucket (long format for stacked bars), with swap/preemption counts."""
+    """Mean seconds per stage per bucket (long format for stacked bars, swap its own stage), with swap counts."""
     buckets = queries.stage_breakdown_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bar_bucket_s,
                                                 instances=f.instance_list, run_id=f.run_id)
     rows = [{"ts": b.ts, "stage": label, "seconds": getattr(b, key), "requests": b.requests, "swaps": b.swaps,
@@ -258,7 +260,7 @@ def slowest(f: Filters, metric: str, limit: int = 25) -> pd.DataFrame:
     rows = queries.slowest_requests(engine(f.db_url), start=f.start, end=f.end, metric=metric, limit=limit,
                                     instances=f.instance_list, run_id=f.run_id)
     cols = ["request_id", "instance", "run_id", "ts", "status", "metric_value", "queue_s", "prefill_s", "ttft_s",
-            "decode_s", "e2e_s", "prompt_tokens", "output_tokens", "cached_tokens", "preemptions", "swaps",
+            "decode_s", "swap_s", "e2e_s", "prompt_tokens", "output_tokens", "cached_tokens", "preemptions", "swaps",
             "finish_reason"]
     df = pd.DataFrame(rows, columns=cols)
     df["finished at"] = _ts(df["ts"])

@@ -270,6 +270,7 @@ class LLMEngine:
             e2e_s=max(0.0, end - t.arrival),
             preemptions=seq.preemptions,
             swaps=seq.swaps,
+            swap_s=t.swap_s + (end - t.swapped_at if t.swapped_at is not None else 0.0),
             cached_tokens=seq.num_cached_tokens,
             finish_reason=seq.finish_reason,
             warmup=seq.warmup,

@@ -164,6 +164,9 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             out.swap_in.append(plan)
+            if seq.times.swapped_at is not None:
+                seq.times.swap_s += out.now - seq.times.swapped_at
+                seq.times.swapped_at = None
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=Sequence.order_key)
             n = min(seq.num_uncomputed, self.cfg.prefill_chunk_tokens, budget)
@@ -210,6 +213,7 @@ class Scheduler:
             if plan is not None:
                 out.swap_out.append(plan)
                 seq.swaps += 1
+                seq.times.swapped_at = out.now
                 seq.status = SeqStatus.SWAPPED
                 bisect.insort(self.swapped, seq, key=Sequence.order_key)
                 return
@@ -225,6 +229,7 @@ class Scheduler:
         self._discard(self.running, seq)
         out.swap_out.append(plan)
         seq.swaps += 1
+        seq.times.swapped_at = out.now
         seq.status = SeqStatus.SWAPPED
         bisect.insort(self.swapped, seq, key=Sequence.order_key)
         return True

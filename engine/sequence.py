@@ -37,7 +37,8 @@ class StageTimes:
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
-    swap_s: float = 0.0
+    swapped_at: float | None = None  # when it last went to the host tier; None while resident
+    swap_s: float = 0.0  # total time spent swapped out
 
 
 @dataclass(slots=True, eq=False)

@@ -283,6 +283,7 @@ def _generate_result(state: ServerState, seq: Any, text: str | None) -> dict:
             "e2e_s": rec.e2e_s,
             "preemptions": rec.preemptions,
             "swaps": rec.swaps,
+            "swap_s": rec.swap_s,
         },
         "finished": True,
     }

@@ -26,6 +26,7 @@ class FinishedRequest:
     e2e_s: float
     preemptions: int = 0
     swaps: int = 0
+    swap_s: float = 0.0
     cached_tokens: int = 0
     finish_reason: str | None = None
     warmup: bool = False

@@ -119,6 +119,7 @@ class EventLogger:
             e2e_s=req.e2e_s,
             preemptions=req.preemptions,
             swaps=req.swaps,
+            swap_s=req.swap_s,
             cached_tokens=req.cached_tokens,
             finish_reason=req.finish_reason,
             warmup=req.warmup,

@@ -232,12 +232,23 @@ def nightly_cmd(
     seed: int = typer.Option(0, "--seed"),
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL"),
+    engine_url: str | None = typer.Option(None, "--engine-url", help="live: the engine's base URL"),
+    admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
+    window: float = typer.Option(30.0, "--window", help="live: seconds observed per trial"),
+    settle: float = typer.Option(5.0, "--settle", help="live: seconds after a change before observing"),
     verbose: bool = VerboseOpt,
 ) -> None:
     """Collector workload -> study -> confirmation -> a proposal (only if the gain holds)."""
     _setup_logging(verbose)
     with _errors():
         from tuner.nightly import run_nightly
+
+        live = None
+        if backend == "live":
+            if not engine_url or not instance:
+                raise ValueError("engine_url: the live backend needs --engine-url and --instance")
+            live = {"engine_url": engine_url, "admin_token": admin_token, "instance": instance, "window_s": window,
+                    "settle_s": settle}
 
         result = run_nightly(
             db_url=_db_url(db_url), out_dir=out_dir, trials=trials, backend=backend, profile=profile,
@@ -246,6 +257,7 @@ def nightly_cmd(
             config_path=config, space_path=space, slo=_slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate,
                                                            max_oom),
             seed=seed, confirm_seeds=confirm_seeds, min_gain=min_gain, instance=instance, storage_url=storage,
+            live=live,
         )
         typer.echo(result.decision)
         for kind, path in result.files.items():
@@ -356,7 +368,9 @@ def calibrate_cmd(
         from tuner.calibrate import calibrate, grid
 
         cfg = EngineConfig.from_yaml(config) if config is not None else None
-        with tqdm(total=2 * (len(grid(quick)) + 1), desc="calibrate", unit="run") as bar:
+        runs = grid(quick)
+        total = 2 * (len(runs) + 1) - sum(name.startswith("mixed rate") for name, _ in runs)
+        with tqdm(total=total, desc="calibrate", unit="run") as bar:
             def progress(msg: str) -> None:
                 bar.set_postfix_str(msg[:40])
                 bar.update(1)

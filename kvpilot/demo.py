@@ -102,6 +102,40 @@ def _serve_engine(cfg: dict, stack: _Stack) -> tuple[str, object]:
     return f"http://127.0.0.1:{cfg['server']['port']}", app
 
 
+def _start_dashboard(db_url: str, engine_url: str, port: int, stack: _Stack) -> str | None:
+    """Streamlit in a child process, so its reruns never compete with the engine loop for the GIL."""
+    import os
+    import socket
+
+    from kvpilot.cli_dashboard import start_dashboard, wait_until_healthy
+
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:  # taken: take any free port instead
+            from collector.server import free_port
+
+            port = free_port()
+    os.environ.setdefault("KVPILOT_ENGINE_URL", engine_url)
+    os.environ.setdefault("KVPILOT_ADMIN_TOKEN", "demo-admin")
+    proc = start_dashboard(db_url, port=port, log_path=DATA_DIR / "dashboard.log")
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except Exception:
+            proc.kill()
+
+    stack.push("dashboard", stop)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout_s=60, proc=proc)
+    except (RuntimeError, TimeoutError) as exc:
+        log.warning("dashboard did not start: %s", exc)
+        return None
+    _say(f"dashboard on {url}")
+    return url
+
+
 def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dashboard_port: int = 8501) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from alerts.rules import DEMO_RULES
@@ -133,6 +167,7 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
             _say(f"alert evaluator on {DEMO_RULES.name}, paging the webhook sink at {sink.url}")
             engine_url, _ = _serve_engine(demo_engine_config(collector.url, free_port(), run_id), stack)
             _say(f"engine on {engine_url} (run {run_id})")
+            dash_url = _start_dashboard(db_url, engine_url, dashboard_port, stack)
             report = asyncio.run(drive_demo_load(engine_url, duration_s=duration_s, stop=stop, say=_say))
             _say("waiting for alerts to resolve")
             deadline = time.monotonic() + 30
@@ -144,8 +179,9 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
                     break
                 time.sleep(0.5)
             _print_summary(report, [n.payload for n in sink.received], db_url, run_id)
+            typer.echo(f"  dashboard: {dash_url or 'did not start (see kvpilot-data/dashboard.log)'}")
             if keep and not stop.is_set():
-                _say(f"everything keeps running; open the dashboard on port {dashboard_port}. Ctrl-C stops.")
+                _say(f"everything keeps running; dashboard at {dash_url}. Ctrl-C stops.")
                 while not stop.is_set():
                     stop.wait(1.0)
         finally:

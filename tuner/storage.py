@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 log = logging.getLogger("kvpilot.tuner.storage")
 
@@ -67,7 +69,10 @@ def ensure_schema(storage_url: str) -> None:
     engine = create_engine(url.difference_update_query(["options"]), isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
-            conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+            try:
+                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+            except (IntegrityError, ProgrammingError):  # another worker created it at the same moment
+                log.info("optuna schema %s created concurrently by another worker", schema)
     finally:
         engine.dispose()
 
@@ -86,4 +91,13 @@ def open_storage(db_url: str | None, *, storage_url: str | None = None):  # type
     if make_url(url).get_backend_name() == "sqlite":
         kwargs = {"connect_args": {"timeout": 30.0}}
     log.info("optuna storage: %s", make_url(url).render_as_string(hide_password=True))
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    for attempt in range(3):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        except (IntegrityError, ProgrammingError, OperationalError) as exc:
+            # Two workers creating Optuna's tables at once: the loser sees them half made; try again.
+            if attempt == 2:
+                raise
+            log.info("optuna storage: concurrent table creation (%s); retrying", type(exc).__name__)
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")

@@ -113,7 +113,8 @@ def make_sampler(kind: str, *, seed: int, trials: int, multi_objective: bool) ->
         return optuna.samplers.RandomSampler(seed=seed)
     if kind != "tpe":
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {kind!r}")
-    startup = max(4, min(10, trials // 4))
+    # Random start-up trials before TPE models the space: 5 for the default 40-trial budget, 10 from 80.
+    startup = max(5, min(10, trials // 8))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True,
@@ -219,6 +220,8 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
                 bar.update(1)
                 continue
             trial.set_user_attr("metrics", metrics.as_dict())
+            if metrics.run_id != run_id:  # the simulator's cache: the events are stored under the first run
+                trial.set_user_attr("run_id", metrics.run_id)
             for key, value in metrics.constraints(slo).items():
                 trial.set_constraint(key, value)
             study.tell(trial, _objective_values(metrics, multi))

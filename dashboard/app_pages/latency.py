@@ -59,10 +59,13 @@ with ui.guarded("Stage breakdown"):
                         width="stretch")
         per_bucket = stages.drop_duplicates("ts")
         swaps, preemptions = int(per_bucket["swaps"].sum()), int(per_bucket["preemptions"].sum())
+        mean_swap = by_stage.loc["Swap", "mean (s)"] if "Swap" in by_stage.index else 0.0
         st.caption(
             "Queue: arrival to first schedule · prefill: schedule to prompt processed · first-token gap: prefill "
-            "done to first token · decode: first token to finish. Time a sequence spends swapped out or preempted "
-            f"while decoding is inside decode; in this window requests were swapped {swaps:,} and preempted "
+            "done to first token · decode: first token to finish, less the time swapped out · swap: time swapped "
+            "out to the host tier (the engine counts it inside the stage it interrupted; here it is a stage of its "
+            "own, while time preempted for recompute stays in decode). In this window requests were swapped "
+            f"{swaps:,} times, for a mean of {ui.fmt_s(mean_swap)} swapped out per request, and preempted "
             f"{preemptions:,} times."
         )
 

@@ -6,7 +6,7 @@ where it needs them), breaks one thing during the load, and checks that nothing 
   retried under their idempotency keys. Checked: every request answered or 429'd; every load-test result
   and every engine event the sink counts as acknowledged is stored exactly once; each request the load
   tester sent has its engine request event stored once.
-- webhook-down: an alert (`running > 0`) fires during the load while the webhook receiver is down; the
+- webhook-down: an alert (`utilization > 0`) fires during the load while the webhook receiver is down; the
   receiver comes back once a delivery attempt has failed (from 30% of the run on). Checked: each
   notification delivered and received exactly once (firing and resolved, per alert episode), with
   failed attempts recorded while it was down.
@@ -44,10 +44,10 @@ ALERT_RULE = """groups:
     interval: 1s
     rules:
       - alert: LoadtestEngineBusy
-        expr: running > 0
+        expr: utilization > 0
         for: 0s
         labels: {severity: info}
-        annotations: {summary: "{{ $labels.instance }} is running {{ $value }} sequences"}
+        annotations: {summary: "{{ $labels.instance }} is busy {{ $value }} of the time"}
 """
 
 

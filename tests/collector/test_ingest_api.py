@@ -103,6 +103,15 @@ def test_bad_event_rejects_whole_batch_with_index_and_field(client: TestClient, 
     assert stored(settings) == NOTHING
 
 
+def test_negative_swap_seconds_get_422_naming_the_field(client: TestClient, settings: CollectorSettings) -> None:
+    events = ev.mixed(8)
+    events[4] = {**events[4], "swap_s": -1.0}
+    resp = post(client, ev.body(events), **AUTH)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["errors"][0]["loc"] == "events[4].swap_s"
+    assert stored(settings) == NOTHING
+
+
 @pytest.mark.parametrize(
     "patch",
     [{"type": "histogram"}, {"v": 99}, {"ts": "yesterday"}, {"instance": None}, {"extra_field": True}],

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 from sqlalchemy import Engine, func, select
 
+from collector import fastdecode
 from collector.errors import IdempotencyConflictError
 from collector.ingest import BatchTooLargeError, BatchValidationError, parse_batch, store_batch
 from collector.schema import AllocRow, IngestBatch, Instance, RequestRow, Run, SampleRow, StepRow
@@ -35,6 +37,21 @@ def test_batch_stores_every_event_type_with_its_fields(db_engine: Engine) -> Non
     assert row["request_id"] == "q0" and row["ttft_s"] == pytest.approx(0.03) and row["priority"] == 1
     assert row["warmup"] is False and row["batch_id"] == result.batch_id
     assert sample["memory_total_bytes"] == 16 * 2**30 and sample["cold_usage"] is None
+
+
+def test_swap_seconds_round_trip_and_default_to_zero_for_old_batches(db_engine: Engine) -> None:
+    """`swap_s` arrived after the first engines shipped: a batch without it still stores, as 0."""
+    old = ev.request(0, request_id="old")
+    assert "swap_s" not in old
+    fast = [ev.request(1, request_id="swapped", swaps=2, swap_s=0.125), old]
+    # The same through the pydantic path: a \\u escape makes msgspec decline the body.
+    slow = [ev.request(2, request_id="caf\u00e9", swap_s=0.5), ev.request(3, request_id="old2")]
+    assert fastdecode.decode(ev.body(fast)) is not None and fastdecode.decode(ev.body(slow)) is None
+    _ingest(db_engine, fast, "swap")
+    _ingest(db_engine, slow, "slow")
+    with db_engine.connect() as conn:
+        got = dict(conn.execute(select(RequestRow.request_id, RequestRow.swap_s)).all())
+    assert got == {"swapped": 0.125, "old": 0.0, "caf\u00e9": 0.5, "old2": 0.0}
 
 
 def test_retried_batch_is_stored_once(db_engine: Engine) -> None:
@@ -99,6 +116,15 @@ def test_rejections_name_the_event(patch: dict, loc: str) -> None:
     with pytest.raises(BatchValidationError) as info:
         parse_batch(ev.body(events), max_events=100)
     assert info.value.errors[0]["loc"] == loc
+
+
+@pytest.mark.parametrize("bad", [-0.5, "long", None, float("inf")])
+def test_bad_swap_seconds_are_422_naming_the_field(bad: object) -> None:
+    events = ev.mixed(8)
+    events[4] = {**events[4], "swap_s": bad}  # a request event
+    with pytest.raises(BatchValidationError) as info:
+        parse_batch(json.dumps({"events": events}, allow_nan=True).encode(), max_events=100)
+    assert info.value.errors[0]["loc"] == "events[4].swap_s"
 
 
 def test_event_count_limit() -> None:

@@ -18,7 +18,8 @@ from collector.schema import EVENT_TABLES
 from tests.collector import evfactory as ev
 
 model_adapter = TypeAdapter(EventBatch)
-BASES = [ev.request(1), ev.step(2), ev.alloc(3), ev.sample(4), ev.request(5, ttft_s=None, finish_reason="stop")]
+BASES = [ev.request(1), ev.step(2), ev.alloc(3), ev.sample(4),
+         ev.request(5, ttft_s=None, finish_reason="stop", swaps=1, swap_s=0.25)]
 ODD_VALUES = st.one_of(
     st.none(),
     st.booleans(),
@@ -105,6 +106,7 @@ def test_defaults_are_filled() -> None:
     minimal = {k: v for k, v in ev.request(0).items() if k not in ("v", "priority", "warmup")}
     _key, (event,) = validation.validate_wire(json.dumps({"events": [minimal]}).encode())
     assert event["v"] == 1 and event["priority"] == 1 and event["warmup"] is False and event["swaps"] == 0
+    assert event["swap_s"] == 0.0
 
 
 def test_msgspec_fast_path_is_active() -> None:

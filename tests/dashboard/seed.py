@@ -60,11 +60,14 @@ def _requests() -> list[dict[str, Any]]:
             decode = 0.1 + 0.01 * (i % 7)
             ttft = queue + prefill + 0.001
             status = "failed" if inst == "e0" and i in (13, 47) else "finished"
+            swapped = i % 10 == 0
+            # Swap time, inside decode; requests never swapped send no swap_s (as engines before it did).
+            swap = {"swap_s": round(0.02 + 0.01 * (i % 4), 4)} if swapped else {}
             out.append(ev.request(
                 0, instance=inst, run_id="r1", ts=T0 + 10.0 * i + (3.0 if inst == "e1" else 0.0),
                 request_id=f"{inst}-q{i}", status=status, prompt_tokens=100 + i, output_tokens=11, queue_s=queue,
-                prefill_s=prefill, ttft_s=ttft, decode_s=decode, e2e_s=ttft + decode, swaps=1 if i % 10 == 0 else 0,
-                preemptions=1 if i % 20 == 0 else 0,
+                prefill_s=prefill, ttft_s=ttft, decode_s=decode, e2e_s=ttft + decode, swaps=1 if swapped else 0,
+                preemptions=1 if i % 20 == 0 else 0, **swap,
             ))
     # The slowest request of the window, by far: e0 at T0 + 305.
     out.append(ev.request(0, instance="e0", run_id="r1", ts=T0 + 305.0, request_id="e0-slow", queue_s=1.5,

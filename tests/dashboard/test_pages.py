@@ -93,8 +93,15 @@ def test_latency_page_percentiles_stages_and_slowest(seeded: Seed, open_page) ->
         assert summary.loc[stage, "mean (s)"] == pytest.approx(statistics.fmean(values))
         for q in (0.5, 0.9, 0.95, 0.99):
             assert summary.loc[stage, f"p{round(q * 100)} (s)"] == pytest.approx(nearest_rank(values, q))
+    swap_seconds = [r.get("swap_s", 0.0) for r in finished]
+    assert sum(s > 0 for s in swap_seconds) > 0
+    assert summary.loc["Swap", "requests"] == len(finished)
+    assert summary.loc["Swap", "mean (s)"] == pytest.approx(statistics.fmean(swap_seconds))
+    assert summary.loc["Swap", "max (s)"] == pytest.approx(max(swap_seconds))
     swaps = sum(r.get("swaps", 0) for r in finished)
-    assert f"swapped {swaps:,}" in texts(at)
+    assert f"swapped {swaps:,} times, for a mean of {ui.fmt_s(statistics.fmean(swap_seconds))} swapped out" \
+        in texts(at)
+    assert "swap: time swapped out to the host tier" in texts(at)
     slowest = at.dataframe[1].value
     assert slowest.iloc[0]["request_id"] == "e0-slow"
     assert slowest.iloc[0]["End to end (s)"] == pytest.approx(3.71)

@@ -31,7 +31,8 @@ def _requests() -> list[dict]:
         out.append(ev.request(0, ts=T0 + i * 2.0 + 0.5, request_id=f"q{i}", queue_s=0.003 * (i % 4),
                               prefill_s=0.01, ttft_s=ttft, decode_s=decode, e2e_s=ttft + decode + 0.002,
                               output_tokens=1 + i % 12, swaps=i % 3, preemptions=i % 2,
-                              instance="e0" if i % 3 else "e1"))
+                              instance="e0" if i % 3 else "e1",
+                              **({"swap_s": 0.04 * (i % 3) + 0.001 * (i % 5)} if i % 3 else {})))
     out.append(ev.request(0, ts=T0 + 50.5, request_id="bad", status="failed", ttft_s=9.0, e2e_s=9.0))
     out.append(ev.request(0, ts=T0 + 51.5, request_id="warm", ttft_s=8.0, warmup=True))
     return out
@@ -68,12 +69,36 @@ def test_stage_breakdown_adds_up_to_e2e(db_engine: Engine) -> None:
     finished = [r for r in reqs if r["status"] == "finished" and not r.get("warmup")]
     assert sum(b.requests for b in got) == len(finished)
     assert sum(b.swaps for b in got) == sum(r["swaps"] for r in finished)
+    assert any(b.swap_s > 0 for b in got)
     for b in got:
         inside = [r for r in finished if math.floor(r["ts"] / 60.0) * 60.0 == b.ts]
         assert b.queue_s == pytest.approx(statistics.fmean(r["queue_s"] for r in inside))
-        assert b.queue_s + b.prefill_s + b.first_token_gap_s + b.decode_s == pytest.approx(b.e2e_s)
+        assert b.swap_s == pytest.approx(statistics.fmean(r.get("swap_s", 0.0) for r in inside))
+        assert b.decode_s == pytest.approx(statistics.fmean(r["decode_s"] for r in inside))
+        assert b.decode_excl_swap_s == pytest.approx(b.decode_s - b.swap_s)  # swap < decode in every request
+        assert b.queue_s + b.prefill_s + b.first_token_gap_s + b.decode_excl_swap_s + b.swap_s == pytest.approx(b.e2e_s)
         assert b.first_token_gap_s == pytest.approx(statistics.fmean(
             r["e2e_s"] - r["queue_s"] - r["prefill_s"] - r["decode_s"] for r in inside))
+
+
+def test_swap_percentiles_and_decode_excluding_swap_clamped_at_zero(db_engine: Engine) -> None:
+    reqs = _requests()
+    # Swapped longer than it decoded (swapped out during prefill): its decode-excluding-swap is 0, not negative.
+    reqs.append(ev.request(0, ts=T0 + 2000.5, request_id="long-swap", decode_s=0.1, swap_s=0.3, e2e_s=0.5))
+    _store(db_engine, reqs)
+    finished = [r for r in reqs if r["status"] == "finished" and not r.get("warmup") and r["ts"] < T0 + 1000]
+    swaps = [r.get("swap_s", 0.0) for r in finished]
+    (stats,) = queries.latency_percentiles(db_engine, start=T0, end=T0 + 1000, metric="swap", group_by="all")
+    assert stats.count == len(finished) and stats.mean == pytest.approx(statistics.fmean(swaps))
+    assert stats.max == pytest.approx(max(swaps))
+    for q in (0.5, 0.9, 0.99):
+        assert stats.quantiles[q] == pytest.approx(nearest_rank(swaps, q))
+    (lone,) = queries.stage_breakdown_over_time(db_engine, start=T0 + 2000, end=T0 + 2100, bucket_s=60.0)
+    assert (lone.decode_excl_swap_s, lone.swap_s, lone.decode_s) == (0.0, pytest.approx(0.3), pytest.approx(0.1))
+    # The swap beyond decode was inside prefill: the gap gives it back, so the stages still add up to e2e.
+    assert lone.first_token_gap_s == pytest.approx(0.5 - 0.01 - 0.02 - 0.1 - (0.3 - 0.1))
+    assert lone.queue_s + lone.prefill_s + lone.first_token_gap_s + lone.decode_excl_swap_s + lone.swap_s \
+        == pytest.approx(lone.e2e_s)
 
 
 def test_latency_histogram_counts_every_request_and_clamps_to_upper(db_engine: Engine) -> None:

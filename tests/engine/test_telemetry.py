@@ -43,6 +43,7 @@ def test_every_emitted_event_validates_against_the_wire_schema() -> None:
     requests = [e for e in sink.of_type("request") if not e.warmup]
     assert len(requests) == len(seqs) and all(r.output_tokens == 50 for r in requests)
     assert sum(r.swaps for r in requests) == sum(s.swaps for s in seqs) > 0
+    assert all(r.swap_s > 0 for r in requests if r.swaps) and all(r.swap_s == 0 for r in requests if not r.swaps)
     for r in requests:
         assert r.e2e_s >= r.ttft_s >= r.queue_s
         assert abs(r.queue_s + r.prefill_s + r.decode_s - r.e2e_s) < 1e-6

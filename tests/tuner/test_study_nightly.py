@@ -253,7 +253,7 @@ def test_parallel_workers_share_one_study_on_postgres(pg_url: str) -> None:
             results.append(run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="shared", trials=6,
                                      slo=SLO_T, storage=open_storage(pg_url), seed=seed, random_baseline=False,
                                      progress=False))
-        except Exception as exc:  # noqa: BLE001 - surfaced below
+        except Exception as exc:
             errors.append(exc)
         finally:
             db.dispose()
