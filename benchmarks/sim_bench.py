@@ -61,20 +61,30 @@ def _rel(sim: float, real: float) -> float:
     return abs(sim - real) / real if real else float("inf")
 
 
-def run_sim_bench(quick: bool = False, profile: str = "cpu-2core", progress: Callable[[str], None] | None = None
-                  ) -> dict:
+def run_sim_bench(quick: bool = False, profile: str = "cpu-2core", recalibrate: bool = False,
+                  progress: Callable[[str], None] | None = None) -> dict:
+    """`recalibrate`: fit a fresh profile (the quick grid, same model and threads) right before the replays.
+    On a machine shared with other work the CPU's speed drifts by tens of percent within minutes; a fresh
+    profile separates the cost model's own error from that drift."""
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     prof = load_profile(profile)
     if prof.kind != "linear" or prof.hardware.kind != "cpu":
         raise ValueError(f"profile {profile!r} is not a calibrated CPU profile; fidelity needs the real engine here")
     if prof.hardware.threads:
         torch.set_num_threads(prof.hardware.threads)
+    if recalibrate:
+        from tuner.calibrate import calibrate
+
+        say(f"re-calibrating {prof.name} (quick grid) ...")
+        prof = calibrate(name=f"{prof.name}-fresh", config=prof.engine_config(None), quick=True,
+                         threads=prof.hardware.threads)
     cfg = prof.engine_config(None)
     opts = WL.WorkloadOptions(requests=48 if quick else 160, scale=4.0, output_range=(16, 128),
                               max_total_tokens=cfg.model.max_position)
     cap = capacity_rps(prof, cfg, opts)
     say(f"profile {prof.name}: capacity of the config on the simulator {cap:.2f} requests/s")
-    out: dict = {"benchmark": "sim", "quick": quick, "profile": prof.name, "threads": torch.get_num_threads(),
+    out: dict = {"benchmark": "sim", "quick": quick, "profile": prof.name, "recalibrated": recalibrate,
+                 "threads": torch.get_num_threads(),
                  "capacity_rps": round(cap, 3), "workloads": {}}
     real_engine = LLMEngine(cfg, clock=SkipClock(), sink=TrialSink(keep_steps=False))
     warm = WL.offline_mix(opts, seed=99, n=24)

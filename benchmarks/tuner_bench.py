@@ -47,9 +47,10 @@ SMALL_SPACE = {
 TPE_BUDGET = 40  # TPE runs exactly as a default 40-trial production study; a miss counts as 41
 
 
-# Goodput counts requests with TTFT <= 1 s and TPOT <= 100 ms; a config is feasible with no KV OOM,
-# <= 1% rejected and p99 TTFT <= 4 s (the burst queues up whatever the config).
-SLO_BENCH = SLO(ttft_s=1.0, tpot_s=0.1, max_rejection_rate=0.01, p99_ttft_s=4.0)
+# Goodput counts requests with TTFT <= 300 ms and TPOT <= 30 ms (interactive SLOs at this CPU's scale);
+# a config is feasible with no KV OOM, <= 1% rejected and p99 TTFT <= 4 s (the burst queues up whatever
+# the config).
+SLO_BENCH = SLO(ttft_s=0.3, tpot_s=0.03, max_rejection_rate=0.01, p99_ttft_s=4.0)
 
 
 class GridBackend:
@@ -79,9 +80,12 @@ def run_tuner_bench(quick: bool = False, profile: str = "cpu-2core", progress: C
                     ) -> dict:
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     prof = load_profile(profile)
-    default = prof.engine_config(EngineConfig())  # block 32 fixed, threshold 0.85, 500 ms, passive
-    opts = WL.WorkloadOptions(requests=80 if quick else 160, scale=4.0, output_range=(16, 128),
-                              max_total_tokens=default.model.max_position)
+    # The default tunables (block 32 fixed, threshold 0.85, recycle 500 ms, passive, 32 seqs, 2048-token budget)
+    # on the profile's own memory pools and model.
+    default = prof.engine_config(None).with_tunable(EngineConfig().tunable())
+    gpu = prof.hardware.kind == "gpu"  # GPU profiles replay the seed's lengths; CPU ones a quarter of them
+    opts = WL.WorkloadOptions(requests=80 if quick else 160, scale=1.0 if gpu else 4.0,
+                              output_range=(32, 512) if gpu else (16, 128), max_total_tokens=default.model.max_position)
     cap = capacity_rps(prof, default, opts)
     seeds = 5
     budget = 60 if quick else 100
@@ -122,10 +126,16 @@ def run_tuner_bench(quick: bool = False, profile: str = "cpu-2core", progress: C
             gains = {}
             full_space = load_space(base=default)
             gain_trials = 24 if quick else 40
-            for name in ("mixed", "burst"):
-                be = SimBackend(prof, lambda s, n=name: WL.scenario(n, cap, opts, seed=s), db, SLO_BENCH)
+            # mixed at its own load (0.9 x capacity) and burst; the full run adds mixed at 1.2 x capacity, where
+            # the default misses SLOs (below capacity every config serves the offered load: little to gain).
+            cases = [("mixed", "mixed", None), ("burst", "burst", None)]
+            if not quick:
+                cases.append(("mixed-overload", "mixed", 1.2))
+            for name, scenario, load in cases:
+                case_opts = WL.WorkloadOptions(**{**opts.__dict__, "load": load})
+                be = SimBackend(prof, lambda s, n=scenario, o=case_opts: WL.scenario(n, cap, o, seed=s), db, SLO_BENCH)
                 res = run_study(be, full_space, default, name=f"gain-{name}", trials=gain_trials, slo=SLO_BENCH,
-                                seed=0, random_baseline=False, progress=True)
+                                seed=0, workload_seed=[0, 1, 2], random_baseline=False, progress=True)
                 best = res.best
                 if best is None:
                     gains[name] = {"gain": None, "note": "no feasible trial"}
@@ -138,6 +148,7 @@ def run_tuner_bench(quick: bool = False, profile: str = "cpu-2core", progress: C
                     "default_goodput_tps": round(statistics.fmean(m["goodput_tps"] for m in conf["baseline"]), 1),
                     "best_goodput_tps": round(statistics.fmean(m["goodput_tps"] for m in conf["best"]), 1),
                     "best_feasible_all": conf["best_feasible_all"],
+                    "would_propose": conf["gain"] >= 0.02 and conf["best_feasible_all"] and conf["best_ahead_all"],
                     "best_params": best.params,
                     "trials": gain_trials,
                 }
@@ -164,7 +175,7 @@ def run_tuner_bench(quick: bool = False, profile: str = "cpu-2core", progress: C
         "random_trials_by_seed": counts["random"],
         "missed_within_budget": missed,
         "meets_target": tpe <= 40 and tpe < rnd,
-        "gain_over_default": {k: v["gain"] for k, v in gains.items()},
+        "gain_over_default": {k: gains[k]["gain"] for k in ("mixed", "burst")},
         "gain_details": gains,
         "sim_wall_s": round(sim.sim_seconds, 2),
     }

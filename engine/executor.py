@@ -57,6 +57,24 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
+def group_decode_rows(lens: list[int], *, max_groups: int = 4, min_group: int = 4) -> list[list[int]]:
+    """Decode rows (indices into `lens`) split into groups of similar context length, longest first.
+
+    A new group starts when a length falls below half the current group's longest (and the group has
+    `min_group` rows), so attention does not pad a 50-token context to 2,000. Each group is padded to
+    its longest row. The simulator's cost model uses the same grouping (tuner/sim.py).
+    """
+    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+    groups: list[list[int]] = [[]]
+    for i in order:
+        if groups[-1] and lens[i] * 2 < lens[groups[-1][0]] and len(groups) < max_groups and len(
+            groups[-1]
+        ) >= min_group:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
 class _PageTable:
     """Persistent per-sequence page rows on the device, so a decode step indexes one tensor instead of
     rebuilding B x pages Python lists. A row is refreshed incrementally as its sequence grows and
@@ -135,15 +153,8 @@ class TorchExecutor:
                 self.hot[:, :, dst : dst + n].copy_(self.cold[:, :, src : src + n], non_blocking=True)
 
     def _decode_groups(self, rows: list[int], lens: list[int]) -> list[DecodeGroup]:
-        """Split decode rows into at most 4 groups of similar length (a new group whenever the length
-        falls below half the group's longest), so attention does not pad a 50-token context to 2,000."""
         P, dev = self.page_tokens, self.torch_device
-        order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
-        groups: list[list[int]] = [[]]
-        for i in order:
-            if groups[-1] and lens[i] * 2 < lens[groups[-1][0]] and len(groups) < 4 and len(groups[-1]) >= 4:
-                groups.append([])
-            groups[-1].append(i)
+        groups = group_decode_rows(lens)
         table = self._pages.table
         out = []
         for members in groups:

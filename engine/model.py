@@ -85,6 +85,19 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return flat.view(pages.shape[0], pages.shape[1] * page_tokens, kv_heads, head_dim)
 
 
+def _fuse_rows(layers: tuple[nn.Linear, ...]) -> torch.Tensor:
+    """Concatenate the layers' weights and make each layer's weight a view of its rows, so the fused
+    matrix costs no extra memory and the HF-named parameters still read (and load) as before."""
+    with torch.no_grad():
+        fused = torch.cat([layer.weight for layer in layers]).contiguous()
+        offset = 0
+        for layer in layers:
+            rows = layer.weight.shape[0]
+            layer.weight.data = fused[offset : offset + rows]
+            offset += rows
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -94,6 +107,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.gqa = cfg.n_heads != cfg.n_kv_heads
+        self.qkv_weight: torch.Tensor | None = None  # fused by fuse(); None: three separate projections
+
+    def fuse(self) -> None:
+        """One [q; k; v] matmul instead of three (vLLM's QKVParallelLinear): fewer, larger GEMMs."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_rows(projections)
 
     def forward(
         self,
@@ -104,9 +123,14 @@ class Attention(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         T = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        if self.qkv_weight is not None:
+            q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rotary(q.reshape(T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(T, self.n_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(T, self.n_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [pages, page_tokens, kv_heads, head_dim]
         k_flat = k_cache.view(-1, self.n_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.n_kv_heads, self.head_dim)
@@ -159,8 +183,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One [gate; up] matmul instead of two (vLLM's MergedColumnParallelLinear)."""
+        self.gate_up_weight = _fuse_rows((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -210,6 +242,12 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 std = 0.02 * (out_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+    def fuse(self) -> None:
+        """Build the fused projection weights; call again after the weights change (load, init)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != device:

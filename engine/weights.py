@@ -91,4 +91,6 @@ def build_model(cfg: ModelConfig, device: torch.device) -> LlamaForCausalLM:
                 f"model.checkpoint: tensors do not match a Llama of this shape "
                 f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
             )
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.fuse()  # after the move: the fused copies live on the device in the serving dtype
+    return model

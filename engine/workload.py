@@ -8,8 +8,11 @@ Prompts are deterministic bytes from the seed, with optional shared prefixes (sy
 
 from __future__ import annotations
 
+import csv
 import random
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 
 SHORT, MEDIUM, LONG = (32, 511), (512, 2048), (2049, 4096)
 
@@ -92,3 +95,57 @@ def prompt_ids(req: WorkloadRequest, index: int, *, seed: int = 0, bos: int = 25
         n = min(prefix_len, len(body))
         body[:n] = [prng.randrange(256) for _ in range(n)]
     return [bos, *body]
+
+
+# --- Azure LLM inference traces (TIMESTAMP, ContextTokens, GeneratedTokens) ---------------------------
+
+TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file and line."""
+
+
+def _trace_timestamp(raw: str) -> float:
+    raw = raw.strip()
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    head, dot, frac = raw.partition(".")
+    text = f"{head}.{frac[:6]}" if dot else head  # the trace has 7 fractional digits; strptime takes 6
+    for fmt in ("%Y-%m-%d %H:%M:%S.%f", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S"):
+        try:
+            return datetime.strptime(text, fmt).replace(tzinfo=UTC).timestamp()
+        except ValueError:
+            continue
+    raise ValueError(f"TIMESTAMP {raw!r} is neither seconds nor a 'YYYY-MM-DD HH:MM:SS[.fff]' datetime")
+
+
+def read_azure_trace(path: str | Path) -> list[tuple[float, int, int]]:
+    """(epoch seconds, context tokens, generated tokens) per row, sorted by time. Timestamps are seconds
+    or UTC datetimes as the published traces write them; generated may be 0 (callers clamp)."""
+    path = Path(path)
+    try:
+        fh = path.open(newline="", encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    rows: list[tuple[float, int, int]] = []
+    with fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise TraceError(f"{path}: missing column(s) {', '.join(missing)}; need {', '.join(TRACE_COLUMNS)}")
+        for line, row in enumerate(reader, start=2):
+            try:
+                ts = _trace_timestamp(row["TIMESTAMP"] or "")
+                context, generated = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            except (TypeError, ValueError) as exc:
+                raise TraceError(f"{path}:{line}: {exc}") from exc
+            if context < 1 or generated < 0:
+                raise TraceError(f"{path}:{line}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
+            rows.append((ts, context, generated))
+    if not rows:
+        raise TraceError(f"{path}: no requests")
+    rows.sort(key=lambda r: r[0])
+    return rows

@@ -55,16 +55,21 @@ def bench_sim(
     quick: bool = QuickOpt,
     json_path: Path | None = JsonOpt,
     profile: str = typer.Option("cpu-2core", "--profile", help="calibrated CPU profile to check"),
+    recalibrate: bool = typer.Option(False, "--recalibrate", help="fit a fresh profile first (a drifting, shared CPU)"),
 ) -> None:
     """Simulator fidelity: the same workloads on the torch engine and the simulator (throughput, p99 error)."""
     from benchmarks.sim_bench import run_sim_bench
 
-    emit(run_sim_bench(quick=quick, profile=profile), json_path)
+    emit(run_sim_bench(quick=quick, profile=profile, recalibrate=recalibrate), json_path)
 
 
 @bench_app.command("tuner")
-def bench_tuner(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> None:
+def bench_tuner(
+    quick: bool = QuickOpt,
+    json_path: Path | None = JsonOpt,
+    profile: str = typer.Option("cpu-2core", "--profile", help="cost profile the simulator runs on"),
+) -> None:
     """Trials TPE and random search need to get within 2% of the exhaustive optimum; gain over the default."""
     from benchmarks.tuner_bench import run_tuner_bench
 
-    emit(run_tuner_bench(quick=quick), json_path)
+    emit(run_tuner_bench(quick=quick, profile=profile), json_path)

@@ -142,6 +142,7 @@ def study_cmd(
     max_rejection_rate: float = RejOpt,
     max_oom: int = OomOpt,
     seed: int = typer.Option(0, "--seed"),
+    seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL",
                                        help="Optuna storage URL (default: next to the kvpilot database)"),
@@ -170,6 +171,8 @@ def study_cmd(
             raise ValueError(f"sampler: one of {', '.join(SAMPLERS)}, got {sampler!r}")
         if trials < 1:
             raise ValueError(f"trials: must be >= 1, got {trials}")
+        if seeds_per_trial < 1:
+            raise ValueError(f"seeds_per_trial: must be >= 1, got {seeds_per_trial}")
         live = None
         if backend == "live":
             if not engine_url or not instance:
@@ -189,7 +192,8 @@ def study_cmd(
             be = make_backend(backend, profile=prof, workload=factory, db=db, slo=slo, live=live)
             name = study_name or f"tune-{uuid.uuid4().hex[:8]}"
             result = run_study(be, sp, base, name=name, trials=trials, slo=slo, storage=open_storage(url,
-                               storage_url=storage), sampler=sampler, seed=seed, workload_seed=seed,
+                               storage_url=storage), sampler=sampler, seed=seed,
+                               workload_seed=list(range(seed, seed + seeds_per_trial)),
                                multi_objective=multi_objective, random_baseline=random_baseline)
         finally:
             db.dispose()
@@ -228,6 +232,7 @@ def nightly_cmd(
     max_rejection_rate: float = RejOpt,
     max_oom: int = OomOpt,
     confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="new workload seeds for the confirmation"),
+    seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
     min_gain: float = typer.Option(0.02, "--min-gain", help="propose only above this relative goodput gain"),
     seed: int = typer.Option(0, "--seed"),
     db_url: str | None = DbOpt,
@@ -256,8 +261,8 @@ def nightly_cmd(
                                                 length_scale, hours),
             config_path=config, space_path=space, slo=_slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate,
                                                            max_oom),
-            seed=seed, confirm_seeds=confirm_seeds, min_gain=min_gain, instance=instance, storage_url=storage,
-            live=live,
+            seed=seed, confirm_seeds=confirm_seeds, seeds_per_trial=seeds_per_trial, min_gain=min_gain,
+            instance=instance, storage_url=storage, live=live,
         )
         typer.echo(result.decision)
         for kind, path in result.files.items():

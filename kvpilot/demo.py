@@ -102,6 +102,29 @@ def _serve_engine(cfg: dict, stack: _Stack) -> tuple[str, object]:
     return f"http://127.0.0.1:{cfg['server']['port']}", app
 
 
+def _tune(db_url: str) -> None:
+    """A short nightly job on the simulator, on the workload the collector just stored."""
+    import yaml
+
+    from tuner.nightly import run_nightly
+    from tuner.workloads import WorkloadOptions
+
+    current = DATA_DIR / "current-config.yaml"
+    # The tuner's CPU profile is calibrated for its own model; the current settings under study are the
+    # engine defaults with a deliberately tight batch, as a hand-tuned config left over from a small GPU.
+    current.write_text(yaml.safe_dump({"scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 512,
+                                                     "prefill_chunk_tokens": 256}}))
+    _say("tuning: 12 trials on the simulator over the last hour's requests, then a confirmation re-run")
+    result = run_nightly(db_url=db_url, out_dir=DATA_DIR / "proposals", trials=12, workload="collector",
+                         options=WorkloadOptions(hours=1, requests=150), instance="demo-engine",
+                         confirm_seeds=2, config_path=current, progress=False)
+    if result.proposal is None:
+        typer.echo(f"  tuning: no proposal ({result.decision})")
+    else:
+        typer.echo(f"  tuning: proposal {result.proposal.id} ({result.decision}); "
+                   f"files: {', '.join(str(p) for p in result.files.values())}")
+
+
 def _start_dashboard(db_url: str, engine_url: str, port: int, stack: _Stack) -> str | None:
     """Streamlit in a child process, so its reruns never compete with the engine loop for the GIL."""
     import os
@@ -179,6 +202,8 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
                     break
                 time.sleep(0.5)
             _print_summary(report, [n.payload for n in sink.received], db_url, run_id)
+            if not stop.is_set():
+                _tune(db_url)
             typer.echo(f"  dashboard: {dash_url or 'did not start (see kvpilot-data/dashboard.log)'}")
             if keep and not stop.is_set():
                 _say(f"everything keeps running; dashboard at {dash_url}. Ctrl-C stops.")

@@ -193,24 +193,22 @@ def _design(samples: list[Sample]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fit(samples: list[Sample]) -> tuple[LinearCost, dict[str, float]]:
-    """NNLS on relative error, then iteratively reweighted (Huber) so steps slowed by a noisy neighbour
-    pull the coefficients less than the typical step; points over 8 robust sigmas off are dropped."""
+    """NNLS on relative error; steps more than 6 robust sigmas off (a step that waited for a noisy
+    neighbour) are dropped and the fit repeated. No further down-weighting: the simulator needs the mean
+    step cost (a robust, median-like fit makes every simulated request faster than the real ones)."""
     if len(samples) < len(LINEAR_FEATURES) + 2:
         raise ValueError(f"need at least {len(LINEAR_FEATURES) + 2} steps to fit, got {len(samples)}")
     a, y = _design(samples)
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
     keep = np.ones(len(y), dtype=bool)
-    huber = np.ones(len(y))
     coef = np.zeros(a.shape[1])
-    for _ in range(6):
-        w = huber[keep] / y[keep]
+    for _ in range(3):
+        w = 1.0 / y[keep]
         coef = _nnls(a[keep] / scale * w[:, None], y[keep] * w) / scale
         rel = (a @ coef - y) / y
         sigma = float(np.median(np.abs(rel - np.median(rel)))) * 1.4826 or 1e-9
-        keep = np.abs(rel) <= 8 * sigma
-        k = 1.345 * sigma
-        huber = np.sqrt(np.minimum(1.0, k / np.maximum(np.abs(rel), 1e-12)))
+        keep = np.abs(rel - np.median(rel)) <= 6 * sigma
     pred = a @ coef
     rel = np.abs(pred - y) / y
     ss_res = float(((pred - y) ** 2).sum())

@@ -90,6 +90,42 @@ class TrialMetrics:
         return asdict(self)
 
 
+def combine(runs: Sequence[TrialMetrics]) -> TrialMetrics:
+    """One trial measured on several workload seeds: rates averaged, counts summed, tails the worst."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def mean(name: str) -> float:
+        return sum(getattr(m, name) for m in runs) / len(runs)
+
+    def worst(name: str) -> float | None:
+        values = [getattr(m, name) for m in runs if getattr(m, name) is not None]
+        return max(values) if values else None
+
+    requests = sum(m.requests for m in runs)
+    rejected = sum(m.rejected for m in runs)
+    return TrialMetrics(
+        run_id=",".join(m.run_id for m in runs),
+        window_s=sum(m.window_s for m in runs),
+        requests=requests,
+        finished=sum(m.finished for m in runs),
+        rejected=rejected,
+        failed=sum(m.failed for m in runs),
+        throughput_tps=mean("throughput_tps"),
+        goodput_tps=mean("goodput_tps"),
+        goodput_rps=mean("goodput_rps"),
+        good_fraction=mean("good_fraction"),
+        rejection_rate=rejected / requests if requests else 0.0,
+        ttft_p50_s=worst("ttft_p50_s"),
+        ttft_p99_s=worst("ttft_p99_s"),
+        tpot_p99_s=worst("tpot_p99_s"),
+        e2e_p50_s=worst("e2e_p50_s"),
+        e2e_p99_s=worst("e2e_p99_s"),
+        oom=max(m.oom for m in runs),
+        preemptions=sum(m.preemptions for m in runs),
+    )
+
+
 def store_events(db: Engine, events: Sequence[AnyEvent], *, key_prefix: str) -> int:
     """Store events through the collector's ingest (validated, atomic per chunk, idempotent)."""
     stored = 0

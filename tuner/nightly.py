@@ -85,6 +85,7 @@ def run_nightly(
     slo: SLO | None = None,
     seed: int = 0,
     confirm_seeds: int = 3,
+    seeds_per_trial: int = 1,
     min_gain: float = 0.02,
     instance: str | None = None,
     storage_url: str | None = None,
@@ -107,7 +108,10 @@ def run_nightly(
         be = make_backend(backend, profile=prof, workload=factory, db=db, slo=slo, live=live)
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
         name = f"nightly-{stamp}-{uuid.uuid4().hex[:4]}"
-        result = run_study(be, space, base, name=name, trials=trials, slo=slo, seed=seed, workload_seed=seed,
+        if seeds_per_trial < 1:
+            raise ValueError(f"seeds_per_trial: must be >= 1, got {seeds_per_trial}")
+        result = run_study(be, space, base, name=name, trials=trials, slo=slo, seed=seed,
+                           workload_seed=list(range(seed, seed + seeds_per_trial)),
                            storage=open_storage(db_url, storage_url=storage_url), progress=progress)
         best, current = result.best, result.baseline
         confirmation = None

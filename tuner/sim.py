@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
-from engine.executor import ExecuteResult
+from engine.executor import ExecuteResult, group_decode_rows
 from engine.llm_engine import LLMEngine
 from engine.sinks import EventSink
 from engine.stats import StatLogger
@@ -60,18 +60,11 @@ def step_shape(out: SchedulerOutput, kv: KVCacheManager, page_tokens: int) -> St
 
 
 def _decode_attention(lens: list[int], page_tokens: int) -> tuple[int, int]:
-    """(padded key slots, groups) of the torch executor's decode attention: rows sorted by length,
-    a new group (at most 4) when a length falls below half the group's longest and the group has 4 rows;
-    each group is padded to its longest row in whole pages (engine.executor.TorchExecutor._decode_groups)."""
+    """(padded key slots, groups) of the torch executor's decode attention, grouped as it groups them."""
     if not lens:
         return 0, 0
-    ordered = sorted(lens, reverse=True)
-    groups: list[list[int]] = [[]]
-    for n in ordered:
-        if groups[-1] and n * 2 < groups[-1][0] and len(groups) < 4 and len(groups[-1]) >= 4:
-            groups.append([])
-        groups[-1].append(n)
-    slots = sum(len(g) * -(-g[0] // page_tokens) * page_tokens for g in groups)
+    groups = group_decode_rows(lens)
+    slots = sum(len(g) * -(-lens[g[0]] // page_tokens) * page_tokens for g in groups)
     return slots, len(groups)
 
 

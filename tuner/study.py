@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import uuid
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from collector.errors import StorageError
 from engine.config import ConfigError, EngineConfig
 from tuner.backends import Backend
-from tuner.metrics import SLO, TrialMetrics
+from tuner.metrics import SLO, TrialMetrics, combine
 from tuner.replay import ReplayError
 from tuner.space import SearchSpace
 
@@ -154,12 +155,15 @@ def run_study(
     storage: Any = None,
     sampler: str = "tpe",
     seed: int = 0,
-    workload_seed: int = 0,
+    workload_seed: int | Sequence[int] = 0,
     multi_objective: bool = False,
     random_baseline: bool = True,
     progress: bool = True,
 ) -> StudyResult:
-    """Run (or join) the study `name` until it holds `trials` trials; then the random baseline."""
+    """Run (or join) the study `name` until it holds `trials` trials; then the random baseline.
+
+    `workload_seed` may list several seeds: each trial then runs every one of them and is scored on the
+    combination (mean goodput, worst tails), so the best config is not one that suits a single sample."""
     if trials < 1:
         raise ValueError(f"trials: must be >= 1, got {trials}")
     slo.validate()
@@ -176,7 +180,9 @@ def run_study(
 
 
 def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: str, trials: int, slo: SLO,
-             storage: Any, sampler: str, seed: int, workload_seed: int, multi: bool, progress: bool) -> StudyResult:
+             storage: Any, sampler: str, seed: int, workload_seed: int | Sequence[int], multi: bool,
+             progress: bool) -> StudyResult:
+    seeds = [workload_seed] if isinstance(workload_seed, int) else list(workload_seed)
     directions = ["maximize", "minimize"] if multi else ["maximize"]
     study = optuna.create_study(
         storage=storage if storage is not None else optuna.storages.InMemoryStorage(),
@@ -212,7 +218,9 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
             trial.set_user_attr("patch", space.to_patch(values))
             trial.set_user_attr("run_id", run_id)
             try:
-                metrics = backend.evaluate(config, run_id=run_id, seed=workload_seed)
+                runs = [backend.evaluate(config, run_id=run_id if len(seeds) == 1 else f"{run_id}-s{s}", seed=s)
+                        for s in seeds]
+                metrics = combine(runs)
             except (ReplayError, StorageError, ConfigError, RuntimeError, OSError) as exc:
                 log.error("trial %d (%s) failed on backend %s: %s", trial.number, run_id, backend.name, exc)
                 study.tell(trial, state=TrialState.FAIL)

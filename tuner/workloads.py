@@ -11,12 +11,10 @@ Scenarios are sized relative to the measured capacity of the default config on t
 
 from __future__ import annotations
 
-import csv
 import logging
 import random
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import Engine
@@ -27,7 +25,7 @@ from engine.config import EngineConfig
 log = logging.getLogger("kvpilot.tuner.workloads")
 
 SCENARIOS = ("mixed", "burst", "sustained")
-TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+TRACE_COLUMNS = W.TRACE_COLUMNS
 
 
 class WorkloadError(ValueError):
@@ -118,50 +116,17 @@ def offline_mix(opts: WorkloadOptions, *, seed: int = 0, n: int = 96) -> list[W.
 # --- Azure LLM inference trace ---------------------------------------------------------------------
 
 
-def _timestamp(raw: str) -> float:
-    raw = raw.strip()
-    try:
-        return float(raw)
-    except ValueError:
-        pass
-    head, dot, frac = raw.partition(".")
-    text = f"{head}.{frac[:6]}" if dot else head
-    for fmt in ("%Y-%m-%d %H:%M:%S.%f", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S"):
-        try:
-            return datetime.strptime(text, fmt).replace(tzinfo=UTC).timestamp()
-        except ValueError:
-            continue
-    raise ValueError(f"TIMESTAMP {raw!r} is neither seconds nor a 'YYYY-MM-DD HH:MM:SS[.fff]' datetime")
-
-
 def load_trace(path: str | Path, opts: WorkloadOptions) -> list[W.WorkloadRequest]:
     """Requests of an Azure trace: arrivals from the first row divided by `time_scale`, token counts
     divided by `length_scale`, at most `requests` rows (and `duration_s` after scaling)."""
     opts.validate()
-    path = Path(path)
     try:
-        fh = path.open(newline="", encoding="utf-8")
-    except OSError as exc:
-        raise WorkloadError("trace", f"cannot read {path}: {exc.strerror or exc}") from exc
-    rows: list[tuple[float, int, int]] = []
-    with fh:
-        reader = csv.DictReader(fh)
-        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise WorkloadError("trace",
-                                f"{path}: missing column(s) {', '.join(missing)}; need {', '.join(TRACE_COLUMNS)}")
-        for line, row in enumerate(reader, start=2):
-            try:
-                ts = _timestamp(row["TIMESTAMP"] or "")
-                context, generated = int(row["ContextTokens"]), int(row["GeneratedTokens"])
-            except (TypeError, ValueError) as exc:
-                raise WorkloadError("trace", f"{path}:{line}: {exc}") from exc
-            if context < 1 or generated < 1:
-                raise WorkloadError("trace", f"{path}:{line}: ContextTokens and GeneratedTokens must be >= 1")
-            rows.append((ts, context, generated))
-    if not rows:
-        raise WorkloadError("trace", f"{path}: no requests")
-    rows.sort(key=lambda r: r[0])
+        rows = W.read_azure_trace(path)
+    except W.TraceError as exc:
+        raise WorkloadError("trace", str(exc)) from exc
+    for ts, _context, generated in rows:
+        if generated < 1:
+            raise WorkloadError("trace", f"{path}: a row at {ts} has GeneratedTokens {generated}; need >= 1")
     t0 = rows[0][0]
     out: list[W.WorkloadRequest] = []
     for ts, context, generated in rows:

@@ -8,29 +8,12 @@ are cut to microseconds) or plain seconds. Arrivals are offsets from the first r
 
 from __future__ import annotations
 
-import csv
-from datetime import datetime
 from pathlib import Path
 
+from engine import workload as W
 from kvpilot.loadtest.plan import PlanError, PlannedRequest, _clip
 
-COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-
-
-def _timestamp(raw: str) -> float:
-    raw = raw.strip()
-    try:
-        return float(raw)
-    except ValueError:
-        pass
-    head, dot, frac = raw.partition(".")
-    text = f"{head}.{frac[:6]}" if dot else head
-    for fmt in ("%Y-%m-%d %H:%M:%S.%f", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S"):
-        try:
-            return datetime.strptime(text, fmt).timestamp()
-        except ValueError:
-            continue
-    raise ValueError(f"unrecognised TIMESTAMP {raw!r}")
+COLUMNS = W.TRACE_COLUMNS
 
 
 def load_trace(
@@ -47,27 +30,9 @@ def load_trace(
     if not length_scale > 0:
         raise PlanError("--length-scale", f"must be positive, got {length_scale}")
     try:
-        fh = path.open(newline="", encoding="utf-8")
-    except OSError as exc:
-        raise PlanError("--trace", f"cannot read {path}: {exc.strerror or exc}") from exc
-    rows: list[tuple[float, int, int]] = []
-    with fh:
-        reader = csv.DictReader(fh)
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise PlanError("--trace", f"{path}: missing column(s) {', '.join(missing)}; need {', '.join(COLUMNS)}")
-        for line, row in enumerate(reader, start=2):
-            try:
-                ts = _timestamp(row["TIMESTAMP"])
-                context, generated = int(row["ContextTokens"]), int(row["GeneratedTokens"])
-            except (TypeError, ValueError) as exc:
-                raise PlanError("--trace", f"{path}:{line}: {exc}") from exc
-            if context < 1 or generated < 0:
-                raise PlanError("--trace", f"{path}:{line}: token counts must be positive")
-            rows.append((ts, context, generated))
-    if not rows:
-        raise PlanError("--trace", f"{path}: no requests")
-    rows.sort(key=lambda r: r[0])
+        rows = W.read_azure_trace(path)
+    except W.TraceError as exc:
+        raise PlanError("--trace", str(exc)) from exc
     t0 = rows[0][0]
     out: list[PlannedRequest] = []
     for ts, context, generated in rows:

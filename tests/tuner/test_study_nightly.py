@@ -278,3 +278,18 @@ def test_parallel_workers_share_one_study_on_postgres(pg_url: str) -> None:
         with admin.connect() as conn:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         admin.dispose()
+
+
+def test_trials_can_be_scored_on_several_workload_seeds(sqlite_url: str) -> None:
+    db = make_engine(sqlite_url)
+    base = tiny_profile().engine_config(None)
+    be = _backend(db)
+    result = run_study(be, space_from_dict(SPACE, base=base), base, name="ms", trials=2, slo=SLO_T,
+                       workload_seed=[0, 1], random_baseline=False, progress=False)
+    one = be.evaluate(base, run_id="single-0", seed=0)
+    two = be.evaluate(base, run_id="single-1", seed=1)
+    combined = result.trials[0].metrics
+    assert combined["requests"] == one.requests + two.requests
+    assert combined["goodput_tps"] == pytest.approx((one.goodput_tps + two.goodput_tps) / 2)
+    assert combined["e2e_p99_s"] == max(one.e2e_p99_s, two.e2e_p99_s)
+    db.dispose()
