@@ -241,7 +241,10 @@ KV_EXHAUSTION_ENGINE = {"cache": {"hot_bytes": 512 * 1024, "cold_bytes": 256 * 1
 
 def kv_exhaustion(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: str) -> dict:
     cfg = merge(engine_cfg, KV_EXHAUSTION_ENGINE)
-    spec = replace(spec, max_total_tokens=min(spec.max_total_tokens or 512, 512))
+    # Requests long enough (up to half the pool each) that a handful at once must exhaust it, however fast
+    # the machine drains them: the outcome may not depend on timing.
+    spec = replace(spec, max_total_tokens=min(spec.max_total_tokens or 512, 512),
+                   length_scale=min(spec.length_scale, 2.0), output_scale=min(spec.output_scale, 2.0))
     with start_engine(cfg, workdir=workdir / "engine") as engine:
         opts = RunOptions(client=_client_opts(spec, run_id), progress=spec.progress)
         run = asyncio.run(run_load(engine.url, _plan(spec, burst=True), opts))
