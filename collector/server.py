@@ -530,6 +530,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if the child has not exited within `timeout_s`; reaps it either way."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class CollectorProcess:
     """A collector in a child process (`python -m collector serve`); kill() is a real SIGKILL."""
@@ -539,13 +550,7 @@ class CollectorProcess:
     proc: subprocess.Popen
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
 
     def kill(self) -> None:
         self.proc.kill()

@@ -6,6 +6,7 @@ benchmarks and the tuner's simulator call `step()` directly). Clock, executor an
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -159,7 +160,7 @@ class LLMEngine:
         prio = parse_priority(priority)
         self.validate(prompt_ids, params)
         if params.seed is None and not params.greedy:
-            params = SamplingParams(**{**_asdict(params), "seed": self._rng.getrandbits(62)})
+            params = dataclasses.replace(params, seed=self._rng.getrandbits(62))
         seq_id = next(self._ids)
         request_id = request_id or f"req-{seq_id}"
         if request_id in self._requests:
@@ -321,6 +322,3 @@ class LLMEngine:
         log.info("reconfigured: %s", patch)
         return new
 
-
-def _asdict(params: SamplingParams) -> dict:
-    return {f: getattr(params, f) for f in params.__dataclass_fields__}

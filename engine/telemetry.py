@@ -8,7 +8,6 @@ share of wall time spent inside the model forward over the interval.
 
 from __future__ import annotations
 
-import logging
 import uuid
 
 from collector.events import AllocEvent, RequestEvent, SampleEvent, StepEvent
@@ -17,8 +16,6 @@ from engine.device_stats import DeviceSampler
 from engine.kv import KVCacheManager
 from engine.sinks import EventSink
 from engine.stats import FinishedRequest, IterationStats
-
-log = logging.getLogger("kvpilot.engine.telemetry")
 
 
 class EventLogger:
@@ -45,7 +42,6 @@ class EventLogger:
         self._busy_since_sample = 0.0
         self._swaps_since_sample = 0
         self._prefix = (0, 0)
-        self.warmup = False
         self.last_utilization = 0.0
 
     def bind(self, kv: KVCacheManager) -> None:

@@ -77,7 +77,7 @@ def _interruptible() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _serve_engine(cfg: dict, stack: _Stack) -> tuple[str, object]:
+def _serve_engine(cfg: dict, stack: _Stack) -> str:
     import uvicorn
 
     from engine.config import EngineConfig
@@ -99,7 +99,7 @@ def _serve_engine(cfg: dict, stack: _Stack) -> tuple[str, object]:
         thread.join(15)
 
     stack.push("engine", stop)
-    return f"http://127.0.0.1:{cfg['server']['port']}", app
+    return f"http://127.0.0.1:{cfg['server']['port']}"
 
 
 def _tune(db_url: str) -> None:
@@ -130,25 +130,17 @@ def _start_dashboard(db_url: str, engine_url: str, port: int, stack: _Stack) -> 
     import os
     import socket
 
+    from collector.server import free_port, stop_process
     from kvpilot.cli_dashboard import start_dashboard, wait_until_healthy
 
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:  # taken: take any free port instead
-            from collector.server import free_port
-
             port = free_port()
     os.environ.setdefault("KVPILOT_ENGINE_URL", engine_url)
     os.environ.setdefault("KVPILOT_ADMIN_TOKEN", "demo-admin")
     proc = start_dashboard(db_url, port=port, log_path=DATA_DIR / "dashboard.log")
 
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except Exception:
-            proc.kill()
-
-    stack.push("dashboard", stop)
+    stack.push("dashboard", lambda: stop_process(proc))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url, timeout_s=60, proc=proc)
@@ -188,7 +180,7 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
                                         group_wait_s=0, group_interval_s=1)
             stack.push("alert evaluator", evaluator.stop)
             _say(f"alert evaluator on {DEMO_RULES.name}, paging the webhook sink at {sink.url}")
-            engine_url, _ = _serve_engine(demo_engine_config(collector.url, free_port(), run_id), stack)
+            engine_url = _serve_engine(demo_engine_config(collector.url, free_port(), run_id), stack)
             _say(f"engine on {engine_url} (run {run_id})")
             dash_url = _start_dashboard(db_url, engine_url, dashboard_port, stack)
             report = asyncio.run(drive_demo_load(engine_url, duration_s=duration_s, stop=stop, say=_say))

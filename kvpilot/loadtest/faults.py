@@ -28,9 +28,10 @@ from pathlib import Path
 
 import httpx
 
+from collector.server import free_port
 from kvpilot.loadtest import verify
 from kvpilot.loadtest.analysis import analyze, percentile
-from kvpilot.loadtest.local import LocalEngine, free_port, load_engine_config, merge, start_engine
+from kvpilot.loadtest.local import LocalEngine, load_engine_config, merge, start_engine
 from kvpilot.loadtest.plan import PlanOptions, plan_burst, plan_mixed
 from kvpilot.loadtest.runner import RunOptions, RunResult, TimedAction, run_load
 from kvpilot.loadtest.scrape import parse_metrics

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from collector.server import free_port, stop_process
 
 TINY_ENGINE: dict = {
     "device": "cpu",
@@ -30,12 +31,6 @@ TINY_ENGINE: dict = {
 
 class LocalProcessError(RuntimeError):
     """A child engine that would not start; the message carries the tail of its log."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def merge(base: dict, patch: dict) -> dict:
@@ -65,13 +60,7 @@ class LocalEngine:
     log_path: Path
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
 
     def log_tail(self, chars: int = 2000) -> str:
         try:

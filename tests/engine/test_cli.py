@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import httpx
 import yaml
 from typer.testing import CliRunner
 
+from collector.server import free_port
 from kvpilot.cli import app
 from tests.engine.conftest import TINY_MODEL
 
@@ -46,14 +46,8 @@ def test_bad_config_values_name_the_field(tmp_path: Path) -> None:
     assert missing.exit_code == 2 and "not found" in missing.output
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_engine_serve_applies_a_proposal_file(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cfg = {"device": "cpu", "model": TINY_MODEL, "warmup": {"requests": 1, "prompt_tokens": 4, "max_tokens": 2},
            "scheduler": {"max_num_seqs": 5}, "cache": {"block_policy": "dynamic"}, "telemetry": {"sink": "none"}}
     path = tmp_path / "proposal.yaml"
