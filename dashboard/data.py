@@ -523,8 +523,9 @@ def study(url: str, name: str) -> StudyData:
         for p in params:
             row[f"param: {p}"] = t.params.get(p)
         row["duration (s)"] = t.duration.total_seconds() if t.duration else None
+        row["repeat of"] = t.user_attrs.get("duplicate_of")  # told that trial's stored result, not measured
         rows.append(row)
-    columns = ["trial", "state", *objectives, *[f"param: {p}" for p in params], "duration (s)"]
+    columns = ["trial", "state", *objectives, *[f"param: {p}" for p in params], "duration (s)", "repeat of"]
     complete = [t for t in s.trials if t.state == optuna.trial.TrialState.COMPLETE]
     pareto = [t.number for t in s.best_trials] if complete else []
     return StudyData(name, objectives, directions, pd.DataFrame(rows, columns=columns), pareto, params)

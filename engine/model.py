@@ -140,14 +140,17 @@ class Attention(nn.Module):
         outs: list[torch.Tensor] = []
         nd = batch.num_decode
         if nd:
-            qd_all = q[:nd].unsqueeze(2)  # [B, heads, 1, hd]
+            # The query heads sharing a KV head attend as one group of `n_heads / n_kv_heads` query rows, so
+            # each cached key is read once per KV head rather than once per query head (head h uses KV head
+            # h // group, as HF's repeat_kv and SDPA's enable_gqa pair them).
+            qd_all = q[:nd].view(nd, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
             dec_out = None
             for group in batch.decode_groups:
                 keys = _gather_pages(k_cache, group.pages).transpose(1, 2)  # [g, kvh, L, hd]
                 values = _gather_pages(v_cache, group.pages).transpose(1, 2)
                 qd = qd_all if group.rows is None else qd_all.index_select(0, group.rows)
                 o = F.scaled_dot_product_attention(
-                    qd, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask, enable_gqa=self.gqa
+                    qd, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask
                 ).reshape(qd.shape[0], -1)
                 if group.rows is None:
                     dec_out = o

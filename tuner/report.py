@@ -38,14 +38,15 @@ def search_summary(result: StudyResult) -> dict[str, Any]:
     out = {
         "study": result.name,
         "sampler": result.sampler,
-        "trials": len(result.trials),
+        "trials": result.measured,
+        "duplicates": len(result.trials) - result.measured,
         "failed": result.failed,
         "feasible": sum(t.feasible for t in result.completed),
         "baseline_goodput_tps": result.baseline.goodput if result.baseline else None,
         "best_goodput_tps": best.goodput if best else None,
         "best_trial": best.number if best else None,
         "random_best_goodput_tps": rnd.goodput if rnd else None,
-        "random_trials": len(result.random.trials) if result.random else 0,
+        "random_trials": result.random.measured if result.random else 0,
     }
     if best and rnd and rnd.goodput > 0:
         out["best_over_random"] = best.goodput / rnd.goodput - 1.0

@@ -6,7 +6,13 @@ subject to constraints set with `trial.set_constraint` (no KV OOM, rejections un
 minimizes p99 end-to-end latency under the same constraints and reports the Pareto front.
 Every study can be paired with a random-search study of the same budget, so each report says how much
 the sampler actually bought. Several workers may run one study on a shared RDB storage: each asks
-until the study holds `trials` trials.
+until the study holds `trials` measured trials.
+
+The budget counts measurements, not proposals. TPE re-proposes a configuration it already measured
+(about one trial in five on a small discrete space); such a trial is told the stored result of the
+first measurement on the same workload seeds instead of replaying the workload again, and is marked
+`duplicate_of`. A study that keeps proposing only measured configurations has exhausted its space
+and stops early with a note.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class TrialRecord:
     state: str
     run_id: str | None = None
     baseline: bool = False
+    duplicate_of: int | None = None  # told the stored result of that trial (same config, same seeds)
 
     @property
     def goodput(self) -> float:
@@ -86,10 +93,18 @@ class StudyResult:
         feasible = [t for t in self.completed if t.feasible and t.values is not None]
         return sorted(pareto_front(feasible), key=lambda t: t.values[0]) if self.multi_objective else []
 
+    @property
+    def measured(self) -> int:
+        """Trials that ran the workload (the budget): every trial but the duplicates told a stored result."""
+        return sum(t.duplicate_of is None for t in self.trials)
+
     def best_so_far(self) -> list[float]:
-        """Best feasible goodput after each trial, in trial order (the benchmark's convergence curve)."""
+        """Best feasible goodput after each measured trial, in trial order (the benchmark's convergence curve:
+        its length is the number of measurements; a duplicate adds no measurement and no information)."""
         out, best = [], float("-inf")
         for t in sorted(self.trials, key=lambda t: t.number):
+            if t.duplicate_of is not None:
+                continue
             if t.state == "COMPLETE" and t.feasible:
                 best = max(best, t.goodput)
             out.append(best)
@@ -141,7 +156,28 @@ def _record(ft: optuna.trial.FrozenTrial) -> TrialRecord:
         state=ft.state.name,
         run_id=ft.user_attrs.get("run_id"),
         baseline=bool(ft.user_attrs.get("baseline")),
+        duplicate_of=ft.user_attrs.get("duplicate_of"),
     )
+
+
+# A study whose sampler proposes this many measured configurations in a row has nothing new to try.
+MAX_CONSECUTIVE_DUPLICATES = 50
+
+
+def _config_key(config: EngineConfig, seeds: Sequence[int]) -> str:
+    """What makes two trials the same measurement: the effective tunables (after clamping) and the seeds."""
+    return repr((sorted((s, sorted(v.items())) for s, v in config.tunable().items()), list(seeds)))
+
+
+def _measured_count(study: optuna.Study) -> int:
+    return sum("duplicate_of" not in t.user_attrs for t in study.get_trials(deepcopy=False))
+
+
+def _stored_measurement(study: optuna.Study, key: str) -> optuna.trial.FrozenTrial | None:
+    for ft in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if ft.user_attrs.get("config_key") == key and "duplicate_of" not in ft.user_attrs:
+            return ft
+    return None
 
 
 def run_study(
@@ -200,10 +236,16 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
         study.set_user_attr("space", space.describe())
         study.set_user_attr("base_config", base.tunable())
         study.enqueue_trial(space.from_config(base), user_attrs={"baseline": True}, skip_if_exists=True)
-    failed = 0
-    with tqdm(total=trials, initial=min(trials, len(study.trials)), desc=f"{name} [{sampler}]", unit="trial",
+    failed = duplicates_in_a_row = 0
+    notes: list[str] = []
+    with tqdm(total=trials, initial=min(trials, _measured_count(study)), desc=f"{name} [{sampler}]", unit="trial",
               disable=not progress, leave=False) as bar:
-        while len(study.get_trials(deepcopy=False)) < trials:
+        while _measured_count(study) < trials:
+            if duplicates_in_a_row >= MAX_CONSECUTIVE_DUPLICATES:
+                notes.append(f"stopped after {_measured_count(study)} measured trials: the sampler proposed "
+                             f"{duplicates_in_a_row} already measured configurations in a row (space exhausted)")
+                log.warning("study %s: %s", name, notes[-1])
+                break
             trial = study.ask()
             values = space.suggest(trial)
             try:
@@ -214,8 +256,22 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
                 failed += 1
                 bar.update(1)
                 continue
-            run_id = f"{name}-t{trial.number}-{uuid.uuid4().hex[:6]}"
+            key = _config_key(config, seeds)
             trial.set_user_attr("patch", space.to_patch(values))
+            trial.set_user_attr("config_key", key)
+            stored = _stored_measurement(study, key)
+            if stored is not None:
+                for attr in ("metrics", "run_id"):
+                    trial.set_user_attr(attr, stored.user_attrs.get(attr))
+                trial.set_user_attr("duplicate_of", stored.number)
+                for ckey, value in stored.constraints.items():
+                    trial.set_constraint(ckey, value)
+                study.tell(trial, list(stored.values))
+                duplicates_in_a_row += 1
+                log.debug("trial %d repeats trial %d's config; told its stored result", trial.number, stored.number)
+                continue
+            duplicates_in_a_row = 0
+            run_id = f"{name}-t{trial.number}-{uuid.uuid4().hex[:6]}"
             trial.set_user_attr("run_id", run_id)
             try:
                 runs = [backend.evaluate(config, run_id=run_id if len(seeds) == 1 else f"{run_id}-s{s}", seed=s)
@@ -238,5 +294,8 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
     records = [_record(t) for t in study.get_trials(deepcopy=False)]
     if failed:
         log.warning("study %s: %d trial(s) failed (see errors above)", name, failed)
+    dups = sum(r.duplicate_of is not None for r in records)
+    if dups:
+        notes.append(f"{dups} proposal(s) repeated an already measured config and were told its stored result")
     return StudyResult(name=name, sampler=sampler, multi_objective=multi, trials=records,
-                       failed=sum(r.state == "FAIL" for r in records))
+                       failed=sum(r.state == "FAIL" for r in records), notes=notes)

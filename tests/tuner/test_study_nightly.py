@@ -76,7 +76,7 @@ def test_study_enqueues_the_current_config_and_runs_a_random_baseline(sqlite_url
     first = result.trials[0]
     assert first.baseline and first.params == {"scheduler.max_num_seqs": 32, "scheduler.max_num_batched_tokens": 1024,
                                                "block_policy": "fixed-32"}
-    assert len(result.trials) == 6 and result.random is not None and len(result.random.trials) == 6
+    assert result.measured == 6 and result.random is not None and result.random.measured == 6
     assert result.random.trials[0].baseline
     assert set(first.constraints) >= {"oom", "rejection", "p99_ttft"}
     assert result.best is not None and result.best.feasible
@@ -84,10 +84,41 @@ def test_study_enqueues_the_current_config_and_runs_a_random_baseline(sqlite_url
     # The study lives in the RDB storage: another worker joins it and tops it up to 8 trials.
     again = run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="s1", trials=8, slo=SLO_T,
                       storage=open_storage(sqlite_url), random_baseline=False, progress=False)
-    assert len(again.trials) == 8 and sum(t.baseline for t in again.trials) == 1
+    assert again.measured == 8 and sum(t.baseline for t in again.trials) == 1
     loaded = optuna.load_study(study_name="s1", storage=open_storage(sqlite_url))
-    assert len(loaded.trials) == 8
+    assert sum("duplicate_of" not in t.user_attrs for t in loaded.trials) == 8
     assert all(t.user_attrs["run_id"].startswith("s1-t") for t in loaded.trials)
+    db.dispose()
+
+
+def test_a_repeated_config_is_told_its_stored_result_not_measured_again(sqlite_url: str) -> None:
+    db = make_engine(sqlite_url)
+    base = tiny_profile().engine_config(None)
+    sim = _backend(db)
+    measured: list[int] = []
+
+    class Counting:
+        name = "counting"
+
+        def evaluate(self, config, *, run_id, seed):  # type: ignore[no-untyped-def]
+            measured.append(config.scheduler.max_num_seqs)
+            return sim.evaluate(config, run_id=run_id, seed=seed)
+
+    # Two configs in all (the base's 32 and 4); a 6-trial budget cannot be spent on new measurements.
+    space = space_from_dict({"params": {"scheduler.max_num_seqs": {"choices": [4, 32]}}}, base=base)
+    result = run_study(Counting(), space, base, name="dups", trials=6, slo=SLO_T, seed=0, random_baseline=False,
+                       progress=False)
+    assert sorted(measured) == [4, 32]  # each config ran the workload once
+    assert result.measured == 2 and len(result.best_so_far()) == 2
+    dups = [t for t in result.trials if t.duplicate_of is not None]
+    # then the study stopped: the space is exhausted after 50 repeats in a row
+    assert [t.duplicate_of is not None for t in result.trials[-51:]] == [False] + [True] * 50
+    by_number = {t.number: t for t in result.trials}
+    for t in dups:
+        first = by_number[t.duplicate_of]
+        assert t.params == first.params and t.values == first.values and t.metrics == first.metrics
+        assert t.constraints == first.constraints and first.duplicate_of is None
+    assert any("space exhausted" in n for n in result.notes)
     db.dispose()
 
 
@@ -266,7 +297,8 @@ def test_parallel_workers_share_one_study_on_postgres(pg_url: str) -> None:
             t.join()
         assert not errors, errors
         study = optuna.load_study(study_name="shared", storage=open_storage(pg_url))
-        assert 6 <= len(study.trials) <= 7  # each worker asks until the study holds 6 (one may overshoot)
+        measured = [t for t in study.trials if "duplicate_of" not in t.user_attrs]
+        assert 6 <= len(measured) <= 7  # each worker asks until the study holds 6 measured (one may overshoot)
         assert sum(bool(t.user_attrs.get("baseline")) for t in study.trials) == 1
         # the kvpilot schema's own Alembic version is untouched by Optuna's
         from collector.db import check_schema_current
