@@ -35,7 +35,7 @@ from tuner.metrics import SLO, TrialMetrics
 from tuner.nightly import confirm
 from tuner.profile import load_profile
 from tuner.space import SearchSpace, load_space, space_from_dict
-from tuner.study import run_study
+from tuner.study import run_study, tunable_key
 
 SMALL_SPACE = {
     # 4 x 4 x 4 x 2 configs; `including(default)` adds the default's own prefill chunk (512), so the
@@ -65,11 +65,7 @@ class GridBackend:
         self.table = table
 
     def evaluate(self, config: EngineConfig, *, run_id: str, seed: int) -> TrialMetrics:
-        return self.table[_key(config)]
-
-
-def _key(config: EngineConfig) -> str:
-    return str(sorted((s, sorted(v.items())) for s, v in config.tunable().items()))
+        return self.table[tunable_key(config)]
 
 
 def trials_to_within(curve: list[float], target: float) -> int | None:
@@ -103,7 +99,7 @@ def run_tuner_bench(quick: bool = False, profile: str = "cpu-2core", progress: C
             table: dict[str, TrialMetrics] = {}
             for values in tqdm(points, desc="grid (exhaustive)", unit="config", file=sys.stderr, mininterval=2.0):
                 cfg = space.apply(default, values)
-                table[_key(cfg)] = sim.evaluate(cfg, run_id=f"grid-{uuid.uuid4().hex[:8]}", seed=0)
+                table[tunable_key(cfg)] = sim.evaluate(cfg, run_id=f"grid-{uuid.uuid4().hex[:8]}", seed=0)
             feasible = [m.goodput_tps for m in table.values() if m.feasible(SLO_BENCH)]
             if not feasible:
                 raise RuntimeError("no config of the grid is feasible; the benchmark's SLO does not fit this profile")

@@ -55,7 +55,11 @@ def bench_sim(
     quick: bool = QuickOpt,
     json_path: Path | None = JsonOpt,
     profile: str = typer.Option("cpu-2core", "--profile", help="calibrated CPU profile to check"),
-    recalibrate: bool = typer.Option(False, "--recalibrate", help="fit a fresh profile first (a drifting, shared CPU)"),
+    recalibrate: bool = typer.Option(
+        True, "--recalibrate/--no-recalibrate",
+        help="fit a fresh profile (quick grid) in the same run first, so the error is the cost model's and not the "
+             "drift of a shared CPU's speed since the profile was calibrated; --no-recalibrate checks the profile "
+             "as shipped"),
 ) -> None:
     """Simulator fidelity: the same workloads on the torch engine and the simulator (throughput, p99 error)."""
     from benchmarks.sim_bench import run_sim_bench

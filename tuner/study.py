@@ -164,18 +164,24 @@ def _record(ft: optuna.trial.FrozenTrial) -> TrialRecord:
 MAX_CONSECUTIVE_DUPLICATES = 50
 
 
+def tunable_key(config: EngineConfig) -> str:
+    """The effective tunables (after clamping) as one string: equal keys, equal configs to run."""
+    return str(sorted((s, sorted(v.items())) for s, v in config.tunable().items()))
+
+
 def _config_key(config: EngineConfig, seeds: Sequence[int]) -> str:
-    """What makes two trials the same measurement: the effective tunables (after clamping) and the seeds."""
-    return repr((sorted((s, sorted(v.items())) for s, v in config.tunable().items()), list(seeds)))
+    """What makes two trials the same measurement: the same effective config on the same workload seeds."""
+    return f"{tunable_key(config)} seeds={list(seeds)}"
 
 
-def _measured_count(study: optuna.Study) -> int:
-    return sum("duplicate_of" not in t.user_attrs for t in study.get_trials(deepcopy=False))
+def _measured_count(trials: Sequence[optuna.trial.FrozenTrial]) -> int:
+    return sum("duplicate_of" not in t.user_attrs for t in trials)
 
 
-def _stored_measurement(study: optuna.Study, key: str) -> optuna.trial.FrozenTrial | None:
-    for ft in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if ft.user_attrs.get("config_key") == key and "duplicate_of" not in ft.user_attrs:
+def _stored_measurement(trials: Sequence[optuna.trial.FrozenTrial], key: str) -> optuna.trial.FrozenTrial | None:
+    for ft in trials:
+        if (ft.state == TrialState.COMPLETE and ft.user_attrs.get("config_key") == key
+                and "duplicate_of" not in ft.user_attrs):
             return ft
     return None
 
@@ -238,11 +244,16 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
         study.enqueue_trial(space.from_config(base), user_attrs={"baseline": True}, skip_if_exists=True)
     failed = duplicates_in_a_row = 0
     notes: list[str] = []
-    with tqdm(total=trials, initial=min(trials, _measured_count(study)), desc=f"{name} [{sampler}]", unit="trial",
+    initial = _measured_count(study.get_trials(deepcopy=False))
+    with tqdm(total=trials, initial=min(trials, initial), desc=f"{name} [{sampler}]", unit="trial",
               disable=not progress, leave=False) as bar:
-        while _measured_count(study) < trials:
+        while True:
+            so_far = study.get_trials(deepcopy=False)  # one read per trial: the budget and the duplicate lookup
+            measured = _measured_count(so_far)
+            if measured >= trials:
+                break
             if duplicates_in_a_row >= MAX_CONSECUTIVE_DUPLICATES:
-                notes.append(f"stopped after {_measured_count(study)} measured trials: the sampler proposed "
+                notes.append(f"stopped after {measured} measured trials: the sampler proposed "
                              f"{duplicates_in_a_row} already measured configurations in a row (space exhausted)")
                 log.warning("study %s: %s", name, notes[-1])
                 break
@@ -259,7 +270,7 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
             key = _config_key(config, seeds)
             trial.set_user_attr("patch", space.to_patch(values))
             trial.set_user_attr("config_key", key)
-            stored = _stored_measurement(study, key)
+            stored = _stored_measurement(so_far, key)
             if stored is not None:
                 for attr in ("metrics", "run_id"):
                     trial.set_user_attr(attr, stored.user_attrs.get(attr))

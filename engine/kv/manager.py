@@ -293,6 +293,12 @@ class KVCacheManager:
             self._trace(op, None, count, size, "hot")
         return reclaimed
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block nobody holds, so the next request of a replayed workload starts as
+        cold as the first time (vLLM's `reset_prefix_cache`); blocks running sequences hold stay cached.
+        Returns the pages freed."""
+        return self.evict(self.hot.num_pages)
+
     # ------------------------------------------------------------------ internals
     def _lookup_prefix(self, token_ids: Sequence[int]) -> list[Block]:
         hits: list[Block] = []

@@ -58,6 +58,20 @@ def test_prefix_cache_reuses_full_blocks_and_counts_hits() -> None:
     kv.check_invariants()
 
 
+def test_reset_prefix_cache_makes_a_replay_start_cold() -> None:
+    kv = manager(block_size=16)
+    prompt, held = list(range(100, 150)), list(range(300, 340))
+    for seq_id, tokens in ((0, prompt), (1, held)):
+        kv.allocate(seq_id, str(seq_id), tokens, budget=100)
+        kv.commit(seq_id, tokens, len(tokens))
+    kv.free(0)  # cached, nobody holds it; sequence 1 still runs
+    assert kv.reset_prefix_cache() == 6 and kv.cached_pages == 0
+    assert kv.allocate(2, "again", prompt, budget=100).cached_tokens == 0
+    kv.free(1)  # its blocks were held during the reset, so they stayed cached
+    assert kv.allocate(3, "held", held, budget=100).cached_tokens == 32
+    kv.check_invariants()
+
+
 def test_cached_blocks_are_evicted_lru_when_memory_runs_out() -> None:
     kv = manager(pages=16, block_size=16)  # 128 tokens
     first = list(range(64))

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import threading
 
+import httpx
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from collector.db import make_engine
+from collector.db import make_engine, upgrade
+from collector.server import start_subprocess
+from collector.settings import CollectorSettings
 from engine import workload as W
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.server import create_app
+from kvpilot.loadtest.local import start_engine
 from tuner import workloads as WL
 from tuner.live import LiveBackend
 from tuner.metrics import SLO, store_events
+from tuner.space import space_from_dict
+from tuner.study import run_study
 
 from .conftest import TINY_MODEL
 
@@ -90,3 +97,41 @@ def test_live_guard_ends_a_bad_trial_early(sqlite_url: str) -> None:
         assert metrics.rejected > 0 and not metrics.feasible(SLO(ttft_s=2.0, tpot_s=0.5))
         assert engine.config.scheduler.queue_limit == cfg.scheduler.queue_limit
     db.dispose()
+
+
+@pytest.mark.slow
+def test_live_study_through_a_real_collector_and_engine_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The whole live loop with nothing stood in: an engine process pushes its telemetry over its HTTP sink
+    to a collector process; the study applies each trial through the engine's /admin/config, drives the
+    workload at /generate, reads the trial's metrics back from the collector's database and rolls back."""
+    url = f"sqlite:///{tmp_path}/live.db"
+    upgrade(url)
+    collector = start_subprocess(CollectorSettings(db_url=url, port=0, scrape_enabled=False),
+                                 log_path=tmp_path / "collector.log")
+    engine = None
+    db = make_engine(url)
+    try:
+        engine = start_engine({
+            "device": "cpu", "model": dict(TINY_MODEL), "warmup": {"requests": 0},
+            "server": {"admin_token": "tok"},
+            "telemetry": {"instance": "live-e2e", "sink": "http", "collector_url": collector.url,
+                          "trace_alloc": False, "http_flush_interval_s": 0.2, "spool_dir": str(tmp_path / "spool")},
+        }, workdir=tmp_path)
+        base = EngineConfig.from_dict({"device": "cpu", "model": dict(TINY_MODEL)})
+        backend = LiveBackend(db=db, slo=SLO(ttft_s=2.0, tpot_s=0.5), workload=_workload, engine_url=engine.url,
+                              instance="live-e2e", admin_token="tok", window_s=2.0, settle_s=0.3,
+                              guard_interval_s=0.5, drive=True, drive_concurrency=4, ingest_lag_s=1.0)
+        space = space_from_dict({"params": {"scheduler.max_num_seqs": {"choices": [4, 32]}}}, base=base)
+        result = run_study(backend, space, base, name="live-e2e", trials=2, slo=SLO(ttft_s=2.0, tpot_s=0.5),
+                           seed=0, random_baseline=False, progress=False)
+        measured = [t for t in result.trials if t.duplicate_of is None]
+        assert len(measured) == 2 and all(t.state == "COMPLETE" for t in measured)
+        for t in measured:  # each window's requests went engine -> HTTP sink -> collector -> SQL
+            assert t.metrics["requests"] > 0 and t.metrics["finished"] > 0
+        restored = httpx.get(f"{engine.url}/admin/config", headers={"Authorization": "Bearer tok"}).json()
+        assert restored["tunable"]["scheduler"]["max_num_seqs"] == 32  # the original, after every trial
+    finally:
+        db.dispose()
+        if engine is not None:
+            engine.stop()
+        collector.stop()
