@@ -115,6 +115,17 @@ OomOpt = typer.Option(0, "--max-oom", help="constraint: failed KV allocations pe
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="log progress details")
 
 
+def _live_options(backend: str, engine_url: str | None, instance: str | None, admin_token: str | None,
+                  window: float, settle: float) -> dict | None:
+    """The live backend's settings from the CLI options (None for the other backends)."""
+    if backend != "live":
+        return None
+    if not engine_url or not instance:
+        raise ValueError("engine_url: the live backend needs --engine-url and --instance")
+    return {"engine_url": engine_url, "admin_token": admin_token, "instance": instance, "window_s": window,
+            "settle_s": settle}
+
+
 @tune_app.command("study")
 def study_cmd(
     trials: int = typer.Option(40, "--trials", help="trials in the study (and in the random baseline)"),
@@ -173,12 +184,7 @@ def study_cmd(
             raise ValueError(f"trials: must be >= 1, got {trials}")
         if seeds_per_trial < 1:
             raise ValueError(f"seeds_per_trial: must be >= 1, got {seeds_per_trial}")
-        live = None
-        if backend == "live":
-            if not engine_url or not instance:
-                raise ValueError("engine_url: the live backend needs --engine-url and --instance")
-            live = {"engine_url": engine_url, "admin_token": admin_token, "instance": instance, "window_s": window,
-                    "settle_s": settle}
+        live = _live_options(backend, engine_url, instance, admin_token, window, settle)
         slo = _slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate, max_oom)
         opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
         prof = load_profile(profile)
@@ -248,12 +254,7 @@ def nightly_cmd(
     with _errors():
         from tuner.nightly import run_nightly
 
-        live = None
-        if backend == "live":
-            if not engine_url or not instance:
-                raise ValueError("engine_url: the live backend needs --engine-url and --instance")
-            live = {"engine_url": engine_url, "admin_token": admin_token, "instance": instance, "window_s": window,
-                    "settle_s": settle}
+        live = _live_options(backend, engine_url, instance, admin_token, window, settle)
 
         result = run_nightly(
             db_url=_db_url(db_url), out_dir=out_dir, trials=trials, backend=backend, profile=profile,
