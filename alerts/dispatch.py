@@ -144,7 +144,11 @@ class Dispatcher:
             max_alerts=receiver.max_alerts,
         )
         digest = hashlib.sha256(row.group_key.encode()).hexdigest()[:16]
-        return _outbox(receiver, f"{receiver.name}/{digest}/{row.seq}", row.group_key, payload, now, lease)
+        # A group's row goes when the group empties and comes back with seq 0 when it fills again, so the key
+        # names the row's incarnation (its creation time, the same for any evaluator reading the row) as well.
+        incarnation = round(row.created_at * 1000)
+        return _outbox(receiver, f"{receiver.name}/{digest}/{incarnation}/{row.seq}", row.group_key, payload, now,
+                       lease)
 
     def _forward(self, session: Session, receiver: Receiver, live: list[NotifyAlert], now: float,
                  lease: Lease) -> AlertNotification | None:

@@ -190,3 +190,21 @@ def test_silence_mutes_notification(config_for, make_evaluator, groups, sink, cl
     assert "a" not in instances and "b" in instances
     with ev.factory() as s:
         assert {r.labels["instance"] for r in s.execute(select(AlertState)).scalars()} == {"a", "b"}
+
+
+def test_an_alert_that_fires_again_after_resolving_pages_again(config_for, make_evaluator, groups, sink, clock):
+    """Firing, resolved, then a new pending alert replaces the resolved one: the group empties and its row goes.
+    The group's next notification must not reuse the first one's outbox key (that failed every tick after it)."""
+    source = MemorySource()
+    ev = make_evaluator(source, groups, config_for(sink))
+    _run(ev, source, clock, 500, 60)  # fires
+    _run(ev, source, clock, 10, 30)  # resolves
+    assert sink.wait_for(2, 5)
+    results = _run(ev, source, clock, 500, 60)  # pending again (the group has nothing to send), then fires again
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    assert sink.wait_for(3, 5)
+    assert [r.payload["status"] for r in sink.received] == ["firing", "resolved", "firing"]
+    assert sink.duplicates == 0
+    with ev.factory() as s:
+        keys = s.execute(select(AlertNotification.idempotency_key)).scalars().all()
+        assert len(keys) == len(set(keys)) == 3
