@@ -77,9 +77,11 @@ class _StepCounter:
         self.rejected: list[FinishedRequest] = []
         self.preemptions = 0
         self.oom = 0
+        self.busy_s = 0.0
 
     def record(self, stats: IterationStats) -> None:
         self.steps += 1
+        self.busy_s += stats.duration_s
         self.preemptions += stats.preemptions
         self.oom += stats.oom_events
         if not stats.warmup:
@@ -103,6 +105,7 @@ class ReplayResult:
     preemptions: int = 0
     oom: int = 0
     stalled: int = 0
+    busy_s: float = 0.0  # the engine's own step time: what the cost model predicts (idle waits excluded)
 
     @property
     def duration_s(self) -> float:
@@ -187,6 +190,7 @@ def replay(
         preemptions=counter.preemptions,
         oom=counter.oom,
         stalled=stalled,
+        busy_s=counter.busy_s,
     )
 
 
