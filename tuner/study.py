@@ -267,10 +267,10 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
                 failed += 1
                 bar.update(1)
                 continue
-            key = _config_key(config, seeds)
+            config_key = _config_key(config, seeds)
             trial.set_user_attr("patch", space.to_patch(values))
-            trial.set_user_attr("config_key", key)
-            stored = _stored_measurement(so_far, key)
+            trial.set_user_attr("config_key", config_key)
+            stored = _stored_measurement(so_far, config_key)
             if stored is not None:
                 for attr in ("metrics", "run_id"):
                     trial.set_user_attr(attr, stored.user_attrs.get(attr))
