@@ -371,12 +371,10 @@ def calibrate_cmd(
         from tqdm import tqdm
 
         from engine.config import EngineConfig
-        from tuner.calibrate import calibrate, grid
+        from tuner.calibrate import calibrate, grid_steps
 
         cfg = EngineConfig.from_yaml(config) if config is not None else None
-        runs = grid(quick)
-        total = 2 * (len(runs) + 1) - sum(name.startswith("mixed rate") for name, _ in runs)
-        with tqdm(total=total, desc="calibrate", unit="run") as bar:
+        with tqdm(total=grid_steps(quick), desc="calibrate", unit="run") as bar:
             def progress(msg: str) -> None:
                 bar.set_postfix_str(msg[:40])
                 bar.update(1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +51,23 @@ class StepShape:
     def num_seqs(self) -> int:
         return self.prefill_seqs + self.decode_seqs
 
+    @property
+    def rows(self) -> int:
+        """Token rows through the dense layers (every prefill token and one per decoding sequence)."""
+        return self.prefill_tokens + self.decode_seqs
+
+    # A matmul's time is concave in its rows at the small end: one row runs as a matrix-vector product,
+    # a few rows cost almost as much each as a full pass over the weights, and from some 4-8 rows on a row
+    # costs a fraction of that (on this EPYC: 2.9 ms at one decoding sequence, 3.5 at 2, 4.3 at 4, 4.6 at
+    # 8, then about 0.1 ms a row). These saturating features let non-negative coefficients bend the line.
+    @property
+    def rows_upto_2(self) -> int:
+        return min(self.rows, 2)
+
+    @property
+    def rows_upto_8(self) -> int:
+        return min(self.rows, 8)
+
 
 LINEAR_FEATURES = (
     "prefill_tokens",
@@ -62,6 +80,8 @@ LINEAR_FEATURES = (
     "attn_pairs",
     "prefill_ctx_tokens",
     "swap_tokens",
+    "rows_upto_2",
+    "rows_upto_8",
 )
 
 
@@ -114,6 +134,8 @@ class LinearCost(_Strict):
     attn_pairs: float = Field(0.0, ge=0)
     prefill_ctx_tokens: float = Field(0.0, ge=0)
     swap_tokens: float = Field(0.0, ge=0)
+    rows_upto_2: float = Field(0.0, ge=0)
+    rows_upto_8: float = Field(0.0, ge=0)
 
 
 class RooflineCost(_Strict):
@@ -143,9 +165,18 @@ class CostProfile(_Strict):
     roofline: RooflineCost | None = None
     engine_defaults: dict[str, Any] = Field(default_factory=dict, description="EngineConfig sections to start from")
     fit: FitReport | None = None
+    step_jitter: list[float] | None = Field(
+        None,
+        min_length=2,
+        description="quantiles (evenly spaced, 0 to 1) of measured / predicted step time in the calibration, "
+        "scaled to mean 1: how much one step varies around the cost model's mean on this machine",
+    )
 
     @model_validator(mode="after")
     def _kind_has_its_section(self) -> CostProfile:
+        q = self.step_jitter
+        if q is not None and (q[0] <= 0 or any(b < a for a, b in pairwise(q))):
+            raise ValueError("step_jitter: quantiles must be positive and ascending")
         if self.kind == "linear" and self.linear is None:
             raise ValueError("kind 'linear' needs a `linear` section of coefficients")
         if self.kind == "roofline":
@@ -161,6 +192,16 @@ class CostProfile(_Strict):
         return self
 
     # ------------------------------------------------------------------ the cost model
+    def jitter(self, u: float) -> float:
+        """The step-time factor at quantile `u` in [0, 1] (linear between the stored quantiles); 1.0
+        when the profile has none."""
+        q = self.step_jitter
+        if not q:
+            return 1.0
+        x = min(max(u, 0.0), 1.0) * (len(q) - 1)
+        i = min(int(x), len(q) - 2)
+        return q[i] + (q[i + 1] - q[i]) * (x - i)
+
     def predict(self, s: StepShape) -> float:
         """Seconds the engine spends on a step of this shape (schedule + forward + postprocess)."""
         if self.kind == "linear":
@@ -177,6 +218,8 @@ class CostProfile(_Strict):
                 + c.attn_pairs * s.attn_pairs
                 + c.prefill_ctx_tokens * s.prefill_ctx_tokens
                 + c.swap_tokens * s.swap_tokens
+                + c.rows_upto_2 * s.rows_upto_2
+                + c.rows_upto_8 * s.rows_upto_8
             )
         hw, m, r = self.hardware, self.model, self.roofline
         cfg = m.config

@@ -5,6 +5,7 @@ running a model (DESIGN.md "Engine inside"). Same code, another executor.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -73,8 +74,11 @@ class SimExecutor:
 
     device = "sim"
 
-    def __init__(self, profile: CostProfile, clock: VirtualClock) -> None:
+    def __init__(self, profile: CostProfile, clock: VirtualClock, *, jitter_seed: int | None = None) -> None:
         self.profile = profile
+        # With a seed, every step's cost is scaled by a draw from the profile's step_jitter: the spread of
+        # a real machine's steps around their mean, which feeds queueing (and so the tail) on its own.
+        self._rng = random.Random(jitter_seed) if jitter_seed is not None and profile.step_jitter else None
         self.model_cfg = profile.model.config
         self.clock = clock
         self.page_tokens = 8
@@ -90,6 +94,8 @@ class SimExecutor:
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ExecuteResult:
         cost = self.profile.predict(step_shape(out, kv, self.page_tokens))
+        if self._rng is not None:
+            cost *= self.profile.jitter(self._rng.random())
         self.clock.advance(cost)
         self.steps += 1
         self.busy_s += cost
@@ -108,10 +114,14 @@ def sim_engine(
     sink: EventSink | None = None,
     stat_loggers: Iterable[StatLogger] = (),
     start_wall: float = 1_700_000_000.0,
+    jitter_seed: int | None = None,
 ) -> tuple[LLMEngine, VirtualClock]:
-    """An LLMEngine on the profile's cost model and a virtual clock (starting at `start_wall`)."""
+    """An LLMEngine on the profile's cost model and a virtual clock (starting at `start_wall`).
+
+    Steps cost the model's mean unless `jitter_seed` is given (and the profile has a `step_jitter`):
+    then each step draws its factor from the calibration's spread, reproducibly for the seed."""
     clock = VirtualClock(start_wall=start_wall)
-    executor = SimExecutor(profile, clock)
+    executor = SimExecutor(profile, clock, jitter_seed=jitter_seed)
     cfg = profile.engine_config(config)
     engine = LLMEngine(cfg, executor=executor, clock=clock, sink=sink, stat_loggers=stat_loggers)
     return engine, clock

@@ -81,6 +81,51 @@ def test_sim_executor_advances_the_virtual_clock_by_the_predicted_cost(profile: 
         f.request_id[1:])), reqs, strict=True))
 
 
+def test_step_jitter_spreads_steps_around_the_mean_reproducibly(profile: CostProfile) -> None:
+    jittery = profile.model_copy(update={"step_jitter": [0.5, 1.0, 1.5]})
+    assert [jittery.jitter(u) for u in (0.0, 0.25, 0.5, 1.0)] == [0.5, 0.75, 1.0, 1.5]
+    assert profile.jitter(0.3) == 1.0  # the profile stores none
+    reqs = W.mixed(12, seed=5, scale=16, output_range=(3, 8))
+
+    def run(p: CostProfile, seed: int | None) -> tuple[float, int]:
+        engine, _ = sim_engine(p.engine_config(None), p, sink=TrialSink(), jitter_seed=seed)
+        steps = replay(engine, reqs).steps
+        return engine.executor.busy_s, steps  # type: ignore[attr-defined]
+
+    mean_cost = run(profile, None)
+    assert run(jittery, None) == mean_cost  # no seed: every step costs the model's mean
+    first, again, other = run(jittery, 1), run(jittery, 1), run(jittery, 2)
+    assert first == again and first != other
+    # all arrivals at 0: the same steps, each scaled by a draw that averages 1
+    assert first[1] == mean_cost[1]
+    busy = [run(jittery, seed)[0] for seed in range(3, 23)]
+    assert sum(busy) / len(busy) == pytest.approx(mean_cost[0], rel=0.05) and min(busy) < mean_cost[0] < max(busy)
+    with pytest.raises(ValueError, match="step_jitter"):
+        CostProfile.model_validate({**json.loads(profile.to_json()), "step_jitter": [1.2, 0.9]})
+
+
+def test_small_batches_cost_more_per_row() -> None:
+    """The saturating row features: the first rows of a matmul cost more than the later ones."""
+    shape = StepShape(prefill_tokens=5, prefill_seqs=1, decode_seqs=3)
+    assert (shape.rows, shape.rows_upto_2, shape.rows_upto_8) == (8, 2, 8)
+    assert (StepShape(decode_seqs=1).rows_upto_2, StepShape(decode_seqs=40).rows_upto_8) == (1, 8)
+    flat = tiny_profile()
+    bent = tiny_profile(rows_upto_2=1e-3, rows_upto_8=2e-4)
+    extra = [bent.predict(StepShape(decode_seqs=b)) - flat.predict(StepShape(decode_seqs=b)) for b in (1, 2, 4, 8, 32)]
+    assert extra == pytest.approx([1.2e-3, 2.4e-3, 2.8e-3, 3.6e-3, 3.6e-3])
+
+
+def test_profiles_without_the_row_features_still_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = json.loads(tiny_profile().to_json())
+    for key in ("rows_upto_2", "rows_upto_8"):
+        del data["linear"][key]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert (old.linear.rows_upto_2, old.linear.rows_upto_8) == (0.0, 0.0)
+    assert old.predict(StepShape(decode_seqs=4)) == tiny_profile().predict(StepShape(decode_seqs=4))
+
+
 def test_step_shape_counts_prefill_decode_and_attention() -> None:
     profile = tiny_profile()
     shapes: list[StepShape] = []
