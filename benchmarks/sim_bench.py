@@ -175,6 +175,7 @@ def run_sim_bench(
             else [mean_cost]
         per_run, per_sim = [_figures([r]) for r in runs], [_figures([r]) for r in sims]
         fr, fp, fs, fsp = _median(per_run), _figures(runs), _median(per_sim), _figures(sims)
+        fm = _figures([mean_cost])
         row = {
             "scenario": scenario,
             "load": load,
@@ -183,10 +184,10 @@ def run_sim_bench(
             "real_pooled": fp,
             "sim": fs,
             "sim_pooled": fsp,
-            "sim_mean_cost": _figures([mean_cost]),
+            "sim_mean_cost": fm,
             **_errors(fs, fr),
             **{f"{key}_pooled": value for key, value in _errors(fsp, fp).items()},
-            "p99_error_mean_cost": _errors(_figures([mean_cost]), fr)["p99_error"],
+            "p99_error_mean_cost": _errors(fm, fr)["p99_error"],
             "sim_runs": len(sims),
             "sim_self_p99_diff": round(_spread(per_sim, "e2e_p99_s"), 4),
             "real_runs": per_run,

@@ -167,7 +167,7 @@ class GridRunner:
 
     def warm_up(self) -> None:
         # the real-time runs are skipped: the offline run already warmed their shapes up
-        self._run([n for n in self.runs if not n.startswith("mixed rate")], "warm-up", seed=1)
+        self._run([n for n in self.runs if not _real_time(n)], "warm-up", seed=1)
 
     def measure(self, names: Iterable[str] | None = None, *, seed: int = 2) -> None:
         """Record `names` (default: the whole grid); another `seed` gives the runs other prompts (a
@@ -195,10 +195,15 @@ class GridRunner:
 SWAP_RUN = "swap pressure"
 
 
+def _real_time(name: str) -> bool:
+    """Online traffic at a request rate (grid()'s "mixed rate=..."): it runs in real time, unwarmed."""
+    return name.startswith("mixed rate=")
+
+
 def grid_steps(quick: bool) -> int:
     """Progress steps of warm_up() and measure() over the whole grid."""
     names = [*(name for name, _ in grid(quick)), SWAP_RUN]
-    return 2 * len(names) - sum(name.startswith("mixed rate") for name in names)
+    return 2 * len(names) - sum(map(_real_time, names))
 
 
 def collect(cfg: EngineConfig, *, quick: bool = False, progress: Callable[[str], None] | None = None
