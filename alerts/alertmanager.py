@@ -101,8 +101,15 @@ def _common(maps: list[dict[str, str]]) -> dict[str, str]:
     return common
 
 
-def webhook_alert(*, status: str, labels: dict[str, str], annotations: dict[str, str], starts_at: float,
-                  ends_at: float | None, generator: str) -> dict[str, Any]:
+def webhook_alert(
+    *,
+    status: str,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    starts_at: float,
+    ends_at: float | None,
+    generator: str,
+) -> dict[str, Any]:
     return {
         "status": status,
         "labels": dict(labels),
@@ -117,12 +124,22 @@ def webhook_alert(*, status: str, labels: dict[str, str], annotations: dict[str,
 def _alert_order(alert: dict[str, Any]) -> tuple:
     """types.AlertSlice order: by job, then instance (alerts carrying them first), then the label set."""
     labels = alert["labels"]
-    return (("job" not in labels, labels.get("job", "")), ("instance" not in labels, labels.get("instance", "")),
-            sorted(labels.items()))
+    return (
+        ("job" not in labels, labels.get("job", "")),
+        ("instance" not in labels, labels.get("instance", "")),
+        sorted(labels.items()),
+    )
 
 
-def webhook_payload(*, receiver: str, alerts: Iterable[dict[str, Any]], group_labels: dict[str, str],
-                    group_key_text: str, external_url: str, max_alerts: int = 0) -> dict[str, Any]:
+def webhook_payload(
+    *,
+    receiver: str,
+    alerts: Iterable[dict[str, Any]],
+    group_labels: dict[str, str],
+    group_key_text: str,
+    external_url: str,
+    max_alerts: int = 0,
+) -> dict[str, Any]:
     """Alertmanager's webhook body, version 4 (notify/webhook: Message = template.Data + version, key, truncated)."""
     all_alerts = list(alerts)
     all_alerts.sort(key=_alert_order)
@@ -142,8 +159,9 @@ def webhook_payload(*, receiver: str, alerts: Iterable[dict[str, Any]], group_la
     }
 
 
-def postable_alert(*, labels: dict[str, str], annotations: dict[str, str], starts_at: float, ends_at: float,
-                   generator: str) -> dict[str, Any]:
+def postable_alert(
+    *, labels: dict[str, str], annotations: dict[str, str], starts_at: float, ends_at: float, generator: str
+) -> dict[str, Any]:
     """One element of Alertmanager's POST /api/v2/alerts body (what Prometheus itself sends)."""
     return {
         "labels": dict(labels),

@@ -80,8 +80,13 @@ class PostableSilence(BaseModel):
         return value
 
     def to_silence(self) -> SilenceIn:
-        return SilenceIn(matchers=self.matchers, startsAt=_epoch(self.startsAt), endsAt=_epoch(self.endsAt),
-                         createdBy=self.createdBy, comment=self.comment)
+        return SilenceIn(
+            matchers=self.matchers,
+            startsAt=_epoch(self.startsAt),
+            endsAt=_epoch(self.endsAt),
+            createdBy=self.createdBy,
+            comment=self.comment,
+        )
 
 
 class SilenceCreated(BaseModel):
@@ -91,8 +96,16 @@ class SilenceCreated(BaseModel):
 class ApiState:
     """What the handlers need, set on `app.state.alerts` (tests build their own)."""
 
-    def __init__(self, factory: sessionmaker[Session], *, metrics: AlertMetrics, clock: Callable[[], float],
-                 token: str | None, notifier: NotifierConfig | None, resend_s: float) -> None:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        *,
+        metrics: AlertMetrics,
+        clock: Callable[[], float],
+        token: str | None,
+        notifier: NotifierConfig | None,
+        resend_s: float,
+    ) -> None:
         self.factory = factory
         self.metrics = metrics
         self.clock = clock
@@ -140,9 +153,16 @@ api = APIRouter(prefix="/api/v2", dependencies=[Depends(_authorized)])
 
 
 def _gettable_silence(silence: dict[str, Any]) -> dict[str, Any]:
-    return {"id": silence["id"], "status": silence["status"], "updatedAt": rfc3339(silence["updatedAt"]),
-            "matchers": silence["matchers"], "startsAt": rfc3339(silence["startsAt"]),
-            "endsAt": rfc3339(silence["endsAt"]), "createdBy": silence["createdBy"], "comment": silence["comment"]}
+    return {
+        "id": silence["id"],
+        "status": silence["status"],
+        "updatedAt": rfc3339(silence["updatedAt"]),
+        "matchers": silence["matchers"],
+        "startsAt": rfc3339(silence["startsAt"]),
+        "endsAt": rfc3339(silence["endsAt"]),
+        "createdBy": silence["createdBy"],
+        "comment": silence["comment"],
+    }
 
 
 def _silence_order(silence: dict[str, Any]) -> tuple:
@@ -157,8 +177,13 @@ def _silence_order(silence: dict[str, Any]) -> tuple:
 
 def _matches_filters(matchers: list[SilenceMatcher], filters: list[SilenceMatcher]) -> bool:
     """A silence passes a filter when it has an equal matcher (Alertmanager's silence filtering)."""
-    return all(any(m.name == f.name and m.value == f.value and m.isRegex == f.isRegex and m.isEqual == f.isEqual
-                   for m in matchers) for f in filters)
+    return all(
+        any(
+            m.name == f.name and m.value == f.value and m.isRegex == f.isRegex and m.isEqual == f.isEqual
+            for m in matchers
+        )
+        for f in filters
+    )
 
 
 @api.get("/silences")
@@ -197,8 +222,15 @@ def delete_silence(silence_id: str, session: SessionDep, now: NowDep) -> Respons
 
 
 @api.get("/alerts")
-def get_alerts(session: SessionDep, now: NowDep, filters: FiltersDep, state: StateDep, active: bool = True,
-               silenced: bool = True, pending: bool = True) -> list[dict[str, Any]]:
+def get_alerts(
+    session: SessionDep,
+    now: NowDep,
+    filters: FiltersDep,
+    state: StateDep,
+    active: bool = True,
+    silenced: bool = True,
+    pending: bool = True,
+) -> list[dict[str, Any]]:
     silences = active_silences_by_id(session, now)
     out = []
     for alert in current_alerts(session, include_pending=pending):
@@ -207,22 +239,35 @@ def get_alerts(session: SessionDep, now: NowDep, filters: FiltersDep, state: Sta
         muted = silenced_by(alert.labels, silences)
         if (muted and not silenced) or (not muted and not active):
             continue
-        receivers = [] if state.routes is None else [{"name": r.receiver} for r in routes_for(alert.labels,
-                                                                                               *state.routes)]
-        out.append({
-            "labels": alert.labels, "annotations": alert.annotations,
-            "startsAt": rfc3339(alert.fired_at or alert.active_at),
-            "endsAt": rfc3339(alert.last_eval_at + 4 * state.resend_s), "updatedAt": rfc3339(alert.last_eval_at),
-            "generatorURL": alert.generator_url, "fingerprint": alert.fingerprint, "receivers": receivers,
-            "status": {"state": "suppressed" if muted else "active", "silencedBy": muted, "inhibitedBy": []},
-            "alertState": alert.state,
-        })
+        receivers = (
+            [] if state.routes is None else [{"name": r.receiver} for r in routes_for(alert.labels, *state.routes)]
+        )
+        out.append(
+            {
+                "labels": alert.labels,
+                "annotations": alert.annotations,
+                "startsAt": rfc3339(alert.fired_at or alert.active_at),
+                "endsAt": rfc3339(alert.last_eval_at + 4 * state.resend_s),
+                "updatedAt": rfc3339(alert.last_eval_at),
+                "generatorURL": alert.generator_url,
+                "fingerprint": alert.fingerprint,
+                "receivers": receivers,
+                "status": {"state": "suppressed" if muted else "active", "silencedBy": muted, "inhibitedBy": []},
+                "alertState": alert.state,
+            }
+        )
     return out
 
 
-def create_api_app(db_url: str | None = None, *, engine: Engine | None = None, metrics: AlertMetrics | None = None,
-                   token: str | None = None, notifier: NotifierConfig | None = None,
-                   clock: Callable[[], float] = time.time) -> FastAPI:
+def create_api_app(
+    db_url: str | None = None,
+    *,
+    engine: Engine | None = None,
+    metrics: AlertMetrics | None = None,
+    token: str | None = None,
+    notifier: NotifierConfig | None = None,
+    clock: Callable[[], float] = time.time,
+) -> FastAPI:
     """The API over the database at `db_url` (or an existing `engine`, which the caller keeps and disposes).
 
     `metrics`: the evaluator's, served at /metrics. `notifier`: to list each alert's receivers.
@@ -240,9 +285,14 @@ def create_api_app(db_url: str | None = None, *, engine: Engine | None = None, m
             owned.dispose()
 
     app = FastAPI(title="kvpilot alerts (Alertmanager API v2 subset)", lifespan=lifespan)
-    app.state.alerts = ApiState(session_factory(bound), metrics=metrics or AlertMetrics(), clock=clock, token=token,
-                                notifier=notifier,
-                                resend_s=notifier.alertmanager_resend_s if notifier is not None else 60.0)
+    app.state.alerts = ApiState(
+        session_factory(bound),
+        metrics=metrics or AlertMetrics(),
+        clock=clock,
+        token=token,
+        notifier=notifier,
+        resend_s=notifier.alertmanager_resend_s if notifier is not None else 60.0,
+    )
     app.include_router(api)
 
     async def _storage_error(_request: Request, exc: Exception) -> JSONResponse:

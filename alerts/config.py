@@ -101,7 +101,9 @@ def resolve_routes(config: NotifierConfig) -> tuple[ResolvedRoute, list[Resolved
     root = config.route
     root_receiver = root.receiver or (config.receivers[0].name if config.receivers else "")
     base = ResolvedRoute(
-        key="{}", receiver=root_receiver, group_by=list(root.group_by or []),
+        key="{}",
+        receiver=root_receiver,
+        group_by=list(root.group_by or []),
         group_wait_s=30.0 if root.group_wait_s is None else root.group_wait_s,
         group_interval_s=300.0 if root.group_interval_s is None else root.group_interval_s,
         repeat_interval_s=4 * 3600.0 if root.repeat_interval_s is None else root.repeat_interval_s,
@@ -110,18 +112,25 @@ def resolve_routes(config: NotifierConfig) -> tuple[ResolvedRoute, list[Resolved
     children = []
     for child in root.routes:
         key = "{}/{" + ",".join(m.text() for m in child.matchers) + "}"
-        children.append(ResolvedRoute(
-            key=key, receiver=child.receiver or base.receiver,
-            group_by=list(child.group_by if child.group_by is not None else base.group_by),
-            group_wait_s=base.group_wait_s if child.group_wait_s is None else child.group_wait_s,
-            group_interval_s=base.group_interval_s if child.group_interval_s is None else child.group_interval_s,
-            repeat_interval_s=base.repeat_interval_s if child.repeat_interval_s is None else child.repeat_interval_s,
-            matchers=child.matchers, continue_=child.continue_,
-        ))
+        children.append(
+            ResolvedRoute(
+                key=key,
+                receiver=child.receiver or base.receiver,
+                group_by=list(child.group_by if child.group_by is not None else base.group_by),
+                group_wait_s=base.group_wait_s if child.group_wait_s is None else child.group_wait_s,
+                group_interval_s=base.group_interval_s if child.group_interval_s is None else child.group_interval_s,
+                repeat_interval_s=base.repeat_interval_s
+                if child.repeat_interval_s is None
+                else child.repeat_interval_s,
+                matchers=child.matchers,
+                continue_=child.continue_,
+            )
+        )
     for route in [base, *children]:
         if config.receivers and route.receiver not in names:
-            raise ValueError(f"route {route.key}: receiver {route.receiver!r} is not defined "
-                             f"(receivers: {sorted(names)})")
+            raise ValueError(
+                f"route {route.key}: receiver {route.receiver!r} is not defined (receivers: {sorted(names)})"
+            )
     return base, children
 
 
@@ -135,17 +144,32 @@ def routes_for(labels: dict[str, str], root: ResolvedRoute, children: list[Resol
     return matched or [root]
 
 
-def webhook_config(urls: list[str], *, secret: str | None = None, group_wait_s: float = 30.0,
-                   group_interval_s: float = 300.0, repeat_interval_s: float = 4 * 3600.0,
-                   group_by: list[str] | None = None, alertmanager_urls: list[str] | None = None,
-                   external_url: str = "http://localhost:9093") -> NotifierConfig:
+def webhook_config(
+    urls: list[str],
+    *,
+    secret: str | None = None,
+    group_wait_s: float = 30.0,
+    group_interval_s: float = 300.0,
+    repeat_interval_s: float = 4 * 3600.0,
+    group_by: list[str] | None = None,
+    alertmanager_urls: list[str] | None = None,
+    external_url: str = "http://localhost:9093",
+) -> NotifierConfig:
     """The common case in code: one webhook receiver per URL (plus Alertmanager forwards), one route."""
-    receivers = [Receiver(name=f"webhook-{i}" if len(urls) > 1 else "webhook", url=u, secret=secret)
-                 for i, u in enumerate(urls)]
-    receivers += [Receiver(name=f"alertmanager-{i}", url=u.rstrip("/") + "/api/v2/alerts", kind="alertmanager")
-                  for i, u in enumerate(alertmanager_urls or [])]
-    route = Route(receiver=receivers[0].name if receivers else None, group_by=group_by or ["alertname"],
-                  group_wait_s=group_wait_s, group_interval_s=group_interval_s, repeat_interval_s=repeat_interval_s)
+    receivers = [
+        Receiver(name=f"webhook-{i}" if len(urls) > 1 else "webhook", url=u, secret=secret) for i, u in enumerate(urls)
+    ]
+    receivers += [
+        Receiver(name=f"alertmanager-{i}", url=u.rstrip("/") + "/api/v2/alerts", kind="alertmanager")
+        for i, u in enumerate(alertmanager_urls or [])
+    ]
+    route = Route(
+        receiver=receivers[0].name if receivers else None,
+        group_by=group_by or ["alertname"],
+        group_wait_s=group_wait_s,
+        group_interval_s=group_interval_s,
+        repeat_interval_s=repeat_interval_s,
+    )
     return NotifierConfig(receivers=receivers, route=route, external_url=external_url)
 
 

@@ -96,14 +96,23 @@ class DeliveryWorker:
                 session.rollback()
                 self.metrics.lease_lost.inc()
                 return []
-            pending = session.execute(
-                select(AlertNotification).where(AlertNotification.status == "pending").order_by(AlertNotification.id)
-            ).scalars().all()
+            pending = (
+                session.execute(
+                    select(AlertNotification)
+                    .where(AlertNotification.status == "pending")
+                    .order_by(AlertNotification.id)
+                )
+                .scalars()
+                .all()
+            )
             heads: dict[tuple[str, str], AlertNotification] = {}
             for row in pending:
                 heads.setdefault((row.receiver, row.group_key), row)
-            due = [r for r in heads.values() if r.next_attempt_at <= now
-                   and (r.claim_expires_at is None or r.claim_expires_at < now)][: self.batch]
+            due = [
+                r
+                for r in heads.values()
+                if r.next_attempt_at <= now and (r.claim_expires_at is None or r.claim_expires_at < now)
+            ][: self.batch]
             for row in due:
                 receiver = self.receivers.get(row.receiver)
                 timeout = receiver.timeout_s if receiver else 10.0
@@ -123,8 +132,11 @@ class DeliveryWorker:
             outcome, error = "failed", f"receiver {row.receiver!r} is no longer configured"
         else:
             body = row.body.encode()
-            headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT,
-                       "Idempotency-Key": row.idempotency_key}
+            headers = {
+                "Content-Type": "application/json",
+                "User-Agent": USER_AGENT,
+                "Idempotency-Key": row.idempotency_key,
+            }
             if receiver.secret:
                 headers[SIGNATURE_HEADER] = sign(body, receiver.secret)
             try:
@@ -145,12 +157,22 @@ class DeliveryWorker:
         self._record(row, lease, outcome, status, error, started, duration, now)
         return DeliveryResult(row.id, outcome, status, error)
 
-    def _record(self, row: AlertNotification, lease: Lease, outcome: str, status: int | None, error: str | None,
-                started: float, duration: float, now: float) -> None:
+    def _record(
+        self,
+        row: AlertNotification,
+        lease: Lease,
+        outcome: str,
+        status: int | None,
+        error: str | None,
+        started: float,
+        duration: float,
+        now: float,
+    ) -> None:
         self.metrics.attempts.labels(row.receiver, outcome).inc()
         if outcome == "delivered":
-            log.info("notification %s delivered to %s (attempt %d)", row.idempotency_key, row.receiver,
-                     row.attempts + 1)
+            log.info(
+                "notification %s delivered to %s (attempt %d)", row.idempotency_key, row.receiver, row.attempts + 1
+            )
         else:
             log.warning("notification %s to %s: %s (%s)", row.idempotency_key, row.receiver, outcome, error)
         with translate_errors(), self.factory() as session:
@@ -159,8 +181,11 @@ class DeliveryWorker:
             except LeaseLostError:
                 session.rollback()
                 self.metrics.lease_lost.inc()
-                log.warning("lease lost before recording delivery of %s; the next holder retries it "
-                            "(the receiver can dedup on Idempotency-Key)", row.idempotency_key)
+                log.warning(
+                    "lease lost before recording delivery of %s; the next holder retries it "
+                    "(the receiver can dedup on Idempotency-Key)",
+                    row.idempotency_key,
+                )
                 return
             current = session.get(AlertNotification, row.id)
             if current is None or current.status != "pending":
@@ -173,14 +198,24 @@ class DeliveryWorker:
                 current.status, current.delivered_at = "delivered", now
                 self.metrics.delivery_latency.observe(max(0.0, now - current.due_at))
             elif outcome == "retry":
-                current.next_attempt_at = now + backoff_s(current.attempts, base_s=self.base_backoff_s,
-                                                          cap_s=self.max_backoff_s, rng=self.rng)
+                current.next_attempt_at = now + backoff_s(
+                    current.attempts, base_s=self.base_backoff_s, cap_s=self.max_backoff_s, rng=self.rng
+                )
             else:
                 current.status = outcome
             if outcome != "retry":
                 self.metrics.finished.labels(row.receiver, current.status).inc()
-            session.add(AlertNotificationAttempt(notification_id=row.id, attempt=current.attempts, started_at=started,
-                                                 duration_s=duration, http_status=status, outcome=outcome, error=error))
+            session.add(
+                AlertNotificationAttempt(
+                    notification_id=row.id,
+                    attempt=current.attempts,
+                    started_at=started,
+                    duration_s=duration,
+                    http_status=status,
+                    outcome=outcome,
+                    error=error,
+                )
+            )
             session.commit()
 
 
@@ -193,12 +228,34 @@ def list_notifications(session: Session, *, limit: int = 100, status: str | None
     ids = [r.id for r in rows]
     attempts: dict[int, list[dict]] = {}
     if ids:
-        for a in session.execute(select(AlertNotificationAttempt).where(
-                AlertNotificationAttempt.notification_id.in_(ids)).order_by(AlertNotificationAttempt.id)).scalars():
+        for a in session.execute(
+            select(AlertNotificationAttempt)
+            .where(AlertNotificationAttempt.notification_id.in_(ids))
+            .order_by(AlertNotificationAttempt.id)
+        ).scalars():
             attempts.setdefault(a.notification_id, []).append(
-                {"attempt": a.attempt, "started_at": a.started_at, "duration_s": a.duration_s,
-                 "http_status": a.http_status, "outcome": a.outcome, "error": a.error})
-    return [{"id": r.id, "idempotency_key": r.idempotency_key, "receiver": r.receiver, "kind": r.kind,
-             "status": r.status, "attempts": r.attempts, "created_at": r.created_at,
-             "next_attempt_at": r.next_attempt_at, "delivered_at": r.delivered_at, "last_error": r.last_error,
-             "attempt_log": attempts.get(r.id, [])} for r in rows]
+                {
+                    "attempt": a.attempt,
+                    "started_at": a.started_at,
+                    "duration_s": a.duration_s,
+                    "http_status": a.http_status,
+                    "outcome": a.outcome,
+                    "error": a.error,
+                }
+            )
+    return [
+        {
+            "id": r.id,
+            "idempotency_key": r.idempotency_key,
+            "receiver": r.receiver,
+            "kind": r.kind,
+            "status": r.status,
+            "attempts": r.attempts,
+            "created_at": r.created_at,
+            "next_attempt_at": r.next_attempt_at,
+            "delivered_at": r.delivered_at,
+            "last_error": r.last_error,
+            "attempt_log": attempts.get(r.id, []),
+        }
+        for r in rows
+    ]

@@ -52,8 +52,9 @@ def _group_labels(labels: dict[str, str], group_by: list[str]) -> dict[str, str]
     return {k: labels[k] for k in group_by if k in labels}
 
 
-def _needs_update(row: AlertGroup, firing: set[str], resolved: set[str], repeat_s: float, send_resolved: bool,
-                  now: float) -> bool:
+def _needs_update(
+    row: AlertGroup, firing: set[str], resolved: set[str], repeat_s: float, send_resolved: bool, now: float
+) -> bool:
     if row.last_notified_at is None:
         return bool(firing)
     if not firing <= set(row.last_firing):
@@ -92,9 +93,18 @@ class Dispatcher:
         for (receiver_name, gkey), (route, labels, items) in groups.items():
             row = rows.pop((receiver_name, gkey), None)
             if row is None:
-                row = AlertGroup(receiver=receiver_name, group_key=gkey, group_labels=labels, created_at=now,
-                                 next_flush_at=now + route.group_wait_s, last_notified_at=None, last_firing=[],
-                                 last_resolved=[], flushed_resolved=[], seq=0)
+                row = AlertGroup(
+                    receiver=receiver_name,
+                    group_key=gkey,
+                    group_labels=labels,
+                    created_at=now,
+                    next_flush_at=now + route.group_wait_s,
+                    last_notified_at=None,
+                    last_firing=[],
+                    last_resolved=[],
+                    flushed_resolved=[],
+                    seq=0,
+                )
                 session.add(row)
             if now < row.next_flush_at:
                 continue
@@ -115,11 +125,20 @@ class Dispatcher:
                 created.append(notification.id)
         return created
 
-    def _flush(self, row: AlertGroup, route: ResolvedRoute, receiver: Receiver, labels: dict[str, str],
-               items: list[NotifyAlert], now: float, lease: Lease) -> AlertNotification | None:
+    def _flush(
+        self,
+        row: AlertGroup,
+        route: ResolvedRoute,
+        receiver: Receiver,
+        labels: dict[str, str],
+        items: list[NotifyAlert],
+        now: float,
+        lease: Lease,
+    ) -> AlertNotification | None:
         flushed = {(fp, at) for fp, at in row.flushed_resolved}
-        current = [i for i in items
-                   if i.status == "firing" or (i.alert.fingerprint, i.alert.resolved_at) not in flushed]
+        current = [
+            i for i in items if i.status == "firing" or (i.alert.fingerprint, i.alert.resolved_at) not in flushed
+        ]
         firing = {i.alert.fingerprint for i in current if i.status == "firing"}
         resolved = {i.alert.fingerprint for i in current if i.status == "resolved"}
         row.next_flush_at = now + route.group_interval_s
@@ -147,18 +166,30 @@ class Dispatcher:
         # A group's row goes when the group empties and comes back with seq 0 when it fills again, so the key
         # names the row's incarnation (its creation time, the same for any evaluator reading the row) as well.
         incarnation = round(row.created_at * 1000)
-        return _outbox(receiver, f"{receiver.name}/{digest}/{incarnation}/{row.seq}", row.group_key, payload, now,
-                       lease)
+        return _outbox(
+            receiver, f"{receiver.name}/{digest}/{incarnation}/{row.seq}", row.group_key, payload, now, lease
+        )
 
-    def _forward(self, session: Session, receiver: Receiver, live: list[NotifyAlert], now: float,
-                 lease: Lease) -> AlertNotification | None:
+    def _forward(
+        self, session: Session, receiver: Receiver, live: list[NotifyAlert], now: float, lease: Lease
+    ) -> AlertNotification | None:
         """Prometheus's own behaviour towards Alertmanager: resend all active alerts on change and every minute."""
-        row = session.execute(select(AlertGroup).where(AlertGroup.receiver == receiver.name,
-                                                       AlertGroup.group_key == FORWARD_KEY)).scalar_one_or_none()
+        row = session.execute(
+            select(AlertGroup).where(AlertGroup.receiver == receiver.name, AlertGroup.group_key == FORWARD_KEY)
+        ).scalar_one_or_none()
         if row is None:
-            row = AlertGroup(receiver=receiver.name, group_key=FORWARD_KEY, group_labels={}, created_at=now,
-                             next_flush_at=now, last_notified_at=None, last_firing=[], last_resolved=[],
-                             flushed_resolved=[], seq=0)
+            row = AlertGroup(
+                receiver=receiver.name,
+                group_key=FORWARD_KEY,
+                group_labels={},
+                created_at=now,
+                next_flush_at=now,
+                last_notified_at=None,
+                last_firing=[],
+                last_resolved=[],
+                flushed_resolved=[],
+                seq=0,
+            )
             session.add(row)
         firing = sorted(i.alert.fingerprint for i in live if i.status == "firing")
         resolved = sorted(i.alert.fingerprint for i in live if i.status == "resolved")
@@ -169,10 +200,16 @@ class Dispatcher:
                 row.last_firing, row.last_resolved = [], []
             return None
         valid_until = now + 4 * max(self.config.alertmanager_resend_s, 1.0)
-        body = [postable_alert(labels=i.alert.labels, annotations=i.alert.annotations,
-                               starts_at=i.alert.fired_at or i.alert.active_at,
-                               ends_at=i.alert.resolved_at if i.status == "resolved" else valid_until,
-                               generator=i.generator_url) for i in live]
+        body = [
+            postable_alert(
+                labels=i.alert.labels,
+                annotations=i.alert.annotations,
+                starts_at=i.alert.fired_at or i.alert.active_at,
+                ends_at=i.alert.resolved_at if i.status == "resolved" else valid_until,
+                generator=i.generator_url,
+            )
+            for i in live
+        ]
         row.seq += 1
         row.last_notified_at, row.last_firing, row.last_resolved = now, firing, resolved
         return _outbox(receiver, f"{receiver.name}/forward/{row.seq}", FORWARD_KEY, body, now, lease)
@@ -180,14 +217,32 @@ class Dispatcher:
 
 def _webhook_alert(item: NotifyAlert) -> dict[str, Any]:
     a = item.alert
-    return webhook_alert(status=item.status, labels=a.labels, annotations=a.annotations,
-                         starts_at=a.fired_at or a.active_at, ends_at=a.resolved_at, generator=item.generator_url)
+    return webhook_alert(
+        status=item.status,
+        labels=a.labels,
+        annotations=a.annotations,
+        starts_at=a.fired_at or a.active_at,
+        ends_at=a.resolved_at,
+        generator=item.generator_url,
+    )
 
 
 def _outbox(receiver: Receiver, key: str, gkey: str, payload: Any, now: float, lease: Lease) -> AlertNotification:
     return AlertNotification(
-        idempotency_key=key, receiver=receiver.name, kind=receiver.kind, url=receiver.url, group_key=gkey,
-        body=json.dumps(payload, separators=(",", ":"), sort_keys=False), status="pending", attempts=0,
-        created_at=now, next_attempt_at=now, claim_token=None, claim_expires_at=None, delivered_at=None,
-        last_error=None, fencing_token=lease.token, due_at=now,
+        idempotency_key=key,
+        receiver=receiver.name,
+        kind=receiver.kind,
+        url=receiver.url,
+        group_key=gkey,
+        body=json.dumps(payload, separators=(",", ":"), sort_keys=False),
+        status="pending",
+        attempts=0,
+        created_at=now,
+        next_attempt_at=now,
+        claim_token=None,
+        claim_expires_at=None,
+        delivered_at=None,
+        last_error=None,
+        fencing_token=lease.token,
+        due_at=now,
     )

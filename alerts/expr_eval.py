@@ -46,9 +46,7 @@ class EvalError(RuntimeError):
 
 @runtime_checkable
 class SeriesSource(Protocol):
-    def points(
-        self, name: str, start: float, end: float, instances: Sequence[str] | None = None
-    ) -> dict[str, Points]:
+    def points(self, name: str, start: float, end: float, instances: Sequence[str] | None = None) -> dict[str, Points]:
         """Samples of canonical series `name` with start <= ts <= end, by instance, oldest first."""
 
 
@@ -218,8 +216,9 @@ class Evaluator:
             delta = v1 - v0 if v1 >= v0 else v1
             return delta / (t1 - t0) if t1 > t0 else None
         end = ts - node.selector.offset_s
-        return _extrapolated(pts, end - node.range_s, end, node.range_s,
-                             is_counter=name != "delta", is_rate=name == "rate")
+        return _extrapolated(
+            pts, end - node.range_s, end, node.range_s, is_counter=name != "delta", is_rate=name == "rate"
+        )
 
     def _aggregate(self, node: Aggregate, ts: float) -> Vector:
         vec = self._vector(node.expr, ts)
@@ -250,8 +249,9 @@ class Evaluator:
         for labels, value in rhs.items():
             sig = _signature(node, labels)
             if sig in rhs_by_sig:
-                raise EvalError(f"many-to-many matching not allowed: duplicate series for {dict(sig)} on the right "
-                                f"side of {op!r}")
+                raise EvalError(
+                    f"many-to-many matching not allowed: duplicate series for {dict(sig)} on the right side of {op!r}"
+                )
             rhs_by_sig[sig] = (labels, value)
         out: Vector = {}
         seen: set[Labels] = set()
@@ -261,8 +261,9 @@ class Evaluator:
             if match is None:
                 continue
             if sig in seen:
-                raise EvalError(f"many-to-many matching not allowed: duplicate series for {dict(sig)} on the left "
-                                f"side of {op!r}")
+                raise EvalError(
+                    f"many-to-many matching not allowed: duplicate series for {dict(sig)} on the left side of {op!r}"
+                )
             seen.add(sig)
             result = _apply(op, lvalue, match[1])
             key = labels
@@ -388,8 +389,9 @@ def _apply(op: str, a: float, b: float) -> float | bool:
     raise EvalError(f"unknown operator {op!r}")
 
 
-def _extrapolated(pts: Points, range_start: float, range_end: float, range_s: float, *,
-                  is_counter: bool, is_rate: bool) -> float | None:
+def _extrapolated(
+    pts: Points, range_start: float, range_end: float, range_s: float, *, is_counter: bool, is_rate: bool
+) -> float | None:
     if len(pts) < 2:
         return None
     first_t, first_v = pts[0]
@@ -437,8 +439,20 @@ def _stdvar(values: list[float], _param: float | None) -> float:
     return statistics.pvariance(values) if len(values) > 1 else 0.0
 
 
-_RANGE_FUNCS = frozenset({"rate", "irate", "increase", "delta", "avg_over_time", "max_over_time", "min_over_time",
-                          "sum_over_time", "count_over_time", "last_over_time"})
+_RANGE_FUNCS = frozenset(
+    {
+        "rate",
+        "irate",
+        "increase",
+        "delta",
+        "avg_over_time",
+        "max_over_time",
+        "min_over_time",
+        "sum_over_time",
+        "count_over_time",
+        "last_over_time",
+    }
+)
 _ELEMENTWISE: dict[str, Callable[..., float]] = {
     "abs": abs,
     "ceil": lambda v: float(math.ceil(v)) if math.isfinite(v) else v,

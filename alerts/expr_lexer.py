@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KEYWORDS = frozenset({"and", "or", "unless", "by", "without", "on", "ignoring", "bool", "offset",
-                      "group_left", "group_right"})
+KEYWORDS = frozenset(
+    {"and", "or", "unless", "by", "without", "on", "ignoring", "bool", "offset", "group_left", "group_right"}
+)
 
 
 class ExprSyntaxError(ValueError):
@@ -30,8 +31,31 @@ class Token:
 _DURATION = re.compile(r"(?:\d+(?:ms|[smhdwy]))+")
 _NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_OPS = ("==", "!=", "<=", ">=", "=~", "!~", "+", "-", "*", "/", "%", "^", "<", ">", "=", "(", ")", "{", "}",
-        "[", "]", ",", ":")
+_OPS = (
+    "==",
+    "!=",
+    "<=",
+    ">=",
+    "=~",
+    "!~",
+    "+",
+    "-",
+    "*",
+    "/",
+    "%",
+    "^",
+    "<",
+    ">",
+    "=",
+    "(",
+    ")",
+    "{",
+    "}",
+    "[",
+    "]",
+    ",",
+    ":",
+)
 
 
 def tokenize(text: str) -> list[Token]:
@@ -68,7 +92,7 @@ def tokenize(text: str) -> list[Token]:
                 tokens.append(Token("NUMBER", num.group(), line, col))
                 pos = num.end()
             if pos < len(text) and (text[pos].isalpha() or text[pos] == "_"):
-                raise ExprSyntaxError(f"bad number or duration {text[start:pos + 1]!r}", line, col)
+                raise ExprSyntaxError(f"bad number or duration {text[start : pos + 1]!r}", line, col)
             continue
         ident = _IDENT.match(text, pos)
         if ident:
@@ -104,7 +128,7 @@ def _scan_string(text: str, start: int, line: int, col: int) -> tuple[int, str]:
         if ch == "\n" and quote != "`":
             break
         if ch == "\\" and quote != "`":
-            nxt = text[pos + 1:pos + 2]
+            nxt = text[pos + 1 : pos + 2]
             if nxt not in _ESCAPES:
                 raise ExprSyntaxError(f"unknown escape sequence \\{nxt}", line, col + pos - start)
             out.append(_ESCAPES[nxt])

@@ -32,8 +32,23 @@ from alerts.expr_ast import (
 )
 from alerts.expr_lexer import ExprSyntaxError, Token, tokenize
 
-_PRECEDENCE = {"or": 1, "and": 2, "unless": 2, "==": 3, "!=": 3, ">": 3, "<": 3, ">=": 3, "<=": 3,
-               "+": 4, "-": 4, "*": 5, "/": 5, "%": 5, "^": 6}
+_PRECEDENCE = {
+    "or": 1,
+    "and": 2,
+    "unless": 2,
+    "==": 3,
+    "!=": 3,
+    ">": 3,
+    "<": 3,
+    ">=": 3,
+    "<=": 3,
+    "+": 4,
+    "-": 4,
+    "*": 5,
+    "/": 5,
+    "%": 5,
+    "^": 6,
+}
 _UNARY_PRECEDENCE = 5  # as PromQL: -a*b is (-a)*b, -a^b is -(a^b)
 _MATCH_OPS = ("=", "!=", "=~", "!~")
 ALLOWED_LABELS = frozenset({"instance"})
@@ -49,8 +64,11 @@ def parse_expr(text: str) -> Node:
     if tok.kind != "EOF":
         raise ExprSyntaxError(f"unexpected {_describe(tok)} after the end of the expression", tok.line, tok.column)
     if value_type(node) == "matrix":
-        raise ExprSyntaxError("a range vector cannot be the result; wrap it in a function such as rate() "
-                              "or avg_over_time()", node.line, node.column)
+        raise ExprSyntaxError(
+            "a range vector cannot be the result; wrap it in a function such as rate() or avg_over_time()",
+            node.line,
+            node.column,
+        )
     return node
 
 
@@ -123,13 +141,16 @@ class _Parser:
         lt, rt = value_type(node.lhs), value_type(node.rhs)
         for side, t in ((node.lhs, lt), (node.rhs, rt)):
             if t == "matrix":
-                raise ExprSyntaxError(f"a range vector cannot be an operand of {node.op!r}; wrap it in a "
-                                      "function such as avg_over_time()", side.line, side.column)
+                raise ExprSyntaxError(
+                    f"a range vector cannot be an operand of {node.op!r}; wrap it in a "
+                    "function such as avg_over_time()",
+                    side.line,
+                    side.column,
+                )
         if node.op in SET_OPS and (lt != "vector" or rt != "vector"):
             raise ExprSyntaxError(f"{node.op!r} needs instant vectors on both sides", node.line, node.column)
         if node.op in COMPARISONS and lt == rt == "scalar" and not node.return_bool:
-            raise ExprSyntaxError("comparisons between scalars must use the bool modifier",
-                                  node.line, node.column)
+            raise ExprSyntaxError("comparisons between scalars must use the bool modifier", node.line, node.column)
         if (node.on is not None or node.ignoring is not None) and (lt != "vector" or rt != "vector"):
             raise ExprSyntaxError("on/ignoring only apply between two vectors", node.line, node.column)
         return node
@@ -171,15 +192,17 @@ class _Parser:
             text = tok.text
             return NumberLiteral(float(int(text, 16)) if text.lower().startswith("0x") else float(text), **_pos(tok))
         if tok.kind == "DURATION":
-            raise ExprSyntaxError(f"unexpected duration {tok.text!r}; durations belong in [..] or after offset",
-                                  **_pos(tok))
+            raise ExprSyntaxError(
+                f"unexpected duration {tok.text!r}; durations belong in [..] or after offset", **_pos(tok)
+            )
         if tok.kind == "OP" and tok.text == "(":
             self.advance()
             inner = self.expression(0)
             self.expect("OP", ")")
             if self.peek().kind == "OP" and self.peek().text == "[":
-                raise ExprSyntaxError("subqueries are not supported; apply the range to a series name",
-                                      **_pos(self.peek()))
+                raise ExprSyntaxError(
+                    "subqueries are not supported; apply the range to a series name", **_pos(self.peek())
+                )
             return Paren(inner, **_pos(tok))
         if tok.kind == "OP" and tok.text == "{":
             raise ExprSyntaxError("a series name is required before '{'", **_pos(tok))
@@ -213,14 +236,19 @@ class _Parser:
         self.advance()
         wanted, _ = FUNCTIONS[name_tok.text]
         if len(args) != len(wanted):
-            raise ExprSyntaxError(f"{name_tok.text}() takes {len(wanted)} argument(s), got {len(args)}",
-                                  **_pos(name_tok))
+            raise ExprSyntaxError(
+                f"{name_tok.text}() takes {len(wanted)} argument(s), got {len(args)}", **_pos(name_tok)
+            )
         for arg, want in zip(args, wanted, strict=True):
             got = value_type(arg)
             if got != want:
                 hint = " (add a range such as [5m])" if want == "matrix" and got == "vector" else ""
-                raise ExprSyntaxError(f"{name_tok.text}() expects {_ARTICLE[want]} {_TYPE_NAMES[want]} here, got "
-                                      f"{_ARTICLE[got]} {_TYPE_NAMES[got]}{hint}", arg.line, arg.column)
+                raise ExprSyntaxError(
+                    f"{name_tok.text}() expects {_ARTICLE[want]} {_TYPE_NAMES[want]} here, got "
+                    f"{_ARTICLE[got]} {_TYPE_NAMES[got]}{hint}",
+                    arg.line,
+                    arg.column,
+                )
         return Call(name_tok.text, tuple(args), **_pos(name_tok))
 
     def aggregate(self) -> Aggregate:
@@ -246,8 +274,11 @@ class _Parser:
             grouping = self.label_list()
         got = value_type(first)
         if got != "vector":
-            raise ExprSyntaxError(f"{op_tok.text}() aggregates an instant vector, got {_ARTICLE[got]} "
-                                  f"{_TYPE_NAMES[got]}", first.line, first.column)
+            raise ExprSyntaxError(
+                f"{op_tok.text}() aggregates an instant vector, got {_ARTICLE[got]} {_TYPE_NAMES[got]}",
+                first.line,
+                first.column,
+            )
         return Aggregate(op_tok.text, first, grouping, without, param, **_pos(op_tok))
 
     def selector(self) -> Node:
@@ -261,8 +292,10 @@ class _Parser:
                     raise ExprSyntaxError(f"expected a label name, found {_describe(label_tok)}", **_pos(label_tok))
                 self.advance()
                 if label_tok.text not in ALLOWED_LABELS:
-                    raise ExprSyntaxError(f"unknown label {label_tok.text!r}: canonical series carry only "
-                                          f"{sorted(ALLOWED_LABELS)}", **_pos(label_tok))
+                    raise ExprSyntaxError(
+                        f"unknown label {label_tok.text!r}: canonical series carry only {sorted(ALLOWED_LABELS)}",
+                        **_pos(label_tok),
+                    )
                 op_tok = self.peek()
                 if op_tok.kind != "OP" or op_tok.text not in _MATCH_OPS:
                     raise ExprSyntaxError(f"expected one of = != =~ !~, found {_describe(op_tok)}", **_pos(op_tok))

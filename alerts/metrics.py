@@ -10,21 +10,30 @@ class AlertMetrics:
         reg = registry if registry is not None else CollectorRegistry()
         self.registry = reg
         self.evaluations = Counter("kvpilot_alerts_rule_evaluations_total", "rule evaluations", ["rule"], registry=reg)
-        self.evaluation_failures = Counter("kvpilot_alerts_rule_evaluation_failures_total",
-                                           "rule evaluations that raised", ["rule"], registry=reg)
-        self.series_evaluated = Counter("kvpilot_alerts_series_evaluated_total",
-                                        "result series produced by rule evaluations", registry=reg)
+        self.evaluation_failures = Counter(
+            "kvpilot_alerts_rule_evaluation_failures_total", "rule evaluations that raised", ["rule"], registry=reg
+        )
+        self.series_evaluated = Counter(
+            "kvpilot_alerts_series_evaluated_total", "result series produced by rule evaluations", registry=reg
+        )
         self.transitions = Counter("kvpilot_alerts_transitions_total", "alert state changes", ["to"], registry=reg)
         self.lease_lost = Counter("kvpilot_alerts_lease_lost_total", "writes refused: lease lost", registry=reg)
         self.lease_held = Gauge("kvpilot_alerts_lease_held", "1 while this process holds the lease", registry=reg)
-        self.enqueued = Counter("kvpilot_alerts_notifications_enqueued_total", "outbox rows written", ["receiver"],
-                                registry=reg)
-        self.attempts = Counter("kvpilot_alerts_delivery_attempts_total", "HTTP delivery attempts",
-                                ["receiver", "outcome"], registry=reg)
-        self.finished = Counter("kvpilot_alerts_notifications_finished_total", "notifications done",
-                                ["receiver", "status"], registry=reg)
-        self.delivery_latency = Histogram("kvpilot_alerts_delivery_latency_seconds",
-                                          "outbox write to 2xx from the receiver", registry=reg,
-                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30, 120, 600))
-        self.storage_errors = Counter("kvpilot_alerts_storage_errors_total", "ticks failed on the database",
-                                      registry=reg)
+        self.enqueued = Counter(
+            "kvpilot_alerts_notifications_enqueued_total", "outbox rows written", ["receiver"], registry=reg
+        )
+        self.attempts = Counter(
+            "kvpilot_alerts_delivery_attempts_total", "HTTP delivery attempts", ["receiver", "outcome"], registry=reg
+        )
+        self.finished = Counter(
+            "kvpilot_alerts_notifications_finished_total", "notifications done", ["receiver", "status"], registry=reg
+        )
+        self.delivery_latency = Histogram(
+            "kvpilot_alerts_delivery_latency_seconds",
+            "outbox write to 2xx from the receiver",
+            registry=reg,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30, 120, 600),
+        )
+        self.storage_errors = Counter(
+            "kvpilot_alerts_storage_errors_total", "ticks failed on the database", registry=reg
+        )

@@ -77,7 +77,7 @@ _EXPAND = re.compile(rf"^([+-]?(?:{_NUM}|Inf|NaN|inf|nan))(?:([+-])({_NUM}))?x(\
 def parse_series(text: str) -> tuple[str, dict[str, str]]:
     match = _SERIES.match(text)
     if not match:
-        raise TestFileError(f"bad series {text!r} (expected name{{label=\"value\", ...}})")
+        raise TestFileError(f'bad series {text!r} (expected name{{label="value", ...}})')
     labels: dict[str, str] = {}
     body = (match.group(3) or "").strip()
     pos = 0
@@ -110,8 +110,9 @@ def expand_values(text: str) -> list[float | None]:
             try:
                 out.append(float(token))
             except ValueError:
-                raise TestFileError(f"bad value {token!r} in {text!r} "
-                                    "(use numbers, a+bxN, axN, _, _xN, stale)") from None
+                raise TestFileError(
+                    f"bad value {token!r} in {text!r} (use numbers, a+bxN, axN, _, _xN, stale)"
+                ) from None
     return out
 
 
@@ -177,8 +178,10 @@ def _run_group(test: dict, number: int, groups: list[RuleGroup], eval_interval: 
         series, labels = parse_series(str(entry.get("series", "")))
         extra = set(labels) - {"instance"}
         if extra:
-            raise TestFileError(f"test {name}: series {entry.get('series')!r}: only the 'instance' label exists on "
-                                f"canonical series, got {sorted(extra)}")
+            raise TestFileError(
+                f"test {name}: series {entry.get('series')!r}: only the 'instance' label exists on "
+                f"canonical series, got {sorted(extra)}"
+            )
         for i, value in enumerate(expand_values(entry.get("values", ""))):
             if value is not None:
                 source.add(series, labels.get("instance", ""), i * interval, value)
@@ -191,8 +194,9 @@ def _run_group(test: dict, number: int, groups: list[RuleGroup], eval_interval: 
     for cases in alert_tests.values():
         for case in cases:
             if case.get("alertname") not in defined:
-                report.failures.append(f"    [{name}] alertname {case.get('alertname')!r} is not defined in the "
-                                       "rule files")
+                report.failures.append(
+                    f"    [{name}] alertname {case.get('alertname')!r} is not defined in the rule files"
+                )
     times = sorted(alert_tests)
     max_t = max([*times, *(_duration(c.get("eval_time"), "eval_time") for c in expr_tests), 0.0])
     states = [RuleState(rule) for g in groups for rule in g.rules]
@@ -240,9 +244,11 @@ def _check_alerts(case: dict, eval_time: float, states: list[RuleState], name: s
     if exp == got:
         report.passed += 1
         return
-    lines = [f"    alertname: {alertname}, time: {format_duration(eval_time)},",
-             f"        exp:{_fmt_alerts(exp)},",
-             f"        got:{_fmt_alerts(got)}"]
+    lines = [
+        f"    alertname: {alertname}, time: {format_duration(eval_time)},",
+        f"        exp:{_fmt_alerts(exp)},",
+        f"        got:{_fmt_alerts(got)}",
+    ]
     for item in exp:
         if item not in got:
             lines.append(f"        - missing: {_fmt_map(item[0])} {_fmt_map(item[1])}")
@@ -280,9 +286,10 @@ def _check_expr(case: dict, evaluator: Evaluator, name: str, report: TestReport)
     got_sorted = sorted(got, key=lambda s: s[0])
     exp_sorted = sorted(exp, key=lambda s: s[0])
     same = len(got_sorted) == len(exp_sorted) and all(
-        g[0] == e[0] and (math.isclose(g[1], e[1], rel_tol=1e-9, abs_tol=1e-12) or
-                          (math.isnan(g[1]) and math.isnan(e[1])))
-        for g, e in zip(got_sorted, exp_sorted, strict=True))
+        g[0] == e[0]
+        and (math.isclose(g[1], e[1], rel_tol=1e-9, abs_tol=1e-12) or (math.isnan(g[1]) and math.isnan(e[1])))
+        for g, e in zip(got_sorted, exp_sorted, strict=True)
+    )
     if same:
         report.passed += 1
         return
@@ -290,5 +297,7 @@ def _check_expr(case: dict, evaluator: Evaluator, name: str, report: TestReport)
     def fmt(samples: list[tuple[tuple, float]]) -> str:
         return "[" + ", ".join(f"{_fmt_map(dict(lab))} {go_format(v)}" for lab, v in samples) + "]"
 
-    report.failures.append(f"    expr: {text!r}, time: {format_duration(eval_time)},\n"
-                           f"        exp: {fmt(exp_sorted)}\n        got: {fmt(got_sorted)}")
+    report.failures.append(
+        f"    expr: {text!r}, time: {format_duration(eval_time)},\n"
+        f"        exp: {fmt(exp_sorted)}\n        got: {fmt(got_sorted)}"
+    )

@@ -92,8 +92,9 @@ def load_rule_files(paths: list[str | Path], *, default_interval_s: float = DEFA
     return groups
 
 
-def load_rules_text(text: str, filename: str = "<rules>", *,
-                    default_interval_s: float = DEFAULT_INTERVAL_S) -> list[RuleGroup]:
+def load_rules_text(
+    text: str, filename: str = "<rules>", *, default_interval_s: float = DEFAULT_INTERVAL_S
+) -> list[RuleGroup]:
     groups, problems = _load_text(text, filename, default_interval_s)
     if problems:
         raise RuleFileError(problems)
@@ -174,8 +175,10 @@ def _load_group(gnode: yaml.Node, filename: str, default_interval_s: float, prob
             continue
         key = (rule.name, tuple(sorted(rule.labels.items())))
         if key in seen:
-            problems.append(f"{rule.source}: group {name!r}: alert {rule.name!r} with the same labels is already "
-                            f"defined at {seen[key]}")
+            problems.append(
+                f"{rule.source}: group {name!r}: alert {rule.name!r} with the same labels is already "
+                f"defined at {seen[key]}"
+            )
         seen.setdefault(key, rule.source)
         rules.append(rule)
     return RuleGroup(name, interval_s, tuple(rules), filename, limit)
@@ -188,8 +191,10 @@ def _load_rule(rnode: yaml.Node, filename: str, group: str, problems: list[str])
         return None
     r = _mapping(rnode)
     if "record" in r:
-        problems.append(f"{where}: group {group!r}: recording rules ('record: {_scalar(r, 'record')}') are not "
-                        "supported; only alerting rules")
+        problems.append(
+            f"{where}: group {group!r}: recording rules ('record: {_scalar(r, 'record')}') are not "
+            "supported; only alerting rules"
+        )
         return None
     name = _scalar(r, "alert")
     if not name:
@@ -199,8 +204,9 @@ def _load_rule(rnode: yaml.Node, filename: str, group: str, problems: list[str])
     before = len(problems)
     for key, (knode, _v) in r.items():
         if key not in _RULE_KEYS:
-            problems.append(f"{_where(filename, knode)}: rule {name!r}: unknown key {key!r} "
-                            f"(allowed: {sorted(_RULE_KEYS)})")
+            problems.append(
+                f"{_where(filename, knode)}: rule {name!r}: unknown key {key!r} (allowed: {sorted(_RULE_KEYS)})"
+            )
     if not _LABEL_NAME.match(name):
         problems.append(f"{ctx}: alert name must match [a-zA-Z_][a-zA-Z0-9_]*")
     durations: dict[str, float] = {}
@@ -233,8 +239,19 @@ def _load_rule(rnode: yaml.Node, filename: str, group: str, problems: list[str])
     annotation_templates = _compile_all(annotations, f"{ctx}: annotation", problems)
     if len(problems) > before or expr is None:
         return None
-    return AlertRule(name, expr_text.strip(), expr, durations["for"], durations["keep_firing_for"], labels,
-                     annotations, label_templates, annotation_templates, group, where)
+    return AlertRule(
+        name,
+        expr_text.strip(),
+        expr,
+        durations["for"],
+        durations["keep_firing_for"],
+        labels,
+        annotations,
+        label_templates,
+        annotation_templates,
+        group,
+        where,
+    )
 
 
 def _parse_rule_expr(text: str, node: yaml.ScalarNode, filename: str, rule: str, problems: list[str]) -> Node | None:
@@ -242,13 +259,17 @@ def _parse_rule_expr(text: str, node: yaml.ScalarNode, filename: str, rule: str,
         expr = parse_expr(text)
     except ExprSyntaxError as exc:
         line, column = _file_position(node, exc.line, exc.column)
-        problems.append(f"{filename}:{line}:{column}: rule {rule!r}: expr: {exc.message} "
-                        f"(expr line {exc.line}, column {exc.column})")
+        problems.append(
+            f"{filename}:{line}:{column}: rule {rule!r}: expr: {exc.message} "
+            f"(expr line {exc.line}, column {exc.column})"
+        )
         return None
     if value_type(expr) != "vector":
         line, column = _file_position(node, 1, 1)
-        problems.append(f"{filename}:{line}:{column}: rule {rule!r}: expr must give an instant vector, not a number "
-                        "(compare a series, e.g. 'x > 1')")
+        problems.append(
+            f"{filename}:{line}:{column}: rule {rule!r}: expr must give an instant vector, not a number "
+            "(compare a series, e.g. 'x > 1')"
+        )
         return None
     known = known_series()
     for sel in selectors(expr):

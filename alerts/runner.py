@@ -92,8 +92,11 @@ class AlertEvaluator:
         self.next_eval: dict[str, float] = {}
         self.lease: Lease | None = None
         self._loaded_token: int | None = None
-        self.delivery = delivery or (DeliveryWorker(factory, {r.name: r for r in notifier.receivers}, clock=clock,
-                                                    metrics=self.metrics) if deliver else None)
+        self.delivery = delivery or (
+            DeliveryWorker(factory, {r.name: r for r in notifier.receivers}, clock=clock, metrics=self.metrics)
+            if deliver
+            else None
+        )
         ensure_lease_row(factory)
 
     def _key(self, state: RuleState) -> str:
@@ -159,16 +162,23 @@ class AlertEvaluator:
                 changed: list[RuleState] = []
                 for group in due_groups:
                     previous = self.next_eval.get(group.name)
-                    self.next_eval[group.name] = now + group.interval_s if previous is None or \
-                        previous + group.interval_s <= now else previous + group.interval_s
+                    self.next_eval[group.name] = (
+                        now + group.interval_s
+                        if previous is None or previous + group.interval_s <= now
+                        else previous + group.interval_s
+                    )
                     for rule in group.rules:
                         state = self.states[rule.name + "\0" + group.name]
                         self.metrics.evaluations.labels(rule.name).inc()
                         try:
                             vector = evaluator.evaluate(rule.expr, now)
                             assert isinstance(vector, dict)
-                            transitions = state.evaluate(now, vector, external_labels=self.external_labels,
-                                                         external_url=self.notifier.external_url)
+                            transitions = state.evaluate(
+                                now,
+                                vector,
+                                external_labels=self.external_labels,
+                                external_url=self.notifier.external_url,
+                            )
                         except (EvalError, ValueError) as exc:
                             self.metrics.evaluation_failures.labels(rule.name).inc()
                             log.error("alerts: rule %s (%s) failed: %s", rule.name, rule.source, exc)
@@ -178,14 +188,27 @@ class AlertEvaluator:
                         self.metrics.series_evaluated.inc(len(vector))
                         for t in transitions:
                             self.metrics.transitions.labels(t.new_state if not t.dropped else "dropped").inc()
-                            log.info("alert %s %s: %s -> %s", rule.name, t.alert.labels.get("instance", ""),
-                                     t.old_state, "dropped" if t.dropped else t.new_state)
+                            log.info(
+                                "alert %s %s: %s -> %s",
+                                rule.name,
+                                t.alert.labels.get("instance", ""),
+                                t.old_state,
+                                "dropped" if t.dropped else t.new_state,
+                            )
                         changed.append(state)
                 for state in changed:
-                    save_rule_states(session, state.rule.name, state.active,
-                                     generator_url(self.notifier.external_url, state.rule.expr_text))
-                alerts = [NotifyAlert(a, generator_url(self.notifier.external_url, s.rule.expr_text))
-                          for s in self.states.values() for a in s.active.values() if notifiable(a)]
+                    save_rule_states(
+                        session,
+                        state.rule.name,
+                        state.active,
+                        generator_url(self.notifier.external_url, state.rule.expr_text),
+                    )
+                alerts = [
+                    NotifyAlert(a, generator_url(self.notifier.external_url, s.rule.expr_text))
+                    for s in self.states.values()
+                    for a in s.active.values()
+                    if notifiable(a)
+                ]
                 result.notifications = self.dispatcher.dispatch(session, alerts, now=now, lease=lease)
                 session.commit()
             except BaseException:
@@ -210,8 +233,9 @@ class AlertEvaluator:
 class EvaluatorHandle:
     """A background thread running `AlertEvaluator.tick` every `poll_s`; `stop()` joins it and steps down."""
 
-    def __init__(self, evaluator: AlertEvaluator, engine: Engine | None, poll_s: float,
-                 api: ApiServer | None = None) -> None:
+    def __init__(
+        self, evaluator: AlertEvaluator, engine: Engine | None, poll_s: float, api: ApiServer | None = None
+    ) -> None:
         self.evaluator = evaluator
         self.engine = engine
         self.poll_s = poll_s
@@ -273,11 +297,15 @@ def start_evaluator(
 
     groups = load_rule_files(list(rule_files or [BUILTIN_RULES]))
     engine = make_engine(db_url)
-    config = notifier or webhook_config(webhook_urls or [], secret=secret, group_wait_s=group_wait_s,
-                                        group_interval_s=group_interval_s, repeat_interval_s=repeat_interval_s,
-                                        alertmanager_urls=alertmanager_urls)
-    evaluator = AlertEvaluator(session_factory(engine), groups, source or SqlSource(engine), config,
-                               metrics=metrics)
+    config = notifier or webhook_config(
+        webhook_urls or [],
+        secret=secret,
+        group_wait_s=group_wait_s,
+        group_interval_s=group_interval_s,
+        repeat_interval_s=repeat_interval_s,
+        alertmanager_urls=alertmanager_urls,
+    )
+    evaluator = AlertEvaluator(session_factory(engine), groups, source or SqlSource(engine), config, metrics=metrics)
     api = None
     if api_port is not None:
         app = create_api_app(engine=engine, metrics=evaluator.metrics, token=api_token, notifier=config)

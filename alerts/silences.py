@@ -68,9 +68,18 @@ def parse_matcher(text: str) -> SilenceMatcher:
 
 def create_silence(session: Session, silence: SilenceIn, *, now: float) -> str:
     silence_id = str(uuid.uuid4())
-    session.add(AlertSilence(id=silence_id, matchers=[m.model_dump() for m in silence.matchers],
-                             starts_at=silence.startsAt, ends_at=silence.endsAt, created_by=silence.createdBy,
-                             comment=silence.comment, created_at=now, updated_at=now))
+    session.add(
+        AlertSilence(
+            id=silence_id,
+            matchers=[m.model_dump() for m in silence.matchers],
+            starts_at=silence.startsAt,
+            ends_at=silence.endsAt,
+            created_by=silence.createdBy,
+            comment=silence.comment,
+            created_at=now,
+            updated_at=now,
+        )
+    )
     return silence_id
 
 
@@ -100,9 +109,16 @@ def silence_state(row: AlertSilence, now: float) -> str:
 
 
 def silence_dict(row: AlertSilence, now: float) -> dict[str, Any]:
-    return {"id": row.id, "matchers": row.matchers, "startsAt": row.starts_at, "endsAt": row.ends_at,
-            "createdBy": row.created_by, "comment": row.comment, "updatedAt": row.updated_at,
-            "status": {"state": silence_state(row, now)}}
+    return {
+        "id": row.id,
+        "matchers": row.matchers,
+        "startsAt": row.starts_at,
+        "endsAt": row.ends_at,
+        "createdBy": row.created_by,
+        "comment": row.comment,
+        "updatedAt": row.updated_at,
+        "status": {"state": silence_state(row, now)},
+    }
 
 
 def get_silence(session: Session, silence_id: str, *, now: float) -> dict[str, Any] | None:
@@ -110,8 +126,9 @@ def get_silence(session: Session, silence_id: str, *, now: float) -> dict[str, A
     return None if row is None else silence_dict(row, now)
 
 
-def list_silences(session: Session, *, now: float, include_expired: bool = False,
-                  expired_since: float | None = None) -> list[dict[str, Any]]:
+def list_silences(
+    session: Session, *, now: float, include_expired: bool = False, expired_since: float | None = None
+) -> list[dict[str, Any]]:
     """Silences by creation; expired ones only with `include_expired` (and ended after `expired_since`)."""
     stmt = select(AlertSilence).order_by(AlertSilence.created_at, AlertSilence.id)
     if include_expired and expired_since is not None:
@@ -125,8 +142,9 @@ def list_silences(session: Session, *, now: float, include_expired: bool = False
 
 
 def active_silences_by_id(session: Session, now: float) -> dict[str, list[SilenceMatcher]]:
-    rows = session.execute(select(AlertSilence).where(AlertSilence.starts_at <= now, AlertSilence.ends_at > now)
-                           .order_by(AlertSilence.id)).scalars()
+    rows = session.execute(
+        select(AlertSilence).where(AlertSilence.starts_at <= now, AlertSilence.ends_at > now).order_by(AlertSilence.id)
+    ).scalars()
     return {row.id: [SilenceMatcher.model_validate(m) for m in row.matchers] for row in rows}
 
 

@@ -61,8 +61,9 @@ class WebhookSink:
         self.thread.join(5)
 
 
-def run_webhook_sink(host: str = "127.0.0.1", port: int = 0, *, secret: str | None = None,
-                     log_payloads: bool = True) -> WebhookSink:
+def run_webhook_sink(
+    host: str = "127.0.0.1", port: int = 0, *, secret: str | None = None, log_payloads: bool = True
+) -> WebhookSink:
     """Start the sink in a daemon thread; port 0 picks a free one (see `.url`)."""
     holder: dict[str, WebhookSink] = {}
 
@@ -102,16 +103,21 @@ def run_webhook_sink(host: str = "127.0.0.1", port: int = 0, *, secret: str | No
                     sink.received.append(Received(time.time(), key, payload, signature_ok))
                     if log_payloads:
                         status = payload.get("status") if isinstance(payload, dict) else "alerts"
-                        names = sorted({a.get("labels", {}).get("alertname", "?") for a in
-                                        (payload.get("alerts", []) if isinstance(payload, dict) else payload)})
+                        names = sorted(
+                            {
+                                a.get("labels", {}).get("alertname", "?")
+                                for a in (payload.get("alerts", []) if isinstance(payload, dict) else payload)
+                            }
+                        )
                         log.warning("webhook sink: %s %s %s", status, ",".join(names), key)
                 sink.arrived.notify_all()
             self.send_response(200)
             self.end_headers()
 
     server = ThreadingHTTPServer((host, port), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              name="kvpilot-webhook-sink", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="kvpilot-webhook-sink", daemon=True
+    )
     sink = WebhookSink(server, thread, secret)
     holder["sink"] = sink
     thread.start()

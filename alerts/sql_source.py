@@ -32,8 +32,9 @@ BucketValues = dict[str, dict[float, float]]  # instance -> bucket end -> p99
 
 
 class SqlSource:
-    def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.time,
-                 settle_s: float = DEFAULT_SETTLE_S) -> None:
+    def __init__(
+        self, engine: Engine, *, clock: Callable[[], float] = time.time, settle_s: float = DEFAULT_SETTLE_S
+    ) -> None:
         self.engine = engine
         self.clock = clock
         self.settle_s = settle_s
@@ -118,8 +119,13 @@ class SqlSource:
                     func.row_number().over(partition_by=(r.c.instance, bucket), order_by=r.c.ttft_s).label("rn"),
                     func.count().over(partition_by=(r.c.instance, bucket)).label("n"),
                 )
-                .where(r.c.instance.in_(list(instances)), r.c.ts >= ts_lo, r.c.ts < ts_hi,
-                       r.c.ttft_s.is_not(None), r.c.warmup.is_(False))
+                .where(
+                    r.c.instance.in_(list(instances)),
+                    r.c.ts >= ts_lo,
+                    r.c.ts < ts_hi,
+                    r.c.ttft_s.is_not(None),
+                    r.c.warmup.is_(False),
+                )
                 .subquery()
             )
             # nearest rank: the smallest rank k with k >= q * n

@@ -51,8 +51,9 @@ class RuleState:
     rule: AlertRule
     active: dict[str, ActiveAlert] = field(default_factory=dict)
 
-    def evaluate(self, ts: float, result: Vector, *, external_labels: dict[str, str] | None = None,
-                 external_url: str = "") -> list[Transition]:
+    def evaluate(
+        self, ts: float, result: Vector, *, external_labels: dict[str, str] | None = None, external_url: str = ""
+    ) -> list[Transition]:
         """Apply one evaluation result at `ts`; returns the transitions (state changes and drops)."""
         rule = self.rule
         seen: set[str] = set()
@@ -63,12 +64,15 @@ class RuleState:
             for key, template in rule.label_templates.items():
                 labels[key] = _render(template, base, value, external_labels, external_url, rule.name, key)
             labels["alertname"] = rule.name
-            annotations = {key: _render(t, base, value, external_labels, external_url, rule.name, key)
-                           for key, t in rule.annotation_templates.items()}
+            annotations = {
+                key: _render(t, base, value, external_labels, external_url, rule.name, key)
+                for key, t in rule.annotation_templates.items()
+            }
             fp = fingerprint(labels)
             if fp in seen:
-                raise ValueError(f"rule {rule.name!r}: vector contains metrics with the same labelset after "
-                                 "applying alert labels")
+                raise ValueError(
+                    f"rule {rule.name!r}: vector contains metrics with the same labelset after applying alert labels"
+                )
             seen.add(fp)
             alert = self.active.get(fp)
             if alert is not None and alert.state != INACTIVE:

@@ -40,8 +40,9 @@ def ensure_lease_row(factory: sessionmaker[Session]) -> None:
     with translate_errors(), factory() as session:
         if session.get(AlertEvaluatorLease, LEASE_ID) is not None:
             return
-        session.add(AlertEvaluatorLease(id=LEASE_ID, holder="", token=0, expires_at=0.0, acquired_at=0.0,
-                                        renewed_at=0.0))
+        session.add(
+            AlertEvaluatorLease(id=LEASE_ID, holder="", token=0, expires_at=0.0, acquired_at=0.0, renewed_at=0.0)
+        )
         try:
             session.commit()
         except IntegrityError:  # another process inserted it first
@@ -80,8 +81,11 @@ def try_acquire(factory: sessionmaker[Session], *, holder: str, now: float, ttl_
 def release(factory: sessionmaker[Session], lease: Lease) -> None:
     lease_t = AlertEvaluatorLease.__table__
     with translate_errors(), factory() as session:
-        session.execute(update(lease_t).where(lease_t.c.id == LEASE_ID, lease_t.c.holder == lease.holder,
-                                              lease_t.c.token == lease.token).values(expires_at=0.0))
+        session.execute(
+            update(lease_t)
+            .where(lease_t.c.id == LEASE_ID, lease_t.c.holder == lease.holder, lease_t.c.token == lease.token)
+            .values(expires_at=0.0)
+        )
         session.commit()
 
 
@@ -90,8 +94,12 @@ def fence(session: Session, lease: Lease, now: float) -> None:
     lease_t = AlertEvaluatorLease.__table__
     result = session.execute(
         update(lease_t)
-        .where(lease_t.c.id == LEASE_ID, lease_t.c.holder == lease.holder, lease_t.c.token == lease.token,
-               lease_t.c.expires_at >= now)
+        .where(
+            lease_t.c.id == LEASE_ID,
+            lease_t.c.holder == lease.holder,
+            lease_t.c.token == lease.token,
+            lease_t.c.expires_at >= now,
+        )
         .values(renewed_at=now)
     )
     if result.rowcount != 1:
@@ -112,17 +120,26 @@ def load_states(session: Session) -> dict[str, dict[str, ActiveAlert]]:
     out: dict[str, dict[str, ActiveAlert]] = {}
     for row in session.execute(select(AlertState)).scalars():
         out.setdefault(row.rule, {})[row.fingerprint] = ActiveAlert(
-            rule=row.rule, fingerprint=row.fingerprint, labels=dict(row.labels), annotations=dict(row.annotations),
-            state=row.state, active_at=row.active_at, value=row.last_value, fired_at=row.fired_at,
-            resolved_at=row.resolved_at, keep_firing_since=row.keep_firing_since, last_eval_at=row.last_eval_at,
+            rule=row.rule,
+            fingerprint=row.fingerprint,
+            labels=dict(row.labels),
+            annotations=dict(row.annotations),
+            state=row.state,
+            active_at=row.active_at,
+            value=row.last_value,
+            fired_at=row.fired_at,
+            resolved_at=row.resolved_at,
+            keep_firing_since=row.keep_firing_since,
+            last_eval_at=row.last_eval_at,
         )
     return out
 
 
 def save_rule_states(session: Session, rule: str, alerts: dict[str, ActiveAlert], generator_url: str) -> None:
     """Replace the stored active set of one rule with `alerts` (small: one row per active alert)."""
-    existing = {row.fingerprint: row for row in
-                session.execute(select(AlertState).where(AlertState.rule == rule)).scalars()}
+    existing = {
+        row.fingerprint: row for row in session.execute(select(AlertState).where(AlertState.rule == rule)).scalars()
+    }
     for fp, alert in alerts.items():
         row = existing.pop(fp, None)
         if row is None:
@@ -134,14 +151,14 @@ def save_rule_states(session: Session, rule: str, alerts: dict[str, ActiveAlert]
         row.last_eval_at = alert.last_eval_at
         row.generator_url = generator_url
     if existing:
-        session.execute(delete(AlertState).where(AlertState.rule == rule,
-                                                 AlertState.fingerprint.in_(list(existing))))
+        session.execute(delete(AlertState).where(AlertState.rule == rule, AlertState.fingerprint.in_(list(existing))))
 
 
 def delete_rules_except(session: Session, rules: set[str]) -> int:
     """Forget state of rules no longer loaded (a rule removed from the files cannot resolve)."""
-    result = session.execute(delete(AlertState).where(AlertState.rule.not_in(list(rules))) if rules
-                             else delete(AlertState))
+    result = session.execute(
+        delete(AlertState).where(AlertState.rule.not_in(list(rules))) if rules else delete(AlertState)
+    )
     return result.rowcount or 0
 
 
@@ -164,9 +181,21 @@ class StoredAlert:
 def current_alerts(session: Session, *, include_pending: bool = True) -> list[StoredAlert]:
     """Firing (and pending) alerts, by rule then fingerprint; resolved ones kept for notification are left out."""
     wanted = [FIRING, PENDING] if include_pending else [FIRING]
-    rows = session.execute(select(AlertState).where(AlertState.state.in_(wanted))
-                           .order_by(AlertState.rule, AlertState.fingerprint)).scalars()
-    return [StoredAlert(rule=r.rule, fingerprint=r.fingerprint, state=r.state, labels=dict(r.labels),
-                        annotations=dict(r.annotations), active_at=r.active_at, fired_at=r.fired_at,
-                        last_eval_at=r.last_eval_at, value=r.last_value, generator_url=r.generator_url)
-            for r in rows]
+    rows = session.execute(
+        select(AlertState).where(AlertState.state.in_(wanted)).order_by(AlertState.rule, AlertState.fingerprint)
+    ).scalars()
+    return [
+        StoredAlert(
+            rule=r.rule,
+            fingerprint=r.fingerprint,
+            state=r.state,
+            labels=dict(r.labels),
+            annotations=dict(r.annotations),
+            active_at=r.active_at,
+            fired_at=r.fired_at,
+            last_eval_at=r.last_eval_at,
+            value=r.last_value,
+            generator_url=r.generator_url,
+        )
+        for r in rows
+    ]

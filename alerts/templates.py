@@ -32,8 +32,13 @@ class Template:
     text: str
     parts: tuple[str | _Pipeline, ...]
 
-    def render(self, labels: dict[str, str], value: float, external_labels: dict[str, str] | None = None,
-               external_url: str = "") -> str:
+    def render(
+        self,
+        labels: dict[str, str],
+        value: float,
+        external_labels: dict[str, str] | None = None,
+        external_url: str = "",
+    ) -> str:
         out: list[str] = []
         for part in self.parts:
             if isinstance(part, str):
@@ -50,7 +55,7 @@ def compile_template(text: str) -> Template:
     parts: list[str | _Pipeline] = []
     pos = 0
     for match in _ACTION.finditer(text):
-        literal = text[pos:match.start()]
+        literal = text[pos : match.start()]
         if match.group(1):
             literal = literal.rstrip()
         if parts and isinstance(parts[-1], str) and parts[-1] == "\0trim":
@@ -92,8 +97,10 @@ def _parse_action(body: str, whole: str) -> _Pipeline:
     elif len(first) == 1:
         source_text = head
     else:
-        raise TemplateError(f"unsupported template action {{{{ {body} }}}} in {whole!r} (supported: $labels.x, "
-                            f"$value, pipes into {', '.join(sorted(_FUNCS))})")
+        raise TemplateError(
+            f"unsupported template action {{{{ {body} }}}} in {whole!r} (supported: $labels.x, "
+            f"$value, pipes into {', '.join(sorted(_FUNCS))})"
+        )
     for stage in stages[1:]:
         words = _TOKEN.findall(stage)
         if not words or words[0] not in _FUNCS:
@@ -105,8 +112,10 @@ def _parse_action(body: str, whole: str) -> _Pipeline:
         return _Pipeline(source_text, None, tuple(funcs))
     if source_text.startswith(('"', "`")):
         return _Pipeline("literal", _unquote(source_text), tuple(funcs))
-    raise TemplateError(f"unsupported template action {{{{ {body} }}}} in {whole!r} (if/range/with and other "
-                        "variables are not supported)")
+    raise TemplateError(
+        f"unsupported template action {{{{ {body} }}}} in {whole!r} (if/range/with and other "
+        "variables are not supported)"
+    )
 
 
 def _split_pipes(body: str) -> list[str]:
@@ -116,7 +125,7 @@ def _split_pipes(body: str) -> list[str]:
             current.append(ch)
             if ch == quote:
                 quote = ""
-        elif ch in "\"`":
+        elif ch in '"`':
             quote = ch
             current.append(ch)
         elif ch == "|":
@@ -129,14 +138,15 @@ def _split_pipes(body: str) -> list[str]:
 
 
 def _unquote(text: str) -> str:
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"`":
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in '"`':
         inner = text[1:-1]
         return inner.encode().decode("unicode_escape") if text[0] == '"' else inner
     return text
 
 
-def _resolve(part: _Pipeline, labels: dict[str, str], value: float, external: dict[str, str],
-             external_url: str) -> object:
+def _resolve(
+    part: _Pipeline, labels: dict[str, str], value: float, external: dict[str, str], external_url: str
+) -> object:
     if part.literal is not None:
         return part.literal
     if part.source in ("$value", ".Value"):
@@ -171,7 +181,7 @@ def go_format(value: object) -> str:
         return f"{sign}0.{'0' * (-exp - 1)}{digits}"
     if exp + 1 >= len(digits):
         return sign + digits + "0" * (exp + 1 - len(digits))
-    return f"{sign}{digits[:exp + 1]}.{digits[exp + 1:]}"
+    return f"{sign}{digits[: exp + 1]}.{digits[exp + 1 :]}"
 
 
 def _shortest(v: float) -> tuple[str, int]:

@@ -56,8 +56,9 @@ def _latency(trials: int) -> dict:
         url = f"sqlite:///{Path(tmp) / 'alerts-bench.db'}"
         upgrade(url)
         engine = make_engine(url)
-        config = webhook_config([sink.url], secret="bench", group_wait_s=0.0, group_interval_s=1.0,
-                                group_by=["alertname", "instance"])
+        config = webhook_config(
+            [sink.url], secret="bench", group_wait_s=0.0, group_interval_s=1.0, group_by=["alertname", "instance"]
+        )
         evaluator = AlertEvaluator(session_factory(engine), groups, source, config)
         stop = threading.Event()
         start = time.time() + 0.5
@@ -119,8 +120,9 @@ def _throughput(instances: int, rounds: int) -> dict:
                 points = [(now - 86400 - 900 + k * 60.0, 0.1 + 0.001 * (k % 7)) for k in range(1456)]
             else:
                 counter = name.endswith("_total")
-                points = [(now - 3600 + k * 10.0, float(k) if counter else 0.5 + 0.01 * ((k + i) % 50))
-                          for k in range(361)]
+                points = [
+                    (now - 3600 + k * 10.0, float(k) if counter else 0.5 + 0.01 * ((k + i) % 50)) for k in range(361)
+                ]
             source.add_many(name, instance, points)
     evaluated = 0
     started = time.perf_counter()
@@ -155,10 +157,25 @@ def _sql_ttft(requests_per_s: float, ticks: int = 5) -> dict:
         engine = make_engine(url, sqlite_synchronous="NORMAL")
         for instance in ("e0", "e1", "e2", "e3"):
             for lo in range(0, per_instance, 20_000):
-                events = [{"type": "request", "v": 1, "instance": instance, "run_id": "r", "request_id": f"{k}",
-                           "ts": now - 86400 - 900 + k / requests_per_s, "status": "finished", "prompt_tokens": 1,
-                           "output_tokens": 1, "queue_s": 0, "prefill_s": 0, "ttft_s": rng.uniform(0.05, 0.3),
-                           "decode_s": 0, "e2e_s": 0.5} for k in range(lo, min(lo + 20_000, per_instance))]
+                events = [
+                    {
+                        "type": "request",
+                        "v": 1,
+                        "instance": instance,
+                        "run_id": "r",
+                        "request_id": f"{k}",
+                        "ts": now - 86400 - 900 + k / requests_per_s,
+                        "status": "finished",
+                        "prompt_tokens": 1,
+                        "output_tokens": 1,
+                        "queue_s": 0,
+                        "prefill_s": 0,
+                        "ttft_s": rng.uniform(0.05, 0.3),
+                        "decode_s": 0,
+                        "e2e_s": 0.5,
+                    }
+                    for k in range(lo, min(lo + 20_000, per_instance))
+                ]
                 body = json.dumps({"events": events}).encode()
                 store_batch(engine, parse_batch(body, max_events=len(events)), idempotency_key=None, content=body)
         clock = [now]
@@ -170,8 +187,11 @@ def _sql_ttft(requests_per_s: float, ticks: int = 5) -> dict:
             times.append(time.perf_counter() - started)
             clock[0] += 15.0
         engine.dispose()
-    return {"sql_ttft_rows": 4 * per_instance, "sql_ttft_first_eval_s": round(times[0], 3),
-            "sql_ttft_next_eval_p50_s": round(statistics.median(times[1:]), 4)}
+    return {
+        "sql_ttft_rows": 4 * per_instance,
+        "sql_ttft_first_eval_s": round(times[0], 3),
+        "sql_ttft_next_eval_p50_s": round(statistics.median(times[1:]), 4),
+    }
 
 
 def run_alerts_bench(quick: bool) -> dict:
@@ -181,5 +201,12 @@ def run_alerts_bench(quick: bool) -> dict:
     throughput = _throughput(instances=100, rounds=3 if quick else 10)
     print("alerts bench: TTFTRegression over a day of stored requests (SqlSource, SQLite)...", file=sys.stderr)
     sql_ttft = _sql_ttft(requests_per_s=0.1 if quick else 1.0)
-    return {"benchmark": "alerts", "quick": quick, **latency, **throughput, **sql_ttft,
-            "target_delivery_p99_s": 1.0, "meets_target": latency["delivery_p99_s"] <= 1.0}
+    return {
+        "benchmark": "alerts",
+        "quick": quick,
+        **latency,
+        **throughput,
+        **sql_ttft,
+        "target_delivery_p99_s": 1.0,
+        "meets_target": latency["delivery_p99_s"] <= 1.0,
+    }

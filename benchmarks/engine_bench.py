@@ -110,10 +110,19 @@ def run_hf(cfg: EngineConfig, reqs: list[W.WorkloadRequest], weights: dict[str, 
 
     m = cfg.model
     hf_cfg = LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_position,
-        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=False,
-        bos_token_id=256, eos_token_id=257, pad_token_id=258,
+        vocab_size=m.vocab_size,
+        hidden_size=m.dim,
+        intermediate_size=m.ffn_dim,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads,
+        max_position_embeddings=m.max_position,
+        rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
     )
     model = HFLlama(hf_cfg).eval()
     model.load_state_dict(weights)
@@ -122,8 +131,14 @@ def run_hf(cfg: EngineConfig, reqs: list[W.WorkloadRequest], weights: dict[str, 
         warm = [W.prompt_ids(r, i) for i, r in enumerate(reqs[:batch])]
         width = max(len(x) for x in warm)
         inp = torch.full((len(warm), width), pad, dtype=torch.long)
-        model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), max_new_tokens=4, min_new_tokens=4,
-                       do_sample=False, pad_token_id=pad)
+        model.generate(
+            input_ids=inp,
+            attention_mask=torch.ones_like(inp),
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     useful = 0
     latencies: list[float] = []
     t0 = time.perf_counter()
@@ -139,8 +154,12 @@ def run_hf(cfg: EngineConfig, reqs: list[W.WorkloadRequest], weights: dict[str, 
                 att[i, width - len(x) :] = 1
             longest = max(r.output_tokens for r in group)
             model.generate(
-                input_ids=inp, attention_mask=att, max_new_tokens=longest, min_new_tokens=longest,
-                do_sample=False, pad_token_id=pad,
+                input_ids=inp,
+                attention_mask=att,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
             )
             useful += sum(r.output_tokens for r in group)
             latencies.extend([time.perf_counter() - t0] * len(group))
@@ -154,8 +173,10 @@ def run_engine_bench(quick: bool = False, progress: Callable[[str], None] | None
     cfg = bench_config(quick)
     reqs = bench_workload(quick)
     reps = 2
-    say(f"[1/2] kvpilot engine vs Hugging Face generate (static batches of {cfg.scheduler.max_num_seqs}): "
-        f"{len(reqs)} requests, {sum(r.prompt_tokens for r in reqs)} prompt tokens, {reps} interleaved reps")
+    say(
+        f"[1/2] kvpilot engine vs Hugging Face generate (static batches of {cfg.scheduler.max_num_seqs}): "
+        f"{len(reqs)} requests, {sum(r.prompt_tokens for r in reqs)} prompt tokens, {reps} interleaved reps"
+    )
     # Interleaved repetitions, best of each: a noisy 2-core machine slows whichever run it hits.
     main: dict | None = None
     hf: dict | None = None
@@ -209,7 +230,8 @@ def run_engine_bench(quick: bool = False, progress: Callable[[str], None] | None
         "outside_forward_share": round(main["outside_forward_share"], 4),
         "outside_forward_share_full_batch": (
             round(main["outside_forward_share_full_batch"], 4)
-            if main["outside_forward_share_full_batch"] is not None else None
+            if main["outside_forward_share_full_batch"] is not None
+            else None
         ),
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "steps": main["steps"],

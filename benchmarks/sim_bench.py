@@ -144,8 +144,10 @@ def run_sim_bench(
         case_opts = WL.WorkloadOptions(**{**opts.__dict__, "load": load})
         reqs = WL.scenario(scenario, cap, case_opts, seed=11 + k)
         prompts = prepare_prompts(reqs, 11 + k)
-        say(f"[{k + 1}/{len(CASES)}] {name}: {len(reqs)} requests on the torch engine, {reps} runs"
-            f"{', calibration grid between them' if grid else ''} ...")
+        say(
+            f"[{k + 1}/{len(CASES)}] {name}: {len(reqs)} requests on the torch engine, {reps} runs"
+            f"{', calibration grid between them' if grid else ''} ..."
+        )
         runs, real_wall = [], 0.0
         if grid is not None:
             grid.clear()
@@ -171,8 +173,11 @@ def run_sim_bench(
         sim_wall = time.perf_counter() - t
         # The simulator as the real engine is measured: several runs, each step drawing its time from the
         # calibration's spread (a deterministic run is one trajectory of a chaotic queue, as one real run is).
-        sims = [_sim_replay(cfg, prof, reqs, 11 + k, prompts, j) for j in range(SIM_RUNS)] if prof.step_jitter \
+        sims = (
+            [_sim_replay(cfg, prof, reqs, 11 + k, prompts, j) for j in range(SIM_RUNS)]
+            if prof.step_jitter
             else [mean_cost]
+        )
         per_run, per_sim = [_figures([r]) for r in runs], [_figures([r]) for r in sims]
         fr, fp, fs, fsp = _median(per_run), _figures(runs), _median(per_sim), _figures(sims)
         fm = _figures([mean_cost])
@@ -214,8 +219,14 @@ def run_sim_bench(
     return out
 
 
-def _sim_replay(cfg: EngineConfig, prof: CostProfile, reqs: list[W.WorkloadRequest], seed: int,
-                prompts: list[list[int]], jitter_seed: int | None) -> ReplayResult:
+def _sim_replay(
+    cfg: EngineConfig,
+    prof: CostProfile,
+    reqs: list[W.WorkloadRequest],
+    seed: int,
+    prompts: list[list[int]],
+    jitter_seed: int | None,
+) -> ReplayResult:
     engine, _ = sim_engine(cfg, prof, sink=TrialSink(keep_steps=False), jitter_seed=jitter_seed)
     return replay(engine, reqs, seed=seed, prompts=prompts)
 

@@ -75,16 +75,21 @@ def trials_to_within(curve: list[float], target: float) -> int | None:
     return None
 
 
-def run_tuner_bench(quick: bool = False, profile: str = "cpu-2core", progress: Callable[[str], None] | None = None
-                    ) -> dict:
+def run_tuner_bench(
+    quick: bool = False, profile: str = "cpu-2core", progress: Callable[[str], None] | None = None
+) -> dict:
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     prof = load_profile(profile)
     # The default tunables (block 32 fixed, threshold 0.85, recycle 500 ms, passive, 32 seqs, 2048-token budget)
     # on the profile's own memory pools and model.
     default = prof.engine_config(None).with_tunable(EngineConfig().tunable())
     gpu = prof.hardware.kind == "gpu"  # GPU profiles replay the seed's lengths; CPU ones a quarter of them
-    opts = WL.WorkloadOptions(requests=80 if quick else 160, scale=1.0 if gpu else 4.0,
-                              output_range=(32, 512) if gpu else (16, 128), max_total_tokens=default.model.max_position)
+    opts = WL.WorkloadOptions(
+        requests=80 if quick else 160,
+        scale=1.0 if gpu else 4.0,
+        output_range=(32, 512) if gpu else (16, 128),
+        max_total_tokens=default.model.max_position,
+    )
     cap = capacity_rps(prof, default, opts)
     seeds = 20
     budget = 60 if quick else 100
@@ -105,17 +110,28 @@ def run_tuner_bench(quick: bool = False, profile: str = "cpu-2core", progress: C
                 raise RuntimeError("no config of the grid is feasible; the benchmark's SLO does not fit this profile")
             optimum = max(feasible)
             within = sum(v >= 0.98 * optimum for v in feasible)
-            say(f"grid: {len(points)} configs, {len(feasible)} feasible, optimum {optimum:.1f} goodput tokens/s, "
-                f"{within} within 2%")
+            say(
+                f"grid: {len(points)} configs, {len(feasible)} feasible, optimum {optimum:.1f} goodput tokens/s, "
+                f"{within} within 2%"
+            )
             grid_backend = GridBackend(table)
             counts: dict[str, list[int]] = {"tpe": [], "random": []}
             missed: dict[str, int] = {"tpe": 0, "random": 0}
             for seed in range(seeds):
                 for sampler in ("tpe", "random"):
                     cap_trials = TPE_BUDGET if sampler == "tpe" else budget
-                    res = run_study(grid_backend, space, default, name=f"bench-{sampler}-{seed}", trials=cap_trials,
-                                    slo=SLO_BENCH, sampler=sampler, seed=seed, random_baseline=False,
-                                    progress=False)
+                    res = run_study(
+                        grid_backend,
+                        space,
+                        default,
+                        name=f"bench-{sampler}-{seed}",
+                        trials=cap_trials,
+                        slo=SLO_BENCH,
+                        sampler=sampler,
+                        seed=seed,
+                        random_baseline=False,
+                        progress=False,
+                    )
                     n = trials_to_within(res.best_so_far(), 0.98 * optimum)
                     if n is None:
                         missed[sampler] += 1
@@ -134,15 +150,31 @@ def run_tuner_bench(quick: bool = False, profile: str = "cpu-2core", progress: C
             for name, scenario, load in cases:
                 case_opts = WL.WorkloadOptions(**{**opts.__dict__, "load": load})
                 be = SimBackend(prof, lambda s, n=scenario, o=case_opts: WL.scenario(n, cap, o, seed=s), db, SLO_BENCH)
-                res = run_study(be, full_space, default, name=f"gain-{name}", trials=gain_trials, slo=SLO_BENCH,
-                                seed=0, workload_seed=[0, 1, 2], random_baseline=False, progress=True)
+                res = run_study(
+                    be,
+                    full_space,
+                    default,
+                    name=f"gain-{name}",
+                    trials=gain_trials,
+                    slo=SLO_BENCH,
+                    seed=0,
+                    workload_seed=[0, 1, 2],
+                    random_baseline=False,
+                    progress=True,
+                )
                 best = res.best
                 if best is None:
                     gains[name] = {"gain": None, "note": "no feasible trial"}
                     continue
-                conf = confirm(be, default, full_space.apply(default, best.params), slo=SLO_BENCH,
-                               seeds=[1000, 1001] if quick else [1000, 1001, 1002], name=f"gain-{name}",
-                               min_gain=0.0)
+                conf = confirm(
+                    be,
+                    default,
+                    full_space.apply(default, best.params),
+                    slo=SLO_BENCH,
+                    seeds=[1000, 1001] if quick else [1000, 1001, 1002],
+                    name=f"gain-{name}",
+                    min_gain=0.0,
+                )
                 gains[name] = {
                     "gain": round(conf["gain"], 4),
                     "default_goodput_tps": round(statistics.fmean(m["goodput_tps"] for m in conf["baseline"]), 1),

@@ -12,19 +12,43 @@ HEIGHT = 240
 # No fixed format: Vega picks one per zoom level (seconds within a minute, dates across days), in UTC.
 TIME_AXIS = alt.Axis(title=None, labelAngle=0, labelOverlap=True)
 TIME = alt.X("time:T", axis=TIME_AXIS, scale=alt.Scale(type="utc"))
-STAGE_COLORS = {"queue": "#f58518", "prefill": "#4c78a8", "first-token gap": "#b279a2", "decode": "#54a24b",
-                "swap": "#e45756"}
-OP_COLORS = {"alloc": "#4c78a8", "free": "#9ecae9", "swap_out": "#e45756", "swap_in": "#f58518",
-             "evict": "#b279a2", "recycle": "#54a24b", "oom": "#000000"}
+STAGE_COLORS = {
+    "queue": "#f58518",
+    "prefill": "#4c78a8",
+    "first-token gap": "#b279a2",
+    "decode": "#54a24b",
+    "swap": "#e45756",
+}
+OP_COLORS = {
+    "alloc": "#4c78a8",
+    "free": "#9ecae9",
+    "swap_out": "#e45756",
+    "swap_in": "#f58518",
+    "evict": "#b279a2",
+    "recycle": "#54a24b",
+    "oom": "#000000",
+}
 
 
 def _time_tooltip() -> alt.Tooltip:
-    return alt.Tooltip("time:T", title="time (UTC)", format="%Y-%m-%d %H:%M:%S",
-                       timeUnit="utcyearmonthdatehoursminutesseconds")
+    return alt.Tooltip(
+        "time:T", title="time (UTC)", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds"
+    )
 
 
-def lines(df: pd.DataFrame, *, y: str, color: str, title: str, y_title: str, y_format: str = "~s",
-          percent: bool = False, dash: str | None = None, log: bool = False, height: int = HEIGHT) -> alt.Chart:
+def lines(
+    df: pd.DataFrame,
+    *,
+    y: str,
+    color: str,
+    title: str,
+    y_title: str,
+    y_format: str = "~s",
+    percent: bool = False,
+    dash: str | None = None,
+    log: bool = False,
+    height: int = HEIGHT,
+) -> alt.Chart:
     """One line per `color` value over time (and per `dash` value, drawn dashed); `percent` formats 0..1 as %."""
     fmt = ".0%" if percent else y_format
     scale = alt.Scale(domain=[0, 1]) if percent else alt.Scale(zero=True)
@@ -61,12 +85,23 @@ def stacked_stages(df: pd.DataFrame, *, title: str) -> alt.Chart:
         .encode(
             x=TIME,
             y=alt.Y("seconds:Q", title="seconds (mean)", stack="zero"),
-            color=alt.Color("stage:N", title=None, sort=order, legend=alt.Legend(orient="bottom"),
-                            scale=alt.Scale(domain=order, range=[STAGE_COLORS[s] for s in order])),
+            color=alt.Color(
+                "stage:N",
+                title=None,
+                sort=order,
+                legend=alt.Legend(orient="bottom"),
+                scale=alt.Scale(domain=order, range=[STAGE_COLORS[s] for s in order]),
+            ),
             order=alt.Order("stage_order:Q"),
-            tooltip=[_time_tooltip(), "stage:N", alt.Tooltip("seconds:Q", format=".4~g"),
-                     alt.Tooltip("e2e (s):Q", format=".4~g", title="mean e2e (s)"), "requests:Q", "swaps:Q",
-                     "preemptions:Q"],
+            tooltip=[
+                _time_tooltip(),
+                "stage:N",
+                alt.Tooltip("seconds:Q", format=".4~g"),
+                alt.Tooltip("e2e (s):Q", format=".4~g", title="mean e2e (s)"),
+                "requests:Q",
+                "swaps:Q",
+                "preemptions:Q",
+            ],
         )
         .transform_calculate(stage_order=f"indexof({order!r}, datum.stage)")
     )
@@ -80,14 +115,18 @@ def histogram(df: pd.DataFrame, *, title: str, x_title: str) -> alt.Chart:
             x=alt.X("lo:Q", bin="binned", title=x_title, axis=alt.Axis(format="~g")),
             x2="hi:Q",
             y=alt.Y("count:Q", title="requests"),
-            tooltip=[alt.Tooltip("lo:Q", format=".4~g", title="from (s)"),
-                     alt.Tooltip("hi:Q", format=".4~g", title="to (s)"), "count:Q"],
+            tooltip=[
+                alt.Tooltip("lo:Q", format=".4~g", title="from (s)"),
+                alt.Tooltip("hi:Q", format=".4~g", title="to (s)"),
+                "count:Q",
+            ],
         )
     )
 
 
-def stacked_counts(df: pd.DataFrame, *, y: str, color: str, title: str, y_title: str,
-                   colors: dict[str, str] | None = None) -> alt.Chart:
+def stacked_counts(
+    df: pd.DataFrame, *, y: str, color: str, title: str, y_title: str, colors: dict[str, str] | None = None
+) -> alt.Chart:
     present = [k for k in colors if k in set(df[color])] if colors else []
     scale = alt.Scale(domain=present, range=[colors[k] for k in present]) if colors else alt.Undefined
     return (
@@ -106,31 +145,59 @@ def alloc_timeline(df: pd.DataFrame, *, title: str) -> alt.LayerChart:
     """Each allocation event as a mark on its op's row (size = blocks), over the hot-tier usage after it."""
     ops = [op for op in OP_COLORS if op in set(df["op"])]
     base = alt.Chart(df).encode(x=TIME)
-    events = base.mark_tick(thickness=2, size=14).encode(
-        y=alt.Y("op:N", title=None, sort=list(OP_COLORS)),
-        color=alt.Color("op:N", scale=alt.Scale(domain=ops, range=[OP_COLORS[o] for o in ops]), legend=None),
-        tooltip=[_time_tooltip(), "op:N", "tier:N", "request_id:N", "blocks:Q", "bytes:Q",
-                 alt.Tooltip("usage_after:Q", format=".1%")],
-    ).properties(height=30 * max(1, len(ops)) + 20, title=title)
-    usage = base.mark_line(interpolate="step-after", color="#555").encode(
-        y=alt.Y("usage_after:Q", title="KV usage after event", axis=alt.Axis(format=".0%"),
-                scale=alt.Scale(domain=[0, 1])),
-        tooltip=[_time_tooltip(), alt.Tooltip("usage_after:Q", format=".1%")],
-    ).properties(height=160)
+    events = (
+        base.mark_tick(thickness=2, size=14)
+        .encode(
+            y=alt.Y("op:N", title=None, sort=list(OP_COLORS)),
+            color=alt.Color("op:N", scale=alt.Scale(domain=ops, range=[OP_COLORS[o] for o in ops]), legend=None),
+            tooltip=[
+                _time_tooltip(),
+                "op:N",
+                "tier:N",
+                "request_id:N",
+                "blocks:Q",
+                "bytes:Q",
+                alt.Tooltip("usage_after:Q", format=".1%"),
+            ],
+        )
+        .properties(height=30 * max(1, len(ops)) + 20, title=title)
+    )
+    usage = (
+        base.mark_line(interpolate="step-after", color="#555")
+        .encode(
+            y=alt.Y(
+                "usage_after:Q",
+                title="KV usage after event",
+                axis=alt.Axis(format=".0%"),
+                scale=alt.Scale(domain=[0, 1]),
+            ),
+            tooltip=[_time_tooltip(), alt.Tooltip("usage_after:Q", format=".1%")],
+        )
+        .properties(height=160)
+    )
     zoom = alt.selection_interval(bind="scales", encodings=["x"], name="trace_zoom")
     return alt.vconcat(events.add_params(zoom), usage).resolve_scale(x="shared")
 
 
 def history_line(df: pd.DataFrame, *, y: str, title: str, direction: str) -> alt.LayerChart:
     """Objective per trial (dots) with the best value so far (step line)."""
-    points = alt.Chart(df).mark_circle(size=50, opacity=0.7).encode(
-        x=alt.X("trial:Q", title="trial", axis=alt.Axis(format="d", tickMinStep=1)),
-        y=alt.Y(f"{y}:Q", title=y, scale=alt.Scale(zero=False)),
-        tooltip=["trial:Q", alt.Tooltip(f"{y}:Q", format=".5~g")],
+    points = (
+        alt.Chart(df)
+        .mark_circle(size=50, opacity=0.7)
+        .encode(
+            x=alt.X("trial:Q", title="trial", axis=alt.Axis(format="d", tickMinStep=1)),
+            y=alt.Y(f"{y}:Q", title=y, scale=alt.Scale(zero=False)),
+            tooltip=["trial:Q", alt.Tooltip(f"{y}:Q", format=".5~g")],
+        )
     )
-    best = alt.Chart(df).mark_line(interpolate="step-after", color="#e45756").encode(
-        x="trial:Q", y=alt.Y("best:Q"),
-        tooltip=["trial:Q", alt.Tooltip("best:Q", format=".5~g", title=f"best ({direction})")],
+    best = (
+        alt.Chart(df)
+        .mark_line(interpolate="step-after", color="#e45756")
+        .encode(
+            x="trial:Q",
+            y=alt.Y("best:Q"),
+            tooltip=["trial:Q", alt.Tooltip("best:Q", format=".5~g", title=f"best ({direction})")],
+        )
     )
     return alt.layer(points, best, title=title).properties(height=HEIGHT)
 
@@ -142,8 +209,11 @@ def pareto(df: pd.DataFrame, *, x: str, y: str, title: str) -> alt.Chart:
         .encode(
             x=alt.X(f"{x}:Q", title=x, scale=alt.Scale(zero=False)),
             y=alt.Y(f"{y}:Q", title=y, scale=alt.Scale(zero=False)),
-            color=alt.Color("front:N", title=None, scale=alt.Scale(domain=["Pareto front", "dominated"],
-                                                                  range=["#e45756", "#bab0ac"])),
+            color=alt.Color(
+                "front:N",
+                title=None,
+                scale=alt.Scale(domain=["Pareto front", "dominated"], range=["#e45756", "#bab0ac"]),
+            ),
             tooltip=["trial:Q", alt.Tooltip(f"{x}:Q", format=".5~g"), alt.Tooltip(f"{y}:Q", format=".5~g")],
         )
     )
@@ -170,10 +240,14 @@ def alert_timeline(df: pd.DataFrame, *, title: str) -> alt.Chart:
             x=alt.X("from:T", axis=TIME_AXIS, scale=alt.Scale(type="utc")),
             x2="to:T",
             y=alt.Y("alert:N", title=None, axis=alt.Axis(labelLimit=320)),
-            color=alt.Color("phase:N", title=None, scale=alt.Scale(domain=["pending", "firing"],
-                                                                  range=["#f2cf5b", "#e45756"])),
-            tooltip=["alert:N", "phase:N",
-                     alt.Tooltip("from:T", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds"),
-                     alt.Tooltip("to:T", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds")],
+            color=alt.Color(
+                "phase:N", title=None, scale=alt.Scale(domain=["pending", "firing"], range=["#f2cf5b", "#e45756"])
+            ),
+            tooltip=[
+                "alert:N",
+                "phase:N",
+                alt.Tooltip("from:T", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds"),
+                alt.Tooltip("to:T", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds"),
+            ],
         )
     )

@@ -27,8 +27,15 @@ from collector.schema import AlertState, Proposal
 from collector.settings import CollectorSettings
 
 TTL_S = 10
-LATENCY_METRICS = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "End to end", "queue": "Queue", "prefill": "Prefill",
-                   "decode": "Decode", "swap": "Swap"}
+LATENCY_METRICS = {
+    "ttft": "TTFT",
+    "tpot": "TPOT",
+    "e2e": "End to end",
+    "queue": "Queue",
+    "prefill": "Prefill",
+    "decode": "Decode",
+    "swap": "Swap",
+}
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
 
@@ -77,10 +84,17 @@ def schema_problem(url: str) -> str | None:
     """Why the dashboard cannot read this database (missing file, not migrated, unreachable), or None."""
     parsed = make_url(url)
     database = parsed.database
-    if parsed.get_backend_name() == "sqlite" and database and database != ":memory:" \
-            and not database.startswith("file:") and not Path(database).expanduser().exists():
-        return (f"No database at {database}. Start the collector (`kvpilot collector serve`) or run "
-                "`kvpilot demo`, or point KVPILOT_DB_URL (`kvpilot dashboard --db URL`) at an existing one.")
+    if (
+        parsed.get_backend_name() == "sqlite"
+        and database
+        and database != ":memory:"
+        and not database.startswith("file:")
+        and not Path(database).expanduser().exists()
+    ):
+        return (
+            f"No database at {database}. Start the collector (`kvpilot collector serve`) or run "
+            "`kvpilot demo`, or point KVPILOT_DB_URL (`kvpilot dashboard --db URL`) at an existing one."
+        )
     try:
         check_schema_current(engine(url))
     except CollectorError as exc:
@@ -109,15 +123,32 @@ def instances(url: str) -> list[str]:
 def totals(f: Filters) -> dict[str, Any]:
     """Headline numbers of the whole selection: request counts, rates, TTFT/TPOT/e2e quantiles."""
     db = engine(f.db_url)
-    rates = queries.request_rates(db, start=f.start, end=f.end, group_by="all", instances=f.instance_list,
-                                  run_id=f.run_id)
-    out: dict[str, Any] = {"requests": 0, "finished": 0, "failed": 0, "rejected": 0, "aborted": 0,
-                           "requests_per_s": 0.0, "output_tokens_per_s": 0.0, "prompt_tokens_per_s": 0.0}
+    rates = queries.request_rates(
+        db, start=f.start, end=f.end, group_by="all", instances=f.instance_list, run_id=f.run_id
+    )
+    out: dict[str, Any] = {
+        "requests": 0,
+        "finished": 0,
+        "failed": 0,
+        "rejected": 0,
+        "aborted": 0,
+        "requests_per_s": 0.0,
+        "output_tokens_per_s": 0.0,
+        "prompt_tokens_per_s": 0.0,
+    }
     if rates:
         out.update({k: getattr(rates[0], k) for k in out})
     for metric in ("ttft", "tpot", "e2e"):
-        stats = queries.latency_percentiles(db, start=f.start, end=f.end, metric=metric, quantiles=QUANTILES,
-                                            group_by="all", instances=f.instance_list, run_id=f.run_id)
+        stats = queries.latency_percentiles(
+            db,
+            start=f.start,
+            end=f.end,
+            metric=metric,
+            quantiles=QUANTILES,
+            group_by="all",
+            instances=f.instance_list,
+            run_id=f.run_id,
+        )
         for q in QUANTILES:
             out[f"{metric}_p{round(q * 100)}"] = stats[0].quantiles[q] if stats else None
     return out
@@ -129,30 +160,35 @@ def instance_summary(f: Filters) -> pd.DataFrame:
     db = engine(f.db_url)
     kw = {"start": f.start, "end": f.end, "instances": f.instance_list, "run_id": f.run_id}
     rates = {r.group: r for r in queries.request_rates(db, group_by="instance", **kw)}
-    ttft = {s.group: s for s in queries.latency_percentiles(db, metric="ttft", quantiles=(0.5, 0.99),
-                                                            group_by="instance", **kw)}
-    e2e = {s.group: s for s in queries.latency_percentiles(db, metric="e2e", quantiles=(0.99,),
-                                                           group_by="instance", **kw)}
+    ttft = {
+        s.group: s
+        for s in queries.latency_percentiles(db, metric="ttft", quantiles=(0.5, 0.99), group_by="instance", **kw)
+    }
+    e2e = {
+        s.group: s for s in queries.latency_percentiles(db, metric="e2e", quantiles=(0.99,), group_by="instance", **kw)
+    }
     latest = queries.latest_samples(db, **kw)
     names = sorted(set(rates) | set(latest) | set(ttft))
     rows = []
     for name in names:
         r, s, t, e = rates.get(name), latest.get(name, {}), ttft.get(name), e2e.get(name)
-        rows.append({
-            "instance": name,
-            "requests": r.requests if r else 0,
-            "failed": (r.failed + r.rejected + r.aborted) if r else 0,
-            "req/s": r.requests_per_s if r else 0.0,
-            "output tok/s": r.output_tokens_per_s if r else 0.0,
-            "TTFT p50 (s)": t.quantiles[0.5] if t else None,
-            "TTFT p99 (s)": t.quantiles[0.99] if t else None,
-            "e2e p99 (s)": e.quantiles[0.99] if e else None,
-            "KV usage": s.get("kv_usage"),
-            "utilization": s.get("utilization"),
-            "queue depth": s.get("queue_depth"),
-            "running": s.get("running"),
-            "last sample": s.get("ts"),
-        })
+        rows.append(
+            {
+                "instance": name,
+                "requests": r.requests if r else 0,
+                "failed": (r.failed + r.rejected + r.aborted) if r else 0,
+                "req/s": r.requests_per_s if r else 0.0,
+                "output tok/s": r.output_tokens_per_s if r else 0.0,
+                "TTFT p50 (s)": t.quantiles[0.5] if t else None,
+                "TTFT p99 (s)": t.quantiles[0.99] if t else None,
+                "e2e p99 (s)": e.quantiles[0.99] if e else None,
+                "KV usage": s.get("kv_usage"),
+                "utilization": s.get("utilization"),
+                "queue depth": s.get("queue_depth"),
+                "running": s.get("running"),
+                "last sample": s.get("ts"),
+            }
+        )
     df = pd.DataFrame(rows)
     if not df.empty:
         df["last sample"] = _ts(df["last sample"])
@@ -162,11 +198,21 @@ def instance_summary(f: Filters) -> pd.DataFrame:
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def throughput(f: Filters) -> pd.DataFrame:
     """Engine tokens/s per bucket and instance, from step events (downsampled in SQL)."""
-    data = queries.throughput_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s,
-                                        instances=f.instance_list, run_id=f.run_id)
-    rows = [{"instance": inst, "ts": b.ts, "prefill tok/s": b.prefill_tokens_per_s,
-             "decode tok/s": b.decode_tokens_per_s, "busy": b.busy_fraction, "step (s)": b.mean_step_s}
-            for inst, buckets in data.items() for b in buckets]
+    data = queries.throughput_over_time(
+        engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s, instances=f.instance_list, run_id=f.run_id
+    )
+    rows = [
+        {
+            "instance": inst,
+            "ts": b.ts,
+            "prefill tok/s": b.prefill_tokens_per_s,
+            "decode tok/s": b.decode_tokens_per_s,
+            "busy": b.busy_fraction,
+            "step (s)": b.mean_step_s,
+        }
+        for inst, buckets in data.items()
+        for b in buckets
+    ]
     df = pd.DataFrame(rows, columns=["instance", "ts", "prefill tok/s", "decode tok/s", "busy", "step (s)"])
     df["time"] = _ts(df["ts"])
     return df
@@ -185,16 +231,18 @@ def gauges(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
     rows = []
     per_run = [n for n in names if n in SAMPLE_COLUMNS] if f.run_id is not None else []
     if per_run:
-        by_name = queries.run_gauges_over_time(db, names=per_run, start=f.start, end=f.end, bucket_s=f.bucket_s,
-                                               run_id=f.run_id, instances=f.instance_list)
+        by_name = queries.run_gauges_over_time(
+            db, names=per_run, start=f.start, end=f.end, bucket_s=f.bucket_s, run_id=f.run_id, instances=f.instance_list
+        )
         for name, per_instance in by_name.items():
             for inst, points in per_instance.items():
                 rows.extend({"instance": inst, "ts": ts, "series": name, "value": v} for ts, v in points)
     for name in names:
         if name in per_run:
             continue
-        for inst, points in queries.bucketed(db, name=name, start=f.start, end=f.end, bucket_s=f.bucket_s,
-                                             instances=f.instance_list).items():
+        for inst, points in queries.bucketed(
+            db, name=name, start=f.start, end=f.end, bucket_s=f.bucket_s, instances=f.instance_list
+        ).items():
             rows.extend({"instance": inst, "ts": ts, "series": name, "value": v} for ts, v in points)
     df = pd.DataFrame(rows, columns=["instance", "ts", "series", "value"])
     df["time"] = _ts(df["ts"])
@@ -209,40 +257,82 @@ def latency_summary(f: Filters) -> pd.DataFrame:
     db = engine(f.db_url)
     rows = []
     for metric, label in LATENCY_METRICS.items():
-        stats = queries.latency_percentiles(db, start=f.start, end=f.end, metric=metric, quantiles=QUANTILES,
-                                            group_by="all", instances=f.instance_list, run_id=f.run_id)
+        stats = queries.latency_percentiles(
+            db,
+            start=f.start,
+            end=f.end,
+            metric=metric,
+            quantiles=QUANTILES,
+            group_by="all",
+            instances=f.instance_list,
+            run_id=f.run_id,
+        )
         if stats:
             s = stats[0]
-            rows.append({"stage": label, "requests": s.count, "mean (s)": s.mean,
-                         **{f"p{round(q * 100)} (s)": s.quantiles[q] for q in QUANTILES}, "max (s)": s.max})
+            rows.append(
+                {
+                    "stage": label,
+                    "requests": s.count,
+                    "mean (s)": s.mean,
+                    **{f"p{round(q * 100)} (s)": s.quantiles[q] for q in QUANTILES},
+                    "max (s)": s.max,
+                }
+            )
     return pd.DataFrame(rows)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def latency_over_time(f: Filters, metric: str) -> pd.DataFrame:
-    buckets = queries.latency_quantiles_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s,
-                                                  metric=metric, quantiles=(0.5, 0.9, 0.99),
-                                                  instances=f.instance_list, run_id=f.run_id)
-    rows = [{"ts": b.ts, "quantile": f"p{round(q * 100)}", "seconds": v, "requests": b.count}
-            for b in buckets for q, v in b.quantiles.items() if v is not None]
+    buckets = queries.latency_quantiles_over_time(
+        engine(f.db_url),
+        start=f.start,
+        end=f.end,
+        bucket_s=f.bucket_s,
+        metric=metric,
+        quantiles=(0.5, 0.9, 0.99),
+        instances=f.instance_list,
+        run_id=f.run_id,
+    )
+    rows = [
+        {"ts": b.ts, "quantile": f"p{round(q * 100)}", "seconds": v, "requests": b.count}
+        for b in buckets
+        for q, v in b.quantiles.items()
+        if v is not None
+    ]
     df = pd.DataFrame(rows, columns=["ts", "quantile", "seconds", "requests"])
     df["time"] = _ts(df["ts"])
     return df
 
 
 # The stacked stages, in stack order; they add up to the mean e2e. Decode excludes the swap stage.
-STAGES = {"queue_s": "queue", "prefill_s": "prefill", "first_token_gap_s": "first-token gap",
-          "decode_excl_swap_s": "decode", "swap_s": "swap"}
+STAGES = {
+    "queue_s": "queue",
+    "prefill_s": "prefill",
+    "first_token_gap_s": "first-token gap",
+    "decode_excl_swap_s": "decode",
+    "swap_s": "swap",
+}
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def stage_breakdown(f: Filters) -> pd.DataFrame:
     """Mean seconds per stage per bucket (long format for stacked bars, swap its own stage), with swap counts."""
-    buckets = queries.stage_breakdown_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bar_bucket_s,
-                                                instances=f.instance_list, run_id=f.run_id)
-    rows = [{"ts": b.ts, "stage": label, "seconds": getattr(b, key), "requests": b.requests, "swaps": b.swaps,
-             "preemptions": b.preemptions, "e2e (s)": b.e2e_s}
-            for b in buckets for key, label in STAGES.items()]
+    buckets = queries.stage_breakdown_over_time(
+        engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bar_bucket_s, instances=f.instance_list, run_id=f.run_id
+    )
+    rows = [
+        {
+            "ts": b.ts,
+            "stage": label,
+            "seconds": getattr(b, key),
+            "requests": b.requests,
+            "swaps": b.swaps,
+            "preemptions": b.preemptions,
+            "e2e (s)": b.e2e_s,
+        }
+        for b in buckets
+        for key, label in STAGES.items()
+    ]
     df = pd.DataFrame(rows, columns=["ts", "stage", "seconds", "requests", "swaps", "preemptions", "e2e (s)"])
     df["time"] = _ts(df["ts"])
     return df
@@ -250,18 +340,50 @@ def stage_breakdown(f: Filters) -> pd.DataFrame:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def histogram(f: Filters, metric: str, upper: float | None) -> pd.DataFrame:
-    bins = queries.latency_histogram(engine(f.db_url), start=f.start, end=f.end, metric=metric, bins=40,
-                                     upper=upper, instances=f.instance_list, run_id=f.run_id)
+    bins = queries.latency_histogram(
+        engine(f.db_url),
+        start=f.start,
+        end=f.end,
+        metric=metric,
+        bins=40,
+        upper=upper,
+        instances=f.instance_list,
+        run_id=f.run_id,
+    )
     return pd.DataFrame([b.__dict__ for b in bins], columns=["lo", "hi", "count"])
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def slowest(f: Filters, metric: str, limit: int = 25) -> pd.DataFrame:
-    rows = queries.slowest_requests(engine(f.db_url), start=f.start, end=f.end, metric=metric, limit=limit,
-                                    instances=f.instance_list, run_id=f.run_id)
-    cols = ["request_id", "instance", "run_id", "ts", "status", "metric_value", "queue_s", "prefill_s", "ttft_s",
-            "decode_s", "swap_s", "e2e_s", "prompt_tokens", "output_tokens", "cached_tokens", "preemptions", "swaps",
-            "finish_reason"]
+    rows = queries.slowest_requests(
+        engine(f.db_url),
+        start=f.start,
+        end=f.end,
+        metric=metric,
+        limit=limit,
+        instances=f.instance_list,
+        run_id=f.run_id,
+    )
+    cols = [
+        "request_id",
+        "instance",
+        "run_id",
+        "ts",
+        "status",
+        "metric_value",
+        "queue_s",
+        "prefill_s",
+        "ttft_s",
+        "decode_s",
+        "swap_s",
+        "e2e_s",
+        "prompt_tokens",
+        "output_tokens",
+        "cached_tokens",
+        "preemptions",
+        "swaps",
+        "finish_reason",
+    ]
     df = pd.DataFrame(rows, columns=cols)
     df["finished at"] = _ts(df["ts"])
     return df.rename(columns={"metric_value": LATENCY_METRICS[metric] + " (s)"}).drop(columns=["ts"])
@@ -272,13 +394,22 @@ def slowest(f: Filters, metric: str, limit: int = 25) -> pd.DataFrame:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def kv_memory(f: Filters) -> pd.DataFrame:
-    data = queries.kv_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s,
-                                instances=f.instance_list, run_id=f.run_id)
-    names = {"kv_usage": "hot tier usage", "cold_usage": "cold tier usage", "internal_waste": "internal waste",
-             "fragmentation": "external fragmentation"}
-    rows = [{"instance": inst, "ts": b.ts, "series": label, "value": getattr(b, key)}
-            for inst, buckets in data.items() for b in buckets for key, label in names.items()
-            if getattr(b, key) is not None]
+    data = queries.kv_over_time(
+        engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s, instances=f.instance_list, run_id=f.run_id
+    )
+    names = {
+        "kv_usage": "hot tier usage",
+        "cold_usage": "cold tier usage",
+        "internal_waste": "internal waste",
+        "fragmentation": "external fragmentation",
+    }
+    rows = [
+        {"instance": inst, "ts": b.ts, "series": label, "value": getattr(b, key)}
+        for inst, buckets in data.items()
+        for b in buckets
+        for key, label in names.items()
+        if getattr(b, key) is not None
+    ]
     df = pd.DataFrame(rows, columns=["instance", "ts", "series", "value"])
     df["time"] = _ts(df["ts"])
     return df
@@ -286,8 +417,9 @@ def kv_memory(f: Filters) -> pd.DataFrame:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def alloc_ops(f: Filters) -> pd.DataFrame:
-    buckets = queries.alloc_ops_over_time(engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bar_bucket_s,
-                                          instances=f.instance_list, run_id=f.run_id)
+    buckets = queries.alloc_ops_over_time(
+        engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bar_bucket_s, instances=f.instance_list, run_id=f.run_id
+    )
     df = pd.DataFrame([b.__dict__ for b in buckets], columns=["ts", "op", "tier", "events", "blocks", "bytes"])
     df["time"] = _ts(df["ts"])
     return df
@@ -296,8 +428,9 @@ def alloc_ops(f: Filters) -> pd.DataFrame:
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def alloc_trace(f: Filters, limit: int = 2000) -> tuple[int, pd.DataFrame]:
     """(events in the window, the newest `limit` of them) for the event-level timeline."""
-    trace = queries.alloc_trace(engine(f.db_url), start=f.start, end=f.end, limit=limit, instances=f.instance_list,
-                                run_id=f.run_id)
+    trace = queries.alloc_trace(
+        engine(f.db_url), start=f.start, end=f.end, limit=limit, instances=f.instance_list, run_id=f.run_id
+    )
     cols = ["ts", "instance", "run_id", "op", "tier", "request_id", "blocks", "block_size", "bytes", "usage_after"]
     df = pd.DataFrame(trace.events, columns=cols)
     df["time"] = _ts(df["ts"])
@@ -312,14 +445,40 @@ def alert_states(url: str) -> pd.DataFrame:
     """Current alert rows: pending, firing, and resolved within the evaluator's retention."""
     with session_scope(session_factory(engine(url))) as session:
         rows = session.execute(select(AlertState).order_by(AlertState.active_at)).scalars().all()
-        data = [{"alertname": r.rule, "state": "resolved" if r.state == "inactive" else r.state,
-                 "severity": r.labels.get("severity", ""), "instance": r.labels.get("instance", ""),
-                 "summary": r.annotations.get("summary", ""), "value": r.last_value, "active_at": r.active_at,
-                 "fired_at": r.fired_at, "resolved_at": r.resolved_at, "last_eval_at": r.last_eval_at,
-                 "labels": dict(r.labels),
-                 "fingerprint": r.fingerprint} for r in rows]
-    return pd.DataFrame(data, columns=["alertname", "state", "severity", "instance", "summary", "value", "active_at",
-                                       "fired_at", "resolved_at", "last_eval_at", "labels", "fingerprint"])
+        data = [
+            {
+                "alertname": r.rule,
+                "state": "resolved" if r.state == "inactive" else r.state,
+                "severity": r.labels.get("severity", ""),
+                "instance": r.labels.get("instance", ""),
+                "summary": r.annotations.get("summary", ""),
+                "value": r.last_value,
+                "active_at": r.active_at,
+                "fired_at": r.fired_at,
+                "resolved_at": r.resolved_at,
+                "last_eval_at": r.last_eval_at,
+                "labels": dict(r.labels),
+                "fingerprint": r.fingerprint,
+            }
+            for r in rows
+        ]
+    return pd.DataFrame(
+        data,
+        columns=[
+            "alertname",
+            "state",
+            "severity",
+            "instance",
+            "summary",
+            "value",
+            "active_at",
+            "fired_at",
+            "resolved_at",
+            "last_eval_at",
+            "labels",
+            "fingerprint",
+        ],
+    )
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -329,8 +488,17 @@ def deliveries(url: str, limit: int = 200) -> list[dict[str, Any]]:
 
     with session_scope(session_factory(engine(url))) as session:
         rows = list_notifications(session, limit=limit)
-        bodies = dict(session.execute(select(AlertNotification.id, AlertNotification.body).where(
-            AlertNotification.id.in_([r["id"] for r in rows]))).all()) if rows else {}
+        bodies = (
+            dict(
+                session.execute(
+                    select(AlertNotification.id, AlertNotification.body).where(
+                        AlertNotification.id.in_([r["id"] for r in rows])
+                    )
+                ).all()
+            )
+            if rows
+            else {}
+        )
     for row in rows:
         row["body"] = bodies.get(row["id"], "")
     return rows
@@ -340,10 +508,28 @@ def alert_history(url: str, start: float, end: float) -> pd.DataFrame:
     """What was notified in the window, one row per alert per notification (newest first)."""
     from dashboard.transform import alerts_in_notification
 
-    rows = [a for n in deliveries(url, limit=1000) if start <= n["created_at"] < end
-            for a in alerts_in_notification(n, n["body"])]
-    return pd.DataFrame(rows, columns=["notified_at", "alertname", "status", "severity", "instance", "summary",
-                                       "starts_at", "ends_at", "receiver", "delivery", "notification_id"])
+    rows = [
+        a
+        for n in deliveries(url, limit=1000)
+        if start <= n["created_at"] < end
+        for a in alerts_in_notification(n, n["body"])
+    ]
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "notified_at",
+            "alertname",
+            "status",
+            "severity",
+            "instance",
+            "summary",
+            "starts_at",
+            "ends_at",
+            "receiver",
+            "delivery",
+            "notification_id",
+        ],
+    )
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -354,8 +540,9 @@ def silences(url: str) -> list[dict[str, Any]]:
         return list_silences(session, now=time.time(), include_expired=True)
 
 
-def create_silence(url: str, *, matchers: list[str], duration_s: float, created_by: str, comment: str,
-                   starts_at: float | None = None) -> str:
+def create_silence(
+    url: str, *, matchers: list[str], duration_s: float, created_by: str, comment: str, starts_at: float | None = None
+) -> str:
     """Parse amtool-style matchers and store a silence through alerts.silences; ValueError names a bad input."""
     from alerts.silences import SilenceIn, parse_matcher
     from alerts.silences import create_silence as store_silence
@@ -365,8 +552,9 @@ def create_silence(url: str, *, matchers: list[str], duration_s: float, created_
     parsed = [parse_matcher(m) for m in matchers if m.strip()]
     if not parsed:
         raise ValueError("a silence needs at least one matcher, e.g. alertname=KvCacheNearlyFull")
-    silence = SilenceIn(matchers=parsed, startsAt=start, endsAt=start + duration_s, createdBy=created_by,
-                        comment=comment)
+    silence = SilenceIn(
+        matchers=parsed, startsAt=start, endsAt=start + duration_s, createdBy=created_by, comment=comment
+    )
     with session_scope(session_factory(engine(url))) as session:
         silence_id = store_silence(session, silence, now=now)
     silences.clear()
@@ -388,8 +576,21 @@ def expire_silence(url: str, silence_id: str) -> bool:
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def targets(url: str) -> pd.DataFrame:
     rows = [t.__dict__ for t in queries.target_health(engine(url))]
-    return pd.DataFrame(rows, columns=["id", "url", "job", "instance", "up", "last_error", "last_scrape_at",
-                                       "scrape_duration_s", "interval_s", "enabled"])
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "id",
+            "url",
+            "job",
+            "instance",
+            "up",
+            "last_error",
+            "last_scrape_at",
+            "scrape_duration_s",
+            "interval_s",
+            "enabled",
+        ],
+    )
 
 
 # --- tuning ----------------------------------------------------------------------------------------
@@ -399,11 +600,39 @@ def targets(url: str) -> pd.DataFrame:
 def proposals(url: str) -> pd.DataFrame:
     with session_scope(session_factory(engine(url))) as session:
         rows = session.execute(select(Proposal).order_by(Proposal.created_at.desc(), Proposal.id.desc())).scalars()
-        data = [{c: getattr(r, c) for c in ("id", "created_at", "updated_at", "status", "study_name", "instance",
-                                             "config_yaml", "report_md", "baseline_metrics", "best_metrics")}
-                for r in rows]
-    return pd.DataFrame(data, columns=["id", "created_at", "updated_at", "status", "study_name", "instance",
-                                       "config_yaml", "report_md", "baseline_metrics", "best_metrics"])
+        data = [
+            {
+                c: getattr(r, c)
+                for c in (
+                    "id",
+                    "created_at",
+                    "updated_at",
+                    "status",
+                    "study_name",
+                    "instance",
+                    "config_yaml",
+                    "report_md",
+                    "baseline_metrics",
+                    "best_metrics",
+                )
+            }
+            for r in rows
+        ]
+    return pd.DataFrame(
+        data,
+        columns=[
+            "id",
+            "created_at",
+            "updated_at",
+            "status",
+            "study_name",
+            "instance",
+            "config_yaml",
+            "report_md",
+            "baseline_metrics",
+            "best_metrics",
+        ],
+    )
 
 
 def set_proposal_status(url: str, proposal_id: int, status: str) -> None:
@@ -440,8 +669,10 @@ def _optuna() -> Any:
     try:
         import optuna
     except ImportError as exc:
-        raise DataUnavailable("Optuna is not installed here, so studies cannot be read: "
-                              "`pip install optuna` (kvpilot's tuner depends on it).") from exc
+        raise DataUnavailable(
+            "Optuna is not installed here, so studies cannot be read: "
+            "`pip install optuna` (kvpilot's tuner depends on it)."
+        ) from exc
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna
 
@@ -462,8 +693,9 @@ def _optuna_storage(url: str) -> Any:
     storage_url = study_storage_url(url)
     parsed = make_url(storage_url)
     # Never create the storage or Optuna's tables from the dashboard: it only reads (DESIGN.md).
-    if parsed.get_backend_name() == "sqlite" and (not parsed.database or parsed.database == ":memory:"
-                                                  or not Path(parsed.database).exists()):
+    if parsed.get_backend_name() == "sqlite" and (
+        not parsed.database or parsed.database == ":memory:" or not Path(parsed.database).exists()
+    ):
         raise DataUnavailable(NO_STUDIES)
     probe = make_engine(storage_url, pool_size=1)
     try:
@@ -491,8 +723,15 @@ def _storage(url: str) -> Any:
 def studies(url: str) -> pd.DataFrame:
     optuna = _optuna()
     summaries = optuna.get_all_study_summaries(_storage(url), include_best_trial=False)
-    rows = [{"study": s.study_name, "directions": ", ".join(d.name.lower() for d in s.directions),
-             "trials": s.n_trials, "started": s.datetime_start} for s in summaries]
+    rows = [
+        {
+            "study": s.study_name,
+            "directions": ", ".join(d.name.lower() for d in s.directions),
+            "trials": s.n_trials,
+            "started": s.datetime_start,
+        }
+        for s in summaries
+    ]
     return pd.DataFrame(rows, columns=["study", "directions", "trials", "started"])
 
 
@@ -512,7 +751,8 @@ def study(url: str, name: str) -> StudyData:
     s = optuna.load_study(study_name=name, storage=_storage(url))
     directions = [d.name.lower() for d in s.directions]
     objectives = list(s.metric_names or []) or (
-        ["objective"] if len(directions) == 1 else [f"objective {i}" for i in range(len(directions))])
+        ["objective"] if len(directions) == 1 else [f"objective {i}" for i in range(len(directions))]
+    )
     params = sorted({p for t in s.trials for p in t.params})
     rows = []
     for t in s.trials:
@@ -544,11 +784,13 @@ def importances(url: str, name: str, objective_index: int) -> pd.DataFrame:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the "low target values" note: handled by `sign`
             result = optuna.importance.get_param_importances(
-                s, evaluator=evaluator, target=lambda t: sign * t.values[objective_index])
+                s, evaluator=evaluator, target=lambda t: sign * t.values[objective_index]
+            )
     except (ValueError, RuntimeError) as exc:
         raise DataUnavailable(f"importances need completed trials that vary their parameters ({exc})") from exc
-    return pd.DataFrame([{"parameter": k, "importance": v} for k, v in result.items()],
-                        columns=["parameter", "importance"])
+    return pd.DataFrame(
+        [{"parameter": k, "importance": v} for k, v in result.items()], columns=["parameter", "importance"]
+    )
 
 
 def default_engine_url() -> str:

@@ -44,8 +44,9 @@ def _custom_range(span: tuple[float, float] | None, now: float) -> tuple[float, 
     start_t = c2.time_input("at", value=lo.time().replace(microsecond=0), key="f_start_time", step=60)
     c3, c4 = st.sidebar.columns(2)
     end_d = c3.date_input("To (UTC)", value=hi.date(), key="f_end_date")
-    end_t = c4.time_input("at ", value=(hi + timedelta(minutes=1)).time().replace(second=0, microsecond=0),
-                          key="f_end_time", step=60)
+    end_t = c4.time_input(
+        "at ", value=(hi + timedelta(minutes=1)).time().replace(second=0, microsecond=0), key="f_end_time", step=60
+    )
     start = datetime.combine(start_d, start_t, tzinfo=UTC).timestamp()
     end = datetime.combine(end_d, end_t, tzinfo=UTC).timestamp()
     return start, end
@@ -68,13 +69,18 @@ def _seed_from_url(instances: list[str]) -> None:
             lo, hi = (datetime.fromtimestamp(float(q[k]), tz=UTC) for k in ("from", "to"))
         except ValueError:
             return
-        st.session_state.update(f_start_date=lo.date(), f_start_time=lo.time().replace(microsecond=0),
-                                f_end_date=hi.date(), f_end_time=hi.time().replace(microsecond=0))
+        st.session_state.update(
+            f_start_date=lo.date(),
+            f_start_time=lo.time().replace(microsecond=0),
+            f_end_date=hi.date(),
+            f_end_time=hi.time().replace(microsecond=0),
+        )
 
 
 def _write_url(chosen: list[str], run_id: str | None, window: timewin.Window) -> None:
-    params: dict[str, str | list[str]] = {"range": window.label if window.label in timewin.PRESETS else
-                                          timewin.WHOLE_RUN}
+    params: dict[str, str | list[str]] = {
+        "range": window.label if window.label in timewin.PRESETS else timewin.WHOLE_RUN
+    }
     if chosen:
         params["instance"] = chosen
     if run_id is not None:
@@ -93,8 +99,13 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     _seed_from_url(instances)
     side = st.sidebar
     side.subheader("Filters")
-    chosen = side.multiselect("Instances", options=instances, key="f_instances", placeholder="All instances",
-                              help="Engines by their `instance` label; none selected means all of them.")
+    chosen = side.multiselect(
+        "Instances",
+        options=instances,
+        key="f_instances",
+        placeholder="All instances",
+        help="Engines by their `instance` label; none selected means all of them.",
+    )
     pool = runs[runs["instance"].isin(chosen)] if chosen else runs
     run_ids = [ALL_RUNS, *dict.fromkeys(pool["run_id"])]
     if st.session_state.get("f_run") not in run_ids:
@@ -106,8 +117,12 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     if "f_range" not in st.session_state:
         newest = float(runs["last_seen_ts"].max()) if not runs.empty else None
         st.session_state["f_range"] = timewin.default_preset(newest, now)
-    preset = side.selectbox("Time range", options=timewin.PRESETS, key="f_range",
-                            help="'Whole run' spans the selected run(s) from first to last event.")
+    preset = side.selectbox(
+        "Time range",
+        options=timewin.PRESETS,
+        key="f_range",
+        help="'Whole run' spans the selected run(s) from first to last event.",
+    )
     custom = _custom_range(span, now) if preset == timewin.CUSTOM else None
     try:
         window = timewin.resolve(preset, now=now, run_span=span, custom=custom)
@@ -125,8 +140,14 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     if side.button("Refresh now", key="f_refresh_now", icon=":material/refresh:"):
         st.cache_data.clear()
     side.caption(f"Database: `{redact(url)}`")
-    filters = Filters(db_url=url, instances=tuple(chosen) or None, run_id=run_id, start=window.start,
-                      end=window.end, bucket_s=bucket_s)
+    filters = Filters(
+        db_url=url,
+        instances=tuple(chosen) or None,
+        run_id=run_id,
+        start=window.start,
+        end=window.end,
+        bucket_s=bucket_s,
+    )
     return filters, window
 
 

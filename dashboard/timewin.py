@@ -24,7 +24,24 @@ PRESETS: tuple[str, ...] = (*RELATIVE_PRESETS, WHOLE_RUN, CUSTOM)
 
 # Bucket widths a chart may use: round numbers a reader recognises on an axis.
 NICE_BUCKETS_S: tuple[float, ...] = (
-    1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
+    1,
+    2,
+    5,
+    10,
+    15,
+    30,
+    60,
+    120,
+    300,
+    600,
+    900,
+    1800,
+    3600,
+    7200,
+    10800,
+    21600,
+    43200,
+    86400,
 )
 TARGET_POINTS = 240
 

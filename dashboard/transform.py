@@ -97,9 +97,13 @@ def proposal_measurements(before: dict[str, Any] | None, after: dict[str, Any] |
     runs_before, conf_after = before.get("confirmation"), after.get("confirmation")
     runs_after = conf_after.get("runs") if isinstance(conf_after, dict) else None
     if isinstance(runs_before, list) and isinstance(runs_after, list):
-        sections.append((f"Confirmation re-runs (mean of {len(runs_before)} baseline and {len(runs_after)} "
-                         "proposal runs on fresh seeds)", metric_comparison(_mean_runs(runs_before),
-                                                                            _mean_runs(runs_after))))
+        sections.append(
+            (
+                f"Confirmation re-runs (mean of {len(runs_before)} baseline and {len(runs_after)} "
+                "proposal runs on fresh seeds)",
+                metric_comparison(_mean_runs(runs_before), _mean_runs(runs_after)),
+            )
+        )
     for key, title in (("trial", "In the study (the trial's measurement)"), ("params", "Parameters")):
         if isinstance(before.get(key), dict) or isinstance(after.get(key), dict):
             sections.append((title, metric_comparison(before.get(key), after.get(key))))

@@ -42,11 +42,13 @@ def guarded(section: str) -> Iterator[None]:
     except DataUnavailable as exc:
         st.info(f"**{section}:** {exc}", icon=":material/info:")
     except StorageUnavailableError as exc:
-        st.error(f"**{section}:** the database is unreachable ({exc}). Check that it is up and that "
-                 "KVPILOT_DB_URL points at it.", icon=":material/error:")
+        st.error(
+            f"**{section}:** the database is unreachable ({exc}). Check that it is up and that "
+            "KVPILOT_DB_URL points at it.",
+            icon=":material/error:",
+        )
     except CollectorError as exc:
-        st.error(f"**{section}:** {exc}. If the schema is behind, run `kvpilot db upgrade`.",
-                 icon=":material/error:")
+        st.error(f"**{section}:** {exc}. If the schema is behind, run `kvpilot db upgrade`.", icon=":material/error:")
 
 
 def fmt_s(seconds: float | None) -> str:

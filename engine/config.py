@@ -166,9 +166,7 @@ class EngineConfig(_Strict):
     @model_validator(mode="after")
     def _chunk_fits_budget(self) -> EngineConfig:
         if self.scheduler.prefill_chunk_tokens > self.scheduler.max_num_batched_tokens:
-            raise ValueError(
-                "scheduler.prefill_chunk_tokens must not exceed scheduler.max_num_batched_tokens"
-            )
+            raise ValueError("scheduler.prefill_chunk_tokens must not exceed scheduler.max_num_batched_tokens")
         return self
 
     @classmethod

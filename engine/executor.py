@@ -67,9 +67,12 @@ def group_decode_rows(lens: list[int], *, max_groups: int = 4, min_group: int = 
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
     groups: list[list[int]] = [[]]
     for i in order:
-        if groups[-1] and lens[i] * 2 < lens[groups[-1][0]] and len(groups) < max_groups and len(
+        if (
             groups[-1]
-        ) >= min_group:
+            and lens[i] * 2 < lens[groups[-1][0]]
+            and len(groups) < max_groups
+            and len(groups[-1]) >= min_group
+        ):
             groups.append([])
         groups[-1].append(i)
     return groups

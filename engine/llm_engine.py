@@ -321,4 +321,3 @@ class LLMEngine:
         self.config = new
         log.info("reconfigured: %s", patch)
         return new
-

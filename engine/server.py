@@ -61,9 +61,10 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(
-        min_length=1, max_length=1
-    )]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    )
     max_tokens: Annotated[int, Field(ge=1)] = 16
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -115,9 +116,9 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
     app = FastAPI(title="kvpilot engine", version="1", lifespan=lifespan)
     app.state.kv = state
 
-
-    async def admit(state: ServerState, prompt: str, params: SamplingParams, priority: str | int,
-                    request_id: str | None) -> RequestHandle:
+    async def admit(
+        state: ServerState, prompt: str, params: SamplingParams, priority: str | int, request_id: str | None
+    ) -> RequestHandle:
         ids = state.engine.tokenizer.encode(prompt)
         try:
             return await state.loop.submit(ids, params, priority, request_id)
@@ -129,13 +130,17 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
     @app.post("/generate")
     async def generate(body: GenerateRequest, state: StateDep, request: Request) -> Any:
         params = SamplingParams(
-            max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
             ignore_eos=body.ignore_eos,
         )
         handle = await admit(state, body.prompt, params, body.priority, body.request_id)
         seq = handle.seq
         decoder = state.engine.tokenizer.stream_decoder()
         if body.stream:
+
             async def events() -> AsyncIterator[str]:
                 try:
                     async for ids in handle.stream():
@@ -145,6 +150,7 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
                 finally:
                     if seq.finish_reason is None:
                         state.loop.abort(seq.request_id)
+
             return StreamingResponse(events(), media_type="text/event-stream")
         text = await _collect(handle, decoder, request, state)
         return _generate_result(state, seq, text)
@@ -153,14 +159,16 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
     async def completions(body: CompletionRequest, state: StateDep, request: Request) -> Any:
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed)
+        params = SamplingParams(
+            max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed
+        )
         handle = await admit(state, prompt, params, "normal", None)
         seq = handle.seq
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         decoder = state.engine.tokenizer.stream_decoder()
         if body.stream:
+
             async def chunks() -> AsyncIterator[str]:
                 text = ""
                 try:
@@ -178,6 +186,7 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
                 finally:
                     if seq.finish_reason is None:
                         state.loop.abort(seq.request_id)
+
             return StreamingResponse(chunks(), media_type="text/event-stream")
         text = await _collect(handle, decoder, request, state, stops)
         return {
@@ -236,8 +245,9 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
     return app
 
 
-async def _collect(handle: RequestHandle, decoder: Any, request: Request, state: ServerState,
-                   stops: list[str] | None = None) -> str:
+async def _collect(
+    handle: RequestHandle, decoder: Any, request: Request, state: ServerState, stops: list[str] | None = None
+) -> str:
     """Gather the whole output; abort the request if the client goes away or a stop string appears."""
     text = ""
     seq = handle.seq

@@ -52,8 +52,10 @@ def test_cmd(files: list[Path] = typer.Argument(..., help="promtool-format rule 
 
 
 @alerts_app.command("check")
-def check_cmd(files: list[Path] = typer.Argument(None, help="rule files (default: built-in)"),
-              list_series: bool = typer.Option(False, "--list-series", help="print the series rules may use")) -> None:
+def check_cmd(
+    files: list[Path] = typer.Argument(None, help="rule files (default: built-in)"),
+    list_series: bool = typer.Option(False, "--list-series", help="print the series rules may use"),
+) -> None:
     """Validate rule files: syntax, series names, durations, templates."""
     if list_series:
         from alerts.series_catalog import known_series
@@ -65,8 +67,10 @@ def check_cmd(files: list[Path] = typer.Argument(None, help="rule files (default
 
 
 @alerts_app.command("export-prometheus")
-def export_cmd(files: list[Path] = typer.Argument(None, help="rule files (default: built-in)"),
-               out: Path | None = typer.Option(None, "--out", help="write here instead of stdout")) -> None:
+def export_cmd(
+    files: list[Path] = typer.Argument(None, help="rule files (default: built-in)"),
+    out: Path | None = typer.Option(None, "--out", help="write here instead of stdout"),
+) -> None:
     """The rules as PromQL over the engine's /metrics names (for a stock Prometheus)."""
     from alerts.promql_export import ExportError, export_yaml, write_export
 
@@ -95,11 +99,16 @@ def run_cmd(
     group_interval: str = typer.Option("5m", help="Alertmanager group_interval"),
     repeat_interval: str = typer.Option("4h", help="Alertmanager repeat_interval"),
     duration_s: float | None = typer.Option(None, help="stop after this long (default: until Ctrl-C)"),
-    api_port: int | None = typer.Option(None, "--api-port", help="serve the Alertmanager API v2 subset "
-                                        "(silences, alerts, /metrics) on this port, e.g. 9093; 0: any free port"),
+    api_port: int | None = typer.Option(
+        None,
+        "--api-port",
+        help="serve the Alertmanager API v2 subset "
+        "(silences, alerts, /metrics) on this port, e.g. 9093; 0: any free port",
+    ),
     api_host: str = typer.Option("127.0.0.1", "--api-host", help="address the API binds to"),
-    api_token: str | None = typer.Option(None, "--api-token", envvar="KVPILOT_ALERTS_API_TOKEN",
-                                         help="require Authorization: Bearer TOKEN on the API"),
+    api_token: str | None = typer.Option(
+        None, "--api-token", envvar="KVPILOT_ALERTS_API_TOKEN", help="require Authorization: Bearer TOKEN on the API"
+    ),
 ) -> None:
     """Evaluate rules against the database and deliver notifications (one active evaluator per DB)."""
     from alerts.config import load_notifier_config
@@ -120,14 +129,27 @@ def run_cmd(
         typer.echo(f"bad notifier settings: {exc}", err=True)
         raise typer.Exit(2) from None
     if not urls and notifier is None and not alertmanager and api_port is None:
-        typer.echo("no receivers: pass --webhook URL, --sink-port PORT, --alertmanager URL, --config "
-                   "(or --api-port to only serve alert state)", err=True)
+        typer.echo(
+            "no receivers: pass --webhook URL, --sink-port PORT, --alertmanager URL, --config "
+            "(or --api-port to only serve alert state)",
+            err=True,
+        )
         raise typer.Exit(2)
     try:
-        handle = start_evaluator(_db_url(db), rule_files=list(rules or []) or None, webhook_urls=urls,
-                                 alertmanager_urls=list(alertmanager or []), notifier=notifier, secret=secret,
-                                 group_wait_s=waits[0], group_interval_s=waits[1], repeat_interval_s=waits[2],
-                                 api_port=api_port, api_host=api_host, api_token=api_token)
+        handle = start_evaluator(
+            _db_url(db),
+            rule_files=list(rules or []) or None,
+            webhook_urls=urls,
+            alertmanager_urls=list(alertmanager or []),
+            notifier=notifier,
+            secret=secret,
+            group_wait_s=waits[0],
+            group_interval_s=waits[1],
+            repeat_interval_s=waits[2],
+            api_port=api_port,
+            api_host=api_host,
+            api_token=api_token,
+        )
     except (StorageError, RuntimeError) as exc:
         typer.echo(f"database error: {exc}" if isinstance(exc, StorageError) else str(exc), err=True)
         if sink:
@@ -158,9 +180,13 @@ def _factory(db: str | None):  # type: ignore[no-untyped-def]
 
 
 @silence_app.command("add")
-def silence_add(matchers: list[str] = typer.Argument(..., help="e.g. alertname=MemoryPressure instance=~'gpu.*'"),
-                duration: str = typer.Option("2h", help="how long"), comment: str = typer.Option(""),
-                author: str = typer.Option("cli", "--author"), db: str | None = DbOpt) -> None:
+def silence_add(
+    matchers: list[str] = typer.Argument(..., help="e.g. alertname=MemoryPressure instance=~'gpu.*'"),
+    duration: str = typer.Option("2h", help="how long"),
+    comment: str = typer.Option(""),
+    author: str = typer.Option("cli", "--author"),
+    db: str | None = DbOpt,
+) -> None:
     from pydantic import ValidationError
 
     from alerts.durations import DurationError, parse_duration
@@ -169,8 +195,13 @@ def silence_add(matchers: list[str] = typer.Argument(..., help="e.g. alertname=M
 
     now = time.time()
     try:
-        silence = SilenceIn(matchers=[parse_matcher(m) for m in matchers], startsAt=now,
-                            endsAt=now + parse_duration(duration), createdBy=author, comment=comment)
+        silence = SilenceIn(
+            matchers=[parse_matcher(m) for m in matchers],
+            startsAt=now,
+            endsAt=now + parse_duration(duration),
+            createdBy=author,
+            comment=comment,
+        )
     except (ValueError, DurationError, ValidationError) as exc:
         typer.echo(f"bad silence: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -201,8 +232,9 @@ def silence_expire(silence_id: str, db: str | None = DbOpt) -> None:
 
 
 @alerts_app.command("deliveries")
-def deliveries_cmd(limit: int = typer.Option(20), status: str | None = typer.Option(None),
-                   db: str | None = DbOpt) -> None:
+def deliveries_cmd(
+    limit: int = typer.Option(20), status: str | None = typer.Option(None), db: str | None = DbOpt
+) -> None:
     """Outbox notifications with their attempts (newest first)."""
     from alerts.delivery import list_notifications
     from collector.db import session_scope

@@ -56,10 +56,12 @@ def bench_sim(
     json_path: Path | None = JsonOpt,
     profile: str = typer.Option("cpu-2core", "--profile", help="calibrated CPU profile to check"),
     recalibrate: bool = typer.Option(
-        True, "--recalibrate/--no-recalibrate",
+        True,
+        "--recalibrate/--no-recalibrate",
         help="fit a fresh profile (quick grid) in the same run first, so the error is the cost model's and not the "
-             "drift of a shared CPU's speed since the profile was calibrated; --no-recalibrate checks the profile "
-             "as shipped"),
+        "drift of a shared CPU's speed since the profile was calibrated; --no-recalibrate checks the profile "
+        "as shipped",
+    ),
 ) -> None:
     """Simulator fidelity: the same workloads on the torch engine and the simulator (throughput, p99 error)."""
     from benchmarks.sim_bench import run_sim_bench

@@ -1,9 +1,9 @@
 """`kvpilot dashboard`: the Streamlit app (`streamlit run dashboard/app.py` underneath), and a programmatic start.
 
-    proc = start_dashboard("sqlite:///kvpilot-data/kvpilot.db", port=8501)
-    wait_until_healthy("http://127.0.0.1:8501")   # raises TimeoutError with the dashboard's output
-    ...
-    proc.terminate(); proc.wait()
+proc = start_dashboard("sqlite:///kvpilot-data/kvpilot.db", port=8501)
+wait_until_healthy("http://127.0.0.1:8501")   # raises TimeoutError with the dashboard's output
+...
+proc.terminate(); proc.wait()
 """
 
 from __future__ import annotations
@@ -30,15 +30,27 @@ def app_path() -> Path:
 def dashboard_command(*, port: int, host: str, headless: bool) -> list[str]:
     """The streamlit command line: no file watcher, no usage stats, nothing opened unless asked."""
     return [
-        sys.executable, "-m", "streamlit", "run", str(app_path()),
-        "--server.headless", "true" if headless else "false",
-        "--browser.gatherUsageStats", "false",
-        "--server.port", str(port),
-        "--server.address", host,
-        "--server.fileWatcherType", "none",
-        "--server.runOnSave", "false",
-        "--global.developmentMode", "false",
-        "--client.toolbarMode", "minimal",
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(app_path()),
+        "--server.headless",
+        "true" if headless else "false",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.port",
+        str(port),
+        "--server.address",
+        host,
+        "--server.fileWatcherType",
+        "none",
+        "--server.runOnSave",
+        "false",
+        "--global.developmentMode",
+        "false",
+        "--client.toolbarMode",
+        "minimal",
     ]
 
 
@@ -54,15 +66,26 @@ def dashboard_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def start_dashboard(db_url: str | None, port: int = 8501, *, host: str = "127.0.0.1", headless: bool = True,
-                    log_path: str | Path | None = None) -> subprocess.Popen:
+def start_dashboard(
+    db_url: str | None,
+    port: int = 8501,
+    *,
+    host: str = "127.0.0.1",
+    headless: bool = True,
+    log_path: str | Path | None = None,
+) -> subprocess.Popen:
     """Start the dashboard in the background (the demo's entry point); output goes to `log_path` or is dropped."""
     if not app_path().is_file():
         raise FileNotFoundError(f"dashboard app not found at {app_path()}")
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     try:
-        return subprocess.Popen(dashboard_command(port=port, host=host, headless=headless), env=_env(db_url),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            dashboard_command(port=port, host=host, headless=headless),
+            env=_env(db_url),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     finally:
         if log_path:
             out.close()
@@ -90,7 +113,8 @@ def wait_until_healthy(base_url: str, *, timeout_s: float = 60.0, proc: subproce
 
 def dashboard_cmd(
     db_url: str | None = typer.Option(
-        None, "--db-url", help="database URL (default: KVPILOT_DB_URL or ./kvpilot-data/kvpilot.db)"),
+        None, "--db-url", help="database URL (default: KVPILOT_DB_URL or ./kvpilot-data/kvpilot.db)"
+    ),
     port: int = typer.Option(8501, help="port to listen on"),
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 to share on the network)"),
     headless: bool = typer.Option(True, "--headless/--open", help="--open also opens a browser tab"),

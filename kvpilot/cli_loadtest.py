@@ -41,8 +41,9 @@ def _fail(option: str, message: str) -> typer.Exit:
 
 def loadtest_cmd(
     ctx: typer.Context,
-    target: str = typer.Option(None, "--target", help="engine base URL (e.g. http://127.0.0.1:8000); "
-                               "omit with --quick to start a local engine"),
+    target: str = typer.Option(
+        None, "--target", help="engine base URL (e.g. http://127.0.0.1:8000); omit with --quick to start a local engine"
+    ),
     scenario: str = typer.Option("mixed", "--scenario", help="mixed | burst | sustained | trace"),
     duration: str = typer.Option("60s", "--duration", help="how long arrivals go on (30s, 5m, 6h)"),
     rate: float = typer.Option(4.0, "--rate", help="base arrival rate, requests/s (Poisson)"),
@@ -56,8 +57,12 @@ def loadtest_cmd(
     request_timeout: str = typer.Option("60s", "--request-timeout", help="a request not answered by then fails"),
     max_concurrency: int = typer.Option(None, "--max-concurrency", min=1, help="cap on requests in flight"),
     windows: int = typer.Option(5, "--windows", min=2, help="windows for P99 drift and utilization"),
-    p99_metric: str = typer.Option("tpot", "--p99-metric", help="latency for the P99 criterion: tpot | ttft | e2e "
-                                   "(tpot: per output token, so the length mix does not decide a window's P99)"),
+    p99_metric: str = typer.Option(
+        "tpot",
+        "--p99-metric",
+        help="latency for the P99 criterion: tpot | ttft | e2e "
+        "(tpot: per output token, so the length mix does not decide a window's P99)",
+    ),
     collector: str = typer.Option(None, "--collector", help="collector URL; store per-request results there"),
     collector_token: str = typer.Option(None, "--collector-token", envvar="KVPILOT_INGEST_TOKEN"),
     run_id: str = typer.Option(None, "--run-id", help="run id of the stored results (default: generated)"),
@@ -105,14 +110,33 @@ def loadtest_cmd(
         raise _fail("--trace", f"no such file: {trace}")
     try:
         spec = LoadTestSpec(
-            scenario=scenario, target=_check_url(target, "--target"), duration_s=parse_duration(duration),
-            rate=rate, trace=trace, trace_time_scale=trace_time_scale, length_scale=length_scale,
-            output_scale=output_scale, max_total_tokens=max_total_tokens, seed=seed, api=api, stream=stream,
-            timeout_s=parse_duration(request_timeout, "--request-timeout"), max_concurrency=max_concurrency,
-            windows=windows, p99_metric=p99_metric, collector_url=_check_url(collector, "--collector"),
-            collector_token=collector_token, run_id=run_id, quick=quick, engine_config=engine_config,
-            capacity_rps=capacity, capacity_share=capacity_share, cold_start=cold_start,
-            cold_start_requests=cold_start_requests, warmup_requests=warmup_requests, progress=progress,
+            scenario=scenario,
+            target=_check_url(target, "--target"),
+            duration_s=parse_duration(duration),
+            rate=rate,
+            trace=trace,
+            trace_time_scale=trace_time_scale,
+            length_scale=length_scale,
+            output_scale=output_scale,
+            max_total_tokens=max_total_tokens,
+            seed=seed,
+            api=api,
+            stream=stream,
+            timeout_s=parse_duration(request_timeout, "--request-timeout"),
+            max_concurrency=max_concurrency,
+            windows=windows,
+            p99_metric=p99_metric,
+            collector_url=_check_url(collector, "--collector"),
+            collector_token=collector_token,
+            run_id=run_id,
+            quick=quick,
+            engine_config=engine_config,
+            capacity_rps=capacity,
+            capacity_share=capacity_share,
+            cold_start=cold_start,
+            cold_start_requests=cold_start_requests,
+            warmup_requests=warmup_requests,
+            progress=progress,
         )
     except typer.BadParameter as exc:
         raise _fail(exc.param_hint or "option", exc.message) from None  # type: ignore[arg-type]
@@ -143,8 +167,14 @@ def _source_name(ctx: typer.Context, name: str) -> str | None:
     return getattr(source, "name", None)
 
 
-_SPEC_NAMES = {"duration": "duration_s", "rate": "rate", "length_scale": "length_scale",
-               "output_scale": "output_scale", "windows": "windows", "cold_start_requests": "cold_start_requests"}
+_SPEC_NAMES = {
+    "duration": "duration_s",
+    "rate": "rate",
+    "length_scale": "length_scale",
+    "output_scale": "output_scale",
+    "windows": "windows",
+    "cold_start_requests": "cold_start_requests",
+}
 
 
 def _explicit_spec_fields(explicit: set[str]) -> set[str]:

@@ -55,8 +55,11 @@ def _errors() -> Iterator[None]:
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def _output_range(value: str) -> tuple[int, int]:
@@ -67,21 +70,37 @@ def _output_range(value: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _options(requests: int, scale: float, output_range: str, load: float | None, duration: float | None,
-             time_scale: float, length_scale: float, hours: float):  # type: ignore[no-untyped-def]
+def _options(
+    requests: int,
+    scale: float,
+    output_range: str,
+    load: float | None,
+    duration: float | None,
+    time_scale: float,
+    length_scale: float,
+    hours: float,
+):  # type: ignore[no-untyped-def]
     from tuner.workloads import WorkloadOptions
 
-    return WorkloadOptions(requests=requests, scale=scale, output_range=_output_range(output_range), load=load,
-                           duration_s=duration, time_scale=time_scale, length_scale=length_scale,
-                           hours=hours).validate()
+    return WorkloadOptions(
+        requests=requests,
+        scale=scale,
+        output_range=_output_range(output_range),
+        load=load,
+        duration_s=duration,
+        time_scale=time_scale,
+        length_scale=length_scale,
+        hours=hours,
+    ).validate()
 
 
 def _slo(ttft: float, tpot: float, p99_e2e: float | None, max_rejection: float, max_oom: int):  # type: ignore[no-untyped-def]
     from tuner.metrics import SLO
 
     try:
-        return SLO(ttft_s=ttft, tpot_s=tpot, p99_e2e_s=p99_e2e, max_rejection_rate=max_rejection,
-                   max_oom=max_oom).validate()
+        return SLO(
+            ttft_s=ttft, tpot_s=tpot, p99_e2e_s=p99_e2e, max_rejection_rate=max_rejection, max_oom=max_oom
+        ).validate()
     except ValueError as exc:
         raise ValueError(f"slo: {exc}") from None
 
@@ -115,15 +134,21 @@ OomOpt = typer.Option(0, "--max-oom", help="constraint: failed KV allocations pe
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="log progress details")
 
 
-def _live_options(backend: str, engine_url: str | None, instance: str | None, admin_token: str | None,
-                  window: float, settle: float) -> dict | None:
+def _live_options(
+    backend: str, engine_url: str | None, instance: str | None, admin_token: str | None, window: float, settle: float
+) -> dict | None:
     """The live backend's settings from the CLI options (None for the other backends)."""
     if backend != "live":
         return None
     if not engine_url or not instance:
         raise ValueError("engine_url: the live backend needs --engine-url and --instance")
-    return {"engine_url": engine_url, "admin_token": admin_token, "instance": instance, "window_s": window,
-            "settle_s": settle}
+    return {
+        "engine_url": engine_url,
+        "admin_token": admin_token,
+        "instance": instance,
+        "window_s": window,
+        "settle_s": settle,
+    }
 
 
 @tune_app.command("study")
@@ -155,8 +180,12 @@ def study_cmd(
     seed: int = typer.Option(0, "--seed"),
     seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
     db_url: str | None = DbOpt,
-    storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL",
-                                       help="Optuna storage URL (default: next to the kvpilot database)"),
+    storage: str | None = typer.Option(
+        None,
+        "--storage",
+        envvar="KVPILOT_TUNER_STORAGE_URL",
+        help="Optuna storage URL (default: next to the kvpilot database)",
+    ),
     engine_url: str | None = typer.Option(None, "--engine-url", help="live: the engine's base URL"),
     admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
     window: float = typer.Option(30.0, "--window", help="live: seconds observed per trial"),
@@ -193,24 +222,41 @@ def study_cmd(
         url = _db_url(db_url)
         db = open_db(url)
         try:
-            factory, wdesc = workload_factory(workload, opts, profile=prof, base=base, db=db,
-                                              instances=[instance] if instance else None)
+            factory, wdesc = workload_factory(
+                workload, opts, profile=prof, base=base, db=db, instances=[instance] if instance else None
+            )
             be = make_backend(backend, profile=prof, workload=factory, db=db, slo=slo, live=live)
             name = study_name or f"tune-{uuid.uuid4().hex[:8]}"
-            result = run_study(be, sp, base, name=name, trials=trials, slo=slo, storage=open_storage(url,
-                               storage_url=storage), sampler=sampler, seed=seed,
-                               workload_seed=list(range(seed, seed + seeds_per_trial)),
-                               multi_objective=multi_objective, random_baseline=random_baseline)
+            result = run_study(
+                be,
+                sp,
+                base,
+                name=name,
+                trials=trials,
+                slo=slo,
+                storage=open_storage(url, storage_url=storage),
+                sampler=sampler,
+                seed=seed,
+                workload_seed=list(range(seed, seed + seeds_per_trial)),
+                multi_objective=multi_objective,
+                random_baseline=random_baseline,
+            )
         finally:
             db.dispose()
         best = result.best
-        summary = {**search_summary(result), "workload": wdesc, "backend": backend,
-                   "best_params": best.params if best else None,
-                   "best_metrics": best.metrics if best else None,
-                   "baseline_metrics": result.baseline.metrics if result.baseline else None}
+        summary = {
+            **search_summary(result),
+            "workload": wdesc,
+            "backend": backend,
+            "best_params": best.params if best else None,
+            "best_metrics": best.metrics if best else None,
+            "baseline_metrics": result.baseline.metrics if result.baseline else None,
+        }
         if multi_objective:
-            summary["pareto"] = [{"trial": t.number, "throughput_tps": t.values[0], "e2e_p99_s": t.values[1],
-                                  "params": t.params} for t in result.pareto]
+            summary["pareto"] = [
+                {"trial": t.number, "throughput_tps": t.values[0], "e2e_p99_s": t.values[1], "params": t.params}
+                for t in result.pareto
+            ]
         _emit(summary, json_path)
 
 
@@ -257,13 +303,23 @@ def nightly_cmd(
         live = _live_options(backend, engine_url, instance, admin_token, window, settle)
 
         result = run_nightly(
-            db_url=_db_url(db_url), out_dir=out_dir, trials=trials, backend=backend, profile=profile,
-            workload=workload, options=_options(requests, scale, output_range, load, duration, time_scale,
-                                                length_scale, hours),
-            config_path=config, space_path=space, slo=_slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate,
-                                                           max_oom),
-            seed=seed, confirm_seeds=confirm_seeds, seeds_per_trial=seeds_per_trial, min_gain=min_gain,
-            instance=instance, storage_url=storage, live=live,
+            db_url=_db_url(db_url),
+            out_dir=out_dir,
+            trials=trials,
+            backend=backend,
+            profile=profile,
+            workload=workload,
+            options=_options(requests, scale, output_range, load, duration, time_scale, length_scale, hours),
+            config_path=config,
+            space_path=space,
+            slo=_slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate, max_oom),
+            seed=seed,
+            confirm_seeds=confirm_seeds,
+            seeds_per_trial=seeds_per_trial,
+            min_gain=min_gain,
+            instance=instance,
+            storage_url=storage,
+            live=live,
         )
         typer.echo(result.decision)
         for kind, path in result.files.items():
@@ -375,6 +431,7 @@ def calibrate_cmd(
 
         cfg = EngineConfig.from_yaml(config) if config is not None else None
         with tqdm(total=grid_steps(quick), desc="calibrate", unit="run") as bar:
+
             def progress(msg: str) -> None:
                 bar.set_postfix_str(msg[:40])
                 bar.update(1)
@@ -452,9 +509,18 @@ def sim_run_cmd(
             finally:
                 db.dispose()
         rep = backend.last_replay
-        _emit({"profile": prof.name, "workload": wdesc, "patch": patch, "metrics": metrics.as_dict(),
-               "simulated_s": rep.duration_s if rep else None, "steps": rep.steps if rep else None,
-               "wall_s": round(backend.sim_seconds, 3)}, json_path)
+        _emit(
+            {
+                "profile": prof.name,
+                "workload": wdesc,
+                "patch": patch,
+                "metrics": metrics.as_dict(),
+                "simulated_s": rep.duration_s if rep else None,
+                "steps": rep.steps if rep else None,
+                "wall_s": round(backend.sim_seconds, 3),
+            },
+            json_path,
+        )
 
 
 tune_app.command("run", help="Alias of `tune study`.")(study_cmd)

@@ -37,8 +37,15 @@ def demo_engine_config(collector_url: str, port: int, run_id: str) -> dict:
         "scheduler": {"max_num_seqs": 32, "queue_limit": 400, "preemption_mode": "swap"},
         "warmup": {"requests": 4, "prompt_tokens": 32, "max_tokens": 4},
         "server": {"host": "127.0.0.1", "port": port, "admin_token": "demo-admin"},
-        "telemetry": {"instance": "demo-engine", "run_id": run_id, "sink": "http", "collector_url": collector_url,
-                      "sample_interval_s": 0.5, "spool_dir": str(DATA_DIR / "spool"), "http_flush_interval_s": 0.25},
+        "telemetry": {
+            "instance": "demo-engine",
+            "run_id": run_id,
+            "sink": "http",
+            "collector_url": collector_url,
+            "sample_interval_s": 0.5,
+            "spool_dir": str(DATA_DIR / "spool"),
+            "http_flush_interval_s": 0.25,
+        },
     }
 
 
@@ -84,8 +91,9 @@ def _serve_engine(cfg: dict, stack: _Stack) -> str:
     from engine.factory import build_app
 
     app = build_app(EngineConfig.from_dict(cfg, source="demo engine config"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg["server"]["port"], log_level="warning",
-                                           access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=cfg["server"]["port"], log_level="warning", access_log=False)
+    )
     thread = threading.Thread(target=server.run, name="kvpilot-demo-engine", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -112,19 +120,30 @@ def _tune(db_url: str) -> None:
     current = DATA_DIR / "current-config.yaml"
     # The tuner's CPU profile is calibrated for its own model; the current settings under study are the
     # engine defaults with a deliberately tight batch, as a hand-tuned config left over from a small GPU.
-    current.write_text(yaml.safe_dump({"scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 512,
-                                                     "prefill_chunk_tokens": 256}}))
+    current.write_text(
+        yaml.safe_dump({"scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 512, "prefill_chunk_tokens": 256}})
+    )
     # The stored traffic at the rate it arrived: the shipped CPU profile is calibrated on this machine class, and
     # sped up on top of the demo's own burst no config meets the SLOs (the study then has nothing to propose).
     _say("tuning: 12 trials on the simulator, the last hour of requests replayed as they arrived, then a confirmation")
-    result = run_nightly(db_url=db_url, out_dir=DATA_DIR / "proposals", trials=12, workload="collector",
-                         options=WorkloadOptions(hours=1, requests=150, time_scale=1.0), instance="demo-engine",
-                         confirm_seeds=2, config_path=current, progress=False)
+    result = run_nightly(
+        db_url=db_url,
+        out_dir=DATA_DIR / "proposals",
+        trials=12,
+        workload="collector",
+        options=WorkloadOptions(hours=1, requests=150, time_scale=1.0),
+        instance="demo-engine",
+        confirm_seeds=2,
+        config_path=current,
+        progress=False,
+    )
     if result.proposal is None:
         typer.echo(f"  tuning: no proposal ({result.decision})")
     else:
-        typer.echo(f"  tuning: proposal {result.proposal.id} ({result.decision}); "
-                   f"files: {', '.join(str(p) for p in result.files.values())}")
+        typer.echo(
+            f"  tuning: proposal {result.proposal.id} ({result.decision}); "
+            f"files: {', '.join(str(p) for p in result.files.values())}"
+        )
 
 
 def _start_dashboard(db_url: str, engine_url: str, port: int, stack: _Stack) -> str | None:
@@ -178,8 +197,9 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
             _say(f"collector on {collector.url}")
             sink = run_webhook_sink(port=0)
             stack.push("webhook sink", sink.stop)
-            evaluator = start_evaluator(db_url, rule_files=[DEMO_RULES], webhook_urls=[sink.url],
-                                        group_wait_s=0, group_interval_s=1)
+            evaluator = start_evaluator(
+                db_url, rule_files=[DEMO_RULES], webhook_urls=[sink.url], group_wait_s=0, group_interval_s=1
+            )
             stack.push("alert evaluator", evaluator.stop)
             _say(f"alert evaluator on {DEMO_RULES.name}, paging the webhook sink at {sink.url}")
             engine_url = _serve_engine(demo_engine_config(collector.url, free_port(), run_id), stack)
@@ -216,15 +236,18 @@ def _print_summary(report: dict, notifications: list[dict], db_url: str, run_id:
 
     engine = make_engine(db_url)
     with engine.connect() as conn:
-        stored_requests = conn.execute(select(func.count()).select_from(RequestRow).where(
-            RequestRow.run_id == run_id)).scalar_one()
-        stored_steps = conn.execute(select(func.count()).select_from(StepRow).where(StepRow.run_id == run_id)
-                                    ).scalar_one()
+        stored_requests = conn.execute(
+            select(func.count()).select_from(RequestRow).where(RequestRow.run_id == run_id)
+        ).scalar_one()
+        stored_steps = conn.execute(
+            select(func.count()).select_from(StepRow).where(StepRow.run_id == run_id)
+        ).scalar_one()
     engine.dispose()
     typer.echo("")
     typer.echo("kvpilot demo summary")
-    typer.echo(f"  requests sent / answered / refused (429): {report['sent']} / {report['answered']} / "
-               f"{report['refused']}")
+    typer.echo(
+        f"  requests sent / answered / refused (429): {report['sent']} / {report['answered']} / {report['refused']}"
+    )
     typer.echo(f"  output tokens: {report['output_tokens']}  throughput: {report['tokens_per_s']:.0f} tokens/s")
     typer.echo(f"  e2e p50 / p99: {report['p50_s']:.3f} s / {report['p99_s']:.3f} s")
     typer.echo(f"  ttft p50: {report['ttft_p50_s']:.3f} s")

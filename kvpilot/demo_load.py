@@ -23,8 +23,16 @@ async def drive_demo_load(
     url: str, *, duration_s: float, stop: threading.Event, say: Callable[[str], None], base_rate: float = 5.0
 ) -> dict:
     burst_at = duration_s * 0.35
-    plan = W.burst(duration_s, base_rate=base_rate, burst_at_s=burst_at, burst_len_s=2.0, factor=6.0, seed=7,
-                   scale=3, output_range=(64, 256))
+    plan = W.burst(
+        duration_s,
+        base_rate=base_rate,
+        burst_at_s=burst_at,
+        burst_len_s=2.0,
+        factor=6.0,
+        seed=7,
+        scale=3,
+        output_range=(64, 256),
+    )
     rng = random.Random(3)
     say(f"load: {len(plan)} requests over {duration_s:.0f} s, burst of +500% at t={burst_at:.0f} s")
     results: list[dict] = []
@@ -33,8 +41,12 @@ async def drive_demo_load(
 
     async def one(client: httpx.AsyncClient, req: W.WorkloadRequest) -> None:
         nonlocal refused, errors
-        body = {"prompt": _text(req.prompt_tokens, rng), "max_tokens": req.output_tokens, "ignore_eos": True,
-                "priority": ("high", "normal", "low")[req.priority]}
+        body = {
+            "prompt": _text(req.prompt_tokens, rng),
+            "max_tokens": req.output_tokens,
+            "ignore_eos": True,
+            "priority": ("high", "normal", "low")[req.priority],
+        }
         try:
             r = await client.post(f"{url}/generate", json=body, timeout=120)
         except httpx.HTTPError:

@@ -62,8 +62,7 @@ class _Base:
     def _measure(self, sink: TrialSink, result: ReplayResult, run_id: str) -> TrialMetrics:
         self.last_replay = result
         store_events(self.db, sink.events, key_prefix=run_id)
-        return trial_metrics(self.db, run_id=run_id, start=result.wall_start, end=result.wall_end + 1e-3,
-                             slo=self.slo)
+        return trial_metrics(self.db, run_id=run_id, start=result.wall_start, end=result.wall_end + 1e-3, slo=self.slo)
 
 
 class SimBackend(_Base):
@@ -72,8 +71,16 @@ class SimBackend(_Base):
 
     name = "sim"
 
-    def __init__(self, profile: CostProfile, workload: WorkloadFactory, db: Engine, slo: SLO, *,
-                 instance: str = "tuner-sim", keep_steps: bool = False) -> None:
+    def __init__(
+        self,
+        profile: CostProfile,
+        workload: WorkloadFactory,
+        db: Engine,
+        slo: SLO,
+        *,
+        instance: str = "tuner-sim",
+        keep_steps: bool = False,
+    ) -> None:
         super().__init__(workload, db, slo, instance=instance)
         self.profile = profile
         self.keep_steps = keep_steps
@@ -88,8 +95,9 @@ class SimBackend(_Base):
             return self._cache[key]
         reqs, prompts = self.requests(seed)
         sink = TrialSink(keep_steps=self.keep_steps)
-        engine, _ = sim_engine(_telemetry(config, run_id, self.instance), self.profile, sink=sink,
-                               start_wall=time.time())
+        engine, _ = sim_engine(
+            _telemetry(config, run_id, self.instance), self.profile, sink=sink, start_wall=time.time()
+        )
         t = time.perf_counter()
         result = replay(engine, reqs, seed=seed, prompts=prompts)
         self.sim_seconds += time.perf_counter() - t
@@ -104,8 +112,9 @@ class EngineBackend(_Base):
 
     name = "engine"
 
-    def __init__(self, workload: WorkloadFactory, db: Engine, slo: SLO, *, instance: str = "tuner-engine",
-                 warmup: int = 4) -> None:
+    def __init__(
+        self, workload: WorkloadFactory, db: Engine, slo: SLO, *, instance: str = "tuner-engine", warmup: int = 4
+    ) -> None:
         super().__init__(workload, db, slo, instance=instance)
         self.warmup = warmup
 

@@ -126,8 +126,12 @@ def grid(quick: bool) -> list[tuple[str, Callable[[LLMEngine, int], None]]]:
     # decode steps (ragged contexts, right after a prefill) run 5-15% slower than the grid's uniform
     # batches of the same size; a profile fitted without them under-predicted online replays by that much.
     for rate in (6.0, 12.0) if quick else (5.0, 10.0, 20.0):
-        runs.append((f"mixed rate={rate:g}",
-                     lambda e, s, n=n_mixed, r=rate: replay(e, W.mixed(n, seed=s, rate=r, **mix), seed=s)))
+        runs.append(
+            (
+                f"mixed rate={rate:g}",
+                lambda e, s, n=n_mixed, r=rate: replay(e, W.mixed(n, seed=s, rate=r, **mix), seed=s),
+            )
+        )
     return runs
 
 
@@ -143,15 +147,18 @@ class GridRunner:
     work with the measurement (the sim bench spreads the grid between its real runs, so that the profile
     sees the machine at the speed those runs saw)."""
 
-    def __init__(self, cfg: EngineConfig, *, quick: bool = False,
-                 progress: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, cfg: EngineConfig, *, quick: bool = False, progress: Callable[[str], None] | None = None
+    ) -> None:
         self.runs = dict(grid(quick))
         self.engine, self.rec = _engine(cfg)
-        swap_cfg = EngineConfig.from_dict({
-            **cfg.model_dump(mode="json"),
-            "cache": {**cfg.cache.model_dump(mode="json"), "hot_bytes": 16 * 2**20, "enable_prefix_cache": False},
-            "scheduler": {**cfg.scheduler.model_dump(mode="json"), "preemption_mode": "swap"},
-        })
+        swap_cfg = EngineConfig.from_dict(
+            {
+                **cfg.model_dump(mode="json"),
+                "cache": {**cfg.cache.model_dump(mode="json"), "hot_bytes": 16 * 2**20, "enable_prefix_cache": False},
+                "scheduler": {**cfg.scheduler.model_dump(mode="json"), "preemption_mode": "swap"},
+            }
+        )
         self.swap_engine, self.swap_rec = _engine(swap_cfg)
         swap_mix = W.mixed(24 if quick else 48, seed=3, scale=4, output_range=(32, 128))
         self.runs[SWAP_RUN] = lambda e, s: replay(e, swap_mix, seed=s)
@@ -206,8 +213,9 @@ def grid_steps(quick: bool) -> int:
     return 2 * len(names) - sum(map(_real_time, names))
 
 
-def collect(cfg: EngineConfig, *, quick: bool = False, progress: Callable[[str], None] | None = None
-            ) -> tuple[list[Sample], list[str], TorchExecutor]:
+def collect(
+    cfg: EngineConfig, *, quick: bool = False, progress: Callable[[str], None] | None = None
+) -> tuple[list[Sample], list[str], TorchExecutor]:
     """Run the grid twice on the real engine (the first pass warms kernels up) and keep the second."""
     runner = GridRunner(cfg, quick=quick, progress=progress)
     runner.warm_up()
@@ -344,8 +352,9 @@ def calibrate(
         kind="linear",
         description=f"calibrated on {_cpu_name()} ({threads} torch threads, {os.cpu_count()} CPUs) with "
         f"`kvpilot sim calibrate{' --quick' if quick else ''}`",
-        hardware=HardwareSpec(name=_cpu_name(), kind=executor.device if executor.device == "cpu" else "gpu",
-                              threads=threads),
+        hardware=HardwareSpec(
+            name=_cpu_name(), kind=executor.device if executor.device == "cpu" else "gpu", threads=threads
+        ),
         model=ModelProfile(
             name=f"llama-d{cfg.model.dim}-l{cfg.model.n_layers}",
             config=executor.model_cfg,

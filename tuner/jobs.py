@@ -70,15 +70,27 @@ def workload_factory(
         if db is None:
             raise WL.WorkloadError("workload", "the collector workload needs a database")
         fitted = WL.fit_from_collector(db, opts, instances=instances)
-        desc = {"kind": "collector", "hours": opts.hours, "observed_requests": fitted.requests,
-                "buckets": len(fitted.rates)}
+        desc = {
+            "kind": "collector",
+            "hours": opts.hours,
+            "observed_requests": fitted.requests,
+            "buckets": len(fitted.rates),
+        }
         return (lambda seed: fitted.sample(opts, seed=seed)), desc
-    raise WL.WorkloadError("workload", f"unknown workload {spec!r}; one of {', '.join(WL.SCENARIOS)}, "
-                           "trace:FILE, collector")
+    raise WL.WorkloadError(
+        "workload", f"unknown workload {spec!r}; one of {', '.join(WL.SCENARIOS)}, trace:FILE, collector"
+    )
 
 
-def make_backend(kind: str, *, profile: CostProfile, workload: Callable[[int], list[W.WorkloadRequest]],
-                 db: Engine, slo: SLO, live: dict[str, Any] | None = None) -> Backend:
+def make_backend(
+    kind: str,
+    *,
+    profile: CostProfile,
+    workload: Callable[[int], list[W.WorkloadRequest]],
+    db: Engine,
+    slo: SLO,
+    live: dict[str, Any] | None = None,
+) -> Backend:
     if kind == "sim":
         return SimBackend(profile, workload, db, slo)
     if kind == "engine":

@@ -116,12 +116,20 @@ class LiveBackend:
             return False
         m = trial_metrics(self.db, run_id=None, start=start, end=now, slo=self.slo, instances=[self.instance])
         if m.requests and m.rejection_rate > self.guard_rejection_rate:
-            log.warning("live trial %s: guard tripped: rejection rate %.2f > %.2f; rolling back", run_id,
-                        m.rejection_rate, self.guard_rejection_rate)
+            log.warning(
+                "live trial %s: guard tripped: rejection rate %.2f > %.2f; rolling back",
+                run_id,
+                m.rejection_rate,
+                self.guard_rejection_rate,
+            )
             return True
         if m.ttft_p99_s is not None and m.ttft_p99_s > self.guard_p99_ttft_s:
-            log.warning("live trial %s: guard tripped: p99 TTFT %.2f s > %.2f s; rolling back", run_id,
-                        m.ttft_p99_s, self.guard_p99_ttft_s)
+            log.warning(
+                "live trial %s: guard tripped: p99 TTFT %.2f s > %.2f s; rolling back",
+                run_id,
+                m.ttft_p99_s,
+                self.guard_p99_ttft_s,
+            )
             return True
         return False
 
@@ -153,7 +161,6 @@ class LiveBackend:
     def _send(self, prompt: str, max_tokens: int) -> None:
         try:
             extra = {"timeout": 120.0} if self._own_client else {}
-            self.http.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
-                           **extra)
+            self.http.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}, **extra)
         except httpx.HTTPError as exc:
             log.debug("live driver: request failed: %s", exc)

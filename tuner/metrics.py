@@ -143,8 +143,12 @@ def good_tokens(
 ) -> int:
     """Output tokens of requests `collector.queries.goodput` counts as good (same SLO semantics)."""
     r = RequestRow.__table__.c
-    conds = [r.status == "finished", r.ttft_s.is_not(None), r.ttft_s <= slo.ttft_s,
-             case((r.output_tokens > 1, r.decode_s <= slo.tpot_s * (r.output_tokens - 1)), else_=True)]
+    conds = [
+        r.status == "finished",
+        r.ttft_s.is_not(None),
+        r.ttft_s <= slo.ttft_s,
+        case((r.output_tokens > 1, r.decode_s <= slo.tpot_s * (r.output_tokens - 1)), else_=True),
+    ]
     where = [r.ts >= start, r.ts < end, r.warmup.is_(False)]
     if run_id is not None:
         where.append(r.run_id == run_id)
@@ -155,8 +159,9 @@ def good_tokens(
         return int(conn.execute(stmt).scalar_one())
 
 
-def oom_records(db: Engine, *, start: float, end: float, run_id: str | None, instances: Sequence[str] | None = None
-                ) -> tuple[int, int]:
+def oom_records(
+    db: Engine, *, start: float, end: float, run_id: str | None, instances: Sequence[str] | None = None
+) -> tuple[int, int]:
     """(KV `oom` alloc records, preemptions of the requests that left) of the run in the window."""
     a, r = AllocRow.__table__.c, RequestRow.__table__.c
     a_where = [a.ts >= start, a.ts < end, a.op == "oom"]
@@ -187,11 +192,27 @@ def trial_metrics(
     end = max(end, start + 1e-6)
     window = end - start
     rates = request_rates(db, start=start, end=end, group_by="all", run_id=run_id, instances=instances)
-    good = goodput(db, start=start, end=end, ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s, group_by="all",
-                   run_id=run_id, instances=instances)
+    good = goodput(
+        db,
+        start=start,
+        end=end,
+        ttft_slo_s=slo.ttft_s,
+        tpot_slo_s=slo.tpot_s,
+        group_by="all",
+        run_id=run_id,
+        instances=instances,
+    )
     lat = {
-        m: latency_percentiles(db, start=start, end=end, metric=m, quantiles=(0.5, 0.99), group_by="all",
-                               run_id=run_id, instances=instances)
+        m: latency_percentiles(
+            db,
+            start=start,
+            end=end,
+            metric=m,
+            quantiles=(0.5, 0.99),
+            group_by="all",
+            run_id=run_id,
+            instances=instances,
+        )
         for m in ("ttft", "tpot", "e2e")
     }
     rr = rates[0] if rates else None

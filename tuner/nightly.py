@@ -42,8 +42,9 @@ class NightlyResult:
     report_md: str = ""
 
 
-def confirm(backend: Backend, base: EngineConfig, best: EngineConfig, *, slo: SLO, seeds: list[int],
-            name: str, min_gain: float) -> dict[str, Any]:
+def confirm(
+    backend: Backend, base: EngineConfig, best: EngineConfig, *, slo: SLO, seeds: list[int], name: str, min_gain: float
+) -> dict[str, Any]:
     """Re-run current and best on the same new seeds; the gain holds only if the best is feasible and
     ahead on every seed and its mean gain reaches `min_gain`."""
     runs: dict[str, list[dict]] = {"baseline": [], "best": []}
@@ -110,9 +111,18 @@ def run_nightly(
         name = f"nightly-{stamp}-{uuid.uuid4().hex[:4]}"
         if seeds_per_trial < 1:
             raise ValueError(f"seeds_per_trial: must be >= 1, got {seeds_per_trial}")
-        result = run_study(be, space, base, name=name, trials=trials, slo=slo, seed=seed,
-                           workload_seed=list(range(seed, seed + seeds_per_trial)),
-                           storage=open_storage(db_url, storage_url=storage_url), progress=progress)
+        result = run_study(
+            be,
+            space,
+            base,
+            name=name,
+            trials=trials,
+            slo=slo,
+            seed=seed,
+            workload_seed=list(range(seed, seed + seeds_per_trial)),
+            storage=open_storage(db_url, storage_url=storage_url),
+            progress=progress,
+        )
         best, current = result.best, result.baseline
         confirmation = None
         if best is None:
@@ -125,15 +135,24 @@ def run_nightly(
             best_cfg = space.apply(base, best.params)
             seeds = [seed + 1000 + k for k in range(confirm_seeds)]
             confirmation = confirm(be, base, best_cfg, slo=slo, seeds=seeds, name=name, min_gain=min_gain)
-            decision = (f"propose: {confirmation['gain']:+.1%} goodput, held on {len(seeds)} new seeds"
-                        if confirmation["holds"] else
-                        f"no proposal: the gain did not hold on new seeds ({confirmation['gain']:+.1%})")
+            decision = (
+                f"propose: {confirmation['gain']:+.1%} goodput, held on {len(seeds)} new seeds"
+                if confirmation["holds"]
+                else f"no proposal: the gain did not hold on new seeds ({confirmation['gain']:+.1%})"
+            )
         log.info("nightly %s: %s", name, decision)
         png = pareto_png(result)
         propose = confirmation is not None and confirmation["holds"]
         plot_name = f"pareto-{name}.png" if png else None
-        md = render_markdown(result, title=f"kvpilot tuning report — {name}", workload=wdesc, backend=backend,
-                             confirmation=confirmation, decision=decision, plot_name=plot_name)
+        md = render_markdown(
+            result,
+            title=f"kvpilot tuning report — {name}",
+            workload=wdesc,
+            backend=backend,
+            confirmation=confirmation,
+            decision=decision,
+            plot_name=plot_name,
+        )
         if not propose:
             path = _write_atomic(out / f"report-{name}.md", md.encode())
             if png:
@@ -142,19 +161,50 @@ def run_nightly(
         best_cfg = space.apply(base, best.params)
         cfg_yaml = best_cfg.to_yaml()
         metrics_base = {"trial": current.metrics, "confirmation": confirmation["baseline"], "params": current.params}
-        metrics_best = {"trial": best.metrics, "params": best.params, "patch": space.to_patch(best.params),
-                        "search": search_summary(result), "workload": wdesc, "backend": backend,
-                        "confirmation": {k: v for k, v in confirmation.items() if k not in ("baseline", "best")}
-                        | {"runs": confirmation["best"]}}
-        return _publish(db, out, name, instance, cfg_yaml, md, png, plot_name, metrics_base, metrics_best, result,
-                        decision, confirmation)
+        metrics_best = {
+            "trial": best.metrics,
+            "params": best.params,
+            "patch": space.to_patch(best.params),
+            "search": search_summary(result),
+            "workload": wdesc,
+            "backend": backend,
+            "confirmation": {k: v for k, v in confirmation.items() if k not in ("baseline", "best")}
+            | {"runs": confirmation["best"]},
+        }
+        return _publish(
+            db,
+            out,
+            name,
+            instance,
+            cfg_yaml,
+            md,
+            png,
+            plot_name,
+            metrics_base,
+            metrics_best,
+            result,
+            decision,
+            confirmation,
+        )
     finally:
         db.dispose()
 
 
-def _publish(db, out: Path, name: str, instance: str | None, cfg_yaml: str, md: str, png: bytes | None,  # type: ignore[no-untyped-def]
-             plot_name: str | None, metrics_base: dict, metrics_best: dict, result: StudyResult, decision: str,
-             confirmation: dict) -> NightlyResult:
+def _publish(
+    db,
+    out: Path,
+    name: str,
+    instance: str | None,
+    cfg_yaml: str,
+    md: str,
+    png: bytes | None,  # type: ignore[no-untyped-def]
+    plot_name: str | None,
+    metrics_base: dict,
+    metrics_best: dict,
+    result: StudyResult,
+    decision: str,
+    confirmation: dict,
+) -> NightlyResult:
     out.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex[:8]
     temps: list[Path] = []
@@ -168,8 +218,15 @@ def _publish(db, out: Path, name: str, instance: str | None, cfg_yaml: str, md: 
             tmp_png = out / f".pareto-{token}.png.tmp"
             tmp_png.write_bytes(png)
             temps.append(tmp_png)
-        row = create_proposal(db, config_yaml=header + cfg_yaml, report_md=md, study_name=name, instance=instance,
-                              baseline_metrics=metrics_base, best_metrics=metrics_best)
+        row = create_proposal(
+            db,
+            config_yaml=header + cfg_yaml,
+            report_md=md,
+            study_name=name,
+            instance=instance,
+            baseline_metrics=metrics_base,
+            best_metrics=metrics_best,
+        )
     except BaseException:
         for t in temps:
             t.unlink(missing_ok=True)

@@ -56,18 +56,44 @@ class ProposalView:
 
 
 def _view(p: Proposal) -> ProposalView:
-    return ProposalView(p.id, p.created_at, p.updated_at, p.status, p.study_name, p.instance, p.config_yaml,
-                        p.report_md, p.baseline_metrics, p.best_metrics)
+    return ProposalView(
+        p.id,
+        p.created_at,
+        p.updated_at,
+        p.status,
+        p.study_name,
+        p.instance,
+        p.config_yaml,
+        p.report_md,
+        p.baseline_metrics,
+        p.best_metrics,
+    )
 
 
-def create_proposal(db: Engine, *, config_yaml: str, report_md: str, study_name: str | None, instance: str | None,
-                    baseline_metrics: dict[str, Any], best_metrics: dict[str, Any]) -> ProposalView:
+def create_proposal(
+    db: Engine,
+    *,
+    config_yaml: str,
+    report_md: str,
+    study_name: str | None,
+    instance: str | None,
+    baseline_metrics: dict[str, Any],
+    best_metrics: dict[str, Any],
+) -> ProposalView:
     EngineConfig.from_dict(yaml.safe_load(config_yaml) or {}, source="proposal config")
     now = time.time()
     with session_scope(session_factory(db)) as s:
-        row = Proposal(created_at=now, updated_at=now, status="pending", study_name=study_name, instance=instance,
-                       config_yaml=config_yaml, report_md=report_md, baseline_metrics=baseline_metrics,
-                       best_metrics=best_metrics)
+        row = Proposal(
+            created_at=now,
+            updated_at=now,
+            status="pending",
+            study_name=study_name,
+            instance=instance,
+            config_yaml=config_yaml,
+            report_md=report_md,
+            baseline_metrics=baseline_metrics,
+            best_metrics=best_metrics,
+        )
         s.add(row)
         s.flush()
         view = _view(row)
@@ -106,7 +132,8 @@ def set_status(db: Engine, proposal_id: int, status: str, *, extra: dict[str, An
     t = Proposal.__table__
     with translate_errors(), db.begin() as conn:
         changed = conn.execute(
-            update(t).where(t.c.id == proposal_id, t.c.status == current.status)
+            update(t)
+            .where(t.c.id == proposal_id, t.c.status == current.status)
             .values(status=status, updated_at=time.time(), best_metrics=best)
         ).rowcount
     if changed != 1:
@@ -115,8 +142,15 @@ def set_status(db: Engine, proposal_id: int, status: str, *, extra: dict[str, An
     return get_proposal(db, proposal_id)
 
 
-def apply_proposal(db: Engine, proposal_id: int, *, engine_url: str, admin_token: str | None,
-                   timeout_s: float = 10.0, client: httpx.Client | None = None) -> ProposalView:
+def apply_proposal(
+    db: Engine,
+    proposal_id: int,
+    *,
+    engine_url: str,
+    admin_token: str | None,
+    timeout_s: float = 10.0,
+    client: httpx.Client | None = None,
+) -> ProposalView:
     """PUT the proposal's tunables to the engine's /admin/config, then mark it applied."""
     proposal = get_proposal(db, proposal_id)
     if proposal.status not in ("pending", "accepted"):
@@ -132,8 +166,11 @@ def apply_proposal(db: Engine, proposal_id: int, *, engine_url: str, admin_token
         before = _call(http, "GET", "/admin/config", headers)
         differs = _non_tunable_differences(before.get("config", {}), proposal.config())
         if differs:
-            log.warning("proposal %d: engine differs from the proposal in non-tunable sections %s; "
-                        "applying the tunables only", proposal_id, ", ".join(differs))
+            log.warning(
+                "proposal %d: engine differs from the proposal in non-tunable sections %s; applying the tunables only",
+                proposal_id,
+                ", ".join(differs),
+            )
         after = _call(http, "PUT", "/admin/config", headers, json=patch)
     finally:
         if own:

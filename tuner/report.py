@@ -53,41 +53,67 @@ def search_summary(result: StudyResult) -> dict[str, Any]:
     return out
 
 
-def render_markdown(result: StudyResult, *, title: str, workload: dict[str, Any], backend: str,
-                    confirmation: dict[str, Any] | None, decision: str, plot_name: str | None) -> str:
+def render_markdown(
+    result: StudyResult,
+    *,
+    title: str,
+    workload: dict[str, Any],
+    backend: str,
+    confirmation: dict[str, Any] | None,
+    decision: str,
+    plot_name: str | None,
+) -> str:
     s = search_summary(result)
     base, best = result.baseline, result.best
     lines = [f"# {title}", "", f"**Decision:** {decision}", ""]
-    lines += ["## Search", "",
-              f"- backend `{backend}`, study `{result.name}`, sampler {result.sampler}, {s['trials']} trials "
-              f"({s['feasible']} feasible, {s['failed']} failed); trial 0 is the current config",
-              f"- workload: {', '.join(f'{k}={v}' for k, v in workload.items())}",
-              f"- best found: {_fmt(s['best_goodput_tps'])} goodput tokens/s (trial {s['best_trial']}); current config "
-              f"{_fmt(s['baseline_goodput_tps'])}"]
+    lines += [
+        "## Search",
+        "",
+        f"- backend `{backend}`, study `{result.name}`, sampler {result.sampler}, {s['trials']} trials "
+        f"({s['feasible']} feasible, {s['failed']} failed); trial 0 is the current config",
+        f"- workload: {', '.join(f'{k}={v}' for k, v in workload.items())}",
+        f"- best found: {_fmt(s['best_goodput_tps'])} goodput tokens/s (trial {s['best_trial']}); current config "
+        f"{_fmt(s['baseline_goodput_tps'])}",
+    ]
     if result.random is not None:
         rnd = s["random_best_goodput_tps"]
         found = f"best {_fmt(rnd)} goodput tokens/s" if rnd is not None else "no feasible trial"
-        lines.append(f"- random search, same budget ({s['random_trials']} trials): {found}"
-                     + (f"; {result.sampler} is {s['best_over_random']:+.1%} against it" if "best_over_random" in s
-                        else ""))
+        lines.append(
+            f"- random search, same budget ({s['random_trials']} trials): {found}"
+            + (f"; {result.sampler} is {s['best_over_random']:+.1%} against it" if "best_over_random" in s else "")
+        )
     lines += [f"- {n}" for n in result.notes]
     if base and best:
         lines += ["", "## What changed", "", "| knob | current | proposed |", "|---|---|---|"]
         diff = changes(base.params, best.params)
         lines += [f"| `{k}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in diff] or ["| (none) | | |"]
     if confirmation:
-        lines += ["", "## Confirmation (new workload seeds)", "",
-                  f"Seeds {confirmation['seeds']}; goodput tokens/s as mean ± sd (min, max).", "",
-                  "| metric | before (current) | after (proposed) |", "|---|---|---|"]
-        for key, label in (("goodput_tps", "goodput tokens/s"), ("throughput_tps", "throughput tokens/s"),
-                           ("ttft_p99_s", "p99 TTFT s"), ("e2e_p99_s", "p99 end-to-end s"),
-                           ("rejection_rate", "rejection rate"), ("preemptions", "preemptions")):
+        lines += [
+            "",
+            "## Confirmation (new workload seeds)",
+            "",
+            f"Seeds {confirmation['seeds']}; goodput tokens/s as mean ± sd (min, max).",
+            "",
+            "| metric | before (current) | after (proposed) |",
+            "|---|---|---|",
+        ]
+        for key, label in (
+            ("goodput_tps", "goodput tokens/s"),
+            ("throughput_tps", "throughput tokens/s"),
+            ("ttft_p99_s", "p99 TTFT s"),
+            ("e2e_p99_s", "p99 end-to-end s"),
+            ("rejection_rate", "rejection rate"),
+            ("preemptions", "preemptions"),
+        ):
             before = [m[key] for m in confirmation["baseline"] if m.get(key) is not None]
             after = [m[key] for m in confirmation["best"] if m.get(key) is not None]
             lines.append(f"| {label} | {spread(before)} | {spread(after)} |")
-        lines += ["", f"Gain: {confirmation['gain']:+.1%} (threshold {confirmation['min_gain']:+.1%}); "
-                  f"best feasible on every seed: {confirmation['best_feasible_all']}; "
-                  f"best ahead on every seed: {confirmation['best_ahead_all']}."]
+        lines += [
+            "",
+            f"Gain: {confirmation['gain']:+.1%} (threshold {confirmation['min_gain']:+.1%}); "
+            f"best feasible on every seed: {confirmation['best_feasible_all']}; "
+            f"best ahead on every seed: {confirmation['best_ahead_all']}.",
+        ]
     if plot_name:
         lines += ["", "## Trade-off", "", f"![throughput vs p99]({plot_name})"]
     return "\n".join(lines) + "\n"
@@ -111,16 +137,30 @@ def pareto_png(result: StudyResult) -> bytes | None:
     for feasible, color, label in ((True, "tab:blue", "feasible"), (False, "tab:gray", "infeasible")):
         sel = [m for t, m in pts if t.feasible == feasible]
         if sel:
-            ax.scatter([m["e2e_p99_s"] for m in sel], [m["throughput_tps"] for m in sel], s=18, c=color, label=label,
-                       alpha=0.7)
+            ax.scatter(
+                [m["e2e_p99_s"] for m in sel], [m["throughput_tps"] for m in sel], s=18, c=color, label=label, alpha=0.7
+            )
     if front:
         fm = sorted((t.metrics for t in front), key=lambda m: m["e2e_p99_s"])
-        ax.plot([m["e2e_p99_s"] for m in fm], [m["throughput_tps"] for m in fm], "-o", c="tab:orange", ms=4,
-                label="Pareto front")
+        ax.plot(
+            [m["e2e_p99_s"] for m in fm],
+            [m["throughput_tps"] for m in fm],
+            "-o",
+            c="tab:orange",
+            ms=4,
+            label="Pareto front",
+        )
     for rec, marker, label in ((result.baseline, "s", "current"), (result.best, "*", "proposed")):
         if rec is not None and rec.metrics and rec.metrics.get("e2e_p99_s") is not None:
-            ax.scatter([rec.metrics["e2e_p99_s"]], [rec.metrics["throughput_tps"]], marker=marker, s=120,
-                       c="tab:red", label=label, zorder=5)
+            ax.scatter(
+                [rec.metrics["e2e_p99_s"]],
+                [rec.metrics["throughput_tps"]],
+                marker=marker,
+                s=120,
+                c="tab:red",
+                label=label,
+                zorder=5,
+            )
     ax.set_xlabel("p99 end-to-end latency (s)")
     ax.set_ylabel("throughput (output tokens/s)")
     ax.set_title(f"{result.name}: {len(pts)} trials")
@@ -138,7 +178,11 @@ def _front(trials: list[TrialRecord]) -> list[TrialRecord]:
     out = []
     for t in feas:
         thr, p99 = t.metrics["throughput_tps"], t.metrics["e2e_p99_s"]
-        if not any(o.metrics["throughput_tps"] >= thr and o.metrics["e2e_p99_s"] <= p99
-                   and (o.metrics["throughput_tps"] > thr or o.metrics["e2e_p99_s"] < p99) for o in feas):
+        if not any(
+            o.metrics["throughput_tps"] >= thr
+            and o.metrics["e2e_p99_s"] <= p99
+            and (o.metrics["throughput_tps"] > thr or o.metrics["e2e_p99_s"] < p99)
+            for o in feas
+        ):
             out.append(t)
     return out

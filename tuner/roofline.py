@@ -26,8 +26,17 @@ H200 = HardwareSpec(
 
 LLAMA3_8B = ModelProfile(
     name="Llama-3-8B",
-    config=ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                       max_position=8192, rope_theta=500000.0, dtype="bfloat16"),
+    config=ModelConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        max_position=8192,
+        rope_theta=500000.0,
+        dtype="bfloat16",
+    ),
     params=8_030_261_248,
     weights_bytes=16_060_522_496,
     kv_bytes_per_token=131072,
@@ -46,10 +55,19 @@ def h200_llama3_8b() -> CostProfile:
         roofline=RooflineCost(step_overhead_s=0.0015, per_seq_overhead_s=10e-6),
         engine_defaults={
             "device": "cuda",
-            "cache": {"page_tokens": 16, "hot_bytes": hot, "cold_bytes": 64 * 2**30, "block_size": 32,
-                      "dynamic_sizes": [16, 32, 64]},
-            "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "prefill_chunk_tokens": 2048,
-                          "queue_limit": 4096},
+            "cache": {
+                "page_tokens": 16,
+                "hot_bytes": hot,
+                "cold_bytes": 64 * 2**30,
+                "block_size": 32,
+                "dynamic_sizes": [16, 32, 64],
+            },
+            "scheduler": {
+                "max_num_seqs": 256,
+                "max_num_batched_tokens": 8192,
+                "prefill_chunk_tokens": 2048,
+                "queue_limit": 4096,
+            },
         },
     )
 

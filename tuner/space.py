@@ -160,8 +160,17 @@ class SearchSpace:
             elif p.choices is not None:
                 params.append(Param(p.name, choices=(*p.choices, v)))
             else:
-                params.append(Param(p.name, choices=None, low=min(p.low, v), high=max(p.high, v), step=None,
-                                    log=p.log, is_int=p.is_int and isinstance(v, int)))
+                params.append(
+                    Param(
+                        p.name,
+                        choices=None,
+                        low=min(p.low, v),
+                        high=max(p.high, v),
+                        step=None,
+                        log=p.log,
+                        is_int=p.is_int and isinstance(v, int),
+                    )
+                )
         return SearchSpace(tuple(params), self.fixed)
 
     def grid(self) -> list[dict[str, Any]]:
@@ -172,8 +181,11 @@ class SearchSpace:
     def describe(self) -> dict[str, Any]:
         out = {}
         for p in self.params:
-            out[p.name] = list(p.choices) if p.choices is not None else {"low": p.low, "high": p.high, "step": p.step,
-                                                                        "log": p.log}
+            out[p.name] = (
+                list(p.choices)
+                if p.choices is not None
+                else {"low": p.low, "high": p.high, "step": p.step, "log": p.log}
+            )
         return out
 
 
@@ -242,8 +254,9 @@ def _check_values(space: SearchSpace, base: EngineConfig, source: str) -> None:
             try:
                 space.apply(base, {p.name: value})
             except (ConfigError, SpaceError) as exc:
-                raise SpaceError(f"{source}: params.{p.name} value {value!r} is invalid: {exc}",
-                                 f"params.{p.name}") from exc
+                raise SpaceError(
+                    f"{source}: params.{p.name} value {value!r} is invalid: {exc}", f"params.{p.name}"
+                ) from exc
     try:
         space.apply(base, {})
     except ConfigError as exc:

@@ -133,8 +133,7 @@ def make_sampler(kind: str, *, seed: int, trials: int, multi_objective: bool) ->
     startup = max(5, min(10, trials // 8))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True,
-                                          constant_liar=True)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, constant_liar=True)
 
 
 def _objective_values(m: TrialMetrics, multi: bool) -> list[float]:
@@ -180,8 +179,11 @@ def _measured_count(trials: Sequence[optuna.trial.FrozenTrial]) -> int:
 
 def _stored_measurement(trials: Sequence[optuna.trial.FrozenTrial], key: str) -> optuna.trial.FrozenTrial | None:
     for ft in trials:
-        if (ft.state == TrialState.COMPLETE and ft.user_attrs.get("config_key") == key
-                and "duplicate_of" not in ft.user_attrs):
+        if (
+            ft.state == TrialState.COMPLETE
+            and ft.user_attrs.get("config_key") == key
+            and "duplicate_of" not in ft.user_attrs
+        ):
             return ft
     return None
 
@@ -210,20 +212,55 @@ def run_study(
         raise ValueError(f"trials: must be >= 1, got {trials}")
     slo.validate()
     space = space.including(base)
-    result = _run_one(backend, space, base, name=name, trials=trials, slo=slo, storage=storage, sampler=sampler,
-                      seed=seed, workload_seed=workload_seed, multi=multi_objective, progress=progress)
+    result = _run_one(
+        backend,
+        space,
+        base,
+        name=name,
+        trials=trials,
+        slo=slo,
+        storage=storage,
+        sampler=sampler,
+        seed=seed,
+        workload_seed=workload_seed,
+        multi=multi_objective,
+        progress=progress,
+    )
     if random_baseline and sampler != "random":
-        result.random = _run_one(backend, space, base, name=f"{name}-random", trials=trials, slo=slo,
-                                 storage=storage, sampler="random", seed=seed, workload_seed=workload_seed,
-                                 multi=multi_objective, progress=progress)
+        result.random = _run_one(
+            backend,
+            space,
+            base,
+            name=f"{name}-random",
+            trials=trials,
+            slo=slo,
+            storage=storage,
+            sampler="random",
+            seed=seed,
+            workload_seed=workload_seed,
+            multi=multi_objective,
+            progress=progress,
+        )
     elif not random_baseline:
         result.notes.append("random-search baseline not run (disabled)")
     return result
 
 
-def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: str, trials: int, slo: SLO,
-             storage: Any, sampler: str, seed: int, workload_seed: int | Sequence[int], multi: bool,
-             progress: bool) -> StudyResult:
+def _run_one(
+    backend: Backend,
+    space: SearchSpace,
+    base: EngineConfig,
+    *,
+    name: str,
+    trials: int,
+    slo: SLO,
+    storage: Any,
+    sampler: str,
+    seed: int,
+    workload_seed: int | Sequence[int],
+    multi: bool,
+    progress: bool,
+) -> StudyResult:
     seeds = [workload_seed] if isinstance(workload_seed, int) else list(workload_seed)
     directions = ["maximize", "minimize"] if multi else ["maximize"]
     study = optuna.create_study(
@@ -233,8 +270,10 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
         sampler=make_sampler(sampler, seed=seed, trials=trials, multi_objective=multi),
         load_if_exists=True,
     )
-    if list(study.directions) != [optuna.study.StudyDirection.MAXIMIZE if d == "maximize" else
-                                  optuna.study.StudyDirection.MINIMIZE for d in directions]:
+    if list(study.directions) != [
+        optuna.study.StudyDirection.MAXIMIZE if d == "maximize" else optuna.study.StudyDirection.MINIMIZE
+        for d in directions
+    ]:
         raise ValueError(f"study {name!r} exists with other objectives; pick another --study-name")
     if not study.trials:
         study.set_user_attr("backend", backend.name)
@@ -245,16 +284,24 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
     failed = duplicates_in_a_row = 0
     notes: list[str] = []
     initial = _measured_count(study.get_trials(deepcopy=False))
-    with tqdm(total=trials, initial=min(trials, initial), desc=f"{name} [{sampler}]", unit="trial",
-              disable=not progress, leave=False) as bar:
+    with tqdm(
+        total=trials,
+        initial=min(trials, initial),
+        desc=f"{name} [{sampler}]",
+        unit="trial",
+        disable=not progress,
+        leave=False,
+    ) as bar:
         while True:
             so_far = study.get_trials(deepcopy=False)  # one read per trial: the budget and the duplicate lookup
             measured = _measured_count(so_far)
             if measured >= trials:
                 break
             if duplicates_in_a_row >= MAX_CONSECUTIVE_DUPLICATES:
-                notes.append(f"stopped after {measured} measured trials: the sampler proposed "
-                             f"{duplicates_in_a_row} already measured configurations in a row (space exhausted)")
+                notes.append(
+                    f"stopped after {measured} measured trials: the sampler proposed "
+                    f"{duplicates_in_a_row} already measured configurations in a row (space exhausted)"
+                )
                 log.warning("study %s: %s", name, notes[-1])
                 break
             trial = study.ask()
@@ -285,8 +332,10 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
             run_id = f"{name}-t{trial.number}-{uuid.uuid4().hex[:6]}"
             trial.set_user_attr("run_id", run_id)
             try:
-                runs = [backend.evaluate(config, run_id=run_id if len(seeds) == 1 else f"{run_id}-s{s}", seed=s)
-                        for s in seeds]
+                runs = [
+                    backend.evaluate(config, run_id=run_id if len(seeds) == 1 else f"{run_id}-s{s}", seed=s)
+                    for s in seeds
+                ]
                 metrics = combine(runs)
             except (ReplayError, StorageError, ConfigError, RuntimeError, OSError) as exc:
                 log.error("trial %d (%s) failed on backend %s: %s", trial.number, run_id, backend.name, exc)
@@ -308,5 +357,11 @@ def _run_one(backend: Backend, space: SearchSpace, base: EngineConfig, *, name: 
     dups = sum(r.duplicate_of is not None for r in records)
     if dups:
         notes.append(f"{dups} proposal(s) repeated an already measured config and were told its stored result")
-    return StudyResult(name=name, sampler=sampler, multi_objective=multi, trials=records,
-                       failed=sum(r.state == "FAIL" for r in records), notes=notes)
+    return StudyResult(
+        name=name,
+        sampler=sampler,
+        multi_objective=multi,
+        trials=records,
+        failed=sum(r.state == "FAIL" for r in records),
+        notes=notes,
+    )

@@ -95,8 +95,9 @@ def scenario(name: str, capacity_rps: float, opts: WorkloadOptions, *, seed: int
         pool = W.mixed(int(duration * rate * 1.5) + 16, seed=seed, rate=rate, **mix)
         reqs = [r for r in pool if r.arrival_s < duration]
     else:
-        raise WorkloadError("workload",
-                            f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}, trace:FILE, collector")
+        raise WorkloadError(
+            "workload", f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}, trace:FILE, collector"
+        )
     return [_clipped(r, opts.max_total_tokens) for r in reqs]
 
 
@@ -197,13 +198,18 @@ def fit_from_collector(
     total = sum(r.requests for r in rates)
     if total > opts.max_rows:  # keep the most recent part of the window that fits
         start = end - (end - start) * opts.max_rows / total
-        log.warning("collector workload: %d requests in %.1f h; fitting the last %.2f h", total, opts.hours,
-                    (end - start) / 3600)
+        log.warning(
+            "collector workload: %d requests in %.1f h; fitting the last %.2f h",
+            total,
+            opts.hours,
+            (end - start) / 3600,
+        )
         total = sum(r.requests for r in request_rates(db, start=start, end=end, group_by="all", instances=instances))
     if total < min_requests:
         raise WorkloadError(
-            "hours", f"the collector holds {total} requests in the last {opts.hours:g} h (need >= {min_requests}); "
-            "widen --hours or use a scenario workload"
+            "hours",
+            f"the collector holds {total} requests in the last {opts.hours:g} h (need >= {min_requests}); "
+            "widen --hours or use a scenario workload",
         )
     rows = slowest_requests(db, start=start, end=end, metric="e2e", limit=total, instances=instances)
     arrivals = [float(r["ts"]) - float(r["e2e_s"]) for r in rows]

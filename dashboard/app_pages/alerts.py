@@ -13,8 +13,10 @@ from dashboard import charts, data, transform, ui
 st.title("Alerts")
 f = ui.current_filters()
 now = time.time()
-NO_EVALUATOR = ("Alert state is written by the evaluator: run `kvpilot alerts run --webhook URL` (or `--sink-port "
-                "9095` for a local sink) against this database.")
+NO_EVALUATOR = (
+    "Alert state is written by the evaluator: run `kvpilot alerts run --webhook URL` (or `--sink-port "
+    "9095` for a local sink) against this database."
+)
 
 states = pd.DataFrame()
 silence_rows: list[dict] = []
@@ -53,10 +55,29 @@ else:
     view["labels"] = view["labels"].map(lambda d: ", ".join(f"{k}={v}" for k, v in sorted(d.items())))
     order = {"firing": 0, "pending": 1, "resolved": 2}
     view = view.sort_values("state", key=lambda s: s.map(order))
-    st.dataframe(view[["state", "alertname", "severity", "instance", "summary", "value", "silenced", "active since",
-                       "firing since", "resolved at", "labels"]], hide_index=True, width="stretch",
-                 column_config={c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
-                                for c in ("active since", "firing since", "resolved at")})
+    st.dataframe(
+        view[
+            [
+                "state",
+                "alertname",
+                "severity",
+                "instance",
+                "summary",
+                "value",
+                "silenced",
+                "active since",
+                "firing since",
+                "resolved at",
+                "labels",
+            ]
+        ],
+        hide_index=True,
+        width="stretch",
+        column_config={
+            c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
+            for c in ("active since", "firing since", "resolved at")
+        },
+    )
     spans = []
     for r in states.itertuples():
         name = f"{r.alertname} · {r.instance}" if r.instance else r.alertname
@@ -69,69 +90,138 @@ else:
     gantt = pd.DataFrame(spans)
     for c in ("from", "to"):
         gantt[c] = pd.to_datetime(gantt[c], unit="s", utc=True)
-    st.altair_chart(charts.alert_timeline(gantt, title="Pending and firing intervals (to the last evaluation)"),
-                    width="stretch")
+    st.altair_chart(
+        charts.alert_timeline(gantt, title="Pending and firing intervals (to the last evaluation)"), width="stretch"
+    )
 
 st.subheader("Notification history")
 with ui.guarded("Notification history"):
     history = data.alert_history(f.db_url, f.start, f.end)
     if history.empty:
-        ui.empty("notifications", "Notifications are sent when an alert has fired for its `for` duration and its "
-                 "route's group_wait has passed.")
+        ui.empty(
+            "notifications",
+            "Notifications are sent when an alert has fired for its `for` duration and its "
+            "route's group_wait has passed.",
+        )
     else:
         for c in ("notified_at", "starts_at", "ends_at"):
             history[c] = pd.to_datetime(history[c], unit="s", utc=True)
-        st.dataframe(history.sort_values("notified_at", ascending=False), hide_index=True, width="stretch",
-                     column_config={c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
-                                    for c in ("notified_at", "starts_at", "ends_at")})
+        st.dataframe(
+            history.sort_values("notified_at", ascending=False),
+            hide_index=True,
+            width="stretch",
+            column_config={
+                c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
+                for c in ("notified_at", "starts_at", "ends_at")
+            },
+        )
 
 st.subheader("Deliveries")
 with ui.guarded("Deliveries"):
     rows = data.deliveries(f.db_url)
     if not rows:
-        st.info("**No notifications in the outbox.** Deliveries appear here with every HTTP attempt once the "
-                "evaluator notifies a receiver.", icon=":material/info:")
+        st.info(
+            "**No notifications in the outbox.** Deliveries appear here with every HTTP attempt once the "
+            "evaluator notifies a receiver.",
+            icon=":material/info:",
+        )
     else:
-        table = pd.DataFrame([{k: r[k] for k in ("id", "receiver", "kind", "status", "attempts", "created_at",
-                                                  "delivered_at", "next_attempt_at", "last_error")} for r in rows])
+        table = pd.DataFrame(
+            [
+                {
+                    k: r[k]
+                    for k in (
+                        "id",
+                        "receiver",
+                        "kind",
+                        "status",
+                        "attempts",
+                        "created_at",
+                        "delivered_at",
+                        "next_attempt_at",
+                        "last_error",
+                    )
+                }
+                for r in rows
+            ]
+        )
         for c in ("created_at", "delivered_at", "next_attempt_at"):
             table[c] = pd.to_datetime(table[c], unit="s", utc=True)
         counts = table["status"].value_counts()
         st.caption(" · ".join(f"{status}: {n}" for status, n in counts.items()))
-        st.dataframe(table, hide_index=True, width="stretch",
-                     column_config={c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
-                                    for c in ("created_at", "delivered_at", "next_attempt_at")})
-        chosen = st.selectbox("Attempts of delivery", options=[r["id"] for r in rows], key="delivery_pick",
-                              format_func=lambda i: next(f"#{r['id']} → {r['receiver']} ({r['status']}, "
-                                                         f"{r['attempts']} attempts)" for r in rows if r["id"] == i))
+        st.dataframe(
+            table,
+            hide_index=True,
+            width="stretch",
+            column_config={
+                c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
+                for c in ("created_at", "delivered_at", "next_attempt_at")
+            },
+        )
+        chosen = st.selectbox(
+            "Attempts of delivery",
+            options=[r["id"] for r in rows],
+            key="delivery_pick",
+            format_func=lambda i: next(
+                f"#{r['id']} → {r['receiver']} ({r['status']}, {r['attempts']} attempts)" for r in rows if r["id"] == i
+            ),
+        )
         attempt_log = next(r["attempt_log"] for r in rows if r["id"] == chosen)
         if attempt_log:
             log = pd.DataFrame(attempt_log)
             log["started_at"] = pd.to_datetime(log["started_at"], unit="s", utc=True)
-            st.dataframe(log, hide_index=True, width="stretch",
-                         column_config={"started_at": st.column_config.DatetimeColumn(format="HH:mm:ss.SSS"),
-                                        "duration_s": st.column_config.NumberColumn(format="%.3f")})
+            st.dataframe(
+                log,
+                hide_index=True,
+                width="stretch",
+                column_config={
+                    "started_at": st.column_config.DatetimeColumn(format="HH:mm:ss.SSS"),
+                    "duration_s": st.column_config.NumberColumn(format="%.3f"),
+                },
+            )
         else:
             st.caption("Not attempted yet.")
 
 st.subheader("Silences")
 with ui.guarded("Silences"):
     if silence_rows:
-        listing = pd.DataFrame([{"state": s["status"]["state"], "matchers": transform.matcher_text(s["matchers"]),
-                                 "starts": s["startsAt"], "ends": s["endsAt"], "created by": s["createdBy"],
-                                 "comment": s["comment"], "id": s["id"]} for s in silence_rows])
+        listing = pd.DataFrame(
+            [
+                {
+                    "state": s["status"]["state"],
+                    "matchers": transform.matcher_text(s["matchers"]),
+                    "starts": s["startsAt"],
+                    "ends": s["endsAt"],
+                    "created by": s["createdBy"],
+                    "comment": s["comment"],
+                    "id": s["id"],
+                }
+                for s in silence_rows
+            ]
+        )
         for c in ("starts", "ends"):
             listing[c] = pd.to_datetime(listing[c], unit="s", utc=True)
-        st.dataframe(listing, hide_index=True, width="stretch",
-                     column_config={c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
-                                    for c in ("starts", "ends")})
+        st.dataframe(
+            listing,
+            hide_index=True,
+            width="stretch",
+            column_config={
+                c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss") for c in ("starts", "ends")
+            },
+        )
         live = [s for s in silence_rows if s["status"]["state"] != "expired"]
         if live:
             c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
-            target = c1.selectbox("Silence to expire", options=[s["id"] for s in live], key="silence_expire_pick",
-                                  format_func=lambda i: next(f"{transform.matcher_text(s['matchers'])} "
-                                                             f"({s['status']['state']}, id {i[:8]})"
-                                                             for s in live if s["id"] == i))
+            target = c1.selectbox(
+                "Silence to expire",
+                options=[s["id"] for s in live],
+                key="silence_expire_pick",
+                format_func=lambda i: next(
+                    f"{transform.matcher_text(s['matchers'])} ({s['status']['state']}, id {i[:8]})"
+                    for s in live
+                    if s["id"] == i
+                ),
+            )
             if c2.button("Expire", key="silence_expire", icon=":material/timer_off:"):
                 if data.expire_silence(f.db_url, target):
                     st.toast(f"Silence {target[:8]} expired.")
@@ -146,17 +236,27 @@ with ui.guarded("Silences"):
         default = ""
         if not firing.empty:
             default = f"alertname={firing.iloc[0]['alertname']}"
-        matcher_lines = st.text_area("Matchers, one per line", value=default, key="silence_matchers",
-                                     help='name=value, name!=value, name=~"regex", name!~"regex"')
+        matcher_lines = st.text_area(
+            "Matchers, one per line",
+            value=default,
+            key="silence_matchers",
+            help='name=value, name!=value, name=~"regex", name!~"regex"',
+        )
         c1, c2 = st.columns(2)
-        hours = c1.number_input("Duration (hours)", min_value=0.05, max_value=24.0 * 90, value=2.0, step=0.5,
-                                key="silence_hours")
+        hours = c1.number_input(
+            "Duration (hours)", min_value=0.05, max_value=24.0 * 90, value=2.0, step=0.5, key="silence_hours"
+        )
         author = c2.text_input("Created by", value=getpass.getuser(), key="silence_author")
         comment = st.text_input("Comment", key="silence_comment", placeholder="why, and a ticket if there is one")
         if st.form_submit_button("Create silence", icon=":material/notifications_off:"):
             try:
-                sid = data.create_silence(f.db_url, matchers=matcher_lines.splitlines(), duration_s=hours * 3600,
-                                          created_by=author, comment=comment)
+                sid = data.create_silence(
+                    f.db_url,
+                    matchers=matcher_lines.splitlines(),
+                    duration_s=hours * 3600,
+                    created_by=author,
+                    comment=comment,
+                )
             except ValueError as exc:
                 st.error(f"Silence not created: {exc}")
             else:

@@ -10,8 +10,10 @@ st.title("Latency")
 f = ui.current_filters()
 st.caption(f"Finished requests in {ui.window_text()}; percentiles are exact (nearest rank), computed in SQL.")
 
-NO_REQUESTS = ("Requests appear here once engines push request events to the collector; widen the time range "
-               "or clear the instance/run filters.")
+NO_REQUESTS = (
+    "Requests appear here once engines push request events to the collector; widen the time range "
+    "or clear the instance/run filters."
+)
 
 summary = None
 with ui.guarded("Summary"):
@@ -26,28 +28,50 @@ cols = st.columns(4)
 for col, stage in zip(cols[:3], ("TTFT", "TPOT", "End to end"), strict=True):
     if stage in by_stage.index:
         row = by_stage.loc[stage]
-        col.metric(f"{stage} p99", ui.fmt_s(row["p99 (s)"]),
-                   help=f"p50 {ui.fmt_s(row['p50 (s)'])} · p90 {ui.fmt_s(row['p90 (s)'])} · "
-                        f"max {ui.fmt_s(row['max (s)'])}")
+        col.metric(
+            f"{stage} p99",
+            ui.fmt_s(row["p99 (s)"]),
+            help=f"p50 {ui.fmt_s(row['p50 (s)'])} · p90 {ui.fmt_s(row['p90 (s)'])} · max {ui.fmt_s(row['max (s)'])}",
+        )
         col.caption(f"p50 {ui.fmt_s(row['p50 (s)'])} · p90 {ui.fmt_s(row['p90 (s)'])}")
 cols[3].metric("Finished requests", f"{int(by_stage['requests'].max()):,}")
-st.dataframe(summary, hide_index=True, width="stretch",
-             column_config={c: st.column_config.NumberColumn(format="%.4f")
-                            for c in summary.columns if c.endswith("(s)")})
+st.dataframe(
+    summary,
+    hide_index=True,
+    width="stretch",
+    column_config={c: st.column_config.NumberColumn(format="%.4f") for c in summary.columns if c.endswith("(s)")},
+)
 
 st.subheader("Percentiles over time")
-metric = st.segmented_control("Metric", options=["ttft", "tpot", "e2e"], default="ttft", key="lat_metric",
-                              format_func=lambda m: data.LATENCY_METRICS[m], label_visibility="collapsed") or "ttft"
+metric = (
+    st.segmented_control(
+        "Metric",
+        options=["ttft", "tpot", "e2e"],
+        default="ttft",
+        key="lat_metric",
+        format_func=lambda m: data.LATENCY_METRICS[m],
+        label_visibility="collapsed",
+    )
+    or "ttft"
+)
 with ui.guarded("Percentiles over time"):
     over_time = data.latency_over_time(f, metric)
     if over_time.empty:
         ui.empty(f"{data.LATENCY_METRICS[metric]} values", "TPOT needs requests with more than one output token.")
     else:
         log = st.toggle("Log scale", key="lat_log", help="keeps p50 readable next to a slow tail")
-        st.altair_chart(charts.lines(over_time, y="seconds", color="quantile", log=log,
-                                     title=f"{data.LATENCY_METRICS[metric]} p50 / p90 / p99 per "
-                                           f"{ui.fmt_s(f.bucket_s)} bucket", y_title="seconds", y_format=".3~g"),
-                        width="stretch")
+        st.altair_chart(
+            charts.lines(
+                over_time,
+                y="seconds",
+                color="quantile",
+                log=log,
+                title=f"{data.LATENCY_METRICS[metric]} p50 / p90 / p99 per {ui.fmt_s(f.bucket_s)} bucket",
+                y_title="seconds",
+                y_format=".3~g",
+            ),
+            width="stretch",
+        )
 
 st.subheader("Where the time goes")
 with ui.guarded("Stage breakdown"):
@@ -55,8 +79,9 @@ with ui.guarded("Stage breakdown"):
     if stages.empty:
         ui.empty("finished requests", NO_REQUESTS)
     else:
-        st.altair_chart(charts.stacked_stages(stages, title="Mean seconds per request by stage (bar = mean e2e)"),
-                        width="stretch")
+        st.altair_chart(
+            charts.stacked_stages(stages, title="Mean seconds per request by stage (bar = mean e2e)"), width="stretch"
+        )
         per_bucket = stages.drop_duplicates("ts")
         swaps, preemptions = int(per_bucket["swaps"].sum()), int(per_bucket["preemptions"].sum())
         mean_swap = by_stage.loc["Swap", "mean (s)"] if "Swap" in by_stage.index else 0.0
@@ -73,26 +98,45 @@ st.subheader("Distributions")
 left, right = st.columns(2)
 for col, hist_metric in ((left, "ttft"), (right, "e2e")):
     with col, ui.guarded(f"{data.LATENCY_METRICS[hist_metric]} histogram"):
-        clip = by_stage.loc[data.LATENCY_METRICS[hist_metric], "p95 (s)"] \
-            if data.LATENCY_METRICS[hist_metric] in by_stage.index else None
+        clip = (
+            by_stage.loc[data.LATENCY_METRICS[hist_metric], "p95 (s)"]
+            if data.LATENCY_METRICS[hist_metric] in by_stage.index
+            else None
+        )
         full = st.toggle("Spread out the slowest 5%", key=f"hist_full_{hist_metric}", value=False)
         bins = data.histogram(f, hist_metric, None if full else clip)
         if bins.empty:
             ui.empty(f"{data.LATENCY_METRICS[hist_metric]} values", NO_REQUESTS)
         else:
             note = "" if full else " (to p95; slower ones in the last bar)"
-            st.altair_chart(charts.histogram(bins, title=f"{data.LATENCY_METRICS[hist_metric]} distribution{note}",
-                                             x_title="seconds"), width="stretch")
+            st.altair_chart(
+                charts.histogram(
+                    bins, title=f"{data.LATENCY_METRICS[hist_metric]} distribution{note}", x_title="seconds"
+                ),
+                width="stretch",
+            )
 
 st.subheader("Slowest requests")
-rank = st.selectbox("Rank by", options=list(data.LATENCY_METRICS), index=2, key="slow_metric",
-                    format_func=lambda m: data.LATENCY_METRICS[m])
+rank = st.selectbox(
+    "Rank by",
+    options=list(data.LATENCY_METRICS),
+    index=2,
+    key="slow_metric",
+    format_func=lambda m: data.LATENCY_METRICS[m],
+)
 with ui.guarded("Slowest requests"):
     slow = data.slowest(f, rank)
     if slow.empty:
         ui.empty("requests", NO_REQUESTS)
     else:
-        st.dataframe(slow, hide_index=True, width="stretch",
-                     column_config={c: st.column_config.NumberColumn(format="%.4f")
-                                    for c in slow.columns if c.endswith("_s") or c.endswith("(s)")}
-                     | {"finished at": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")})
+        st.dataframe(
+            slow,
+            hide_index=True,
+            width="stretch",
+            column_config={
+                c: st.column_config.NumberColumn(format="%.4f")
+                for c in slow.columns
+                if c.endswith("_s") or c.endswith("(s)")
+            }
+            | {"finished at": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")},
+        )

@@ -34,20 +34,29 @@ with ui.guarded("Firing alerts"):
         pending = len(active)
         st.success(f"No alerts firing{f' ({pending} pending)' if pending else ''}.", icon=":material/check_circle:")
     else:
-        lines = [f"**{r.alertname}** on `{r.instance or 'all'}` ({r.severity or 'no severity'}): {r.summary}"
-                 for r in firing.itertuples()]
-        st.error(f"**{len(firing)} alert(s) firing** — see the Alerts page.\n\n- " + "\n- ".join(lines),
-                 icon=":material/notifications_active:")
+        lines = [
+            f"**{r.alertname}** on `{r.instance or 'all'}` ({r.severity or 'no severity'}): {r.summary}"
+            for r in firing.itertuples()
+        ]
+        st.error(
+            f"**{len(firing)} alert(s) firing** — see the Alerts page.\n\n- " + "\n- ".join(lines),
+            icon=":material/notifications_active:",
+        )
 
 st.subheader("Per instance")
 with ui.guarded("Per instance"):
     summary = data.instance_summary(f)
     if summary.empty:
-        ui.empty("engine data", "Start an engine that pushes to the collector (`kvpilot engine serve`), "
-                 "widen the time range, or clear the instance/run filters.")
+        ui.empty(
+            "engine data",
+            "Start an engine that pushes to the collector (`kvpilot engine serve`), "
+            "widen the time range, or clear the instance/run filters.",
+        )
     else:
         st.dataframe(
-            summary, hide_index=True, width="stretch",
+            summary,
+            hide_index=True,
+            width="stretch",
             column_config={
                 "req/s": st.column_config.NumberColumn(format="%.2f"),
                 "output tok/s": st.column_config.NumberColumn(format="%.1f"),
@@ -66,18 +75,35 @@ with left, ui.guarded("Throughput"):
     if tp.empty:
         ui.empty("engine steps", "Step events come from kvpilot engines; scraped servers show gauges only.")
     else:
-        long = tp.melt(id_vars=["instance", "time"], value_vars=["prefill tok/s", "decode tok/s"],
-                       var_name="kind", value_name="tokens/s")
-        st.altair_chart(charts.lines(long, y="tokens/s", color="instance", dash="kind", title="Engine throughput",
-                                     y_title="tokens/s"), width="stretch")
+        long = tp.melt(
+            id_vars=["instance", "time"],
+            value_vars=["prefill tok/s", "decode tok/s"],
+            var_name="kind",
+            value_name="tokens/s",
+        )
+        st.altair_chart(
+            charts.lines(
+                long, y="tokens/s", color="instance", dash="kind", title="Engine throughput", y_title="tokens/s"
+            ),
+            width="stretch",
+        )
 with right, ui.guarded("Queue and running"):
     g = data.gauges(f, ("queue_depth", "running"))
     if g.empty:
         ui.empty("queue samples", "Engines sample queue depth and running sequences every telemetry interval.")
     else:
         g["series"] = g["series"].str.replace("_", " ")
-        st.altair_chart(charts.lines(g, y="value", color="instance", dash="series", y_title="requests",
-                                     title="Queue depth and running sequences"), width="stretch")
+        st.altair_chart(
+            charts.lines(
+                g,
+                y="value",
+                color="instance",
+                dash="series",
+                y_title="requests",
+                title="Queue depth and running sequences",
+            ),
+            width="stretch",
+        )
 
 left, right = st.columns(2)
 with left, ui.guarded("KV usage"):
@@ -85,12 +111,20 @@ with left, ui.guarded("KV usage"):
     if kv.empty:
         ui.empty("KV usage samples", "The KV memory page has the full picture once samples arrive.")
     else:
-        st.altair_chart(charts.lines(kv, y="value", color="instance", title="KV cache usage (hot tier)",
-                                     y_title="used", percent=True), width="stretch")
+        st.altair_chart(
+            charts.lines(
+                kv, y="value", color="instance", title="KV cache usage (hot tier)", y_title="used", percent=True
+            ),
+            width="stretch",
+        )
 with right, ui.guarded("Utilization"):
     util = data.gauges(f, ("utilization",))
     if util.empty:
         ui.empty("utilization samples", "Engines on CPU report none; on a GPU they sample it, or scrape DCGM.")
     else:
-        st.altair_chart(charts.lines(util, y="value", color="instance", title="Accelerator utilization",
-                                     y_title="busy", percent=True), width="stretch")
+        st.altair_chart(
+            charts.lines(
+                util, y="value", color="instance", title="Accelerator utilization", y_title="busy", percent=True
+            ),
+            width="stretch",
+        )

@@ -16,10 +16,13 @@ now = time.time()
 with ui.guarded("Scrape targets"):
     targets = data.targets(f.db_url)
     if targets.empty:
-        st.info("**No scrape targets.** Engines that push events need none. To scrape vLLM, SGLang, a DCGM "
-                "exporter or a kvpilot engine's /metrics, register it with the collector:\n\n"
-                "`curl -X POST http://127.0.0.1:8100/v1/targets -H 'content-type: application/json' "
-                "-d '{\"url\": \"http://HOST:8000/metrics\", \"job\": \"vllm\"}'`", icon=":material/info:")
+        st.info(
+            "**No scrape targets.** Engines that push events need none. To scrape vLLM, SGLang, a DCGM "
+            "exporter or a kvpilot engine's /metrics, register it with the collector:\n\n"
+            "`curl -X POST http://127.0.0.1:8100/v1/targets -H 'content-type: application/json' "
+            '-d \'{"url": "http://HOST:8000/metrics", "job": "vllm"}\'`',
+            icon=":material/info:",
+        )
         st.stop()
 
     def health(row: pd.Series) -> str:
@@ -38,19 +41,31 @@ with ui.guarded("Scrape targets"):
     cols[0].metric("Targets", len(targets))
     cols[1].metric("Up", int(counts.get("up", 0)))
     cols[2].metric("Down", int(counts.get("down", 0)))
-    cols[3].metric("Stale / never scraped", int(counts.get("stale", 0) + counts.get("unknown (never scraped)", 0)),
-                   help="stale: no scrape for three intervals (is the collector's scraper running?)")
+    cols[3].metric(
+        "Stale / never scraped",
+        int(counts.get("stale", 0) + counts.get("unknown (never scraped)", 0)),
+        help="stale: no scrape for three intervals (is the collector's scraper running?)",
+    )
     down = targets[targets["health"] == "down"]
     for row in down.itertuples():
-        st.error(f"**{row.job} · {row.instance}** ({row.url}) is down: {row.last_error or 'no error recorded'}",
-                 icon=":material/cloud_off:")
+        st.error(
+            f"**{row.job} · {row.instance}** ({row.url}) is down: {row.last_error or 'no error recorded'}",
+            icon=":material/cloud_off:",
+        )
 
     targets["last scrape"] = targets["last_scrape_at"].map(lambda ts: timewin.fmt_ago(ts, now))
-    st.dataframe(targets[["health", "job", "instance", "url", "last scrape", "scrape_duration_s", "interval_s",
-                          "last_error", "id"]], hide_index=True, width="stretch",
-                 column_config={"scrape_duration_s": st.column_config.NumberColumn("scrape (s)", format="%.3f"),
-                                "interval_s": st.column_config.NumberColumn("interval (s)", format="%.0f"),
-                                "url": st.column_config.LinkColumn("url")})
+    st.dataframe(
+        targets[
+            ["health", "job", "instance", "url", "last scrape", "scrape_duration_s", "interval_s", "last_error", "id"]
+        ],
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "scrape_duration_s": st.column_config.NumberColumn("scrape (s)", format="%.3f"),
+            "interval_s": st.column_config.NumberColumn("interval (s)", format="%.0f"),
+            "url": st.column_config.LinkColumn("url"),
+        },
+    )
 
 st.subheader("Scrape history")
 with ui.guarded("Scrape history"):
@@ -62,8 +77,21 @@ with ui.guarded("Scrape history"):
         up = history[history["series"] == "up"]
         dur = history[history["series"] == "scrape_duration_seconds"]
         if not up.empty:
-            left.altair_chart(charts.lines(up, y="value", color="instance", y_title="up", percent=True,
-                                           title="Up (share of scrapes that succeeded)"), width="stretch")
+            left.altair_chart(
+                charts.lines(
+                    up,
+                    y="value",
+                    color="instance",
+                    y_title="up",
+                    percent=True,
+                    title="Up (share of scrapes that succeeded)",
+                ),
+                width="stretch",
+            )
         if not dur.empty:
-            right.altair_chart(charts.lines(dur, y="value", color="instance", title="Scrape duration",
-                                            y_title="seconds", y_format=".3~g"), width="stretch")
+            right.altair_chart(
+                charts.lines(
+                    dur, y="value", color="instance", title="Scrape duration", y_title="seconds", y_format=".3~g"
+                ),
+                width="stretch",
+            )

@@ -18,8 +18,12 @@ with ui.guarded("Studies"):
     studies = data.studies(f.db_url)
     if studies.empty:
         raise data.DataUnavailable(data.NO_STUDIES)
-    st.dataframe(studies, hide_index=True, width="stretch",
-                 column_config={"started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")})
+    st.dataframe(
+        studies,
+        hide_index=True,
+        width="stretch",
+        column_config={"started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")},
+    )
     name = st.selectbox("Study", options=list(studies["study"]), key="study_pick")
     s = data.study(f.db_url, name)
     trials = s.trials
@@ -28,63 +32,92 @@ with ui.guarded("Studies"):
     cols[0].metric("Trials", len(trials))
     cols[1].metric("Complete", len(complete))
     cols[2].metric("Pruned / failed", int(trials["state"].isin(["PRUNED", "FAIL"]).sum()))
-    cols[3].metric("Pareto-optimal" if len(s.objectives) > 1 else "Objectives",
-                   len(s.pareto_numbers) if len(s.objectives) > 1 else 1)
+    cols[3].metric(
+        "Pareto-optimal" if len(s.objectives) > 1 else "Objectives",
+        len(s.pareto_numbers) if len(s.objectives) > 1 else 1,
+    )
     st.caption("Objectives: " + " · ".join(f"**{o}** ({d})" for o, d in zip(s.objectives, s.directions, strict=True)))
 
-    st.dataframe(trials, hide_index=True, width="stretch",
-                 column_config={o: st.column_config.NumberColumn(format="%.5g") for o in s.objectives})
+    st.dataframe(
+        trials,
+        hide_index=True,
+        width="stretch",
+        column_config={o: st.column_config.NumberColumn(format="%.5g") for o in s.objectives},
+    )
 
     if complete.empty:
-        st.info("No completed trials yet: history, Pareto front and importances appear after the first one.",
-                icon=":material/info:")
+        st.info(
+            "No completed trials yet: history, Pareto front and importances appear after the first one.",
+            icon=":material/info:",
+        )
     else:
         history_cols = st.columns(min(2, len(s.objectives)))
         for i, (objective, direction) in enumerate(zip(s.objectives, s.directions, strict=True)):
             h = complete[["trial", objective]].dropna().sort_values("trial")
             h["best"] = h[objective].cummin() if direction == "minimize" else h[objective].cummax()
             history_cols[i % len(history_cols)].altair_chart(
-                charts.history_line(h, y=objective, title=f"Optimization history: {objective} ({direction})",
-                                    direction=direction), width="stretch")
+                charts.history_line(
+                    h, y=objective, title=f"Optimization history: {objective} ({direction})", direction=direction
+                ),
+                width="stretch",
+            )
         if len(s.objectives) >= 2:
             c1, c2 = st.columns(2)
             x = c1.selectbox("Pareto x", options=s.objectives, index=0, key="pareto_x")
             y = c2.selectbox("Pareto y", options=s.objectives, index=1, key="pareto_y")
             front = complete.copy()
             front["front"] = front["trial"].map(lambda n: "Pareto front" if n in s.pareto_numbers else "dominated")
-            st.altair_chart(charts.pareto(front, x=x, y=y, title=f"Pareto front ({len(s.pareto_numbers)} trials)"),
-                            width="stretch")
+            st.altair_chart(
+                charts.pareto(front, x=x, y=y, title=f"Pareto front ({len(s.pareto_numbers)} trials)"), width="stretch"
+            )
         else:
             best = complete.sort_values(s.objectives[0], ascending=s.directions[0] == "minimize").iloc[0]
             params = {p: best[f"param: {p}"] for p in s.params}
-            st.success(f"Best trial #{int(best['trial'])}: {s.objectives[0]} = {best[s.objectives[0]]:.5g} with "
-                       + ", ".join(f"`{k}={v}`" for k, v in params.items()), icon=":material/emoji_events:")
+            st.success(
+                f"Best trial #{int(best['trial'])}: {s.objectives[0]} = {best[s.objectives[0]]:.5g} with "
+                + ", ".join(f"`{k}={v}`" for k, v in params.items()),
+                icon=":material/emoji_events:",
+            )
         with ui.guarded("Parameter importances"):
-            target = st.selectbox("Importances for", options=s.objectives, key="importance_target") \
-                if len(s.objectives) > 1 else s.objectives[0]
+            target = (
+                st.selectbox("Importances for", options=s.objectives, key="importance_target")
+                if len(s.objectives) > 1
+                else s.objectives[0]
+            )
             imp = data.importances(f.db_url, name, s.objectives.index(target))
             if imp.empty:
                 st.info("No parameter varies across completed trials.", icon=":material/info:")
             else:
-                st.altair_chart(charts.importance_bars(imp, title=f"Parameter importances for {target}"),
-                                width="stretch")
+                st.altair_chart(
+                    charts.importance_bars(imp, title=f"Parameter importances for {target}"), width="stretch"
+                )
 
 st.subheader("Proposals")
 with ui.guarded("Proposals"):
     props = data.proposals(f.db_url)
     if props.empty:
-        raise data.DataUnavailable("No tuning proposals yet: a finished `kvpilot tune` run writes one when it beats "
-                                   "the running config.")
+        raise data.DataUnavailable(
+            "No tuning proposals yet: a finished `kvpilot tune` run writes one when it beats the running config."
+        )
     counts = props["status"].value_counts()
     st.caption(" · ".join(f"{k}: {v}" for k, v in counts.items()))
     listing = props[["id", "status", "study_name", "instance", "created_at", "updated_at"]].copy()
     for c in ("created_at", "updated_at"):
         listing[c] = pd.to_datetime(listing[c], unit="s", utc=True)
-    st.dataframe(listing, hide_index=True, width="stretch",
-                 column_config={c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
-                                for c in ("created_at", "updated_at")})
-    pid = st.selectbox("Proposal", options=list(props["id"]), key="proposal_pick",
-                       format_func=lambda i: f"#{i} ({props.set_index('id').loc[i, 'status']})")
+    st.dataframe(
+        listing,
+        hide_index=True,
+        width="stretch",
+        column_config={
+            c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss") for c in ("created_at", "updated_at")
+        },
+    )
+    pid = st.selectbox(
+        "Proposal",
+        options=list(props["id"]),
+        key="proposal_pick",
+        format_func=lambda i: f"#{i} ({props.set_index('id').loc[i, 'status']})",
+    )
     p = props.set_index("id").loc[pid]
     st.markdown(f"#### Proposal #{pid} — {p['status']}")
     proposed = yaml.safe_load(p["config_yaml"] or "") or {}
@@ -98,14 +131,23 @@ with ui.guarded("Proposals"):
         st.caption("The proposal carries no measurements.")
     for title, rows in sections:
         st.caption(title)
-        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
-                     column_config={"change %": st.column_config.NumberColumn(format="%+.1f%%"),
-                                    "change": st.column_config.NumberColumn(format="%+.5g")})
+        st.dataframe(
+            pd.DataFrame(rows),
+            hide_index=True,
+            width="stretch",
+            column_config={
+                "change %": st.column_config.NumberColumn(format="%+.1f%%"),
+                "change": st.column_config.NumberColumn(format="%+.5g"),
+            },
+        )
 
     st.markdown("**Config diff against the running config**")
-    engine_url = st.text_input("Engine URL (GET /admin/config, token from KVPILOT_ADMIN_TOKEN)",
-                               value=data.default_engine_url(), key="engine_url",
-                               placeholder="http://127.0.0.1:8000")
+    engine_url = st.text_input(
+        "Engine URL (GET /admin/config, token from KVPILOT_ADMIN_TOKEN)",
+        value=data.default_engine_url(),
+        key="engine_url",
+        placeholder="http://127.0.0.1:8000",
+    )
     running, source = None, ""
     if engine_url:
         with ui.guarded("Running config"):
@@ -118,8 +160,9 @@ with ui.guarded("Proposals"):
             running = yaml.safe_load(last["config_yaml"] or "") or {}
             source = f"last applied proposal #{last['id']}"
     if running is None:
-        st.info("Set the engine URL to diff this proposal against the config the engine runs now.",
-                icon=":material/info:")
+        st.info(
+            "Set the engine URL to diff this proposal against the config the engine runs now.", icon=":material/info:"
+        )
     else:
         changes = pd.DataFrame(transform.config_changes(running, proposed))
         st.caption(f"Compared with the {source}.")
@@ -138,13 +181,16 @@ with ui.guarded("Proposals"):
     if choices:
         cols = st.columns([1, 1, 4])
         decision = None
-        if "accepted" in choices and cols[0].button("Accept", key=f"accept_{pid}", type="primary",
-                                                    icon=":material/check:"):
+        if "accepted" in choices and cols[0].button(
+            "Accept", key=f"accept_{pid}", type="primary", icon=":material/check:"
+        ):
             decision = "accepted"
         if "rejected" in choices and cols[1].button("Reject", key=f"reject_{pid}", icon=":material/close:"):
             decision = "rejected"
-        st.caption(f"Accepting records the decision; `kvpilot tune apply {pid} --engine-url URL` applies it to a "
-                   "running engine, or restart one with the config above.")
+        st.caption(
+            f"Accepting records the decision; `kvpilot tune apply {pid} --engine-url URL` applies it to a "
+            "running engine, or restart one with the config above."
+        )
         if decision:
             try:
                 data.set_proposal_status(f.db_url, int(pid), decision)

@@ -178,9 +178,9 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, seq_id: int, request_id: str | None, token_ids: Sequence[int], budget: int) -> (
-        KVAllocation | None
-    ):
+    def allocate(
+        self, seq_id: int, request_id: str | None, token_ids: Sequence[int], budget: int
+    ) -> KVAllocation | None:
         """First allocation of a waiting sequence: reuse cached prefix blocks, then allocate up to
         `budget` new tokens. None (and nothing changed) when memory is short, keeping a watermark free
         so admitting one sequence does not immediately force a preemption."""

@@ -29,8 +29,10 @@ from kvpilot.loadtest.scrape import MetricsSample
 P99_DRIFT_LIMIT = 0.20
 UTIL_FLUCTUATION_LIMIT = 0.15
 UTIL_METHOD = "cv"
-UTIL_METHOD_TEXT = ("coefficient of variation (population std / mean) of the per-window mean of the target's "
-                    "kvpilot_utilization gauge, over scrapes that saw the engine step")
+UTIL_METHOD_TEXT = (
+    "coefficient of variation (population std / mean) of the per-window mean of the target's "
+    "kvpilot_utilization gauge, over scrapes that saw the engine step"
+)
 LATENCY_METRICS = ("e2e", "ttft", "tpot")
 MIN_WINDOW_REQUESTS = 5
 
@@ -56,8 +58,14 @@ def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
     vals = [v for v in values if v is not None]
     if not vals:
         return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    return {"count": len(vals), "mean": _r(statistics.fmean(vals)), "p50": _r(percentile(vals, 50)),
-            "p90": _r(percentile(vals, 90)), "p99": _r(percentile(vals, 99)), "max": _r(max(vals))}
+    return {
+        "count": len(vals),
+        "mean": _r(statistics.fmean(vals)),
+        "p50": _r(percentile(vals, 50)),
+        "p90": _r(percentile(vals, 90)),
+        "p99": _r(percentile(vals, 99)),
+        "max": _r(max(vals)),
+    }
 
 
 def _r(value: float | None, digits: int = 6) -> float | None:
@@ -127,36 +135,62 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
     for i, b in enumerate(bounds):
         in_win = [r for r in results if _in(r.scheduled_s, b, i == len(bounds) - 1)]
         vals = [v for r in in_win if r.outcome == "ok" and (v := metric_value(r, metric)) is not None]
-        win_rows.append({"start_s": round(b[0], 3), "end_s": round(b[1], 3), "sent": len(in_win),
-                         "answered": sum(r.outcome == "ok" for r in in_win),
-                         "refused": sum(r.outcome == "refused" for r in in_win),
-                         "p99_s": _r(percentile(vals, 99)), "n_latency": len(vals)})
+        win_rows.append(
+            {
+                "start_s": round(b[0], 3),
+                "end_s": round(b[1], 3),
+                "sent": len(in_win),
+                "answered": sum(r.outcome == "ok" for r in in_win),
+                "refused": sum(r.outcome == "refused" for r in in_win),
+                "p99_s": _r(percentile(vals, 99)),
+                "n_latency": len(vals),
+            }
+        )
     utils = util_windows(run.samples, bounds)
     for row, u in zip(win_rows, utils, strict=True):
         row["utilization"] = _r(u, 4)
 
     first, last = win_rows[0], win_rows[-1]
     drift = None
-    if first["p99_s"] and last["p99_s"] is not None and min(first["n_latency"], last["n_latency"]) >= \
-            MIN_WINDOW_REQUESTS:
+    if (
+        first["p99_s"]
+        and last["p99_s"] is not None
+        and min(first["n_latency"], last["n_latency"]) >= MIN_WINDOW_REQUESTS
+    ):
         drift = (last["p99_s"] - first["p99_s"]) / first["p99_s"]
     p99_crit = _criterion(
-        drift is not None and abs(drift) <= P99_DRIFT_LIMIT, _r(drift, 4), P99_DRIFT_LIMIT,
-        f"{metric} P99 first window {first['p99_s']}s, last {last['p99_s']}s" if drift is not None else
-        f"needs >= {MIN_WINDOW_REQUESTS} answered requests in the first and last window "
-        f"(got {first['n_latency']} and {last['n_latency']})")
+        drift is not None and abs(drift) <= P99_DRIFT_LIMIT,
+        _r(drift, 4),
+        P99_DRIFT_LIMIT,
+        f"{metric} P99 first window {first['p99_s']}s, last {last['p99_s']}s"
+        if drift is not None
+        else f"needs >= {MIN_WINDOW_REQUESTS} answered requests in the first and last window "
+        f"(got {first['n_latency']} and {last['n_latency']})",
+    )
     measured = [u for u in utils if u is not None]
     fluct = fluctuation(measured)
     util_crit = _criterion(
-        fluct is not None and fluct < UTIL_FLUCTUATION_LIMIT, _r(fluct, 4), UTIL_FLUCTUATION_LIMIT,
-        f"{len(measured)} windows with utilization samples" if fluct is not None else
-        "kvpilot_utilization not exposed or fewer than 2 windows with engine steps")
+        fluct is not None and fluct < UTIL_FLUCTUATION_LIMIT,
+        _r(fluct, 4),
+        UTIL_FLUCTUATION_LIMIT,
+        f"{len(measured)} windows with utilization samples"
+        if fluct is not None
+        else "kvpilot_utilization not exposed or fewer than 2 windows with engine steps",
+    )
     oom = counter_increase(run.samples, "oom_total")
-    oom_crit = _criterion(oom == 0, None if oom is None else int(oom), 0,
-                          "increase of kvpilot_oom_total" if oom is not None else "kvpilot_oom_total not exposed")
+    oom_crit = _criterion(
+        oom == 0,
+        None if oom is None else int(oom),
+        0,
+        "increase of kvpilot_oom_total" if oom is not None else "kvpilot_oom_total not exposed",
+    )
     bad = len(failed) + len(timed_out)
-    err_crit = _criterion(bad == 0, bad, 0, "requests neither answered nor refused with 429"
-                          + (f"; first: {(failed + timed_out)[0].error}" if bad else ""))
+    err_crit = _criterion(
+        bad == 0,
+        bad,
+        0,
+        "requests neither answered nor refused with 429" + (f"; first: {(failed + timed_out)[0].error}" if bad else ""),
+    )
     criteria = {"no_oom": oom_crit, "p99_stable": p99_crit, "util_stable": util_crit, "no_errors": err_crit}
 
     wall = max(run.wall_s, 1e-9)
@@ -181,10 +215,16 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
         "requests_timed_out": len(timed_out),
         "preemptions": _int(counter_increase(run.samples, "preemptions_total")),
         "engine_rejected": _int(counter_increase(run.samples, "rejected_total")),
-        "latency_s": {"e2e": summarize([r.e2e_s for r in ok]), "ttft": summarize([r.ttft_s for r in ok]),
-                      "tpot": summarize([r.tpot_s for r in ok])},
-        "throughput": {"requests_per_s": _r(len(ok) / wall, 3), "output_tokens_per_s": _r(out_tokens / wall, 1),
-                       "offered_rate_per_s": _r(len(results) / max(run.send_span_s, 1e-9), 3)},
+        "latency_s": {
+            "e2e": summarize([r.e2e_s for r in ok]),
+            "ttft": summarize([r.ttft_s for r in ok]),
+            "tpot": summarize([r.tpot_s for r in ok]),
+        },
+        "throughput": {
+            "requests_per_s": _r(len(ok) / wall, 3),
+            "output_tokens_per_s": _r(out_tokens / wall, 1),
+            "offered_rate_per_s": _r(len(results) / max(run.send_span_s, 1e-9), 3),
+        },
         "windows": win_rows,
         "wall_s": _r(run.wall_s, 3),
         "late_starts": run.late_starts,

@@ -24,19 +24,32 @@ class Capacity:
     concurrency: int
 
     def as_dict(self) -> dict:
-        return {"requests_per_s": round(self.requests_per_s, 3), "answered": self.answered, "refused": self.refused,
-                "failed": self.failed, "probe_s": round(self.probe_s, 3), "concurrency": self.concurrency}
+        return {
+            "requests_per_s": round(self.requests_per_s, 3),
+            "answered": self.answered,
+            "refused": self.refused,
+            "failed": self.failed,
+            "probe_s": round(self.probe_s, 3),
+            "concurrency": self.concurrency,
+        }
 
 
-async def measure_capacity(base_url: str, shapes: list[PlannedRequest], opts: ClientOptions, *,
-                           probe_s: float, concurrency: int) -> Capacity:
+async def measure_capacity(
+    base_url: str, shapes: list[PlannedRequest], opts: ClientOptions, *, probe_s: float, concurrency: int
+) -> Capacity:
     if not shapes:
         raise ValueError("capacity probe needs request shapes")
     base_url = base_url.rstrip("/")
     counts = {"ok": 0, "refused": 0, "other": 0}
     next_shape = 0
-    probe_opts = ClientOptions(api=opts.api, stream=opts.stream, timeout_s=opts.timeout_s, seed=opts.seed,
-                               run_id=f"{opts.run_id}-capacity", model=opts.model)
+    probe_opts = ClientOptions(
+        api=opts.api,
+        stream=opts.stream,
+        timeout_s=opts.timeout_s,
+        seed=opts.seed,
+        run_id=f"{opts.run_id}-capacity",
+        model=opts.model,
+    )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(opts.timeout_s)) as client:
         t0 = time.perf_counter()

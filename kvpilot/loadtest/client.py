@@ -68,8 +68,14 @@ def _body(req: PlannedRequest, opts: ClientOptions, request_id: str) -> dict:
         if opts.model:
             body["model"] = opts.model
         return body
-    return {"prompt": prompt, "max_tokens": req.max_tokens, "stream": opts.stream, "ignore_eos": True,
-            "temperature": 0.0, "request_id": request_id}
+    return {
+        "prompt": prompt,
+        "max_tokens": req.max_tokens,
+        "stream": opts.stream,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "request_id": request_id,
+    }
 
 
 async def send(
@@ -83,8 +89,9 @@ async def send(
 ) -> RequestResult:
     """Send `req` and wait (bounded by `opts.timeout_s`) for the full answer; never raises for HTTP trouble."""
     request_id = f"{opts.run_id}-{req.index}"
-    res = RequestResult(req.index, request_id, req.kind, req.prompt_tokens, req.max_tokens, req.arrival_s,
-                        slow=read_delay_s > 0)
+    res = RequestResult(
+        req.index, request_id, req.kind, req.prompt_tokens, req.max_tokens, req.arrival_s, slow=read_delay_s > 0
+    )
     path = "/v1/completions" if opts.api == "openai" else "/generate"
     res.start_s = time.perf_counter() - t0
     try:
@@ -100,8 +107,15 @@ async def send(
     return res
 
 
-async def _exchange(client: httpx.AsyncClient, url: str, body: dict, opts: ClientOptions, res: RequestResult,
-                    t0: float, read_delay_s: float) -> None:
+async def _exchange(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    opts: ClientOptions,
+    res: RequestResult,
+    t0: float,
+    read_delay_s: float,
+) -> None:
     async with client.stream("POST", url, json=body) as resp:
         res.http_status = resp.status_code
         if resp.status_code == 429:

@@ -17,14 +17,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def measure_cold_start(engine_config: dict, plan: list[PlannedRequest], opts: RunOptions, *, requests: int,
-                       warmup_requests: int, workdir: Path) -> dict:
-    first = [PlannedRequest(i, r.arrival_s - plan[0].arrival_s, r.prompt_tokens, r.max_tokens, r.kind)
-             for i, r in enumerate(plan[:requests])]
+def measure_cold_start(
+    engine_config: dict,
+    plan: list[PlannedRequest],
+    opts: RunOptions,
+    *,
+    requests: int,
+    warmup_requests: int,
+    workdir: Path,
+) -> dict:
+    first = [
+        PlannedRequest(i, r.arrival_s - plan[0].arrival_s, r.prompt_tokens, r.max_tokens, r.kind)
+        for i, r in enumerate(plan[:requests])
+    ]
     if not first:
         raise ValueError("cold start needs at least one planned request")
-    quiet = RunOptions(client=opts.client, max_concurrency=opts.max_concurrency, progress=False,
-                       scrape_interval_s=opts.scrape_interval_s)
+    quiet = RunOptions(
+        client=opts.client,
+        max_concurrency=opts.max_concurrency,
+        progress=False,
+        scrape_interval_s=opts.scrape_interval_s,
+    )
     sides: dict[str, dict] = {}
     for label, warm in (("without_warmup", 0), ("with_warmup", warmup_requests)):
         cfg = merge(engine_config, {"warmup": {"requests": warm}})

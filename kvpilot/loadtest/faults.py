@@ -74,8 +74,14 @@ def _sink_drained(engine: LocalEngine) -> bool:
 
 
 def _plan(spec: LoadTestSpec, *, burst: bool = False) -> list:
-    opts = PlanOptions(duration_s=spec.duration_s, rate=spec.rate, seed=spec.seed, length_scale=spec.length_scale,
-                       output_scale=spec.output_scale, max_total_tokens=spec.max_total_tokens)
+    opts = PlanOptions(
+        duration_s=spec.duration_s,
+        rate=spec.rate,
+        seed=spec.seed,
+        length_scale=spec.length_scale,
+        output_scale=spec.output_scale,
+        max_total_tokens=spec.max_total_tokens,
+    )
     return plan_burst(opts) if burst else plan_mixed(opts)
 
 
@@ -87,15 +93,24 @@ def _collector(workdir: Path, port: int | None = None):  # type: ignore[no-untyp
     db_url = f"sqlite:///{workdir / 'kvpilot.db'}"
     if port is None:
         upgrade(db_url)
-    settings = CollectorSettings(db_url=db_url, port=port or free_port(), scrape_enabled=False,
-                                 log_level="warning", ingest_token=None)
+    settings = CollectorSettings(
+        db_url=db_url, port=port or free_port(), scrape_enabled=False, log_level="warning", ingest_token=None
+    )
     return db_url, settings, start_subprocess(settings, log_path=workdir / "collector.log")
 
 
 def _telemetry(url: str, run_id: str, workdir: Path) -> dict:
-    return {"telemetry": {"sink": "http", "collector_url": url, "run_id": run_id, "instance": "loadtest-engine",
-                          "spool_dir": str(workdir / "spool"), "http_flush_interval_s": 0.1,
-                          "sample_interval_s": 1.0}}
+    return {
+        "telemetry": {
+            "sink": "http",
+            "collector_url": url,
+            "run_id": run_id,
+            "instance": "loadtest-engine",
+            "spool_dir": str(workdir / "spool"),
+            "http_flush_interval_s": 0.1,
+            "sample_interval_s": 1.0,
+        }
+    }
 
 
 def _finish(fault: str, spec: LoadTestSpec, run: RunResult, checks: dict, figures: dict) -> dict:
@@ -103,10 +118,21 @@ def _finish(fault: str, spec: LoadTestSpec, run: RunResult, checks: dict, figure
     passed = all(c["passed"] for c in checks.values())
     report["criteria_passed"] = report["passed"]
     report["passed"] = passed
-    report["fault"] = {"name": fault, "passed": passed, "checks": checks, **figures,
-                       "note": "exit code follows the fault checks; the seed criteria are reported alongside"}
-    report.update({"scenario": f"fault:{fault}", "duration_s": spec.duration_s, "rate_per_s": spec.rate,
-                   "run_id": run.results[0].request_id.rsplit("-", 1)[0] if run.results else None})
+    report["fault"] = {
+        "name": fault,
+        "passed": passed,
+        "checks": checks,
+        **figures,
+        "note": "exit code follows the fault checks; the seed criteria are reported alongside",
+    }
+    report.update(
+        {
+            "scenario": f"fault:{fault}",
+            "duration_s": spec.duration_s,
+            "rate_per_s": spec.rate,
+            "run_id": run.results[0].request_id.rsplit("-", 1)[0] if run.results else None,
+        }
+    )
     return report
 
 
@@ -128,8 +154,10 @@ def collector_restart(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_i
 
     try:
         with start_engine(cfg, workdir=workdir / "engine") as engine:
-            actions = [TimedAction(0.3 * spec.duration_s, "collector SIGKILL", kill),
-                       TimedAction(0.6 * spec.duration_s, "collector restarted", restart)]
+            actions = [
+                TimedAction(0.3 * spec.duration_s, "collector SIGKILL", kill),
+                TimedAction(0.6 * spec.duration_s, "collector restarted", restart),
+            ]
             opts = RunOptions(client=_client_opts(spec, run_id), collector_url=first.url, progress=spec.progress)
             run = asyncio.run(run_load(engine.url, _plan(spec), opts, actions=actions))
             drained = _wait(lambda: _sink_drained(engine), 60.0)
@@ -139,12 +167,14 @@ def collector_restart(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_i
                 checks = {
                     "answered_or_refused": verify.answered_or_refused(run.results),
                     "loadtest_results_stored_once": verify.stored_once(
-                        db, run_id, [r.request_id for r in run.results], int(published.get("acknowledged", -1))),
+                        db, run_id, [r.request_id for r in run.results], int(published.get("acknowledged", -1))
+                    ),
                     "engine_events_stored_once": verify.engine_events_stored_once(
-                        db, engine_run, lambda: _metrics(engine.url).get("telemetry_sent")),
+                        db, engine_run, lambda: _metrics(engine.url).get("telemetry_sent")
+                    ),
                     "engine_request_events_once": verify.stored_once(
-                        db, engine_run, [r.request_id for r in run.results],
-                        len(verify.request_rows(db, engine_run))),
+                        db, engine_run, [r.request_id for r in run.results], len(verify.request_rows(db, engine_run))
+                    ),
                 }
                 checks["engine_sink_drained"] = verify.check(drained, "engine queue and spool empty after the run")
                 m = _metrics(engine.url)
@@ -154,13 +184,18 @@ def collector_restart(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_i
                 publisher_retries = int(published.get("retries", 0))
                 checks["collector_was_down"] = verify.check(
                     engine_retries > 0 and publisher_retries > 0,
-                    f"engine sink resent {engine_retries} batches, the load tester retried {publisher_retries} times")
+                    f"engine sink resent {engine_retries} batches, the load tester retried {publisher_retries} times",
+                )
             finally:
                 db.dispose()
     finally:
         current["proc"].stop()
-    figures = {"collector_down_s": round(0.3 * spec.duration_s, 3), "engine_run_id": engine_run,
-               "loadtest_run_id": run_id, "publisher": run.published}
+    figures = {
+        "collector_down_s": round(0.3 * spec.duration_s, 3),
+        "engine_run_id": engine_run,
+        "loadtest_run_id": run_id,
+        "publisher": run.published,
+    }
     return _finish("collector-restart", spec, run, checks, figures)
 
 
@@ -178,8 +213,15 @@ def webhook_down(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: st
     sinks: list = []
     evaluator = None
     try:
-        evaluator = start_evaluator(db_url, rule_files=[rule], webhook_urls=[f"http://127.0.0.1:{port}/"],
-                                    group_wait_s=0.0, group_interval_s=1.0, repeat_interval_s=3600.0, poll_s=0.25)
+        evaluator = start_evaluator(
+            db_url,
+            rule_files=[rule],
+            webhook_urls=[f"http://127.0.0.1:{port}/"],
+            group_wait_s=0.0,
+            group_interval_s=1.0,
+            repeat_interval_s=3600.0,
+            poll_s=0.25,
+        )
 
         watch = make_engine(db_url)
 
@@ -196,16 +238,29 @@ def webhook_down(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: st
         with start_engine(cfg, workdir=workdir / "engine") as engine:
             opts = RunOptions(client=_client_opts(spec, run_id), progress=spec.progress)
             try:
-                run = asyncio.run(run_load(engine.url, _plan(spec), opts, actions=[
-                    TimedAction(0.3 * spec.duration_s, "webhook receiver up after a failed delivery", back_up)]))
+                run = asyncio.run(
+                    run_load(
+                        engine.url,
+                        _plan(spec),
+                        opts,
+                        actions=[
+                            TimedAction(0.3 * spec.duration_s, "webhook receiver up after a failed delivery", back_up)
+                        ],
+                    )
+                )
             finally:
                 watch.dispose()
             db = make_engine(db_url)
             try:
+
                 def settled() -> bool:
                     outbox = verify.notifications(db)
-                    return (bool(sinks) and len(outbox) >= 2 and all(n["status"] != "pending" for n in outbox)
-                            and any(b.get("status") == "resolved" for b in _bodies(sinks)))
+                    return (
+                        bool(sinks)
+                        and len(outbox) >= 2
+                        and all(n["status"] != "pending" for n in outbox)
+                        and any(b.get("status") == "resolved" for b in _bodies(sinks))
+                    )
 
                 settled_ok = _wait(settled, 90.0, 0.5)
                 receipts = [(r.idempotency_key, r.payload) for s in sinks for r in s.received]
@@ -213,7 +268,8 @@ def webhook_down(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: st
                     "answered_or_refused": verify.answered_or_refused(run.results),
                     "alerts_delivered_once": verify.alerts_delivered_once(db, receipts),
                     "fired_and_resolved": verify.check(
-                        settled_ok, "a firing and a resolved notification reached the receiver after it came back"),
+                        settled_ok, "a firing and a resolved notification reached the receiver after it came back"
+                    ),
                 }
                 sample_rows = verify.event_rows(db, f"{run_id}-engine")["sample"]
                 failed = checks["alerts_delivered_once"].get("failed_attempts", 0)
@@ -227,8 +283,11 @@ def webhook_down(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: st
             s.stop()
         coll.stop()
     up_at = [a.get("at_s", 0.0) + a.get("took_s", 0.0) for a in run.actions if a["action"].startswith("webhook")]
-    figures = {"receiver_down_until_s": round(up_at[0], 3) if up_at else None, "engine_sample_rows": sample_rows,
-               "duplicate_posts_dropped_by_receiver": sum(s.duplicates for s in sinks)}
+    figures = {
+        "receiver_down_until_s": round(up_at[0], 3) if up_at else None,
+        "engine_sample_rows": sample_rows,
+        "duplicate_posts_dropped_by_receiver": sum(s.duplicates for s in sinks),
+    }
     return _finish("webhook-down", spec, run, checks, figures)
 
 
@@ -236,16 +295,22 @@ def _bodies(sinks: list) -> list[dict]:
     return [r.payload for s in sinks for r in s.received if isinstance(r.payload, dict)]
 
 
-KV_EXHAUSTION_ENGINE = {"cache": {"hot_bytes": 512 * 1024, "cold_bytes": 256 * 1024},
-                        "scheduler": {"queue_limit": 8, "max_num_seqs": 32}}
+KV_EXHAUSTION_ENGINE = {
+    "cache": {"hot_bytes": 512 * 1024, "cold_bytes": 256 * 1024},
+    "scheduler": {"queue_limit": 8, "max_num_seqs": 32},
+}
 
 
 def kv_exhaustion(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: str) -> dict:
     cfg = merge(engine_cfg, KV_EXHAUSTION_ENGINE)
     # Requests long enough (up to half the pool each) that a handful at once must exhaust it, however fast
     # the machine drains them: the outcome may not depend on timing.
-    spec = replace(spec, max_total_tokens=min(spec.max_total_tokens or 512, 512),
-                   length_scale=min(spec.length_scale, 2.0), output_scale=min(spec.output_scale, 2.0))
+    spec = replace(
+        spec,
+        max_total_tokens=min(spec.max_total_tokens or 512, 512),
+        length_scale=min(spec.length_scale, 2.0),
+        output_scale=min(spec.output_scale, 2.0),
+    )
     with start_engine(cfg, workdir=workdir / "engine") as engine:
         opts = RunOptions(client=_client_opts(spec, run_id), progress=spec.progress)
         run = asyncio.run(run_load(engine.url, _plan(spec, burst=True), opts))
@@ -257,11 +322,16 @@ def kv_exhaustion(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: s
         "kv_pool_exhausted": verify.check(oom > 0 or preempted > 0, f"{oom} OOM events, {preempted} preemptions"),
         "answered_or_refused": verify.answered_or_refused(run.results),
         "full_answers": verify.full_answers(run.results),
-        "engine_recovered": verify.check(idle and health.status_code == 200,
-                                         f"/health {health.status_code}, idle after the burst: {idle}"),
+        "engine_recovered": verify.check(
+            idle and health.status_code == 200, f"/health {health.status_code}, idle after the burst: {idle}"
+        ),
     }
-    figures = {"hot_kv_bytes": KV_EXHAUSTION_ENGINE["cache"]["hot_bytes"], "oom_events": oom,
-               "preemptions": preempted, "queue_limit": KV_EXHAUSTION_ENGINE["scheduler"]["queue_limit"]}
+    figures = {
+        "hot_kv_bytes": KV_EXHAUSTION_ENGINE["cache"]["hot_bytes"],
+        "oom_events": oom,
+        "preemptions": preempted,
+        "queue_limit": KV_EXHAUSTION_ENGINE["scheduler"]["queue_limit"],
+    }
     return _finish("kv-exhaustion", spec, run, checks, figures)
 
 
@@ -276,8 +346,12 @@ def _idle(engine: LocalEngine) -> bool:
 def slow_client(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: str) -> dict:
     spec = replace(spec, stream=True)
     with start_engine(engine_cfg, workdir=workdir / "engine") as engine:
-        opts = RunOptions(client=_client_opts(spec, run_id), progress=spec.progress, slow_share=SLOW_SHARE,
-                          slow_read_delay_s=SLOW_READ_DELAY_S)
+        opts = RunOptions(
+            client=_client_opts(spec, run_id),
+            progress=spec.progress,
+            slow_share=SLOW_SHARE,
+            slow_read_delay_s=SLOW_READ_DELAY_S,
+        )
         run = asyncio.run(run_load(engine.url, _plan(spec), opts))
     slow = [r for r in run.results if r.slow]
     fast = [r for r in run.results if not r.slow and r.outcome == "ok"]
@@ -286,20 +360,31 @@ def slow_client(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: str
     checks = {
         "answered_or_refused": verify.answered_or_refused(run.results),
         "full_answers": verify.full_answers(run.results),
-        "slow_clients_answered": verify.check(bool(slow) and all(r.outcome == "ok" for r in slow),
-                                              f"{sum(r.outcome == 'ok' for r in slow)}/{len(slow)} slow readers "
-                                              "got their whole answer"),
-        "others_not_held_up": verify.check(fast_tpot is not None and fast_tpot < SLOW_READ_DELAY_S,
-                                           f"P99 time per output token of the other clients {fast_tpot} s "
-                                           f"vs the slow readers' {SLOW_READ_DELAY_S} s per chunk"),
+        "slow_clients_answered": verify.check(
+            bool(slow) and all(r.outcome == "ok" for r in slow),
+            f"{sum(r.outcome == 'ok' for r in slow)}/{len(slow)} slow readers got their whole answer",
+        ),
+        "others_not_held_up": verify.check(
+            fast_tpot is not None and fast_tpot < SLOW_READ_DELAY_S,
+            f"P99 time per output token of the other clients {fast_tpot} s "
+            f"vs the slow readers' {SLOW_READ_DELAY_S} s per chunk",
+        ),
     }
-    figures = {"slow_clients": len(slow), "slow_read_delay_s": SLOW_READ_DELAY_S, "fast_tpot_p99_s": fast_tpot,
-               "slow_e2e_p50_s": slow_e2e}
+    figures = {
+        "slow_clients": len(slow),
+        "slow_read_delay_s": SLOW_READ_DELAY_S,
+        "fast_tpot_p99_s": fast_tpot,
+        "slow_e2e_p50_s": slow_e2e,
+    }
     return _finish("slow-client", spec, run, checks, figures)
 
 
-RUNNERS = {"collector-restart": collector_restart, "webhook-down": webhook_down, "kv-exhaustion": kv_exhaustion,
-           "slow-client": slow_client}
+RUNNERS = {
+    "collector-restart": collector_restart,
+    "webhook-down": webhook_down,
+    "kv-exhaustion": kv_exhaustion,
+    "slow-client": slow_client,
+}
 
 
 def run_fault(fault: str, spec: LoadTestSpec) -> dict:

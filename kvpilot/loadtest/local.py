@@ -75,8 +75,9 @@ class LocalEngine:
         self.stop()
 
 
-def start_engine(config: dict, *, workdir: Path | None = None, timeout_s: float = 120.0,
-                 name: str = "engine") -> LocalEngine:
+def start_engine(
+    config: dict, *, workdir: Path | None = None, timeout_s: float = 120.0, name: str = "engine"
+) -> LocalEngine:
     """Write `config` (an EngineConfig dict) to a file, serve it on a free port, wait for /health."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpilot-loadtest-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -92,8 +93,22 @@ def start_engine(config: dict, *, workdir: Path | None = None, timeout_s: float 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpilot.cli", "engine", "serve", "--config", str(cfg_path), "--log-level",
-             "warning"], stdout=log, stderr=log, env=env, cwd=workdir)
+            [
+                sys.executable,
+                "-m",
+                "kvpilot.cli",
+                "engine",
+                "serve",
+                "--config",
+                str(cfg_path),
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=log,
+            env=env,
+            cwd=workdir,
+        )
     url = f"http://127.0.0.1:{port}"
     engine = LocalEngine(url, port, proc, workdir, log_path)
     deadline = time.monotonic() + timeout_s

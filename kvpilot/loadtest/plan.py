@@ -80,8 +80,11 @@ def plan_mixed(opts: PlanOptions) -> list[PlannedRequest]:
     """Poisson arrivals at `rate` for `duration_s` with the 30/60/10 length mix."""
     _check(opts)
     n = int(opts.duration_s * opts.rate * 2) + 16
-    reqs = [r for r in workload.mixed(n, seed=opts.seed, rate=opts.rate, **_mix_kwargs(opts))
-            if r.arrival_s < opts.duration_s]
+    reqs = [
+        r
+        for r in workload.mixed(n, seed=opts.seed, rate=opts.rate, **_mix_kwargs(opts))
+        if r.arrival_s < opts.duration_s
+    ]
     return _from_workload(reqs, opts)
 
 
@@ -92,8 +95,15 @@ def plan_burst(opts: PlanOptions) -> list[PlannedRequest]:
     if opts.burst_len_s >= opts.duration_s / 2:
         raise PlanError("--duration", f"a burst of {opts.burst_len_s}s needs a run of more than twice that")
     at = (opts.duration_s - opts.burst_len_s) / 2
-    reqs = workload.burst(opts.duration_s, base_rate=opts.rate, burst_at_s=at, burst_len_s=opts.burst_len_s,
-                          factor=opts.burst_factor, seed=opts.seed, **_mix_kwargs(opts))
+    reqs = workload.burst(
+        opts.duration_s,
+        base_rate=opts.rate,
+        burst_at_s=at,
+        burst_len_s=opts.burst_len_s,
+        factor=opts.burst_factor,
+        seed=opts.seed,
+        **_mix_kwargs(opts),
+    )
     return _from_workload(reqs, opts)
 
 

@@ -99,8 +99,12 @@ class Publisher:
             if self.token:
                 headers["Authorization"] = f"Bearer {self.token}"
             try:
-                resp = await self.client.post(self.collector_url.rstrip("/") + "/v1/ingest",
-                                              json={"events": events}, headers=headers, timeout=10.0)
+                resp = await self.client.post(
+                    self.collector_url.rstrip("/") + "/v1/ingest",
+                    json={"events": events},
+                    headers=headers,
+                    timeout=10.0,
+                )
             except httpx.HTTPError as exc:
                 return self._failed(f"{type(exc).__name__}: {exc}")
             if resp.status_code in RETRYABLE:

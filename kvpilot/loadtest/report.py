@@ -17,11 +17,17 @@ def _fmt(value: object, unit: str = "") -> str:
 def render_table(report: dict) -> str:
     rows: list[tuple[str, str]] = [
         ("scenario", f"{report.get('scenario')} @ {report.get('rate_per_s')} req/s, {report.get('duration_s')} s"),
-        ("requests", f"sent {report['requests_sent']}, answered {report['requests_answered']}, "
-                     f"429 {report['requests_refused']}, failed {report['requests_failed']}, "
-                     f"timed out {report['requests_timed_out']}"),
-        ("throughput", f"{_fmt(report['throughput']['requests_per_s'])} req/s, "
-                       f"{_fmt(report['throughput']['output_tokens_per_s'])} tok/s"),
+        (
+            "requests",
+            f"sent {report['requests_sent']}, answered {report['requests_answered']}, "
+            f"429 {report['requests_refused']}, failed {report['requests_failed']}, "
+            f"timed out {report['requests_timed_out']}",
+        ),
+        (
+            "throughput",
+            f"{_fmt(report['throughput']['requests_per_s'])} req/s, "
+            f"{_fmt(report['throughput']['output_tokens_per_s'])} tok/s",
+        ),
     ]
     for name, stats in report["latency_s"].items():
         rows.append((f"{name} p50/p90/p99", " / ".join(_fmt(stats[k], "s") for k in ("p50", "p90", "p99"))))
@@ -32,9 +38,14 @@ def render_table(report: dict) -> str:
         rows.append((f"[{mark}] {name}", f"{_fmt(crit['value'])} (limit {crit['threshold']}) {crit['detail']}"))
     if "cold_start" in report:
         cs = report["cold_start"]
-        rows.append(("cold start p99 e2e", f"{_fmt(cs['without_warmup']['e2e_s']['p99'], 's')} without vs "
-                                           f"{_fmt(cs['with_warmup']['e2e_s']['p99'], 's')} with warm-up "
-                                           f"(first {cs['requests']})"))
+        rows.append(
+            (
+                "cold start p99 e2e",
+                f"{_fmt(cs['without_warmup']['e2e_s']['p99'], 's')} without vs "
+                f"{_fmt(cs['with_warmup']['e2e_s']['p99'], 's')} with warm-up "
+                f"(first {cs['requests']})",
+            )
+        )
     if "published" in report:
         p = report["published"]
         rows.append(("collector", f"{p['acknowledged']}/{p['events']} events acknowledged, run {p['run_id']}"))

@@ -79,8 +79,7 @@ async def run_load(
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(opts.client.timeout_s, connect=min(10.0, opts.client.timeout_s))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, \
-            httpx.AsyncClient(timeout=10.0) as side:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, httpx.AsyncClient(timeout=10.0) as side:
         t0 = time.perf_counter()
         wall_t0 = time.time()
         scraper = Scraper(side, base_url, t0, interval_s=opts.scrape_interval_s)
@@ -140,9 +139,15 @@ async def run_load(
             await asyncio.gather(*background, return_exceptions=True)
             drained = await publisher.drain(opts.publish_drain_s)
             published = {
-                "collector_url": opts.collector_url, "instance": publisher.instance, "run_id": publisher.run_id,
-                "events": len(results), "acknowledged": publisher.acknowledged, "unsent": publisher.unsent,
-                "duplicate_batches": publisher.duplicates, "retries": publisher.retries, "drained": drained,
+                "collector_url": opts.collector_url,
+                "instance": publisher.instance,
+                "run_id": publisher.run_id,
+                "events": len(results),
+                "acknowledged": publisher.acknowledged,
+                "unsent": publisher.unsent,
+                "duplicate_batches": publisher.duplicates,
+                "retries": publisher.retries,
+                "drained": drained,
                 "last_error": publisher.last_error,
             }
         else:
@@ -150,8 +155,17 @@ async def run_load(
         if bar is not None:
             bar.close()
         results.sort(key=lambda r: r.index)
-        return RunResult(results, scraper.samples, wall_t0, time.perf_counter() - t0, send_span, late,
-                         scraper.failures, published, done_log)
+        return RunResult(
+            results,
+            scraper.samples,
+            wall_t0,
+            time.perf_counter() - t0,
+            send_span,
+            late,
+            scraper.failures,
+            published,
+            done_log,
+        )
 
 
 async def _at(t0: float, action: TimedAction, log_to: list[dict]) -> None:

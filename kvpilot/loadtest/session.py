@@ -22,8 +22,15 @@ from kvpilot.loadtest.runner import RunOptions, run_load
 from kvpilot.loadtest.trace import load_trace
 
 # --quick: the whole run (local engine start included) within 60 s on 2 CPU cores.
-QUICK = {"duration_s": 16.0, "rate": 6.0, "length_scale": 8.0, "output_scale": 8.0, "windows": 4,
-         "capacity_probe_s": 3.0, "cold_start_requests": 20}
+QUICK = {
+    "duration_s": 16.0,
+    "rate": 6.0,
+    "length_scale": 8.0,
+    "output_scale": 8.0,
+    "windows": 4,
+    "capacity_probe_s": 3.0,
+    "cold_start_requests": 20,
+}
 
 
 @dataclass(frozen=True)
@@ -71,17 +78,33 @@ def make_plan(spec: LoadTestSpec, rate: float) -> list[PlannedRequest]:
     if spec.scenario == "trace":
         if spec.trace is None:
             raise PlanError("--trace", "--scenario trace needs --trace FILE (Azure CSV)")
-        return load_trace(spec.trace, duration_s=spec.duration_s, time_scale=spec.trace_time_scale,
-                          length_scale=spec.length_scale, max_total_tokens=spec.max_total_tokens)
-    opts = PlanOptions(duration_s=spec.duration_s, rate=rate, seed=spec.seed, length_scale=spec.length_scale,
-                       output_scale=spec.output_scale, max_total_tokens=spec.max_total_tokens)
+        return load_trace(
+            spec.trace,
+            duration_s=spec.duration_s,
+            time_scale=spec.trace_time_scale,
+            length_scale=spec.length_scale,
+            max_total_tokens=spec.max_total_tokens,
+        )
+    opts = PlanOptions(
+        duration_s=spec.duration_s,
+        rate=rate,
+        seed=spec.seed,
+        length_scale=spec.length_scale,
+        output_scale=spec.output_scale,
+        max_total_tokens=spec.max_total_tokens,
+    )
     builder = {"mixed": planning.plan_mixed, "burst": planning.plan_burst, "sustained": planning.plan_sustained}
     return builder[spec.scenario](opts)
 
 
 def _client_opts(spec: LoadTestSpec, run_id: str) -> ClientOptions:
-    return ClientOptions(api=spec.api, stream=spec.stream, timeout_s=spec.timeout_s, seed=spec.seed,  # type: ignore[arg-type]
-                         run_id=run_id)
+    return ClientOptions(
+        api=spec.api,
+        stream=spec.stream,
+        timeout_s=spec.timeout_s,
+        seed=spec.seed,  # type: ignore[arg-type]
+        run_id=run_id,
+    )
 
 
 def run_loadtest(spec: LoadTestSpec) -> dict:
@@ -104,8 +127,11 @@ def run_loadtest(spec: LoadTestSpec) -> dict:
         if spec.scenario == "sustained":
             if spec.capacity_rps is None:
                 shapes = make_plan(replace(spec, scenario="mixed"), max(spec.rate, 1.0))
-                cap = asyncio.run(measure_capacity(target, shapes, client, probe_s=spec.capacity_probe_s,
-                                                   concurrency=spec.capacity_concurrency))
+                cap = asyncio.run(
+                    measure_capacity(
+                        target, shapes, client, probe_s=spec.capacity_probe_s, concurrency=spec.capacity_concurrency
+                    )
+                )
                 if cap.requests_per_s <= 0:
                     raise PlanError("--target", f"capacity probe got no answers from {target}")
                 capacity = {"measured": True, **cap.as_dict()}
@@ -119,8 +145,13 @@ def run_loadtest(spec: LoadTestSpec) -> dict:
         plan = make_plan(spec, plan_rate)
         if not plan:
             raise PlanError("--duration", "the scenario planned no requests; raise --duration or --rate")
-        opts = RunOptions(client=client, max_concurrency=spec.max_concurrency, collector_url=spec.collector_url,
-                          collector_token=spec.collector_token, progress=spec.progress)
+        opts = RunOptions(
+            client=client,
+            max_concurrency=spec.max_concurrency,
+            collector_url=spec.collector_url,
+            collector_token=spec.collector_token,
+            progress=spec.progress,
+        )
         run = asyncio.run(run_load(target, plan, opts))
         span = spec.duration_s if spec.scenario != "trace" else max(plan[-1].arrival_s, 1e-3)
         report = analyze(run, span_s=span, windows=spec.windows, metric=spec.p99_metric)
@@ -145,13 +176,22 @@ def run_loadtest(spec: LoadTestSpec) -> dict:
     }
     if spec.scenario == "burst":
         start, end = planning.burst_window(PlanOptions(duration_s=spec.duration_s, rate=plan_rate))
-        report["burst"] = {"start_s": round(start, 3), "end_s": round(end, 3), "factor": 6.0,
-                           "sent_in_burst": sum(start <= r.arrival_s < end for r in plan)}
+        report["burst"] = {
+            "start_s": round(start, 3),
+            "end_s": round(end, 3),
+            "factor": 6.0,
+            "sent_in_burst": sum(start <= r.arrival_s < end for r in plan),
+        }
     if capacity is not None:
         report["capacity"] = capacity
     if spec.cold_start:
         with tempfile.TemporaryDirectory(prefix="kvpilot-coldstart-") as tmp:
             report["cold_start"] = measure_cold_start(
-                engine_cfg, plan, RunOptions(client=_client_opts(spec, run_id + "-cold")),
-                requests=spec.cold_start_requests, warmup_requests=spec.warmup_requests, workdir=Path(tmp))
+                engine_cfg,
+                plan,
+                RunOptions(client=_client_opts(spec, run_id + "-cold")),
+                requests=spec.cold_start_requests,
+                warmup_requests=spec.warmup_requests,
+                workdir=Path(tmp),
+            )
     return report

@@ -37,8 +37,11 @@ def full_answers(results: Sequence[RequestResult]) -> dict:
 
 def request_rows(db: Engine, run_id: str) -> list[tuple[str, str]]:
     with db.connect() as conn:
-        rows = conn.execute(select(RequestRow.request_id, RequestRow.status)
-                            .where(RequestRow.run_id == run_id, RequestRow.warmup.is_(False)))
+        rows = conn.execute(
+            select(RequestRow.request_id, RequestRow.status).where(
+                RequestRow.run_id == run_id, RequestRow.warmup.is_(False)
+            )
+        )
         return [(r[0], r[1]) for r in rows]
 
 
@@ -49,29 +52,35 @@ def stored_once(db: Engine, run_id: str, expected_ids: Sequence[str], acknowledg
     dupes = sum(1 for n in counts.values() if n > 1)
     missing = [rid for rid in expected_ids if rid not in counts]
     passed = not dupes and not missing and len(rows) == acknowledged
-    return check(passed, f"{len(rows)} rows for run {run_id}, {acknowledged} acknowledged, {len(missing)} missing, "
-                         f"{dupes} duplicated", stored=len(rows), acknowledged=acknowledged, missing=len(missing),
-                 duplicated=dupes)
+    return check(
+        passed,
+        f"{len(rows)} rows for run {run_id}, {acknowledged} acknowledged, {len(missing)} missing, {dupes} duplicated",
+        stored=len(rows),
+        acknowledged=acknowledged,
+        missing=len(missing),
+        duplicated=dupes,
+    )
 
 
 def event_rows(db: Engine, run_id: str) -> dict[str, int]:
     out = {}
     with db.connect() as conn:
         for name, table in (("request", RequestRow), ("step", StepRow), ("alloc", AllocRow), ("sample", SampleRow)):
-            out[name] = int(conn.execute(select(func.count()).select_from(table).where(table.run_id == run_id))
-                            .scalar_one())
+            out[name] = int(
+                conn.execute(select(func.count()).select_from(table).where(table.run_id == run_id)).scalar_one()
+            )
     return out
 
 
 def duplicate_steps(db: Engine, run_id: str) -> int:
     with db.connect() as conn:
-        stmt = (select(StepRow.step).where(StepRow.run_id == run_id).group_by(StepRow.step)
-                .having(func.count() > 1))
+        stmt = select(StepRow.step).where(StepRow.run_id == run_id).group_by(StepRow.step).having(func.count() > 1)
         return len(conn.execute(stmt).all())
 
 
-def engine_events_stored_once(db: Engine, run_id: str, read_sent: Callable[[], float | None], *,
-                              attempts: int = 20, pause_s: float = 0.3) -> dict:
+def engine_events_stored_once(
+    db: Engine, run_id: str, read_sent: Callable[[], float | None], *, attempts: int = 20, pause_s: float = 0.3
+) -> dict:
     """Rows stored for the engine's run equal the events its sink counts as acknowledged.
 
     The engine keeps emitting samples while idle, so the two are compared when a read of the counter,
@@ -88,18 +97,33 @@ def engine_events_stored_once(db: Engine, run_id: str, read_sent: Callable[[], f
     before, stored, after = last
     dup_steps = duplicate_steps(db, run_id)
     passed = before is not None and before == after == stored and dup_steps == 0
-    return check(passed, f"{stored} rows stored for run {run_id}; the sink counts {after} acknowledged; "
-                         f"{dup_steps} duplicated step numbers", stored=stored, acknowledged=after,
-                 duplicated_steps=dup_steps, by_type=event_rows(db, run_id))
+    return check(
+        passed,
+        f"{stored} rows stored for run {run_id}; the sink counts {after} acknowledged; "
+        f"{dup_steps} duplicated step numbers",
+        stored=stored,
+        acknowledged=after,
+        duplicated_steps=dup_steps,
+        by_type=event_rows(db, run_id),
+    )
 
 
 def notifications(db: Engine) -> list[dict]:
     with db.connect() as conn:
-        rows = conn.execute(select(AlertNotification.id, AlertNotification.idempotency_key, AlertNotification.status,
-                                   AlertNotification.attempts))
+        rows = conn.execute(
+            select(
+                AlertNotification.id,
+                AlertNotification.idempotency_key,
+                AlertNotification.status,
+                AlertNotification.attempts,
+            )
+        )
         out = [{"id": r[0], "key": r[1], "status": r[2], "attempts": r[3]} for r in rows]
-        failed_attempts = conn.execute(select(func.count()).select_from(AlertNotificationAttempt)
-                                       .where(AlertNotificationAttempt.outcome != "delivered")).scalar_one()
+        failed_attempts = conn.execute(
+            select(func.count())
+            .select_from(AlertNotificationAttempt)
+            .where(AlertNotificationAttempt.outcome != "delivered")
+        ).scalar_one()
     for n in out:
         n["failed_attempts_total"] = int(failed_attempts)
     return out
@@ -111,16 +135,26 @@ def alerts_delivered_once(db: Engine, receipts: Sequence[tuple[str, dict]]) -> d
     outbox = notifications(db)
     keys = Counter(key for key, _ in receipts)
     # one alert episode = fingerprint + startsAt; a flapping alert has several, each firing and resolved once
-    per_alert = Counter((a.get("fingerprint"), a.get("startsAt"), a.get("status")) for _, body in receipts
-                        for a in (body.get("alerts", []) if isinstance(body, dict) else []))
+    per_alert = Counter(
+        (a.get("fingerprint"), a.get("startsAt"), a.get("status"))
+        for _, body in receipts
+        for a in (body.get("alerts", []) if isinstance(body, dict) else [])
+    )
     undelivered = [n for n in outbox if n["status"] != "delivered"]
     missing = [n for n in outbox if keys[n["key"]] != 1]
     repeated = {f"{fp}@{at}:{st}": c for (fp, at, st), c in per_alert.items() if c != 1}
     statuses = sorted({st for _, _, st in per_alert})
     failed_attempts = outbox[0]["failed_attempts_total"] if outbox else 0
     passed = bool(outbox) and not undelivered and not missing and not repeated and len(keys) == len(outbox)
-    return check(passed, f"{len(outbox)} notifications, {len(undelivered)} undelivered, {len(missing)} not received "
-                         f"exactly once, alert statuses {statuses}, {failed_attempts} failed attempts while down",
-                 notifications=len(outbox), receipts=len(receipts), undelivered=len(undelivered),
-                 repeated=repeated, failed_attempts=failed_attempts, alerts=len({fp for fp, _, _ in per_alert}),
-                 episodes=len({(fp, at) for fp, at, _ in per_alert}))
+    return check(
+        passed,
+        f"{len(outbox)} notifications, {len(undelivered)} undelivered, {len(missing)} not received "
+        f"exactly once, alert statuses {statuses}, {failed_attempts} failed attempts while down",
+        notifications=len(outbox),
+        receipts=len(receipts),
+        undelivered=len(undelivered),
+        repeated=repeated,
+        failed_attempts=failed_attempts,
+        alerts=len({fp for fp, _, _ in per_alert}),
+        episodes=len({(fp, at) for fp, at, _ in per_alert}),
+    )

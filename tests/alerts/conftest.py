@@ -65,17 +65,25 @@ def make_evaluator(db_url: str, clock: FakeClock) -> Iterator[Callable[..., Aler
     engines = []
     made: list[AlertEvaluator] = []
 
-    def make(source: MemorySource, groups: list[RuleGroup], config: NotifierConfig, *, holder: str = "a",
-             **kwargs: object) -> AlertEvaluator:
+    def make(
+        source: MemorySource, groups: list[RuleGroup], config: NotifierConfig, *, holder: str = "a", **kwargs: object
+    ) -> AlertEvaluator:
         engine = make_engine(db_url)
         engines.append(engine)
         factory = session_factory(engine)
         metrics = AlertMetrics()
         delivery_kwargs = {k: kwargs.pop(k) for k in ("base_backoff_s", "max_backoff_s", "max_age_s") if k in kwargs}
-        delivery = DeliveryWorker(factory, {r.name: r for r in config.receivers}, clock=clock, metrics=metrics,
-                                  rng=random.Random(7), **delivery_kwargs)  # type: ignore[arg-type]
-        ev = AlertEvaluator(factory, groups, source, config, clock=clock, holder=holder, metrics=metrics,
-                            delivery=delivery, **kwargs)  # type: ignore[arg-type]
+        delivery = DeliveryWorker(
+            factory,
+            {r.name: r for r in config.receivers},
+            clock=clock,
+            metrics=metrics,
+            rng=random.Random(7),
+            **delivery_kwargs,
+        )  # type: ignore[arg-type]
+        ev = AlertEvaluator(
+            factory, groups, source, config, clock=clock, holder=holder, metrics=metrics, delivery=delivery, **kwargs
+        )  # type: ignore[arg-type]
         made.append(ev)
         return ev
 

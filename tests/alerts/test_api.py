@@ -21,8 +21,13 @@ def client(db_url, clock):
 
 
 def _silence(**kw):
-    body = {"matchers": [{"name": "alertname", "value": "QueueHigh", "isRegex": False, "isEqual": True}],
-            "startsAt": rfc3339(T0), "endsAt": rfc3339(T0 + 3600), "createdBy": "ops", "comment": "maintenance"}
+    body = {
+        "matchers": [{"name": "alertname", "value": "QueueHigh", "isRegex": False, "isEqual": True}],
+        "startsAt": rfc3339(T0),
+        "endsAt": rfc3339(T0 + 3600),
+        "createdBy": "ops",
+        "comment": "maintenance",
+    }
     body.update(kw)
     return body
 
@@ -40,9 +45,15 @@ def test_silence_create_list_get_update_expire(client, clock):
     assert got["matchers"] == [{"name": "alertname", "value": "QueueHigh", "isRegex": False, "isEqual": True}]
     assert client.get(f"/api/v2/silence/{sid}").json() == got
     # an `id` in the body updates that silence (Alertmanager's semantics), isEqual defaults to true
-    updated = client.post("/api/v2/silences", json=_silence(id=sid, comment="longer", endsAt=rfc3339(T0 + 7200),
-                                                            matchers=[{"name": "instance", "value": "gpu.*",
-                                                                       "isRegex": True}]))
+    updated = client.post(
+        "/api/v2/silences",
+        json=_silence(
+            id=sid,
+            comment="longer",
+            endsAt=rfc3339(T0 + 7200),
+            matchers=[{"name": "instance", "value": "gpu.*", "isRegex": True}],
+        ),
+    )
     assert updated.json() == {"silenceID": sid}
     again = client.get(f"/api/v2/silence/{sid}").json()
     assert again["comment"] == "longer" and again["matchers"][0]["isEqual"] is True
@@ -113,7 +124,9 @@ groups:
                 alerts = http.get("/api/v2/alerts").json()
                 time.sleep(0.05)
             assert sorted((a["labels"]["alertname"], a["alertState"]) for a in alerts) == [
-                ("QueueHigh", "pending"), ("QueueSome", "firing")]
+                ("QueueHigh", "pending"),
+                ("QueueSome", "firing"),
+            ]
             firing = next(a for a in alerts if a["alertState"] == "firing")
             assert firing["fingerprint"] == fingerprint(firing["labels"])
             assert firing["labels"] == {"alertname": "QueueSome", "instance": "a", "severity": "info"}
@@ -121,9 +134,15 @@ groups:
             assert "graph?g0.expr=queue_depth" in firing["generatorURL"]
             assert [a["labels"]["alertname"] for a in http.get("/api/v2/alerts?pending=false").json()] == ["QueueSome"]
             now = time.time()
-            sid = http.post("/api/v2/silences", json={
-                "matchers": [{"name": "severity", "value": "info", "isRegex": False}], "startsAt": rfc3339(now - 1),
-                "endsAt": rfc3339(now + 600), "createdBy": "test"}).json()["silenceID"]
+            sid = http.post(
+                "/api/v2/silences",
+                json={
+                    "matchers": [{"name": "severity", "value": "info", "isRegex": False}],
+                    "startsAt": rfc3339(now - 1),
+                    "endsAt": rfc3339(now + 600),
+                    "createdBy": "test",
+                },
+            ).json()["silenceID"]
             muted = http.get("/api/v2/alerts", params={"filter": "alertname=QueueSome"}).json()
             assert muted[0]["status"] == {"state": "suppressed", "silencedBy": [sid], "inhibitedBy": []}
             assert http.get("/api/v2/alerts", params={"silenced": "false", "pending": "false"}).json() == []

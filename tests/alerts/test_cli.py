@@ -16,8 +16,12 @@ def test_alerts_test_exit_codes(tmp_path):
     ok = runner.invoke(app, ["alerts", "test", str(HERE / "rules" / "scheduler_blocked_test.yml")])
     assert ok.exit_code == 0 and "SUCCESS" in ok.output
     bad = tmp_path / "bad_test.yml"
-    text = (HERE / "rules" / "scheduler_blocked_test.yml").read_text().replace("../../../alerts", str(
-        HERE.parent.parent / "alerts")).replace("eval_time: 1m,", "eval_time: 3m,")
+    text = (
+        (HERE / "rules" / "scheduler_blocked_test.yml")
+        .read_text()
+        .replace("../../../alerts", str(HERE.parent.parent / "alerts"))
+        .replace("eval_time: 1m,", "eval_time: 3m,")
+    )
     bad.write_text(text)
     failed = runner.invoke(app, ["alerts", "test", str(bad)])
     assert failed.exit_code == 1 and "FAILED" in failed.output and "time: 3m" in failed.output
@@ -37,8 +41,9 @@ def test_export_to_file(tmp_path):
 
 
 def test_silence_roundtrip(sqlite_url):
-    added = runner.invoke(app, ["alerts", "silence", "add", "alertname=MemoryPressure", "--db", sqlite_url,
-                                "--duration", "1h"])
+    added = runner.invoke(
+        app, ["alerts", "silence", "add", "alertname=MemoryPressure", "--db", sqlite_url, "--duration", "1h"]
+    )
     assert added.exit_code == 0, added.output
     silence_id = added.output.strip().splitlines()[-1]
     listed = runner.invoke(app, ["alerts", "silence", "list", "--db", sqlite_url])
@@ -63,8 +68,26 @@ def test_run_serves_the_api(sqlite_url):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     done: dict = {}
-    thread = threading.Thread(target=lambda: done.setdefault("result", runner.invoke(app, [
-        "alerts", "run", "--db", sqlite_url, "--api-port", str(port), "--api-token", "tok", "--duration-s", "3"])))
+    thread = threading.Thread(
+        target=lambda: done.setdefault(
+            "result",
+            runner.invoke(
+                app,
+                [
+                    "alerts",
+                    "run",
+                    "--db",
+                    sqlite_url,
+                    "--api-port",
+                    str(port),
+                    "--api-token",
+                    "tok",
+                    "--duration-s",
+                    "3",
+                ],
+            ),
+        )
+    )
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 10
@@ -76,8 +99,13 @@ def test_run_serves_the_api(sqlite_url):
             assert time.monotonic() < deadline and thread.is_alive(), done
             time.sleep(0.05)
     now = time.time()
-    body = {"matchers": [{"name": "alertname", "value": "MemoryPressure", "isRegex": False}],
-            "startsAt": rfc3339(now), "endsAt": rfc3339(now + 600), "createdBy": "api", "comment": "via HTTP"}
+    body = {
+        "matchers": [{"name": "alertname", "value": "MemoryPressure", "isRegex": False}],
+        "startsAt": rfc3339(now),
+        "endsAt": rfc3339(now + 600),
+        "createdBy": "api",
+        "comment": "via HTTP",
+    }
     assert httpx.post(f"{url}/api/v2/silences", json=body, timeout=5).status_code == 401
     created = httpx.post(f"{url}/api/v2/silences", json=body, headers={"Authorization": "Bearer tok"}, timeout=5)
     silence_id = created.json()["silenceID"]

@@ -42,8 +42,18 @@ def test_fires_after_for_and_resolves_with_v4_payload(config_for, make_evaluator
     assert sink.wait_for(2, 5)
     firing, resolved = (r.payload for r in sink.received[:2])
     assert [firing["status"], resolved["status"]] == ["firing", "resolved"]
-    assert set(firing) == {"receiver", "status", "alerts", "groupLabels", "commonLabels", "commonAnnotations",
-                           "externalURL", "version", "groupKey", "truncatedAlerts"}
+    assert set(firing) == {
+        "receiver",
+        "status",
+        "alerts",
+        "groupLabels",
+        "commonLabels",
+        "commonAnnotations",
+        "externalURL",
+        "version",
+        "groupKey",
+        "truncatedAlerts",
+    }
     assert firing["version"] == "4" and firing["truncatedAlerts"] == 0
     assert firing["groupKey"] == '{}:{alertname="QueueHigh"}'
     labels = {"alertname": "QueueHigh", "instance": "a", "severity": "page"}
@@ -180,8 +190,13 @@ def test_silence_mutes_notification(config_for, make_evaluator, groups, sink, cl
     source = MemorySource()
     ev = make_evaluator(source, groups, config_for(sink))
     with ev.factory() as s:
-        create_silence(s, SilenceIn(matchers=[parse_matcher("instance=a")], startsAt=clock.now,
-                                    endsAt=clock.now + 3600, createdBy="test"), now=clock.now)
+        create_silence(
+            s,
+            SilenceIn(
+                matchers=[parse_matcher("instance=a")], startsAt=clock.now, endsAt=clock.now + 3600, createdBy="test"
+            ),
+            now=clock.now,
+        )
         s.commit()
     _run(ev, source, clock, 500, 60, instance="a")
     _run(ev, source, clock, 500, 60, instance="b")

@@ -47,8 +47,9 @@ groups:
 def _binary() -> str:
     found = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
     if found is None:
-        reason = ("no Alertmanager binary (install the Debian package prometheus-alertmanager, "
-                  "or put `alertmanager` on PATH)")
+        reason = (
+            "no Alertmanager binary (install the Debian package prometheus-alertmanager, or put `alertmanager` on PATH)"
+        )
         if os.environ.get("KVPILOT_REQUIRE_ALERTMANAGER") == "1":
             pytest.fail(f"KVPILOT_REQUIRE_ALERTMANAGER=1 but {reason}")
         pytest.skip(reason)
@@ -89,10 +90,18 @@ receivers:
     log_path = tmp_path / "alertmanager.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.path={tmp_path / 'am-data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
-             f"--web.external-url={EXTERNAL_URL}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.path={tmp_path / 'am-data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--cluster.listen-address=",
+                f"--web.external-url={EXTERNAL_URL}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
@@ -128,19 +137,25 @@ def _wait_status(sink: WebhookSink, status: str, timeout_s: float = 15.0) -> dic
 
 
 def test_forwarded_alerts_come_back_from_alertmanager_exactly_as_kvpilot_sends_them(
-        alertmanager, am_sink, sink, sqlite_url):
+    alertmanager, am_sink, sink, sqlite_url
+):
     # kvpilot's own webhook receiver gets Alertmanager's name and route, so both payloads can be compared whole
     config = NotifierConfig(
-        receivers=[Receiver(name="hook", url=sink.url, secret="s3cret"),
-                   Receiver(name="am", url=f"{alertmanager}/api/v2/alerts", kind="alertmanager")],
-        route=Route(receiver="hook", group_by=["alertname"], group_wait_s=0, group_interval_s=10,
-                    repeat_interval_s=3600),
-        external_url=EXTERNAL_URL)
+        receivers=[
+            Receiver(name="hook", url=sink.url, secret="s3cret"),
+            Receiver(name="am", url=f"{alertmanager}/api/v2/alerts", kind="alertmanager"),
+        ],
+        route=Route(
+            receiver="hook", group_by=["alertname"], group_wait_s=0, group_interval_s=10, repeat_interval_s=3600
+        ),
+        external_url=EXTERNAL_URL,
+    )
     clock = FakeClock(float(int(time.time())) - 120)  # behind real time: the forwarded endsAt stays ahead of it
     source = MemorySource()
     engine = make_engine(sqlite_url)
-    ev = AlertEvaluator(session_factory(engine), load_rules_text(RULES), source, config, clock=clock,
-                        metrics=AlertMetrics())
+    ev = AlertEvaluator(
+        session_factory(engine), load_rules_text(RULES), source, config, clock=clock, metrics=AlertMetrics()
+    )
 
     def run(value: float, seconds: float) -> None:
         end = clock.now + seconds
@@ -167,8 +182,7 @@ def test_forwarded_alerts_come_back_from_alertmanager_exactly_as_kvpilot_sends_t
     for alert in am_firing["alerts"]:
         assert alert["fingerprint"] == fingerprint(alert["labels"])  # Alertmanager's own fingerprint
     assert {a["labels"]["instance"] for a in am_firing["alerts"]} == set(INSTANCES)
-    assert am_firing["alerts"][0]["labels"] == {"alertname": "QueueHigh", "instance": INSTANCES[0],
-                                                "severity": "page"}
+    assert am_firing["alerts"][0]["labels"] == {"alertname": "QueueHigh", "instance": INSTANCES[0], "severity": "page"}
     assert am_firing["groupKey"] == group_key("{}", {"alertname": "QueueHigh"})
     for ours, theirs in ((ours_firing, am_firing), (ours_resolved, am_resolved)):
         assert set(ours) == set(theirs)

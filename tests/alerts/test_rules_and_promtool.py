@@ -64,7 +64,7 @@ def test_series_notation():
         ("rate(queue_depth)", 1, 6, "range vector"),
         ("queue_depth >", 1, 14, "end of input"),
         ("queue_depth and 1", 1, 13, "instant vectors"),
-        ("queue_depth{job=\"x\"}", 1, 13, "unknown label"),
+        ('queue_depth{job="x"}', 1, 13, "unknown label"),
         ("queue_depth >\n  @", 2, 3, "unexpected character"),
         ("nope(queue_depth)", 1, 1, "unknown function"),
         ("queue_depth[5x]", 1, 13, "bad number or duration"),
@@ -77,18 +77,29 @@ def test_parse_errors_have_positions(expr, line, column, needle):
 
 
 BAD_FILES = {
-    "syntax": ("groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: queue_depth >\n",
-               "r.yml:7:28: rule 'A': expr: unexpected end of input"),
-    "unknown series": ("groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: queue_dept > 1\n",
-                       "unknown series 'queue_dept'; did you mean queue_depth"),
-    "bad duration": ("groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up == 0\n        for: 5x\n",
-                     "for: not a valid duration"),
-    "numeric duration": ("groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up == 0\n        for: 5\n",
-                         "duration must be a string"),
+    "syntax": (
+        "groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: queue_depth >\n",
+        "r.yml:7:28: rule 'A': expr: unexpected end of input",
+    ),
+    "unknown series": (
+        "groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: queue_dept > 1\n",
+        "unknown series 'queue_dept'; did you mean queue_depth",
+    ),
+    "bad duration": (
+        "groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up == 0\n        for: 5x\n",
+        "for: not a valid duration",
+    ),
+    "numeric duration": (
+        "groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up == 0\n        for: 5\n",
+        "duration must be a string",
+    ),
     "yaml": ("groups: [\n", "YAML syntax error"),
     "recording": ("groups:\n  - name: g\n    rules:\n      - record: x\n        expr: up\n", "recording rules"),
-    "template": ("groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up == 0\n"
-                 "        annotations: {s: '{{ range . }}'}\n", "unsupported template action"),
+    "template": (
+        "groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: up == 0\n"
+        "        annotations: {s: '{{ range . }}'}\n",
+        "unsupported template action",
+    ),
 }
 
 
@@ -126,8 +137,9 @@ def test_fingerprint_is_fnv1a_over_sorted_labels():
 
 
 def test_templates_render_like_prometheus():
-    t = compile_template("{{ $labels.instance }}: {{ $value }} {{ $value | humanize }} "
-                         "{{ .Value | humanizePercentage }}")
+    t = compile_template(
+        "{{ $labels.instance }}: {{ $value }} {{ $value | humanize }} {{ .Value | humanizePercentage }}"
+    )
     assert t.render({"instance": "a"}, 0.25) == "a: 0.25 250m 25%"
     assert go_format(1e6) == "1e+06" and go_format(123456.0) == "123456" and go_format(100.0) == "100"
 

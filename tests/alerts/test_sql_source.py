@@ -29,7 +29,7 @@ GIB = 2**30
 
 def _ingest(engine, events: list[dict]) -> None:
     for i in range(0, len(events), 5000):
-        body = json.dumps({"events": events[i:i + 5000]}).encode()
+        body = json.dumps({"events": events[i : i + 5000]}).encode()
         store_batch(engine, parse_batch(body, max_events=10_000), idempotency_key=None, content=body)
 
 
@@ -54,15 +54,20 @@ def test_memory_pressure_pending_firing_resolved_on_stored_samples(db_engine, co
         ts = T + 15.0 * k
         used = 15 * GIB if k < 28 else 4 * GIB
         events.append(_at(evfactory.sample, ts, memory_used_bytes=used, memory_total_bytes=16 * GIB))
-        events.append(_at(evfactory.sample, ts, instance="e1", memory_used_bytes=4 * GIB,
-                          memory_total_bytes=16 * GIB))
+        events.append(_at(evfactory.sample, ts, instance="e1", memory_used_bytes=4 * GIB, memory_total_bytes=16 * GIB))
         events.append(_at(evfactory.step, ts, step=k))
         events.append(_at(evfactory.request, ts, request_id=f"q{k}", ttft_s=0.05))
     _ingest(db_engine, events)
     clock = FakeClock(T)
     source = SqlSource(db_engine, clock=clock)
-    ev = AlertEvaluator(session_factory(db_engine), load_rule_files([BUILTIN_RULES]), source, config_for(sink),
-                        clock=clock, metrics=AlertMetrics())
+    ev = AlertEvaluator(
+        session_factory(db_engine),
+        load_rule_files([BUILTIN_RULES]),
+        source,
+        config_for(sink),
+        clock=clock,
+        metrics=AlertMetrics(),
+    )
     seen = []
     try:
         for k in range(41):
@@ -91,8 +96,17 @@ def test_memory_pressure_pending_firing_resolved_on_stored_samples(db_engine, co
 
 def _requests(instance: str, minute_end: float, ttfts: list[float], **kw) -> list[dict]:
     step = 60.0 / (len(ttfts) + 1)
-    return [_at(evfactory.request, minute_end - 60.0 + step * (i + 1), instance=instance,
-                request_id=f"{instance}-{minute_end}-{i}", ttft_s=v, **kw) for i, v in enumerate(ttfts)]
+    return [
+        _at(
+            evfactory.request,
+            minute_end - 60.0 + step * (i + 1),
+            instance=instance,
+            request_id=f"{instance}-{minute_end}-{i}",
+            ttft_s=v,
+            **kw,
+        )
+        for i, v in enumerate(ttfts)
+    ]
 
 
 def _nearest_rank_p99(values: list[float]) -> float:
@@ -118,7 +132,8 @@ def test_ttft_p99_per_minute_equals_nearest_rank_and_memo_follows_new_data(db_en
     got = source.points("ttft_p99_seconds", T, T + 1800)
     assert got == {inst: sorted(by_end.items()) for inst, by_end in expected.items()}
     assert source.points("ttft_p99_seconds", T + 600, T + 1200, ["e1"]) == {
-        "e1": sorted((e, v) for e, v in expected["e1"].items() if T + 600 <= e <= T + 1200)}
+        "e1": sorted((e, v) for e, v in expected["e1"].items() if T + 600 <= e <= T + 1200)
+    }
     queries = source.p99_queries
     source.points("ttft_p99_seconds", T, T + 1800)
     assert source.p99_queries == queries  # settled minutes come from the memo
@@ -145,8 +160,15 @@ def test_ttft_regression_fires_over_a_day_of_stored_requests(db_engine, config_f
     _ingest(db_engine, events)
     clock = FakeClock(spike_from + 60)
     source = SqlSource(db_engine, clock=clock)
-    ev = AlertEvaluator(session_factory(db_engine), load_rule_files([BUILTIN_RULES]), source, config_for(sink),
-                        clock=clock, metrics=AlertMetrics(), deliver=False)
+    ev = AlertEvaluator(
+        session_factory(db_engine),
+        load_rule_files([BUILTIN_RULES]),
+        source,
+        config_for(sink),
+        clock=clock,
+        metrics=AlertMetrics(),
+        deliver=False,
+    )
     states = []
     for m in range(1, 16):
         clock.now = spike_from + 60.0 * m
@@ -161,12 +183,17 @@ def test_ttft_regression_fires_over_a_day_of_stored_requests(db_engine, config_f
     assert source.p99_queries <= 3 * 15  # per tick: the memo grows by a minute, plus two recent windows
 
 
-@pytest.mark.parametrize("name", ["memory_usage", "queue_depth", "kv_usage", "kv_fragmentation", "utilization",
-                                  "kv_blocks_used"])
+@pytest.mark.parametrize(
+    "name", ["memory_usage", "queue_depth", "kv_usage", "kv_fragmentation", "utilization", "kv_blocks_used"]
+)
 def test_sql_source_agrees_with_memory_source(db_engine, name):
     """The same samples through the collector's tables and through MemorySource give the same points."""
-    columns = {"queue_depth": "queue_depth", "kv_usage": "kv_usage", "kv_fragmentation": "fragmentation",
-               "utilization": "utilization"}
+    columns = {
+        "queue_depth": "queue_depth",
+        "kv_usage": "kv_usage",
+        "kv_fragmentation": "fragmentation",
+        "utilization": "utilization",
+    }
     memory = MemorySource()
     events = []
     for k in range(20):

@@ -58,11 +58,13 @@ def test_swap_seconds_revision_gives_existing_requests_zero(db_url: str) -> None
     engine = make_engine(db_url)
     try:
         with engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO requests (instance, run_id, ts, request_id, status, priority, prompt_tokens,"
-                " output_tokens, queue_s, prefill_s, decode_s, e2e_s, preemptions, swaps, cached_tokens, warmup)"
-                " VALUES ('e0', 'r1', 1.0, 'q0', 'finished', 1, 10, 2, 0.1, 0.2, 0.3, 0.6, 0, 1, 0, false)"
-            ))
+            conn.execute(
+                text(
+                    "INSERT INTO requests (instance, run_id, ts, request_id, status, priority, prompt_tokens,"
+                    " output_tokens, queue_s, prefill_s, decode_s, e2e_s, preemptions, swaps, cached_tokens, warmup)"
+                    " VALUES ('e0', 'r1', 1.0, 'q0', 'finished', 1, 10, 2, 0.1, 0.2, 0.3, 0.6, 0, 1, 0, false)"
+                )
+            )
         upgrade(db_url)
         assert current_revision(engine) == head_revision()
         with engine.connect() as conn:

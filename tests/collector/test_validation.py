@@ -18,8 +18,13 @@ from collector.schema import EVENT_TABLES
 from tests.collector import evfactory as ev
 
 model_adapter = TypeAdapter(EventBatch)
-BASES = [ev.request(1), ev.step(2), ev.alloc(3), ev.sample(4),
-         ev.request(5, ttft_s=None, finish_reason="stop", swaps=1, swap_s=0.25)]
+BASES = [
+    ev.request(1),
+    ev.step(2),
+    ev.alloc(3),
+    ev.sample(4),
+    ev.request(5, ttft_s=None, finish_reason="stop", swaps=1, swap_s=0.25),
+]
 ODD_VALUES = st.one_of(
     st.none(),
     st.booleans(),

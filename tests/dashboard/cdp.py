@@ -20,8 +20,16 @@ from typing import Any
 import httpx
 from websockets.sync.client import ClientConnection, connect
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage", "--hide-scrollbars")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+)
 
 
 class Page:
@@ -53,23 +61,32 @@ class Page:
         state: dict[str, Any] = {}
         stable = 0
         while time.monotonic() < deadline:
-            state = self.evaluate(
-                "({text: document.body ? document.body.innerText : '',"
-                " running: !!document.querySelector('[data-testid=\"stStatusWidget\"]'),"
-                " skeleton: !!document.querySelector('[data-testid=\"stSkeleton\"]'),"
-                " charts: document.querySelectorAll('.vega-embed').length,"
-                " drawn: document.querySelectorAll('.vega-embed canvas, .vega-embed svg').length})"
-            ) or {}
-            ready = (expect in state.get("text", "") and not state.get("running") and not state.get("skeleton")
-                     and state.get("drawn", 0) >= state.get("charts", 0))
+            state = (
+                self.evaluate(
+                    "({text: document.body ? document.body.innerText : '',"
+                    " running: !!document.querySelector('[data-testid=\"stStatusWidget\"]'),"
+                    " skeleton: !!document.querySelector('[data-testid=\"stSkeleton\"]'),"
+                    " charts: document.querySelectorAll('.vega-embed').length,"
+                    " drawn: document.querySelectorAll('.vega-embed canvas, .vega-embed svg').length})"
+                )
+                or {}
+            )
+            ready = (
+                expect in state.get("text", "")
+                and not state.get("running")
+                and not state.get("skeleton")
+                and state.get("drawn", 0) >= state.get("charts", 0)
+            )
             stable = stable + 1 if ready else 0
             if stable >= 3:  # ready on three polls in a row: nothing is still arriving
                 time.sleep(0.5)  # let vega finish its transition frame
                 return self.evaluate("document.body.innerText")
             time.sleep(0.25)
         flags = {k: v for k, v in state.items() if k != "text"}
-        raise TimeoutError(f"{url}: not ready after {timeout_s:.0f} s (expected {expect!r}); state: {flags}; "
-                           f"text: {state.get('text', '')[:500]!r}")
+        raise TimeoutError(
+            f"{url}: not ready after {timeout_s:.0f} s (expected {expect!r}); state: {flags}; "
+            f"text: {state.get('text', '')[:500]!r}"
+        )
 
     def screenshot(self, target: Path, *, width: int, height: int, full: bool = True) -> None:
         """A PNG of the page; `full` grows the viewport to the scrolled content (Streamlit scrolls a div)."""
@@ -86,8 +103,9 @@ class Page:
         data = self.call("Page.captureScreenshot", format="png")["data"]
         target.write_bytes(base64.b64decode(data))
         if tall != height:
-            self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
-                      mobile=False)
+            self.call(
+                "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
+            )
 
 
 @contextlib.contextmanager
@@ -96,9 +114,17 @@ def chromium_page(binary: str, profile: Path, *, width: int = 1400, height: int 
     profile.mkdir(parents=True, exist_ok=True)
     (profile / "DevToolsActivePort").unlink(missing_ok=True)  # a stale one names a dead browser's port
     proc = subprocess.Popen(
-        [binary, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
-         "--remote-debugging-port=0", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        [
+            binary,
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            f"--window-size={width},{height}",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
     )
     try:
         port_file = profile / "DevToolsActivePort"
@@ -110,16 +136,18 @@ def chromium_page(binary: str, profile: Path, *, width: int = 1400, height: int 
         port = int(port_file.read_text().split()[0])
         targets = []
         while not targets:
-            targets = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json()
-                       if t.get("type") == "page"]
+            targets = [
+                t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json() if t.get("type") == "page"
+            ]
             if time.monotonic() > deadline:
                 raise RuntimeError("chromium has no page target")
             time.sleep(0.1)
         with connect(targets[0]["webSocketDebuggerUrl"], max_size=64 * 2**20, open_timeout=10) as ws:
             page = Page(ws)
             page.call("Page.enable")
-            page.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
-                      mobile=False)
+            page.call(
+                "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
+            )
             yield page
     finally:
         proc.terminate()

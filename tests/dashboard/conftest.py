@@ -46,8 +46,14 @@ def seeded(_seeded_template: tuple[Path, Seed], tmp_path: Path) -> Seed:
     studies = template.with_name(f"{template.stem}-optuna.db")
     if studies.exists():
         shutil.copyfile(studies, path.with_name(f"{path.stem}-optuna.db"))
-    return Seed(url=f"sqlite:///{path}", requests=seed.requests, samples=seed.samples, steps=seed.steps,
-                allocs=seed.allocs, study_name=seed.study_name)
+    return Seed(
+        url=f"sqlite:///{path}",
+        requests=seed.requests,
+        samples=seed.samples,
+        steps=seed.steps,
+        allocs=seed.allocs,
+        study_name=seed.study_name,
+    )
 
 
 @pytest.fixture

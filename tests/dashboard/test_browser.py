@@ -25,13 +25,24 @@ REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "build" / "screenshots"
 PAGES = ("overview", "latency", "kv-memory", "alerts", "tuning", "targets")
 # Text the last section of each page shows: the page ran to its end.
-EXPECTED_TEXT = {"overview": "Accelerator utilization", "latency": "Slowest requests", "kv-memory": "Allocation trace",
-                 "alerts": "New silence", "tuning": "Proposal #2", "targets": "Scrape history"}
+EXPECTED_TEXT = {
+    "overview": "Accelerator utilization",
+    "latency": "Slowest requests",
+    "kv-memory": "Allocation trace",
+    "alerts": "New silence",
+    "tuning": "Proposal #2",
+    "targets": "Scrape history",
+}
 # Numbers and names from the seeded data that a reader must see (tests/dashboard/seed.py); outside tables,
 # which draw on a canvas.
-SHOWN = {"overview": ["101", "KvCacheNearlyFull"], "latency": ["3.71 s", "Where the time goes"],
-         "kv-memory": ["32.4%", "peak 59.5%"], "alerts": ["failed: 1 · delivered: 1", "HighTTFT"],
-         "tuning": ["Objectives: ttft_p99_s (minimize)", "max_num_seqs"], "targets": ["connection refused", "vllm-a"]}
+SHOWN = {
+    "overview": ["101", "KvCacheNearlyFull"],
+    "latency": ["3.71 s", "Where the time goes"],
+    "kv-memory": ["32.4%", "peak 59.5%"],
+    "alerts": ["failed: 1 · delivered: 1", "HighTTFT"],
+    "tuning": ["Objectives: ttft_p99_s (minimize)", "max_num_seqs"],
+    "targets": ["connection refused", "vllm-a"],
+}
 
 
 def _chromium() -> str | None:
@@ -74,8 +85,12 @@ def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path
     script = Path(sys.executable).with_name("kvpilot")
     cli = [str(script)] if script.exists() else [sys.executable, "-m", "kvpilot.cli"]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*cli, "dashboard", "--db-url", sqlite_url, "--port", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [*cli, "dashboard", "--db-url", sqlite_url, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     try:
         try:
             wait_until_healthy(base, timeout_s=90, proc=proc)

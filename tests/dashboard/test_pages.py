@@ -99,8 +99,7 @@ def test_latency_page_percentiles_stages_and_slowest(seeded: Seed, open_page) ->
     assert summary.loc["Swap", "mean (s)"] == pytest.approx(statistics.fmean(swap_seconds))
     assert summary.loc["Swap", "max (s)"] == pytest.approx(max(swap_seconds))
     swaps = sum(r.get("swaps", 0) for r in finished)
-    assert f"swapped {swaps:,} times, for a mean of {ui.fmt_s(statistics.fmean(swap_seconds))} swapped out" \
-        in texts(at)
+    assert f"swapped {swaps:,} times, for a mean of {ui.fmt_s(statistics.fmean(swap_seconds))} swapped out" in texts(at)
     assert "swap: time swapped out to the host tier" in texts(at)
     slowest = at.dataframe[1].value
     assert slowest.iloc[0]["request_id"] == "e0-slow"
@@ -191,7 +190,9 @@ def test_tuning_page_study_pareto_and_proposal_diff(seeded: Seed, open_page) -> 
     assert "Compared with the last applied proposal #1." in texts(at)
     changes = next(d.value for d in at.dataframe if "setting" in d.value.columns)
     assert dict(zip(changes["setting"], zip(changes["running"], changes["proposed"], strict=True), strict=True)) == {
-        "scheduler.max_num_seqs": ("64", "96"), "cache.block_size": ("32", "16")}
+        "scheduler.max_num_seqs": ("64", "96"),
+        "cache.block_size": ("32", "16"),
+    }
     tables = [d.value.set_index("metric") for d in at.dataframe if "change %" in d.value.columns]
     confirmation, trial, params = tables  # in that order: the re-runs first, the study's trial, the parameters
     assert confirmation.loc["goodput_tps", "before"] == pytest.approx(1000.0)  # mean of the baseline runs
@@ -352,7 +353,8 @@ def test_every_page_shows_the_same_numbers_on_postgresql(pg_url: str, sqlite_url
         assert ("Proposal #2 — pending" in texts(on_pg)) == (page == "tuning")
         volatile = {"Up", "Stale / never scraped"}  # relative to now: the two seeds ran a moment apart
         assert {k: v for k, v in shown.items() if k not in volatile} == {
-            k: v for k, v in metrics(on_sqlite).items() if k not in volatile}, page
+            k: v for k, v in metrics(on_sqlite).items() if k not in volatile
+        }, page
 
 
 def test_run_filter_keeps_gauges_to_that_run(seeded: Seed, open_page) -> None:

@@ -28,11 +28,23 @@ def _requests() -> list[dict]:
     for i in range(90):
         ttft = 0.01 + (i * 37 % 23) / 100.0  # scrambled, with ties
         decode = 0.2 + (i % 9) / 50.0
-        out.append(ev.request(0, ts=T0 + i * 2.0 + 0.5, request_id=f"q{i}", queue_s=0.003 * (i % 4),
-                              prefill_s=0.01, ttft_s=ttft, decode_s=decode, e2e_s=ttft + decode + 0.002,
-                              output_tokens=1 + i % 12, swaps=i % 3, preemptions=i % 2,
-                              instance="e0" if i % 3 else "e1",
-                              **({"swap_s": 0.04 * (i % 3) + 0.001 * (i % 5)} if i % 3 else {})))
+        out.append(
+            ev.request(
+                0,
+                ts=T0 + i * 2.0 + 0.5,
+                request_id=f"q{i}",
+                queue_s=0.003 * (i % 4),
+                prefill_s=0.01,
+                ttft_s=ttft,
+                decode_s=decode,
+                e2e_s=ttft + decode + 0.002,
+                output_tokens=1 + i % 12,
+                swaps=i % 3,
+                preemptions=i % 2,
+                instance="e0" if i % 3 else "e1",
+                **({"swap_s": 0.04 * (i % 3) + 0.001 * (i % 5)} if i % 3 else {}),
+            )
+        )
     out.append(ev.request(0, ts=T0 + 50.5, request_id="bad", status="failed", ttft_s=9.0, e2e_s=9.0))
     out.append(ev.request(0, ts=T0 + 51.5, request_id="warm", ttft_s=8.0, warmup=True))
     return out
@@ -41,8 +53,9 @@ def _requests() -> list[dict]:
 def test_latency_quantiles_over_time_match_nearest_rank_per_bucket(db_engine: Engine) -> None:
     reqs = _requests()
     _store(db_engine, reqs)
-    got = queries.latency_quantiles_over_time(db_engine, start=T0, end=T0 + 1000, bucket_s=30.0, metric="ttft",
-                                              quantiles=(0.5, 0.9, 0.99))
+    got = queries.latency_quantiles_over_time(
+        db_engine, start=T0, end=T0 + 1000, bucket_s=30.0, metric="ttft", quantiles=(0.5, 0.9, 0.99)
+    )
     by_bucket: dict[float, list[float]] = defaultdict(list)
     for r in reqs:
         if r["status"] == "finished" and not r.get("warmup"):
@@ -54,10 +67,14 @@ def test_latency_quantiles_over_time_match_nearest_rank_per_bucket(db_engine: En
         assert b.mean == pytest.approx(statistics.fmean(values))
         for q in (0.5, 0.9, 0.99):
             assert b.quantiles[q] == pytest.approx(nearest_rank(values, q))
-    only_e1 = queries.latency_quantiles_over_time(db_engine, start=T0, end=T0 + 1000, bucket_s=1000.0,
-                                                  metric="tpot", instances=["e1"])
-    tpots = [r["decode_s"] / (r["output_tokens"] - 1) for r in reqs
-             if r["instance"] == "e1" and r["output_tokens"] > 1 and r["status"] == "finished"]
+    only_e1 = queries.latency_quantiles_over_time(
+        db_engine, start=T0, end=T0 + 1000, bucket_s=1000.0, metric="tpot", instances=["e1"]
+    )
+    tpots = [
+        r["decode_s"] / (r["output_tokens"] - 1)
+        for r in reqs
+        if r["instance"] == "e1" and r["output_tokens"] > 1 and r["status"] == "finished"
+    ]
     assert only_e1[0].count == len(tpots)
     assert only_e1[0].quantiles[0.99] == pytest.approx(nearest_rank(tpots, 0.99))
 
@@ -77,8 +94,9 @@ def test_stage_breakdown_adds_up_to_e2e(db_engine: Engine) -> None:
         assert b.decode_s == pytest.approx(statistics.fmean(r["decode_s"] for r in inside))
         assert b.decode_excl_swap_s == pytest.approx(b.decode_s - b.swap_s)  # swap < decode in every request
         assert b.queue_s + b.prefill_s + b.first_token_gap_s + b.decode_excl_swap_s + b.swap_s == pytest.approx(b.e2e_s)
-        assert b.first_token_gap_s == pytest.approx(statistics.fmean(
-            r["e2e_s"] - r["queue_s"] - r["prefill_s"] - r["decode_s"] for r in inside))
+        assert b.first_token_gap_s == pytest.approx(
+            statistics.fmean(r["e2e_s"] - r["queue_s"] - r["prefill_s"] - r["decode_s"] for r in inside)
+        )
 
 
 def test_swap_percentiles_and_decode_excluding_swap_clamped_at_zero(db_engine: Engine) -> None:
@@ -97,8 +115,10 @@ def test_swap_percentiles_and_decode_excluding_swap_clamped_at_zero(db_engine: E
     assert (lone.decode_excl_swap_s, lone.swap_s, lone.decode_s) == (0.0, pytest.approx(0.3), pytest.approx(0.1))
     # The swap beyond decode was inside prefill: the gap gives it back, so the stages still add up to e2e.
     assert lone.first_token_gap_s == pytest.approx(0.5 - 0.01 - 0.02 - 0.1 - (0.3 - 0.1))
-    assert lone.queue_s + lone.prefill_s + lone.first_token_gap_s + lone.decode_excl_swap_s + lone.swap_s \
+    assert (
+        lone.queue_s + lone.prefill_s + lone.first_token_gap_s + lone.decode_excl_swap_s + lone.swap_s
         == pytest.approx(lone.e2e_s)
+    )
 
 
 def test_latency_histogram_counts_every_request_and_clamps_to_upper(db_engine: Engine) -> None:
@@ -120,8 +140,18 @@ def test_latency_histogram_counts_every_request_and_clamps_to_upper(db_engine: E
 
 def test_alloc_ops_and_trace(db_engine: Engine) -> None:
     ops = ["alloc", "free", "swap_out", "swap_in", "evict", "alloc"]
-    events = [ev.alloc(0, ts=T0 + i + 0.25, op=ops[i % 6], blocks=1 + i % 4, bytes=1000 * (1 + i % 4),
-                       tier="cold" if ops[i % 6] == "swap_out" else "hot", usage_after=0.5) for i in range(60)]
+    events = [
+        ev.alloc(
+            0,
+            ts=T0 + i + 0.25,
+            op=ops[i % 6],
+            blocks=1 + i % 4,
+            bytes=1000 * (1 + i % 4),
+            tier="cold" if ops[i % 6] == "swap_out" else "hot",
+            usage_after=0.5,
+        )
+        for i in range(60)
+    ]
     events.append(ev.alloc(0, ts=T0 + 5.5, instance="e9", op="oom", blocks=7))
     _store(db_engine, events)
     buckets = queries.alloc_ops_over_time(db_engine, start=T0, end=T0 + 100, bucket_s=10.0, instances=["e0"])
@@ -156,10 +186,14 @@ def test_quantiles_over_time_rejects_bad_arguments(db_engine: Engine, bad: dict)
 
 
 def test_run_gauges_over_time_keeps_to_the_run(db_engine: Engine) -> None:
-    _store(db_engine, [ev.sample(i, kv_usage=0.1, queue_depth=i, run_id="r1") for i in range(10)]
-           + [ev.sample(i, kv_usage=0.9, queue_depth=100, run_id="r2") for i in range(10)])
-    got = queries.run_gauges_over_time(db_engine, names=["kv_usage", "queue_depth"], start=T0, end=T0 + 10,
-                                       bucket_s=5.0, run_id="r1")
+    _store(
+        db_engine,
+        [ev.sample(i, kv_usage=0.1, queue_depth=i, run_id="r1") for i in range(10)]
+        + [ev.sample(i, kv_usage=0.9, queue_depth=100, run_id="r2") for i in range(10)],
+    )
+    got = queries.run_gauges_over_time(
+        db_engine, names=["kv_usage", "queue_depth"], start=T0, end=T0 + 10, bucket_s=5.0, run_id="r1"
+    )
     assert got["kv_usage"]["e0"] == [(T0, pytest.approx(0.1)), (T0 + 5, pytest.approx(0.1))]
     assert got["queue_depth"]["e0"] == [(T0, pytest.approx(2.0)), (T0 + 5, pytest.approx(7.0))]
     with pytest.raises(ValueError, match="not engine-sampled"):

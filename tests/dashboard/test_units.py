@@ -42,8 +42,10 @@ def test_default_preset_follows_the_data() -> None:
 
 def test_config_changes_and_diff() -> None:
     running = {"scheduler": {"max_num_seqs": 64, "queue_limit": 100}, "cache": {"block_size": 32}}
-    proposed = {"scheduler": {"max_num_seqs": 96, "queue_limit": 100}, "cache": {"block_size": 32,
-                                                                                "enable_prefix_cache": True}}
+    proposed = {
+        "scheduler": {"max_num_seqs": 96, "queue_limit": 100},
+        "cache": {"block_size": 32, "enable_prefix_cache": True},
+    }
     assert transform.config_changes(running, proposed) == [
         {"setting": "scheduler.max_num_seqs", "running": "64", "proposed": "96"},
         {"setting": "cache.enable_prefix_cache", "running": "(not set)", "proposed": "true"},
@@ -63,21 +65,37 @@ def test_metric_comparison() -> None:
 
 def test_alert_history_from_both_body_shapes() -> None:
     n = {"id": 7, "created_at": 1_760_000_100.0, "receiver": "team", "status": "delivered"}
-    webhook = {"alerts": [{"status": "resolved", "labels": {"alertname": "A", "instance": "e0"},
-                           "annotations": {"summary": "s"}, "startsAt": "2025-10-09T08:53:20Z",
-                           "endsAt": "2025-10-09T08:54:00Z"}]}
+    webhook = {
+        "alerts": [
+            {
+                "status": "resolved",
+                "labels": {"alertname": "A", "instance": "e0"},
+                "annotations": {"summary": "s"},
+                "startsAt": "2025-10-09T08:53:20Z",
+                "endsAt": "2025-10-09T08:54:00Z",
+            }
+        ]
+    }
     [row] = transform.alerts_in_notification(n, json.dumps(webhook))
     assert (row["alertname"], row["status"], row["instance"], row["starts_at"]) == ("A", "resolved", "e0", 1.76e9)
-    postable = [{"labels": {"alertname": "B"}, "annotations": {}, "startsAt": "2025-10-09T08:53:20Z",
-                 "endsAt": "2025-10-09T09:53:20Z"}]
+    postable = [
+        {
+            "labels": {"alertname": "B"},
+            "annotations": {},
+            "startsAt": "2025-10-09T08:53:20Z",
+            "endsAt": "2025-10-09T09:53:20Z",
+        }
+    ]
     [row] = transform.alerts_in_notification(n, json.dumps(postable))
     assert row["status"] == "firing"  # endsAt in the future of the notification: still firing
     assert transform.alerts_in_notification(n, "not json") == []
 
 
 def test_matcher_text_and_matching() -> None:
-    matchers = [{"name": "alertname", "value": "A", "isRegex": False, "isEqual": True},
-                {"name": "instance", "value": "gpu.*", "isRegex": True, "isEqual": False}]
+    matchers = [
+        {"name": "alertname", "value": "A", "isRegex": False, "isEqual": True},
+        {"name": "instance", "value": "gpu.*", "isRegex": True, "isEqual": False},
+    ]
     assert transform.matcher_text(matchers) == 'alertname="A", instance!~"gpu.*"'
     assert transform.matches(matchers, {"alertname": "A", "instance": "e0"})
     assert not transform.matches(matchers, {"alertname": "A", "instance": "gpu1"})

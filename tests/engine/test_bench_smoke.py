@@ -15,9 +15,14 @@ pytest.importorskip("transformers", reason="the benchmark's baseline is Hugging 
 
 def test_bench_engine_reports_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
     def small_config(quick: bool) -> EngineConfig:
-        cfg = engine_bench.EngineConfig.from_dict({"device": "cpu", "model": TINY_MODEL,
-                                                   "scheduler": {"max_num_seqs": 4},
-                                                   "telemetry": {"sink": "none", "trace_alloc": False}})
+        cfg = engine_bench.EngineConfig.from_dict(
+            {
+                "device": "cpu",
+                "model": TINY_MODEL,
+                "scheduler": {"max_num_seqs": 4},
+                "telemetry": {"sink": "none", "trace_alloc": False},
+            }
+        )
         return cfg
 
     monkeypatch.setattr(engine_bench, "bench_config", small_config)

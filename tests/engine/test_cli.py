@@ -48,14 +48,34 @@ def test_bad_config_values_name_the_field(tmp_path: Path) -> None:
 
 def test_engine_serve_applies_a_proposal_file(tmp_path: Path) -> None:
     port = free_port()
-    cfg = {"device": "cpu", "model": TINY_MODEL, "warmup": {"requests": 1, "prompt_tokens": 4, "max_tokens": 2},
-           "scheduler": {"max_num_seqs": 5}, "cache": {"block_policy": "dynamic"}, "telemetry": {"sink": "none"}}
+    cfg = {
+        "device": "cpu",
+        "model": TINY_MODEL,
+        "warmup": {"requests": 1, "prompt_tokens": 4, "max_tokens": 2},
+        "scheduler": {"max_num_seqs": 5},
+        "cache": {"block_policy": "dynamic"},
+        "telemetry": {"sink": "none"},
+    }
     path = tmp_path / "proposal.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpilot.cli", "engine", "serve", "--config", str(path), "--port", str(port),
-         "--admin-token", "t0k", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "kvpilot.cli",
+            "engine",
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            str(port),
+            "--admin-token",
+            "t0k",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.time() + 60

@@ -19,10 +19,19 @@ transformers = pytest.importorskip("transformers", reason="transformers (dev ext
 def hf_twin(engine: LLMEngine) -> torch.nn.Module:
     m = engine.model_cfg
     cfg = transformers.LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_position,
-        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=False,
-        bos_token_id=256, eos_token_id=257, pad_token_id=258,
+        vocab_size=m.vocab_size,
+        hidden_size=m.dim,
+        intermediate_size=m.ffn_dim,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads,
+        max_position_embeddings=m.max_position,
+        rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
     )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.load_state_dict(engine.executor.model.state_dict())
@@ -31,8 +40,10 @@ def hf_twin(engine: LLMEngine) -> torch.nn.Module:
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [[256, *torch.randint(0, 256, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()]
-            for _ in range(n)]
+    return [
+        [256, *torch.randint(0, 256, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()]
+        for _ in range(n)
+    ]
 
 
 def generate(cfg: EngineConfig, ps: list[list[int]], params: SamplingParams, **kw: object) -> list[list[int]]:
@@ -93,8 +104,9 @@ def test_local_hf_checkpoint_loads_and_generates_like_hf(tmp_path: object) -> No
     p = prompts(1, seed=5)[0]
     ours = engine.generate([p], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_token_ids
     with torch.no_grad():
-        theirs = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                             pad_token_id=258)[0, len(p):].tolist()
+        theirs = hf.generate(
+            torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=258
+        )[0, len(p) :].tolist()
     assert ours == theirs
 
 
@@ -129,8 +141,10 @@ def test_preemption_gives_identical_generations(mode: str) -> None:
     base = generate(tiny_config(), ps, params)
     # a hot pool of 4 chunks x 128 tokens cannot hold ten 60-180 token sequences at once
     bpt = 2 * 2 * 2 * 16 * 4
-    small = tiny_config(cache={"hot_bytes": 4 * 128 * bpt, "cold_bytes": 64 * 128 * bpt, "block_size": 16},
-                        scheduler={"preemption_mode": mode})
+    small = tiny_config(
+        cache={"hot_bytes": 4 * 128 * bpt, "cold_bytes": 64 * 128 * bpt, "block_size": 16},
+        scheduler={"preemption_mode": mode},
+    )
     engine = LLMEngine(small, sink=NullSink())
     seqs = [engine.add_request(p, params) for p in ps]
     engine.run_until_done()

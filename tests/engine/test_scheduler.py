@@ -69,8 +69,12 @@ def test_token_budget_and_chunked_prefill() -> None:
 
 def test_preempts_worst_priority_then_latest_arrival_recompute() -> None:
     s = make(pages=16, max_num_seqs=8)  # 128 tokens of KV
-    seqs = [seq(0, n=30, prio=0, at=0.0, out=200), seq(1, n=30, prio=2, at=0.1, out=200),
-            seq(2, n=30, prio=1, at=0.2, out=200), seq(3, n=30, prio=1, at=0.3, out=200)]
+    seqs = [
+        seq(0, n=30, prio=0, at=0.0, out=200),
+        seq(1, n=30, prio=2, at=0.1, out=200),
+        seq(2, n=30, prio=1, at=0.2, out=200),
+        seq(3, n=30, prio=1, at=0.3, out=200),
+    ]
     for q in seqs:
         s.add(q)
     t = 1.0

@@ -19,8 +19,9 @@ ADMIN = {"Authorization": "Bearer s3cret"}
 
 @pytest.fixture
 def client() -> TestClient:
-    cfg = tiny_config(server={"admin_token": "s3cret", "max_prompt_tokens": 200, "max_tokens_limit": 64},
-                      scheduler={"queue_limit": 8})
+    cfg = tiny_config(
+        server={"admin_token": "s3cret", "max_prompt_tokens": 200, "max_tokens_limit": 64}, scheduler={"queue_limit": 8}
+    )
     with TestClient(build_app(cfg, warmup=False)) as c:
         yield c
 
@@ -36,8 +37,9 @@ def test_generate_returns_text_and_stage_timings(client: TestClient) -> None:
 
 
 def test_generate_stream_sends_tokens_then_a_final_record(client: TestClient) -> None:
-    with client.stream("POST", "/generate", json={"prompt": "hi", "max_tokens": 5, "stream": True,
-                                                  "ignore_eos": True}) as r:
+    with client.stream(
+        "POST", "/generate", json={"prompt": "hi", "max_tokens": 5, "stream": True, "ignore_eos": True}
+    ) as r:
         assert r.status_code == 200
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert sum(len(e.get("token_ids", [])) for e in events[:-1]) == 5
@@ -85,8 +87,10 @@ def test_bad_generate_input_names_the_field_and_engine_keeps_serving(
 def test_bad_completion_input(client: TestClient) -> None:
     assert client.post("/v1/completions", json={"prompt": "x", "n": 2}).status_code == 422
     assert client.post("/v1/completions", json={"prompt": ["a", "b"]}).status_code == 422
-    assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
-                       ).status_code == 422
+    assert (
+        client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code
+        == 422
+    )
 
 
 def test_queue_limit_answers_429_never_an_oom() -> None:
@@ -94,9 +98,12 @@ def test_queue_limit_answers_429_never_an_oom() -> None:
     app = build_app(cfg, warmup=False)
     results: list[int] = []
     with TestClient(app) as c:
+
         def fire() -> None:
-            results.append(c.post("/generate", json={"prompt": "p" * 50, "max_tokens": 40, "ignore_eos": True}
-                                  ).status_code)
+            results.append(
+                c.post("/generate", json={"prompt": "p" * 50, "max_tokens": 40, "ignore_eos": True}).status_code
+            )
+
         threads = [threading.Thread(target=fire) for _ in range(12)]
         for t in threads:
             t.start()
@@ -113,16 +120,19 @@ def test_admin_config_requires_token_and_hot_reloads(client: TestClient) -> None
     assert client.get("/admin/config", headers={"Authorization": "Bearer nope"}).status_code == 403
     r = client.get("/admin/config", headers=ADMIN)
     assert r.status_code == 200 and "admin_token" not in json.dumps(r.json())
-    r = client.put("/admin/config", json={"cache": {"block_policy": "dynamic"}, "scheduler": {"max_num_seqs": 3}},
-                   headers=ADMIN)
+    r = client.put(
+        "/admin/config", json={"cache": {"block_policy": "dynamic"}, "scheduler": {"max_num_seqs": 3}}, headers=ADMIN
+    )
     assert r.status_code == 200
     assert r.json()["tunable"]["scheduler"]["max_num_seqs"] == 3
     assert client.app.state.kv.engine.scheduler.cfg.max_num_seqs == 3
     assert client.app.state.kv.engine.kv.policy.kind == "dynamic"
-    for bad, field in [({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs"),
-                       ({"model": {"dim": 8}}, "model"),
-                       ({"cache": {"hot_bytes": 1}}, "cache.hot_bytes"),
-                       ({"cache": {"block_size": 24}}, "cache.block_size")]:
+    for bad, field in [
+        ({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs"),
+        ({"model": {"dim": 8}}, "model"),
+        ({"cache": {"hot_bytes": 1}}, "cache.hot_bytes"),
+        ({"cache": {"block_size": 24}}, "cache.block_size"),
+    ]:
         r = client.put("/admin/config", json=bad, headers=ADMIN)
         assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
     assert client.post("/generate", json={"prompt": "still up", "max_tokens": 2}).status_code == 200
@@ -138,10 +148,17 @@ def test_health_and_metrics_text(client: TestClient) -> None:
     h = client.get("/health").json()
     assert h["status"] == "ok" and h["device"] == "cpu"
     text = client.get("/metrics").text
-    for name in ("kvpilot_queue_depth", "kvpilot_running_seqs", "kvpilot_kv_usage", "kvpilot_swaps_total",
-                 "kvpilot_preemptions_total", "kvpilot_time_to_first_token_seconds_bucket",
-                 "kvpilot_inter_token_latency_seconds_bucket", "kvpilot_e2e_request_latency_seconds_bucket",
-                 "kvpilot_queue_time_seconds_bucket"):
+    for name in (
+        "kvpilot_queue_depth",
+        "kvpilot_running_seqs",
+        "kvpilot_kv_usage",
+        "kvpilot_swaps_total",
+        "kvpilot_preemptions_total",
+        "kvpilot_time_to_first_token_seconds_bucket",
+        "kvpilot_inter_token_latency_seconds_bucket",
+        "kvpilot_e2e_request_latency_seconds_bucket",
+        "kvpilot_queue_time_seconds_bucket",
+    ):
         assert name in text, name
     promtool = shutil.which("promtool")
     if promtool is None:

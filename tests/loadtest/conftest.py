@@ -46,9 +46,20 @@ def fake_engine_app(state: dict) -> FastAPI:
                 await asyncio.sleep(0.001)
             if behaviour == "cut":
                 return
-            final = {"request_id": body["request_id"], "output_tokens": body["max_tokens"], "finished": True,
-                     "timings": {"queue_s": 0.0, "prefill_s": 0.001, "ttft_s": 0.001, "decode_s": 0.01,
-                                 "e2e_s": 0.011, "preemptions": 0, "swaps": 0}}
+            final = {
+                "request_id": body["request_id"],
+                "output_tokens": body["max_tokens"],
+                "finished": True,
+                "timings": {
+                    "queue_s": 0.0,
+                    "prefill_s": 0.001,
+                    "ttft_s": 0.001,
+                    "decode_s": 0.01,
+                    "e2e_s": 0.011,
+                    "preemptions": 0,
+                    "swaps": 0,
+                },
+            }
             yield f"data: {json.dumps(final)}\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -11,21 +11,24 @@ from kvpilot.cli import app
 runner = CliRunner()
 
 
-@pytest.mark.parametrize(("args", "option"), [
-    (["--scenario", "spiky", "--quick"], "--scenario"),
-    (["--quick", "--duration", "0s"], "--duration"),
-    (["--quick", "--duration", "soon"], "--duration"),
-    (["--scenario", "trace", "--quick"], "--trace"),
-    (["--scenario", "trace", "--trace", "/nonexistent.csv", "--quick"], "--trace"),
-    (["--target", "ftp://127.0.0.1:1"], "--target"),
-    (["--duration", "5s"], "--target"),
-    (["--fault", "meteor", "--quick"], "--fault"),
-    (["--fault", "slow-client", "--target", "http://127.0.0.1:1"], "--target"),
-    (["--quick", "--api", "grpc"], "--api"),
-    (["--quick", "--p99-metric", "p42"], "--p99-metric"),
-    (["--scenario", "sustained", "--quick", "--capacity-share", "1.5"], "--capacity-share"),
-    (["--quick", "--collector", "nope"], "--collector"),
-])
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--scenario", "spiky", "--quick"], "--scenario"),
+        (["--quick", "--duration", "0s"], "--duration"),
+        (["--quick", "--duration", "soon"], "--duration"),
+        (["--scenario", "trace", "--quick"], "--trace"),
+        (["--scenario", "trace", "--trace", "/nonexistent.csv", "--quick"], "--trace"),
+        (["--target", "ftp://127.0.0.1:1"], "--target"),
+        (["--duration", "5s"], "--target"),
+        (["--fault", "meteor", "--quick"], "--fault"),
+        (["--fault", "slow-client", "--target", "http://127.0.0.1:1"], "--target"),
+        (["--quick", "--api", "grpc"], "--api"),
+        (["--quick", "--p99-metric", "p42"], "--p99-metric"),
+        (["--scenario", "sustained", "--quick", "--capacity-share", "1.5"], "--capacity-share"),
+        (["--quick", "--collector", "nope"], "--collector"),
+    ],
+)
 def test_bad_input_names_the_option(args: list[str], option: str) -> None:
     result = runner.invoke(app, ["loadtest", *args])
     assert result.exit_code == 2, result.output
@@ -42,16 +45,30 @@ def test_bad_engine_config_names_the_option(tmp_path: Path) -> None:
 
 def test_quick_burst_against_its_own_engine(tmp_path: Path) -> None:
     out = tmp_path / "lt.json"
-    result = runner.invoke(app, ["loadtest", "--scenario", "burst", "--quick", "--duration", "8s", "--json", str(out),
-                                 "--no-progress"])
+    result = runner.invoke(
+        app, ["loadtest", "--scenario", "burst", "--quick", "--duration", "8s", "--json", str(out), "--no-progress"]
+    )
     assert result.exit_code in (0, 1), result.output
     report = json.loads(out.read_text())
     assert result.exit_code == (0 if report["passed"] else 1)
-    for key in ("passed", "oom_events", "p99_s", "p99_drift", "util_fluctuation", "requests_sent",
-                "requests_answered", "requests_refused"):
+    for key in (
+        "passed",
+        "oom_events",
+        "p99_s",
+        "p99_drift",
+        "util_fluctuation",
+        "requests_sent",
+        "requests_answered",
+        "requests_refused",
+    ):
         assert key in report
-    assert report["requests_sent"] == report["requests_answered"] + report["requests_refused"] \
-        + report["requests_failed"] + report["requests_timed_out"]
+    assert (
+        report["requests_sent"]
+        == report["requests_answered"]
+        + report["requests_refused"]
+        + report["requests_failed"]
+        + report["requests_timed_out"]
+    )
     assert report["requests_failed"] == report["requests_timed_out"] == 0
     assert report["oom_events"] == 0  # the default pool is far larger than this load
     assert report["burst"]["sent_in_burst"] > 2 * 6.0 * 2.0  # the 2 s burst carries 6x the base rate

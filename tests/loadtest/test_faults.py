@@ -9,8 +9,9 @@ from kvpilot.loadtest.session import LoadTestSpec
 
 
 def _spec(duration_s: float = 6.0) -> LoadTestSpec:
-    return LoadTestSpec(scenario="mixed", duration_s=duration_s, rate=6.0, length_scale=8.0, output_scale=8.0,
-                        windows=3, progress=False)
+    return LoadTestSpec(
+        scenario="mixed", duration_s=duration_s, rate=6.0, length_scale=8.0, output_scale=8.0, windows=3, progress=False
+    )
 
 
 def _assert_nothing_lost(report: dict) -> None:

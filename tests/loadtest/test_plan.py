@@ -39,17 +39,19 @@ def test_burst_is_six_times_base_in_the_middle() -> None:
 
 
 def test_lengths_scale_and_clip() -> None:
-    plan = plan_mixed(PlanOptions(duration_s=50.0, rate=10.0, length_scale=8.0, output_scale=8.0,
-                                  max_total_tokens=300))
+    plan = plan_mixed(PlanOptions(duration_s=50.0, rate=10.0, length_scale=8.0, output_scale=8.0, max_total_tokens=300))
     assert all(r.prompt_tokens + r.max_tokens <= 300 for r in plan)
     assert max(r.prompt_tokens for r in plan) <= 300
 
 
-@pytest.mark.parametrize(("field", "opts"), [
-    ("--duration", PlanOptions(duration_s=0.0, rate=1.0)),
-    ("--rate", PlanOptions(duration_s=5.0, rate=-1.0)),
-    ("--duration", PlanOptions(duration_s=3.0, rate=1.0, burst_len_s=2.0)),
-])
+@pytest.mark.parametrize(
+    ("field", "opts"),
+    [
+        ("--duration", PlanOptions(duration_s=0.0, rate=1.0)),
+        ("--rate", PlanOptions(duration_s=5.0, rate=-1.0)),
+        ("--duration", PlanOptions(duration_s=3.0, rate=1.0, burst_len_s=2.0)),
+    ],
+)
 def test_bad_plans_name_the_option(field: str, opts: PlanOptions) -> None:
     with pytest.raises(PlanError) as err:
         plan_burst(opts)
@@ -58,11 +60,13 @@ def test_bad_plans_name_the_option(field: str, opts: PlanOptions) -> None:
 
 def test_azure_trace_with_scaling(tmp_path: Path) -> None:
     csv = tmp_path / "azure.csv"
-    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                   "2023-11-16 18:15:46.6805900,374,44\n"
-                   "2023-11-16 18:15:50.6805900,396,109\n"
-                   "2023-11-16 18:15:47.6805900,879,45\n"
-                   "2023-11-16 18:16:06.6805900,3000,10\n")
+    csv.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.6805900,396,109\n"
+        "2023-11-16 18:15:47.6805900,879,45\n"
+        "2023-11-16 18:16:06.6805900,3000,10\n"
+    )
     plan = load_trace(csv, time_scale=2.0, length_scale=2.0)
     assert [r.arrival_s for r in plan] == pytest.approx([0.0, 0.5, 2.0, 10.0])
     assert [(r.prompt_tokens, r.max_tokens) for r in plan] == [(187, 22), (440, 22), (198, 54), (1500, 5)]

@@ -59,20 +59,34 @@ def test_oom_on_the_target_fails_the_run(fake_engine: tuple[str, dict]) -> None:
 
 
 def _result(i: int, t: float, e2e: float) -> RequestResult:
-    r = RequestResult(i, f"r-{i}", "medium", 10, 5, scheduled_s=t, start_s=t, end_s=t + e2e, outcome="ok",
-                      output_tokens=5, ttft_s=e2e / 5)
+    r = RequestResult(
+        i,
+        f"r-{i}",
+        "medium",
+        10,
+        5,
+        scheduled_s=t,
+        start_s=t,
+        end_s=t + e2e,
+        outcome="ok",
+        output_tokens=5,
+        ttft_s=e2e / 5,
+    )
     return r
 
 
 def _samples(utils: list[float], dt: float = 1.0) -> list[MetricsSample]:
-    return [MetricsSample(i * dt, {"utilization": u, "steps_total": float(i), "oom_total": 0.0})
-            for i, u in enumerate(utils)]
+    return [
+        MetricsSample(i * dt, {"utilization": u, "steps_total": float(i), "oom_total": 0.0})
+        for i, u in enumerate(utils)
+    ]
 
 
 @pytest.mark.parametrize(("last_e2e", "stable"), [(0.11, True), (0.13, False), (0.07, False)])
 def test_p99_drift_criterion(last_e2e: float, stable: bool) -> None:
-    results = [_result(i, i * 0.1, 0.1) for i in range(50)] + [_result(50 + i, 5 + i * 0.1, last_e2e)
-                                                              for i in range(50)]
+    results = [_result(i, i * 0.1, 0.1) for i in range(50)] + [
+        _result(50 + i, 5 + i * 0.1, last_e2e) for i in range(50)
+    ]
     run = RunResult(results, _samples([0.8] * 11), 0.0, 10.0, 10.0)
     report = analyze(run, span_s=10.0, windows=2, metric="e2e")
     assert report["p99_drift"] == pytest.approx((last_e2e - 0.1) / 0.1, abs=1e-3)
@@ -107,6 +121,7 @@ def test_helpers() -> None:
     assert percentile(list(range(1, 101)), 99) == 99
     samples = [MetricsSample(i, {"oom_total": v}) for i, v in enumerate([0, 2, 5, 1, 3])]  # reset after 5
     assert counter_increase(samples, "oom_total") == 5 + 1 + 2
-    text = ("# TYPE kvpilot_oom counter\nkvpilot_oom_total 4.0\n"
-            "# TYPE kvpilot_utilization gauge\nkvpilot_utilization 0.5\n")
+    text = (
+        "# TYPE kvpilot_oom counter\nkvpilot_oom_total 4.0\n# TYPE kvpilot_utilization gauge\nkvpilot_utilization 0.5\n"
+    )
     assert parse_metrics(text) == {"oom_total": 4.0, "utilization": 0.5}

@@ -14,14 +14,26 @@ TINY_BPT = 2 * 2 * 2 * 16 * 4  # 2 x layers x kv heads x head dim x float32
 
 
 def tiny_profile(**coef: float) -> CostProfile:
-    cost = {"c0_s": 0.002, "prefill_tokens": 4e-5, "prefill_seqs": 2e-4, "decode_seqs": 2e-4,
-            "decode_attn_tokens": 5e-7, "swap_tokens": 1e-6, **coef}
+    cost = {
+        "c0_s": 0.002,
+        "prefill_tokens": 4e-5,
+        "prefill_seqs": 2e-4,
+        "decode_seqs": 2e-4,
+        "decode_attn_tokens": 5e-7,
+        "swap_tokens": 1e-6,
+        **coef,
+    }
     return CostProfile(
         name="tiny-test",
         kind="linear",
         hardware=HardwareSpec(name="test cpu", kind="cpu", threads=1),
-        model=ModelProfile(name="tiny", config=ModelConfig(**TINY_MODEL), params=100_000, weights_bytes=400_000,
-                           kv_bytes_per_token=TINY_BPT),
+        model=ModelProfile(
+            name="tiny",
+            config=ModelConfig(**TINY_MODEL),
+            params=100_000,
+            weights_bytes=400_000,
+            kv_bytes_per_token=TINY_BPT,
+        ),
         linear=LinearCost(**cost),
         engine_defaults={
             "device": "cpu",

@@ -24,8 +24,13 @@ def _shape(rng: random.Random) -> StepShape:
         return StepShape(prefill_tokens=n, prefill_seqs=1, attn_pairs=n * (n + 1) // 2, prefill_ctx_tokens=n)
     b = rng.randint(1, 64)
     ctx = b * rng.randint(16, 2048)
-    return StepShape(decode_seqs=b, decode_ctx_tokens=ctx, decode_attn_tokens=ctx + rng.randint(0, 8 * b),
-                     decode_groups=rng.randint(1, 4), decode_blocks=ctx // rng.choice((16, 32, 64)))
+    return StepShape(
+        decode_seqs=b,
+        decode_ctx_tokens=ctx,
+        decode_attn_tokens=ctx + rng.randint(0, 8 * b),
+        decode_groups=rng.randint(1, 4),
+        decode_blocks=ctx // rng.choice((16, 32, 64)),
+    )
 
 
 def test_fit_recovers_known_coefficients_despite_noise_and_stragglers() -> None:
@@ -33,8 +38,12 @@ def test_fit_recovers_known_coefficients_despite_noise_and_stragglers() -> None:
     truth = {"c0": 0.002, "prefill_tokens": 6e-5, "decode_seqs": 3e-4, "decode_attn_tokens": 5e-7}
 
     def cost(s: StepShape) -> float:
-        return (truth["c0"] + truth["prefill_tokens"] * s.prefill_tokens + truth["decode_seqs"] * s.decode_seqs
-                + truth["decode_attn_tokens"] * s.decode_attn_tokens)
+        return (
+            truth["c0"]
+            + truth["prefill_tokens"] * s.prefill_tokens
+            + truth["decode_seqs"] * s.decode_seqs
+            + truth["decode_attn_tokens"] * s.decode_attn_tokens
+        )
 
     samples = []
     for i in range(600):
@@ -49,8 +58,9 @@ def test_fit_recovers_known_coefficients_despite_noise_and_stragglers() -> None:
     # context and padded-attention tokens are nearly collinear here: only their sum is identified
     assert coef.decode_ctx_tokens + coef.decode_attn_tokens == pytest.approx(truth["decode_attn_tokens"], rel=0.1)
     assert coef.c0_s == pytest.approx(truth["c0"], rel=0.25)
-    profile = tiny_profile(**{k: 0.0 for k in ("prefill_tokens", "prefill_seqs", "decode_seqs", "decode_attn_tokens",
-                                               "swap_tokens")})
+    profile = tiny_profile(
+        **{k: 0.0 for k in ("prefill_tokens", "prefill_seqs", "decode_seqs", "decode_attn_tokens", "swap_tokens")}
+    )
     profile = profile.model_copy(update={"linear": coef})
     held_out = [_shape(rng) for _ in range(300)]
     errors = sorted(abs(profile.predict(s) - cost(s)) / cost(s) for s in held_out)
@@ -68,8 +78,12 @@ def test_fit_predicts_the_mean_step_cost_under_skewed_noise() -> None:
     truth = {"c0": 0.002, "prefill_tokens": 6e-5, "decode_seqs": 3e-4, "decode_attn_tokens": 5e-7}
 
     def cost(s: StepShape) -> float:
-        return (truth["c0"] + truth["prefill_tokens"] * s.prefill_tokens + truth["decode_seqs"] * s.decode_seqs
-                + truth["decode_attn_tokens"] * s.decode_attn_tokens)
+        return (
+            truth["c0"]
+            + truth["prefill_tokens"] * s.prefill_tokens
+            + truth["decode_seqs"] * s.decode_seqs
+            + truth["decode_attn_tokens"] * s.decode_attn_tokens
+        )
 
     slow, share = 1.6, 0.25  # a quarter of the steps run 1.6x slower: the mean step costs 1.15x
     samples = []

@@ -27,8 +27,26 @@ def test_tune_study_cli_writes_a_json_summary(sqlite_url: str, tmp_path) -> None
     prof = tmp_path / "tiny.json"
     tiny_profile().save(prof)
     out = tmp_path / "s.json"
-    res = _run("tune", "study", "--trials", "3", "--profile", str(prof), "--requests", "20", "--scale", "16",
-               "--output-range", "4,16", "--db-url", sqlite_url, "--study-name", "cli", "--json", str(out))
+    res = _run(
+        "tune",
+        "study",
+        "--trials",
+        "3",
+        "--profile",
+        str(prof),
+        "--requests",
+        "20",
+        "--scale",
+        "16",
+        "--output-range",
+        "4,16",
+        "--db-url",
+        sqlite_url,
+        "--study-name",
+        "cli",
+        "--json",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(out.read_text())
     assert summary["trials"] == 3 and summary["random_trials"] == 3 and summary["backend"] == "sim"
@@ -67,8 +85,24 @@ def test_bad_space_file_names_the_field(sqlite_url: str, tmp_path) -> None:  # t
 
 def test_sim_run_what_if_at_gpu_scale(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "w.json"
-    res = _run("sim", "run", "--profile", "h200-llama3-8b", "--workload", "mixed", "--requests", "60", "--scale", "1",
-               "--output-range", "32,128", "--set", "scheduler.max_num_seqs=128", "--json", str(out))
+    res = _run(
+        "sim",
+        "run",
+        "--profile",
+        "h200-llama3-8b",
+        "--workload",
+        "mixed",
+        "--requests",
+        "60",
+        "--scale",
+        "1",
+        "--output-range",
+        "32,128",
+        "--set",
+        "scheduler.max_num_seqs=128",
+        "--json",
+        str(out),
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["metrics"]["finished"] == 60 and data["patch"] == {"scheduler": {"max_num_seqs": 128}}
@@ -81,8 +115,15 @@ def test_sim_run_what_if_at_gpu_scale(tmp_path) -> None:  # type: ignore[no-unty
 
 def test_proposals_review_cli(sqlite_url: str) -> None:
     db = make_engine(sqlite_url)
-    p = create_proposal(db, config_yaml=EngineConfig().to_yaml(), report_md="# r", study_name="s", instance=None,
-                        baseline_metrics={}, best_metrics={"confirmation": {"gain": 0.12}})
+    p = create_proposal(
+        db,
+        config_yaml=EngineConfig().to_yaml(),
+        report_md="# r",
+        study_name="s",
+        instance=None,
+        baseline_metrics={},
+        best_metrics={"confirmation": {"gain": 0.12}},
+    )
     res = _run("tune", "proposals", "list", "--db-url", sqlite_url)
     assert f"{p.id}" in res.output and "pending" in res.output and "+12.0%" in res.output
     assert _run("tune", "proposals", "accept", str(p.id), "--db-url", sqlite_url).exit_code == 0
@@ -93,8 +134,15 @@ def test_proposals_review_cli(sqlite_url: str) -> None:
 
 
 def _engine_app(token: str | None = "secret"):  # type: ignore[no-untyped-def]
-    cfg = EngineConfig.from_dict({"device": "cpu", "model": dict(TINY_MODEL), "warmup": {"requests": 0},
-                                  "server": {"admin_token": token}, "telemetry": {"sink": "none"}})
+    cfg = EngineConfig.from_dict(
+        {
+            "device": "cpu",
+            "model": dict(TINY_MODEL),
+            "warmup": {"requests": 0},
+            "server": {"admin_token": token},
+            "telemetry": {"sink": "none"},
+        }
+    )
     return build_app(cfg, warmup=False), cfg
 
 
@@ -102,8 +150,15 @@ def test_apply_puts_the_tunables_to_the_engine(sqlite_url: str) -> None:
     app_, cfg = _engine_app()
     proposed = cfg.with_tunable({"scheduler": {"max_num_seqs": 7}, "cache": {"block_size": 64}})
     db = make_engine(sqlite_url)
-    p = create_proposal(db, config_yaml=proposed.to_yaml(), report_md="", study_name="s", instance="engine-0",
-                        baseline_metrics={}, best_metrics={})
+    p = create_proposal(
+        db,
+        config_yaml=proposed.to_yaml(),
+        report_md="",
+        study_name="s",
+        instance="engine-0",
+        baseline_metrics={},
+        best_metrics={},
+    )
     with TestClient(app_) as client:
         with pytest.raises(ApplyError, match="HTTP 403"):
             apply_proposal(db, p.id, engine_url="http://test", admin_token="wrong", client=client)
@@ -120,10 +175,16 @@ def test_apply_puts_the_tunables_to_the_engine(sqlite_url: str) -> None:
 
 def test_apply_to_an_unreachable_engine_exits_1(sqlite_url: str) -> None:
     db = make_engine(sqlite_url)
-    p = create_proposal(db, config_yaml=EngineConfig().to_yaml(), report_md="", study_name="s", instance=None,
-                        baseline_metrics={}, best_metrics={})
-    res = runner.invoke(app, ["tune", "apply", str(p.id), "--db-url", sqlite_url, "--engine-url",
-                              "http://127.0.0.1:9"])
+    p = create_proposal(
+        db,
+        config_yaml=EngineConfig().to_yaml(),
+        report_md="",
+        study_name="s",
+        instance=None,
+        baseline_metrics={},
+        best_metrics={},
+    )
+    res = runner.invoke(app, ["tune", "apply", str(p.id), "--db-url", sqlite_url, "--engine-url", "http://127.0.0.1:9"])
     assert res.exit_code == 1 and "failed" in res.output
     assert get_proposal(db, p.id).status == "pending"
     db.dispose()

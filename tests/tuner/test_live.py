@@ -49,9 +49,15 @@ class DbSink:
 
 def _setup(sqlite_url: str):  # type: ignore[no-untyped-def]
     db = make_engine(sqlite_url)
-    cfg = EngineConfig.from_dict({"device": "cpu", "model": dict(TINY_MODEL), "warmup": {"requests": 0},
-                                  "server": {"admin_token": "tok"},
-                                  "telemetry": {"instance": "live-1", "trace_alloc": False}})
+    cfg = EngineConfig.from_dict(
+        {
+            "device": "cpu",
+            "model": dict(TINY_MODEL),
+            "warmup": {"requests": 0},
+            "server": {"admin_token": "tok"},
+            "telemetry": {"instance": "live-1", "trace_alloc": False},
+        }
+    )
     engine = LLMEngine(cfg, sink=DbSink(db))
     return db, cfg, create_app(engine, CollectorRegistry()), engine
 
@@ -63,9 +69,20 @@ def _workload(seed: int) -> list:
 def test_live_trial_applies_observes_and_rolls_back(sqlite_url: str) -> None:
     db, cfg, app, engine = _setup(sqlite_url)
     with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
-        backend = LiveBackend(db=db, slo=SLO(ttft_s=2.0, tpot_s=0.5), workload=_workload, engine_url="http://engine",
-                              instance="live-1", window_s=2.0, settle_s=0.3, guard_interval_s=0.5, drive=True,
-                              drive_concurrency=4, ingest_lag_s=0.2, client=client)
+        backend = LiveBackend(
+            db=db,
+            slo=SLO(ttft_s=2.0, tpot_s=0.5),
+            workload=_workload,
+            engine_url="http://engine",
+            instance="live-1",
+            window_s=2.0,
+            settle_s=0.3,
+            guard_interval_s=0.5,
+            drive=True,
+            drive_concurrency=4,
+            ingest_lag_s=0.2,
+            client=client,
+        )
         trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 4}})
         seen: list[int] = []
         original = backend._call
@@ -87,10 +104,21 @@ def test_live_guard_ends_a_bad_trial_early(sqlite_url: str) -> None:
     db, cfg, app, engine = _setup(sqlite_url)
     with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
         flood = lambda seed: [W.WorkloadRequest(0.0, 16, 64) for _ in range(40)]  # noqa: E731 - all at once
-        backend = LiveBackend(db=db, slo=SLO(ttft_s=2.0, tpot_s=0.5), workload=flood, engine_url="http://engine",
-                              instance="live-1", window_s=6.0, settle_s=0.0, guard_interval_s=0.5,
-                              guard_rejection_rate=0.05, drive=True, drive_concurrency=8, ingest_lag_s=0.2,
-                              client=client)
+        backend = LiveBackend(
+            db=db,
+            slo=SLO(ttft_s=2.0, tpot_s=0.5),
+            workload=flood,
+            engine_url="http://engine",
+            instance="live-1",
+            window_s=6.0,
+            settle_s=0.0,
+            guard_interval_s=0.5,
+            guard_rejection_rate=0.05,
+            drive=True,
+            drive_concurrency=8,
+            ingest_lag_s=0.2,
+            client=client,
+        )
         trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 1, "queue_limit": 1}})
         metrics = backend.evaluate(trial, run_id="live-bad", seed=0)
         assert backend.aborted_trials == 1 and metrics.window_s < 6.0
@@ -106,24 +134,56 @@ def test_live_study_through_a_real_collector_and_engine_processes(tmp_path) -> N
     workload at /generate, reads the trial's metrics back from the collector's database and rolls back."""
     url = f"sqlite:///{tmp_path}/live.db"
     upgrade(url)
-    collector = start_subprocess(CollectorSettings(db_url=url, port=0, scrape_enabled=False),
-                                 log_path=tmp_path / "collector.log")
+    collector = start_subprocess(
+        CollectorSettings(db_url=url, port=0, scrape_enabled=False), log_path=tmp_path / "collector.log"
+    )
     engine = None
     db = make_engine(url)
     try:
-        engine = start_engine({
-            "device": "cpu", "model": dict(TINY_MODEL), "warmup": {"requests": 0},
-            "server": {"admin_token": "tok"},
-            "telemetry": {"instance": "live-e2e", "sink": "http", "collector_url": collector.url,
-                          "trace_alloc": False, "http_flush_interval_s": 0.2, "spool_dir": str(tmp_path / "spool")},
-        }, workdir=tmp_path)
+        engine = start_engine(
+            {
+                "device": "cpu",
+                "model": dict(TINY_MODEL),
+                "warmup": {"requests": 0},
+                "server": {"admin_token": "tok"},
+                "telemetry": {
+                    "instance": "live-e2e",
+                    "sink": "http",
+                    "collector_url": collector.url,
+                    "trace_alloc": False,
+                    "http_flush_interval_s": 0.2,
+                    "spool_dir": str(tmp_path / "spool"),
+                },
+            },
+            workdir=tmp_path,
+        )
         base = EngineConfig.from_dict({"device": "cpu", "model": dict(TINY_MODEL)})
-        backend = LiveBackend(db=db, slo=SLO(ttft_s=2.0, tpot_s=0.5), workload=_workload, engine_url=engine.url,
-                              instance="live-e2e", admin_token="tok", window_s=2.0, settle_s=0.3,
-                              guard_interval_s=0.5, drive=True, drive_concurrency=4, ingest_lag_s=1.0)
+        backend = LiveBackend(
+            db=db,
+            slo=SLO(ttft_s=2.0, tpot_s=0.5),
+            workload=_workload,
+            engine_url=engine.url,
+            instance="live-e2e",
+            admin_token="tok",
+            window_s=2.0,
+            settle_s=0.3,
+            guard_interval_s=0.5,
+            drive=True,
+            drive_concurrency=4,
+            ingest_lag_s=1.0,
+        )
         space = space_from_dict({"params": {"scheduler.max_num_seqs": {"choices": [4, 32]}}}, base=base)
-        result = run_study(backend, space, base, name="live-e2e", trials=2, slo=SLO(ttft_s=2.0, tpot_s=0.5),
-                           seed=0, random_baseline=False, progress=False)
+        result = run_study(
+            backend,
+            space,
+            base,
+            name="live-e2e",
+            trials=2,
+            slo=SLO(ttft_s=2.0, tpot_s=0.5),
+            seed=0,
+            random_baseline=False,
+            progress=False,
+        )
         measured = [t for t in result.trials if t.duplicate_of is None]
         assert len(measured) == 2 and all(t.state == "COMPLETE" for t in measured)
         for t in measured:  # each window's requests went engine -> HTTP sink -> collector -> SQL

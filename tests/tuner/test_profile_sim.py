@@ -35,8 +35,9 @@ def test_roofline_decode_is_bandwidth_bound_and_prefill_compute_bound() -> None:
     # 64 sequences cost far less than 64 single steps (weights are read once per step)
     many = gpu.predict(StepShape(decode_seqs=64, decode_ctx_tokens=64000, decode_kv_slots=64 * 1024))
     assert one < many < 5 * one
-    prefill = gpu.predict(StepShape(prefill_tokens=8192, prefill_seqs=1, attn_pairs=8192 * 8193 // 2,
-                                    prefill_ctx_tokens=8192))
+    prefill = gpu.predict(
+        StepShape(prefill_tokens=8192, prefill_seqs=1, attn_pairs=8192 * 8193 // 2, prefill_ctx_tokens=8192)
+    )
     flops = 2 * gpu.model.params * 8192
     assert prefill >= flops / (989e12 * 0.6)
 
@@ -77,8 +78,10 @@ def test_sim_executor_advances_the_virtual_clock_by_the_predicted_cost(profile: 
     assert clock.now() == pytest.approx(engine.executor.busy_s)  # all arrivals at 0: never idle
     steps = [e for e in sink.events if e.type == "step"]
     assert sum(e.duration_s for e in steps) == pytest.approx(clock.now())
-    assert all(f.output_tokens == r.output_tokens for f, r in zip(sorted(result.finished, key=lambda f: int(
-        f.request_id[1:])), reqs, strict=True))
+    assert all(
+        f.output_tokens == r.output_tokens
+        for f, r in zip(sorted(result.finished, key=lambda f: int(f.request_id[1:])), reqs, strict=True)
+    )
 
 
 def test_step_jitter_spreads_steps_around_the_mean_reproducibly(profile: CostProfile) -> None:

@@ -27,9 +27,20 @@ SLO_T = SLO(ttft_s=0.3, tpot_s=0.05)
 
 
 def _req(i: int, **kw) -> RequestEvent:  # type: ignore[no-untyped-def]
-    base = {"instance": "e", "run_id": "run-a", "ts": 1_700_000_010.0 + i, "request_id": f"r{i}", "status": "finished",
-            "prompt_tokens": 10, "output_tokens": 11, "queue_s": 0.0, "prefill_s": 0.1, "ttft_s": 0.1,
-            "decode_s": 0.2, "e2e_s": 0.3}
+    base = {
+        "instance": "e",
+        "run_id": "run-a",
+        "ts": 1_700_000_010.0 + i,
+        "request_id": f"r{i}",
+        "status": "finished",
+        "prompt_tokens": 10,
+        "output_tokens": 11,
+        "queue_s": 0.0,
+        "prefill_s": 0.1,
+        "ttft_s": 0.1,
+        "decode_s": 0.2,
+        "e2e_s": 0.3,
+    }
     return RequestEvent(**{**base, **kw})
 
 
@@ -46,8 +57,9 @@ def test_trial_metrics_come_from_the_collector_queries(db_url: str) -> None:
     m = trial_metrics(db, run_id="run-a", start=1_700_000_000.0, end=1_700_000_020.0, slo=SLO_T)
     assert (m.requests, m.finished, m.rejected) == (4, 3, 1)
     assert m.goodput_tps == pytest.approx(11 / 20.0) and m.throughput_tps == pytest.approx(33 / 20.0)
-    gp = goodput(db, start=1_700_000_000.0, end=1_700_000_020.0, ttft_slo_s=0.3, tpot_slo_s=0.05, group_by="all",
-                 run_id="run-a")
+    gp = goodput(
+        db, start=1_700_000_000.0, end=1_700_000_020.0, ttft_slo_s=0.3, tpot_slo_s=0.05, group_by="all", run_id="run-a"
+    )
     assert m.good_fraction == gp[0].fraction == pytest.approx(0.25)
     assert m.rejection_rate == 0.25
     cons = m.constraints(SLO_T)
@@ -60,9 +72,13 @@ def _backend(db, profile=None, scenario="mixed"):  # type: ignore[no-untyped-def
     return SimBackend(profile, lambda s: WL.scenario(scenario, 6.0, SMALL, seed=s), db, SLO_T)
 
 
-SPACE = {"params": {"scheduler.max_num_seqs": {"choices": [2, 4, 32]},
-                    "scheduler.max_num_batched_tokens": {"choices": [256, 1024]},
-                    "block_policy": {"choices": ["fixed-16", "fixed-32", "dynamic-512-2048"]}}}
+SPACE = {
+    "params": {
+        "scheduler.max_num_seqs": {"choices": [2, 4, 32]},
+        "scheduler.max_num_batched_tokens": {"choices": [256, 1024]},
+        "block_policy": {"choices": ["fixed-16", "fixed-32", "dynamic-512-2048"]},
+    }
+}
 
 
 def test_study_enqueues_the_current_config_and_runs_a_random_baseline(sqlite_url: str) -> None:
@@ -71,19 +87,40 @@ def test_study_enqueues_the_current_config_and_runs_a_random_baseline(sqlite_url
     base = profile.engine_config(None)
     storage = open_storage(sqlite_url)
     assert optuna_storage_url(sqlite_url).endswith("kvpilot-optuna.db")
-    result = run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="s1", trials=6, slo=SLO_T,
-                       storage=storage, seed=1, progress=False)
+    result = run_study(
+        _backend(db),
+        space_from_dict(SPACE, base=base),
+        base,
+        name="s1",
+        trials=6,
+        slo=SLO_T,
+        storage=storage,
+        seed=1,
+        progress=False,
+    )
     first = result.trials[0]
-    assert first.baseline and first.params == {"scheduler.max_num_seqs": 32, "scheduler.max_num_batched_tokens": 1024,
-                                               "block_policy": "fixed-32"}
+    assert first.baseline and first.params == {
+        "scheduler.max_num_seqs": 32,
+        "scheduler.max_num_batched_tokens": 1024,
+        "block_policy": "fixed-32",
+    }
     assert result.measured == 6 and result.random is not None and result.random.measured == 6
     assert result.random.trials[0].baseline
     assert set(first.constraints) >= {"oom", "rejection", "p99_ttft"}
     assert result.best is not None and result.best.feasible
     assert result.best.goodput >= max(t.goodput for t in result.completed if t.feasible)
     # The study lives in the RDB storage: another worker joins it and tops it up to 8 trials.
-    again = run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="s1", trials=8, slo=SLO_T,
-                      storage=open_storage(sqlite_url), random_baseline=False, progress=False)
+    again = run_study(
+        _backend(db),
+        space_from_dict(SPACE, base=base),
+        base,
+        name="s1",
+        trials=8,
+        slo=SLO_T,
+        storage=open_storage(sqlite_url),
+        random_baseline=False,
+        progress=False,
+    )
     assert again.measured == 8 and sum(t.baseline for t in again.trials) == 1
     loaded = optuna.load_study(study_name="s1", storage=open_storage(sqlite_url))
     assert sum("duplicate_of" not in t.user_attrs for t in loaded.trials) == 8
@@ -106,8 +143,9 @@ def test_a_repeated_config_is_told_its_stored_result_not_measured_again(sqlite_u
 
     # Two configs in all (the base's 32 and 4); a 6-trial budget cannot be spent on new measurements.
     space = space_from_dict({"params": {"scheduler.max_num_seqs": {"choices": [4, 32]}}}, base=base)
-    result = run_study(Counting(), space, base, name="dups", trials=6, slo=SLO_T, seed=0, random_baseline=False,
-                       progress=False)
+    result = run_study(
+        Counting(), space, base, name="dups", trials=6, slo=SLO_T, seed=0, random_baseline=False, progress=False
+    )
     assert sorted(measured) == [4, 32]  # each config ran the workload once
     assert result.measured == 2 and len(result.best_so_far()) == 2
     dups = [t for t in result.trials if t.duplicate_of is not None]
@@ -126,8 +164,17 @@ def test_multi_objective_reports_a_pareto_front(sqlite_url: str) -> None:
     db = make_engine(sqlite_url)
     profile = tiny_profile()
     base = profile.engine_config(None)
-    result = run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="mo", trials=8, slo=SLO_T,
-                       multi_objective=True, random_baseline=False, progress=False)
+    result = run_study(
+        _backend(db),
+        space_from_dict(SPACE, base=base),
+        base,
+        name="mo",
+        trials=8,
+        slo=SLO_T,
+        multi_objective=True,
+        random_baseline=False,
+        progress=False,
+    )
     front = result.pareto
     assert front and all(t.feasible for t in front)
     feasible = [t for t in result.completed if t.feasible]
@@ -149,8 +196,16 @@ def test_failed_trials_are_logged_and_marked(sqlite_url: str, caplog: pytest.Log
             raise RuntimeError("engine exploded")
 
     with caplog.at_level(logging.ERROR, logger="kvpilot.tuner.study"):
-        result = run_study(Broken(), space_from_dict(SPACE, base=base), base, name="b", trials=2, slo=SLO_T,
-                           random_baseline=False, progress=False)
+        result = run_study(
+            Broken(),
+            space_from_dict(SPACE, base=base),
+            base,
+            name="b",
+            trials=2,
+            slo=SLO_T,
+            random_baseline=False,
+            progress=False,
+        )
     assert result.failed == 2 and result.best is None
     assert "engine exploded" in caplog.text
     db.dispose()
@@ -165,8 +220,18 @@ def test_nightly_writes_a_proposal_only_when_the_gain_holds(sqlite_url: str, tmp
     cfg_path.write_text(current.to_yaml())
     space = tmp_path / "space.yml"
     space.write_text(yaml.safe_dump(SPACE))
-    common = {"db_url": sqlite_url, "trials": 6, "profile": str(path), "workload": "mixed", "options": SMALL,
-              "config_path": cfg_path, "space_path": space, "slo": SLO_T, "confirm_seeds": 2, "progress": False}
+    common = {
+        "db_url": sqlite_url,
+        "trials": 6,
+        "profile": str(path),
+        "workload": "mixed",
+        "options": SMALL,
+        "config_path": cfg_path,
+        "space_path": space,
+        "slo": SLO_T,
+        "confirm_seeds": 2,
+        "progress": False,
+    }
     result = run_nightly(out_dir=tmp_path / "out", **common)
     assert result.proposal is not None, result.decision
     p = result.proposal
@@ -197,8 +262,15 @@ def test_proposal_status_transitions(sqlite_url: str) -> None:
     from tuner.proposals import create_proposal
 
     db = make_engine(sqlite_url)
-    p = create_proposal(db, config_yaml=EngineConfig().to_yaml(), report_md="r", study_name="s", instance=None,
-                        baseline_metrics={}, best_metrics={})
+    p = create_proposal(
+        db,
+        config_yaml=EngineConfig().to_yaml(),
+        report_md="r",
+        study_name="s",
+        instance=None,
+        baseline_metrics={},
+        best_metrics={},
+    )
     assert set_status(db, p.id, "accepted").status == "accepted"
     with pytest.raises(ProposalError, match="cannot become pending"):
         set_status(db, p.id, "pending")
@@ -210,8 +282,15 @@ def test_proposal_status_transitions(sqlite_url: str) -> None:
     with pytest.raises(ProposalError, match="status must be one of"):
         list_proposals(db, status="maybe")
     with pytest.raises(ConfigError, match=r"model\.dim"):
-        create_proposal(db, config_yaml="model: {dim: 3}", report_md="", study_name=None, instance=None,
-                        baseline_metrics={}, best_metrics={})
+        create_proposal(
+            db,
+            config_yaml="model: {dim: 3}",
+            report_md="",
+            study_name=None,
+            instance=None,
+            baseline_metrics={},
+            best_metrics={},
+        )
     db.dispose()
 
 
@@ -221,10 +300,15 @@ def test_default_space_study_on_the_shipped_cpu_profile(sqlite_url: str) -> None
     profile = load_profile("cpu-2core")
     base = profile.engine_config(None)
     db = make_engine(sqlite_url)
-    be = SimBackend(profile, lambda s: WL.scenario("burst", 12.0, WL.WorkloadOptions(requests=40), seed=s), db,
-                    SLO(ttft_s=1.0, tpot_s=0.1))
-    result = run_study(be, load_space(base=base), base, name="cpu", trials=4, slo=SLO(), random_baseline=False,
-                       progress=False)
+    be = SimBackend(
+        profile,
+        lambda s: WL.scenario("burst", 12.0, WL.WorkloadOptions(requests=40), seed=s),
+        db,
+        SLO(ttft_s=1.0, tpot_s=0.1),
+    )
+    result = run_study(
+        be, load_space(base=base), base, name="cpu", trials=4, slo=SLO(), random_baseline=False, progress=False
+    )
     assert len(result.completed) == 4
     db.dispose()
 
@@ -234,9 +318,12 @@ def test_engine_backend_measures_the_torch_engine(sqlite_url: str) -> None:
 
     db = make_engine(sqlite_url)
     cfg = tiny_profile().engine_config(None)
-    be = EngineBackend(lambda s: WL.scenario("mixed", 20.0, WL.WorkloadOptions(requests=8, scale=32.0,
-                                                                                 output_range=(2, 5)), seed=s),
-                       db, SLO_T, warmup=1)
+    be = EngineBackend(
+        lambda s: WL.scenario("mixed", 20.0, WL.WorkloadOptions(requests=8, scale=32.0, output_range=(2, 5)), seed=s),
+        db,
+        SLO_T,
+        warmup=1,
+    )
     m = be.evaluate(cfg, run_id="eng-1", seed=0)
     assert m.requests == 8 and m.finished == 8 and m.throughput_tps > 0  # warm-up requests excluded
     db.dispose()
@@ -259,9 +346,18 @@ def test_nightly_fits_its_workload_from_the_collector(sqlite_url: str, tmp_path)
     engine, _ = sim_engine(EngineConfig.from_dict(data), profile, sink=sink, start_wall=time.time() - 300)
     replay(engine, WL.scenario("mixed", 6.0, SMALL, seed=5))
     store_events(db, sink.events, key_prefix="prod")
-    result = run_nightly(db_url=sqlite_url, out_dir=tmp_path / "out", trials=4, profile=str(path),
-                         workload="collector", options=WL.WorkloadOptions(hours=1.0, requests=40), slo=SLO_T,
-                         instance="prod-7", confirm_seeds=1, progress=False)
+    result = run_nightly(
+        db_url=sqlite_url,
+        out_dir=tmp_path / "out",
+        trials=4,
+        profile=str(path),
+        workload="collector",
+        options=WL.WorkloadOptions(hours=1.0, requests=40),
+        slo=SLO_T,
+        instance="prod-7",
+        confirm_seeds=1,
+        progress=False,
+    )
     assert "collector" in result.report_md and "observed_requests=40" in result.report_md
     db.dispose()
 
@@ -281,9 +377,20 @@ def test_parallel_workers_share_one_study_on_postgres(pg_url: str) -> None:
     def worker(seed: int) -> None:
         db = make_engine(pg_url)
         try:
-            results.append(run_study(_backend(db), space_from_dict(SPACE, base=base), base, name="shared", trials=6,
-                                     slo=SLO_T, storage=open_storage(pg_url), seed=seed, random_baseline=False,
-                                     progress=False))
+            results.append(
+                run_study(
+                    _backend(db),
+                    space_from_dict(SPACE, base=base),
+                    base,
+                    name="shared",
+                    trials=6,
+                    slo=SLO_T,
+                    storage=open_storage(pg_url),
+                    seed=seed,
+                    random_baseline=False,
+                    progress=False,
+                )
+            )
         except Exception as exc:
             errors.append(exc)
         finally:
@@ -316,8 +423,17 @@ def test_trials_can_be_scored_on_several_workload_seeds(sqlite_url: str) -> None
     db = make_engine(sqlite_url)
     base = tiny_profile().engine_config(None)
     be = _backend(db)
-    result = run_study(be, space_from_dict(SPACE, base=base), base, name="ms", trials=2, slo=SLO_T,
-                       workload_seed=[0, 1], random_baseline=False, progress=False)
+    result = run_study(
+        be,
+        space_from_dict(SPACE, base=base),
+        base,
+        name="ms",
+        trials=2,
+        slo=SLO_T,
+        workload_seed=[0, 1],
+        random_baseline=False,
+        progress=False,
+    )
     one = be.evaluate(base, run_id="single-0", seed=0)
     two = be.evaluate(base, run_id="single-1", seed=1)
     combined = result.trials[0].metrics

@@ -66,9 +66,22 @@ def test_workload_fitted_from_the_collector(sqlite_url: str) -> None:
     arrivals = [now - 660 + i * 0.5 for i in range(120)]  # 2 requests/s for a minute
     arrivals += [now - 600 + k * 60 for k in range(10)]  # then one a minute for ten minutes
     for i, arrival in enumerate(arrivals):
-        events.append(RequestEvent(instance="prod-1", run_id="r", ts=arrival + 1.0, request_id=f"q{i}",
-                                   status="finished", prompt_tokens=100 + i, output_tokens=20, queue_s=0.1,
-                                   prefill_s=0.1, ttft_s=0.2, decode_s=0.8, e2e_s=1.0))
+        events.append(
+            RequestEvent(
+                instance="prod-1",
+                run_id="r",
+                ts=arrival + 1.0,
+                request_id=f"q{i}",
+                status="finished",
+                prompt_tokens=100 + i,
+                output_tokens=20,
+                queue_s=0.1,
+                prefill_s=0.1,
+                ttft_s=0.2,
+                decode_s=0.8,
+                e2e_s=1.0,
+            )
+        )
     db = make_engine(sqlite_url)
     store_events(db, events, key_prefix="fit")
     fitted = WL.fit_from_collector(db, WL.WorkloadOptions(hours=1.0), now=now)
@@ -92,8 +105,14 @@ def test_default_space_maps_to_valid_configs() -> None:
     current = space.including(base).from_config(base)
     assert current["block_policy"] == "fixed-32" and current["recycler.threshold"] == 0.85
     assert space.apply(base, current) == base
-    cfg = space.apply(base, {"block_policy": "dynamic-256-1024", "scheduler.max_num_batched_tokens": 512,
-                             "scheduler.prefill_chunk_tokens": 2048})
+    cfg = space.apply(
+        base,
+        {
+            "block_policy": "dynamic-256-1024",
+            "scheduler.max_num_batched_tokens": 512,
+            "scheduler.prefill_chunk_tokens": 2048,
+        },
+    )
     assert cfg.cache.block_policy == "dynamic" and tuple(cfg.cache.dynamic_thresholds) == (256, 1024)
     assert cfg.scheduler.prefill_chunk_tokens == 512  # clamped to the token budget
     assert parse_block_policy("fixed-64") == {"block_policy": "fixed", "block_size": 64}
@@ -118,8 +137,14 @@ def test_space_errors_name_the_field(spec: dict, field: str, message: str) -> No
 
 
 def test_grid_and_file_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    space = space_from_dict({"params": {"scheduler.max_num_seqs": {"choices": [8, 16]},
-                                        "recycler.threshold": {"low": 0.6, "high": 0.9, "step": 0.1}}})
+    space = space_from_dict(
+        {
+            "params": {
+                "scheduler.max_num_seqs": {"choices": [8, 16]},
+                "recycler.threshold": {"low": 0.6, "high": 0.9, "step": 0.1},
+            }
+        }
+    )
     assert len(space.grid()) == 2 * 4
     with pytest.raises(SpaceError, match="not found"):
         load_space(tmp_path / "none.yml")
