@@ -1,0 +1,102 @@
+"""The one read path for alerts, tuner and dashboard: windows, rates, percentiles, series over time.
+
+Every function is keyword-only after its first argument, which may be a Session, a Connection or an
+Engine. Times are epoch seconds; windows are half-open, `start <= ts < end`. Each figure has one
+definition here; nobody else writes SQL over the telemetry tables (DESIGN.md).
+
+Downsampling groups in SQL by `floor(ts / bucket_s) * bucket_s`: the value of a bucket is the average of
+the points in it.
+"""
+
+from collector.queries._base import DEFAULT_QUANTILES, Db, GroupBy, LatencyMetric, Points, bucket_expr
+from collector.queries.catalog import (
+    InstanceInfo,
+    RunInfo,
+    TargetHealth,
+    list_instances,
+    list_runs,
+    list_series_names,
+    target_health,
+)
+from collector.queries.engine_stats import (
+    AllocOpBucket,
+    AllocTrace,
+    KvBucket,
+    ThroughputBucket,
+    alloc_ops_over_time,
+    alloc_trace,
+    kv_over_time,
+    latest_samples,
+    run_gauges_over_time,
+    throughput_over_time,
+)
+from collector.queries.request_rates import (
+    Goodput,
+    RequestRates,
+    StageBucket,
+    goodput,
+    request_rates,
+    slowest_requests,
+    stage_breakdown_over_time,
+)
+from collector.queries.request_stats import (
+    HistogramBin,
+    LatencyStats,
+    QuantileBucket,
+    latency_histogram,
+    latency_percentiles,
+    latency_quantiles_over_time,
+)
+from collector.queries.timeseries import (
+    EVENT_COUNTERS,
+    bucketed,
+    counter_increase,
+    counter_rate,
+    is_ratio_series,
+    series_points,
+)
+
+__all__ = [
+    "DEFAULT_QUANTILES",
+    "EVENT_COUNTERS",
+    "AllocOpBucket",
+    "AllocTrace",
+    "Db",
+    "Goodput",
+    "GroupBy",
+    "HistogramBin",
+    "InstanceInfo",
+    "KvBucket",
+    "LatencyMetric",
+    "LatencyStats",
+    "Points",
+    "QuantileBucket",
+    "RequestRates",
+    "RunInfo",
+    "StageBucket",
+    "TargetHealth",
+    "ThroughputBucket",
+    "alloc_ops_over_time",
+    "alloc_trace",
+    "bucket_expr",
+    "bucketed",
+    "counter_increase",
+    "counter_rate",
+    "goodput",
+    "is_ratio_series",
+    "kv_over_time",
+    "latency_histogram",
+    "latency_percentiles",
+    "latency_quantiles_over_time",
+    "latest_samples",
+    "list_instances",
+    "list_runs",
+    "list_series_names",
+    "request_rates",
+    "run_gauges_over_time",
+    "series_points",
+    "slowest_requests",
+    "stage_breakdown_over_time",
+    "target_health",
+    "throughput_over_time",
+]

@@ -1,0 +1,273 @@
+"""Engine-side figures: KV memory and throughput over time, the KV allocation trace, the latest gauges."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.sql import ColumnElement
+
+from collector.queries._base import Db, Points, _bound, _dialect, _f, bucket_expr
+from collector.schema import (
+    AllocRow,
+    SampleRow,
+    StepRow,
+)
+from collector.series import SAMPLE_COLUMNS
+
+# --- engine steps and KV over time -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KvBucket:
+    ts: float
+    kv_usage: float | None
+    cold_usage: float | None
+    fragmentation: float | None
+    internal_waste: float | None
+    samples: int
+
+
+def kv_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> dict[str, list[KvBucket]]:
+    """instance -> bucketed averages of KV usage, cold usage, fragmentation and internal waste."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    s = SampleRow.__table__.c
+    with _bound(db) as conn:
+        b = bucket_expr(s.ts, bucket_s, _dialect(conn)).label("bucket")
+        conds = [s.ts >= start, s.ts < end]
+        if instances is not None:
+            conds.append(s.instance.in_(instances))
+        if run_id is not None:
+            conds.append(s.run_id == run_id)
+        stmt = (
+            select(
+                s.instance,
+                b,
+                func.avg(s.kv_usage),
+                func.avg(s.cold_usage),
+                func.avg(s.fragmentation),
+                func.avg(s.internal_waste),
+                func.count(),
+            )
+            .where(*conds)
+            .group_by(s.instance, b)
+            .order_by(s.instance, b)
+        )
+        out: dict[str, list[KvBucket]] = defaultdict(list)
+        for inst, bucket, kv, cold, frag, waste, n in conn.execute(stmt):
+            out[inst].append(KvBucket(float(bucket), _f(kv), _f(cold), _f(frag), _f(waste), int(n)))
+    return dict(out)
+
+
+@dataclass(frozen=True)
+class ThroughputBucket:
+    ts: float
+    steps: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    mean_step_s: float
+    busy_fraction: float
+    kv_blocks_used: float
+
+
+def throughput_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> dict[str, list[ThroughputBucket]]:
+    """instance -> per-bucket engine throughput from step events (tokens/s, step time, busy fraction)."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    st = StepRow.__table__.c
+    with _bound(db) as conn:
+        b = bucket_expr(st.ts, bucket_s, _dialect(conn)).label("bucket")
+        conds = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
+        if instances is not None:
+            conds.append(st.instance.in_(instances))
+        if run_id is not None:
+            conds.append(st.run_id == run_id)
+        stmt = (
+            select(
+                st.instance,
+                b,
+                func.count(),
+                func.sum(st.prefill_tokens),
+                func.sum(st.decode_tokens),
+                func.avg(st.duration_s),
+                func.sum(st.busy_s),
+                func.avg(st.kv_blocks_used),
+            )
+            .where(*conds)
+            .group_by(st.instance, b)
+            .order_by(st.instance, b)
+        )
+        out: dict[str, list[ThroughputBucket]] = defaultdict(list)
+        for inst, bucket, n, pf, dc, mean_step, busy, blocks in conn.execute(stmt):
+            out[inst].append(
+                ThroughputBucket(
+                    ts=float(bucket),
+                    steps=int(n),
+                    prefill_tokens_per_s=float(pf or 0) / bucket_s,
+                    decode_tokens_per_s=float(dc or 0) / bucket_s,
+                    mean_step_s=float(mean_step or 0.0),
+                    busy_fraction=min(1.0, float(busy or 0.0) / bucket_s),
+                    kv_blocks_used=float(blocks or 0.0),
+                )
+            )
+    return dict(out)
+
+
+@dataclass(frozen=True)
+class AllocOpBucket:
+    ts: float
+    op: str
+    tier: str
+    events: int
+    blocks: int
+    bytes: int
+
+
+def alloc_ops_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> list[AllocOpBucket]:
+    """KV allocation trace downsampled: events, blocks and bytes per (bucket, op, tier)."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    a = AllocRow.__table__.c
+    conds = _alloc_filter(start, end, instances, run_id)
+    with _bound(db) as conn:
+        bucket = bucket_expr(a.ts, bucket_s, _dialect(conn)).label("b")
+        stmt = (
+            select(bucket, a.op, a.tier, func.count(), func.sum(a.blocks), func.sum(a.bytes))
+            .where(*conds)
+            .group_by(bucket, a.op, a.tier)
+            .order_by(bucket, a.op, a.tier)
+        )
+        rows = conn.execute(stmt).all()
+    return [AllocOpBucket(float(b), op, tier, int(n), int(blk or 0), int(by or 0)) for b, op, tier, n, blk, by in rows]
+
+
+def _alloc_filter(start: float, end: float, instances: Sequence[str] | None, run_id: str | None) -> list[ColumnElement]:
+    a = AllocRow.__table__.c
+    conds: list[ColumnElement] = [a.ts >= start, a.ts < end]
+    if instances is not None:
+        conds.append(a.instance.in_(instances))
+    if run_id is not None:
+        conds.append(a.run_id == run_id)
+    return conds
+
+
+@dataclass(frozen=True)
+class AllocTrace:
+    total: int
+    events: list[dict[str, Any]]
+
+
+def alloc_trace(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    limit: int = 2000,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    ops: Sequence[str] | None = None,
+) -> AllocTrace:
+    """The newest `limit` allocation events of the window in time order, and how many the window holds."""
+    t = AllocRow.__table__
+    conds = _alloc_filter(start, end, instances, run_id)
+    if ops is not None:
+        conds.append(t.c.op.in_(ops))
+    with _bound(db) as conn:
+        total = int(conn.execute(select(func.count()).select_from(t).where(*conds)).scalar_one())
+        stmt = select(t).where(*conds).order_by(t.c.ts.desc(), t.c.id.desc()).limit(max(0, int(limit)))
+        events = [dict(row._mapping) for row in conn.execute(stmt)]
+    events.reverse()
+    return AllocTrace(total=total, events=events)
+
+
+def latest_samples(
+    db: Db,
+    *,
+    end: float,
+    start: float | None = None,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """instance -> its newest sample row with `start <= ts < end` (all sample columns, NULL gauges as None)."""
+    s = SampleRow.__table__
+    conds: list[ColumnElement] = [s.c.ts < end]
+    if start is not None:
+        conds.append(s.c.ts >= start)
+    if instances is not None:
+        conds.append(s.c.instance.in_(instances))
+    if run_id is not None:
+        conds.append(s.c.run_id == run_id)
+    ranked = (
+        select(
+            s,
+            func.row_number().over(partition_by=s.c.instance, order_by=(s.c.ts.desc(), s.c.id.desc())).label("rn"),
+        )
+        .where(*conds)
+        .subquery()
+    )
+    stmt = select(*[ranked.c[c.name] for c in s.columns]).where(ranked.c.rn == 1).order_by(ranked.c.instance)
+    with _bound(db) as conn:
+        return {row.instance: dict(row._mapping) for row in conn.execute(stmt)}
+
+
+def run_gauges_over_time(
+    db: Db,
+    *,
+    names: Sequence[str],
+    start: float,
+    end: float,
+    bucket_s: float,
+    run_id: str,
+    instances: Sequence[str] | None = None,
+) -> dict[str, Points]:
+    """name -> instance -> [(bucket_start, average)] of engine-sampled gauges of one run, downsampled in SQL.
+
+    Only the samples table carries a run id, so scraped series (which have none) are not part of a run.
+    """
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    unknown = [n for n in names if n not in SAMPLE_COLUMNS]
+    if unknown:
+        raise ValueError(f"not engine-sampled gauges: {unknown}; sampled: {', '.join(sorted(SAMPLE_COLUMNS))}")
+    s = SampleRow.__table__.c
+    conds: list[ColumnElement] = [s.ts >= start, s.ts < end, s.run_id == run_id]
+    if instances is not None:
+        conds.append(s.instance.in_(instances))
+    out: dict[str, Points] = {}
+    with _bound(db) as conn:
+        b = bucket_expr(s.ts, bucket_s, _dialect(conn)).label("bucket")
+        averages = [func.avg(s[SAMPLE_COLUMNS[n]]) for n in names]
+        stmt = select(s.instance, b, *averages).where(*conds).group_by(s.instance, b).order_by(s.instance, b)
+        for row in conn.execute(stmt):
+            for name, value in zip(names, row[2:], strict=True):
+                if value is not None:
+                    out.setdefault(name, {}).setdefault(row[0], []).append((float(row[1]), float(value)))
+    return out

@@ -1,0 +1,255 @@
+"""Request counts and rates, goodput against SLOs, the slowest requests and the stage breakdown over time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, case, func, literal, select
+from sqlalchemy.sql import ColumnElement
+
+from collector.queries._base import Db, GroupBy, LatencyMetric, _bound, _dialect, bucket_expr
+from collector.queries.request_stats import _group_column, _metric_column, _request_filter
+from collector.schema import (
+    RequestRow,
+)
+
+
+@dataclass(frozen=True)
+class RequestRates:
+    group: str
+    requests: int
+    finished: int
+    failed: int
+    rejected: int
+    aborted: int
+    window_s: float
+    requests_per_s: float
+    prompt_tokens_per_s: float
+    output_tokens_per_s: float
+
+
+def request_rates(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    group_by: GroupBy = "instance",
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    include_warmup: bool = False,
+) -> list[RequestRates]:
+    """Requests by status and token throughput (finished requests' tokens / window length) per group."""
+    if end <= start:
+        raise ValueError("end must be after start")
+    r = RequestRow.__table__.c
+    group = _group_column(group_by).label("g")
+    conds = _request_filter(start, end, instances, run_id, None, include_warmup)
+
+    def count_status(status: str) -> ColumnElement:
+        return func.sum(case((r.status == status, 1), else_=0))
+
+    def finished_sum(col: ColumnElement) -> ColumnElement:
+        return func.sum(case((r.status == "finished", col), else_=0))
+
+    stmt = (
+        select(
+            group,
+            func.count(),
+            count_status("finished"),
+            count_status("failed"),
+            count_status("rejected"),
+            count_status("aborted"),
+            finished_sum(r.prompt_tokens),
+            finished_sum(r.output_tokens),
+        )
+        .where(*conds)
+        .group_by(group)
+        .order_by(group)
+    )
+    window = end - start
+    with _bound(db) as conn:
+        rows = conn.execute(stmt).all()
+    return [
+        RequestRates(
+            group=str(g),
+            requests=int(n),
+            finished=int(fin or 0),
+            failed=int(fail or 0),
+            rejected=int(rej or 0),
+            aborted=int(ab or 0),
+            window_s=window,
+            requests_per_s=int(n) / window,
+            prompt_tokens_per_s=float(pt or 0) / window,
+            output_tokens_per_s=float(ot or 0) / window,
+        )
+        for g, n, fin, fail, rej, ab, pt, ot in rows
+    ]
+
+
+@dataclass(frozen=True)
+class Goodput:
+    group: str
+    requests: int
+    good: int
+    fraction: float
+    good_per_s: float
+
+
+def goodput(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    ttft_slo_s: float | None = None,
+    tpot_slo_s: float | None = None,
+    e2e_slo_s: float | None = None,
+    group_by: GroupBy = "instance",
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    include_warmup: bool = False,
+) -> list[Goodput]:
+    """Requests that finished within every given SLO, over all requests that left the engine.
+
+    A failed, rejected or aborted request is never good; a missing TTFT fails a TTFT SLO.
+    TPOT is decode time per output token after the first (requests with one token meet any TPOT SLO).
+    """
+    if end <= start:
+        raise ValueError("end must be after start")
+    r = RequestRow.__table__.c
+    good_conds: list[ColumnElement] = [r.status == "finished"]
+    if ttft_slo_s is not None:
+        good_conds.append(and_(r.ttft_s.is_not(None), r.ttft_s <= ttft_slo_s))
+    if tpot_slo_s is not None:
+        good_conds.append(case((r.output_tokens > 1, r.decode_s <= tpot_slo_s * (r.output_tokens - 1)), else_=True))
+    if e2e_slo_s is not None:
+        good_conds.append(r.e2e_s <= e2e_slo_s)
+    group = _group_column(group_by).label("g")
+    stmt = (
+        select(group, func.count(), func.sum(case((and_(*good_conds), 1), else_=0)))
+        .where(*_request_filter(start, end, instances, run_id, None, include_warmup))
+        .group_by(group)
+        .order_by(group)
+    )
+    with _bound(db) as conn:
+        rows = conn.execute(stmt).all()
+    window = end - start
+    return [
+        Goodput(
+            group=str(g),
+            requests=int(n),
+            good=int(good or 0),
+            fraction=(int(good or 0) / int(n)) if n else 0.0,
+            good_per_s=int(good or 0) / window,
+        )
+        for g, n, good in rows
+    ]
+
+
+def slowest_requests(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    metric: LatencyMetric = "e2e",
+    limit: int = 20,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    include_warmup: bool = False,
+) -> list[dict[str, Any]]:
+    """The `limit` requests with the largest `metric`, as plain dicts (all request columns)."""
+    t = RequestRow.__table__
+    value = _metric_column(metric)
+    stmt = (
+        select(t, value.label("metric_value"))
+        .where(*_request_filter(start, end, instances, run_id, None, include_warmup), value.is_not(None))
+        .order_by(value.desc(), t.c.id)
+        .limit(max(0, int(limit)))
+    )
+    with _bound(db) as conn:
+        return [dict(row._mapping) for row in conn.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class StageBucket:
+    """Mean seconds per request stage in one bucket; the stacked stages add up to the mean end-to-end latency.
+
+    The stacked stages are queue, prefill, first-token gap, decode excluding swap and swap. The engine
+    counts time swapped out to the host tier inside the stage it interrupted, so `decode_excl_swap_s`
+    is the mean of decode - swap per request (clamped at 0), `swap_s` the mean swap time, and
+    `first_token_gap_s` what is left of e2e: e2e - queue - prefill - decode, prefill done to first
+    token, except that a request swapped out longer than it decoded (swapped during prefill) gives the
+    excess back there, so the five still add up (unless the excess is longer than the gap, rare: the
+    gap is clamped at 0). `decode_s` is the whole decode stage, swap included.
+    """
+
+    ts: float
+    requests: int
+    queue_s: float
+    prefill_s: float
+    first_token_gap_s: float
+    decode_excl_swap_s: float
+    swap_s: float
+    decode_s: float
+    e2e_s: float
+    swaps: int
+    preemptions: int
+
+
+def stage_breakdown_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    include_warmup: bool = False,
+) -> list[StageBucket]:
+    """Per bucket: mean queue, prefill, first-token gap, decode and swap seconds of finished requests, and counts."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    r = RequestRow.__table__.c
+    conds = _request_filter(start, end, instances, run_id, ("finished",), include_warmup)
+    decode_excl_swap = case((r.decode_s > r.swap_s, r.decode_s - r.swap_s), else_=literal(0.0))
+    with _bound(db) as conn:
+        bucket = bucket_expr(r.ts, bucket_s, _dialect(conn)).label("b")
+        stmt = (
+            select(
+                bucket,
+                func.count(),
+                func.avg(r.queue_s),
+                func.avg(r.prefill_s),
+                func.avg(r.decode_s),
+                func.avg(decode_excl_swap),
+                func.avg(r.swap_s),
+                func.avg(r.e2e_s),
+                func.sum(r.swaps),
+                func.sum(r.preemptions),
+            )
+            .where(*conds)
+            .group_by(bucket)
+            .order_by(bucket)
+        )
+        rows = conn.execute(stmt).all()
+    out = []
+    for b, n, queue, prefill, decode, decode_excl, swap, e2e, swaps, preemptions in rows:
+        queue, prefill, decode, e2e = float(queue), float(prefill), float(decode), float(e2e)
+        decode_excl, swap = float(decode_excl), float(swap)
+        out.append(
+            StageBucket(
+                ts=float(b),
+                requests=int(n),
+                queue_s=queue,
+                prefill_s=prefill,
+                first_token_gap_s=max(0.0, e2e - queue - prefill - decode_excl - swap),
+                decode_excl_swap_s=decode_excl,
+                swap_s=swap,
+                decode_s=decode,
+                e2e_s=e2e,
+                swaps=int(swaps or 0),
+                preemptions=int(preemptions or 0),
+            )
+        )
+    return out
