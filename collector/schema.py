@@ -182,6 +182,11 @@ class ScrapeTarget(Base):
     instance: Mapped[str] = mapped_column(Name)
     interval_s: Mapped[float] = mapped_column(Float)
     enabled: Mapped[bool] = mapped_column(Boolean)
+    # Static labels added to every point of the target, as Prometheus target labels (e.g. `node`), so an
+    # engine and the GPU exporter on the same host can be joined; sorted compact JSON like SeriesPoint.labels.
+    labels: Mapped[str] = mapped_column(Text, server_default=text("'{}'"))
+    # At most this many series per scrape; the rest are dropped, counted and logged (cardinality bound).
+    sample_limit: Mapped[int] = mapped_column(Integer, server_default=text("10000"))
     up: Mapped[bool | None] = mapped_column(Boolean)
     last_error: Mapped[str | None] = mapped_column(Text)
     last_scrape_at: Mapped[float | None] = mapped_column(Float)
@@ -208,7 +213,7 @@ class SeriesPoint(Base):
 
 
 class DownsampledPoint(Base):
-    """1-minute aggregates of canonical series, written by `kvpilot db prune` before raw rows go."""
+    """1-minute aggregates of canonical series per label set, written by `kvpilot db prune` before raw rows go."""
 
     __tablename__ = "samples_downsampled"
     __table_args__ = (Index("ix_samples_downsampled_name_instance_bucket", "name", "instance", "bucket_ts"),)
@@ -216,6 +221,7 @@ class DownsampledPoint(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     instance: Mapped[str] = mapped_column(Name)
     name: Mapped[str] = mapped_column(Name)
+    labels: Mapped[str] = mapped_column(Text, server_default=text("'{}'"))
     bucket_ts: Mapped[float] = mapped_column(Float)
     bucket_s: Mapped[float] = mapped_column(Float)
     count: Mapped[int] = mapped_column(Integer)
