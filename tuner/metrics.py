@@ -2,9 +2,8 @@
 
 The trial's events are stored through the collector's ingest path (validation, one transaction per
 batch, idempotency key per trial and chunk) under the trial's run id; the objective is then computed
-with `collector.queries` over the trial's window. Two aggregates the query module does not offer yet —
-output tokens of SLO-meeting requests, and KV `oom` records — are read here from the same tables with
-the same filters (see `good_tokens` and `oom_records`).
+with `collector.queries` over the trial's window: the same figures, from the same functions, as the
+dashboard and the rules show.
 """
 
 from __future__ import annotations
@@ -14,13 +13,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from sqlalchemy import Engine, and_, case, func, select
+from sqlalchemy import Engine
 
-from collector.db import translate_errors
 from collector.events import event_to_json
 from collector.ingest import parse_batch, store_batch
-from collector.queries import goodput, latency_percentiles, request_rates
-from collector.schema import AllocRow, RequestRow
+from collector.queries import alloc_trace, goodput, latency_percentiles, request_rates
 from engine.sinks import AnyEvent
 
 log = logging.getLogger("kvpilot.tuner.metrics")
@@ -138,46 +135,6 @@ def store_events(db: Engine, events: Sequence[AnyEvent], *, key_prefix: str) -> 
     return stored
 
 
-def good_tokens(
-    db: Engine, *, start: float, end: float, run_id: str | None, slo: SLO, instances: Sequence[str] | None = None
-) -> int:
-    """Output tokens of requests `collector.queries.goodput` counts as good (same SLO semantics)."""
-    r = RequestRow.__table__.c
-    conds = [
-        r.status == "finished",
-        r.ttft_s.is_not(None),
-        r.ttft_s <= slo.ttft_s,
-        case((r.output_tokens > 1, r.decode_s <= slo.tpot_s * (r.output_tokens - 1)), else_=True),
-    ]
-    where = [r.ts >= start, r.ts < end, r.warmup.is_(False)]
-    if run_id is not None:
-        where.append(r.run_id == run_id)
-    if instances is not None:
-        where.append(r.instance.in_(instances))
-    stmt = select(func.coalesce(func.sum(case((and_(*conds), r.output_tokens), else_=0)), 0)).where(*where)
-    with translate_errors(), db.connect() as conn:
-        return int(conn.execute(stmt).scalar_one())
-
-
-def oom_records(
-    db: Engine, *, start: float, end: float, run_id: str | None, instances: Sequence[str] | None = None
-) -> tuple[int, int]:
-    """(KV `oom` alloc records, preemptions of the requests that left) of the run in the window."""
-    a, r = AllocRow.__table__.c, RequestRow.__table__.c
-    a_where = [a.ts >= start, a.ts < end, a.op == "oom"]
-    r_where = [r.ts >= start, r.ts < end, r.warmup.is_(False)]
-    if run_id is not None:
-        a_where.append(a.run_id == run_id)
-        r_where.append(r.run_id == run_id)
-    if instances is not None:
-        a_where.append(a.instance.in_(instances))
-        r_where.append(r.instance.in_(instances))
-    with translate_errors(), db.connect() as conn:
-        oom = conn.execute(select(func.count()).where(*a_where)).scalar_one()
-        pre = conn.execute(select(func.coalesce(func.sum(r.preemptions), 0)).where(*r_where)).scalar_one()
-    return int(oom), int(pre)
-
-
 def trial_metrics(
     db: Engine,
     *,
@@ -217,8 +174,9 @@ def trial_metrics(
     }
     rr = rates[0] if rates else None
     gg = good[0] if good else None
-    tokens = good_tokens(db, start=start, end=end, run_id=run_id, slo=slo, instances=instances)
-    oom, preempt = oom_records(db, start=start, end=end, run_id=run_id, instances=instances)
+    tokens = gg.good_output_tokens if gg else 0
+    preempt = rr.preemptions if rr else 0
+    oom = alloc_trace(db, start=start, end=end, limit=0, run_id=run_id, instances=instances, ops=("oom",)).total
 
     def q(metric: str, quantile: float) -> float | None:
         stats = lat[metric]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 from sqlalchemy import select
 
 from collector.queries._base import Db, _bound
+from collector.queries.timeseries import parse_labels
 from collector.schema import (
     Instance,
     Run,
@@ -25,9 +27,17 @@ def list_series_names() -> list[str]:
 
 @dataclass(frozen=True)
 class InstanceInfo:
+    """An instance, whichever way its data arrives: `push` (engine events) and/or `scrape` (a target).
+
+    `jobs` and `labels` come from the scrape targets that name it (static target labels such as `node`).
+    """
+
     name: str
     first_seen_ts: float
     last_seen_ts: float
+    sources: tuple[str, ...] = ()
+    jobs: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,13 +60,33 @@ class TargetHealth:
     scrape_duration_s: float | None
     interval_s: float
     enabled: bool
+    labels: dict[str, str] = field(default_factory=dict)
+    sample_limit: int = 0
 
 
 def list_instances(db: Db) -> list[InstanceInfo]:
-    t = Instance.__table__
+    """Every instance that pushed events or is (or was) scraped, by name, with where its data comes from."""
+    t, r, st = Instance.__table__, Run.__table__, ScrapeTarget.__table__
     with _bound(db) as conn:
-        rows = conn.execute(select(t.c.name, t.c.first_seen_ts, t.c.last_seen_ts).order_by(t.c.name)).all()
-    return [InstanceInfo(*r) for r in rows]
+        seen = {
+            name: (first, last)
+            for name, first, last in conn.execute(select(t.c.name, t.c.first_seen_ts, t.c.last_seen_ts))
+        }
+        pushed = set(conn.execute(select(r.c.instance).distinct()).scalars())
+        targets = conn.execute(select(st.c.instance, st.c.job, st.c.labels, st.c.created_at, st.c.last_scrape_at)).all()
+    jobs: dict[str, set[str]] = defaultdict(set)
+    labels: dict[str, dict[str, str]] = defaultdict(dict)
+    for instance, job, stored, created_at, last_scrape_at in targets:
+        jobs[instance].add(job)
+        labels[instance].update(parse_labels(stored))
+        if instance not in seen:
+            seen[instance] = (created_at, last_scrape_at or created_at)
+    out = []
+    for name in sorted(seen):
+        sources = tuple(s for s, has in (("push", name in pushed), ("scrape", name in jobs)) if has)
+        first, last = seen[name]
+        out.append(InstanceInfo(name, first, last, sources, tuple(sorted(jobs.get(name, ()))), labels.get(name, {})))
+    return out
 
 
 def list_runs(db: Db, *, instance: str | None = None) -> list[RunInfo]:
@@ -82,6 +112,9 @@ def target_health(db: Db) -> list[TargetHealth]:
         t.c.scrape_duration_s,
         t.c.interval_s,
         t.c.enabled,
+        t.c.labels,
+        t.c.sample_limit,
     ).order_by(t.c.id)
     with _bound(db) as conn:
-        return [TargetHealth(*r) for r in conn.execute(stmt).all()]
+        rows = conn.execute(stmt).all()
+    return [TargetHealth(*r[:-2], labels=dict(parse_labels(r[-2])), sample_limit=int(r[-1])) for r in rows]

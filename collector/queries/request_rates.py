@@ -28,6 +28,7 @@ class RequestRates:
     requests_per_s: float
     prompt_tokens_per_s: float
     output_tokens_per_s: float
+    preemptions: int = 0
 
 
 def request_rates(
@@ -63,6 +64,7 @@ def request_rates(
             count_status("aborted"),
             finished_sum(r.prompt_tokens),
             finished_sum(r.output_tokens),
+            func.sum(r.preemptions),
         )
         .where(*conds)
         .group_by(group)
@@ -83,8 +85,9 @@ def request_rates(
             requests_per_s=int(n) / window,
             prompt_tokens_per_s=float(pt or 0) / window,
             output_tokens_per_s=float(ot or 0) / window,
+            preemptions=int(pre or 0),
         )
-        for g, n, fin, fail, rej, ab, pt, ot in rows
+        for g, n, fin, fail, rej, ab, pt, ot, pre in rows
     ]
 
 
@@ -95,6 +98,7 @@ class Goodput:
     good: int
     fraction: float
     good_per_s: float
+    good_output_tokens: int = 0  # output tokens of the good requests: the tuner's goodput in tokens/s
 
 
 def goodput(
@@ -127,7 +131,12 @@ def goodput(
         good_conds.append(r.e2e_s <= e2e_slo_s)
     group = _group_column(group_by).label("g")
     stmt = (
-        select(group, func.count(), func.sum(case((and_(*good_conds), 1), else_=0)))
+        select(
+            group,
+            func.count(),
+            func.sum(case((and_(*good_conds), 1), else_=0)),
+            func.sum(case((and_(*good_conds), r.output_tokens), else_=0)),
+        )
         .where(*_request_filter(start, end, instances, run_id, None, include_warmup))
         .group_by(group)
         .order_by(group)
@@ -142,8 +151,9 @@ def goodput(
             good=int(good or 0),
             fraction=(int(good or 0) / int(n)) if n else 0.0,
             good_per_s=int(good or 0) / window,
+            good_output_tokens=int(tokens or 0),
         )
-        for g, n, good in rows
+        for g, n, good, tokens in rows
     ]
 
 

@@ -89,6 +89,38 @@ def _request_filter(
     return conds
 
 
+def _check_quantiles(quantiles: Sequence[float]) -> None:
+    for q in quantiles:
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantiles must be within [0, 1], got {q}")
+
+
+def _nearest_rank(
+    conn: Any, value: ColumnElement, keys: Sequence[ColumnElement], conds: Sequence[ColumnElement], quantiles
+) -> list[Any]:
+    """Rows (*keys, count, mean, max, *quantiles) of `value` per distinct keys: THE percentile definition.
+
+    Nearest rank: the q-quantile is the smallest rank k with k >= q * n (k = ceil(q * n), rank 1 when
+    q * n <= 1), over ROW_NUMBER/COUNT windows partitioned by the keys.
+    """
+    labelled = [k.label(f"k{i}") for i, k in enumerate(keys)]
+    ranked = (
+        select(
+            *labelled,
+            value.label("v"),
+            func.row_number().over(partition_by=labelled, order_by=value).label("rn"),
+            func.count().over(partition_by=labelled).label("n"),
+        )
+        .where(*conds, value.is_not(None))
+        .subquery()
+    )
+    key_cols = [ranked.c[f"k{i}"] for i in range(len(keys))]
+    cols: list[Any] = [*key_cols, func.count(), func.avg(ranked.c.v), func.max(ranked.c.v)]
+    for q in quantiles:
+        cols.append(func.min(case((ranked.c.rn >= literal(float(q)) * ranked.c.n, ranked.c.v), else_=None)))
+    return conn.execute(select(*cols).group_by(*key_cols).order_by(*key_cols)).all()
+
+
 def latency_percentiles(
     db: Db,
     *,
@@ -106,42 +138,20 @@ def latency_percentiles(
 
     `swap` is the time swapped out to the host tier, which also counts inside prefill or decode.
     """
-    for q in quantiles:
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"quantiles must be within [0, 1], got {q}")
-    value = _metric_column(metric).label("v")
-    group = _group_column(group_by).label("g")
+    _check_quantiles(quantiles)
     conds = _request_filter(start, end, instances, run_id, statuses, include_warmup)
-    ranked = (
-        select(
-            group,
-            value,
-            func.row_number().over(partition_by=group, order_by=value).label("rn"),
-            func.count().over(partition_by=group).label("n"),
-        )
-        .where(*conds, _metric_column(metric).is_not(None))
-        .subquery()
-    )
-    cols: list[Any] = [ranked.c.g, func.count(), func.avg(ranked.c.v), func.max(ranked.c.v)]
-    for q in quantiles:
-        # the smallest rank k with k >= q*n, i.e. k = ceil(q*n); rank 1 when q*n <= 1
-        cols.append(func.min(case((ranked.c.rn >= literal(float(q)) * ranked.c.n, ranked.c.v), else_=None)))
-    stmt = select(*cols).group_by(ranked.c.g).order_by(ranked.c.g)
     with _bound(db) as conn:
-        rows = conn.execute(stmt).all()
-    out = []
-    for row in rows:
-        qs = {float(q): (None if v is None else float(v)) for q, v in zip(quantiles, row[4:], strict=True)}
-        out.append(
-            LatencyStats(
-                group=str(row[0]),
-                count=int(row[1]),
-                mean=None if row[2] is None else float(row[2]),
-                max=None if row[3] is None else float(row[3]),
-                quantiles=qs,
-            )
+        rows = _nearest_rank(conn, _metric_column(metric), [_group_column(group_by)], conds, quantiles)
+    return [
+        LatencyStats(
+            group=str(row[0]),
+            count=int(row[1]),
+            mean=_f(row[2]),
+            max=_f(row[3]),
+            quantiles={float(q): _f(v) for q, v in zip(quantiles, row[4:], strict=True)},
         )
-    return out
+        for row in rows
+    ]
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,7 @@ class QuantileBucket:
     count: int
     mean: float
     quantiles: dict[float, float | None]
+    group: str = "all"
 
 
 def latency_quantiles_over_time(
@@ -160,42 +171,31 @@ def latency_quantiles_over_time(
     bucket_s: float,
     metric: LatencyMetric = "ttft",
     quantiles: Sequence[float] = DEFAULT_QUANTILES,
+    group_by: GroupBy = "all",
     instances: Sequence[str] | None = None,
     run_id: str | None = None,
     statuses: Sequence[str] | None = ("finished",),
     include_warmup: bool = False,
 ) -> list[QuantileBucket]:
-    """Exact nearest-rank quantiles of a request stage per time bucket (the same definition as latency_percentiles)."""
+    """Exact nearest-rank quantiles of a request stage per (group, time bucket), as `latency_percentiles`.
+
+    The dashboard's "TTFT p99" chart and the TTFTRegression rule's `ttft_p99_seconds` both come from here.
+    """
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
-    for q in quantiles:
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"quantiles must be within [0, 1], got {q}")
+    _check_quantiles(quantiles)
     r = RequestRow.__table__.c
-    column = _metric_column(metric)
     conds = _request_filter(start, end, instances, run_id, statuses, include_warmup)
     with _bound(db) as conn:
-        bucket = bucket_expr(r.ts, bucket_s, _dialect(conn)).label("b")
-        ranked = (
-            select(
-                bucket,
-                column.label("v"),
-                func.row_number().over(partition_by=bucket, order_by=column).label("rn"),
-                func.count().over(partition_by=bucket).label("n"),
-            )
-            .where(*conds, column.is_not(None))
-            .subquery()
-        )
-        cols: list[Any] = [ranked.c.b, func.count(), func.avg(ranked.c.v)]
-        for q in quantiles:
-            cols.append(func.min(case((ranked.c.rn >= literal(float(q)) * ranked.c.n, ranked.c.v), else_=None)))
-        rows = conn.execute(select(*cols).group_by(ranked.c.b).order_by(ranked.c.b)).all()
+        keys = [_group_column(group_by), bucket_expr(r.ts, bucket_s, _dialect(conn))]
+        rows = _nearest_rank(conn, _metric_column(metric), keys, conds, quantiles)
     return [
         QuantileBucket(
-            ts=float(row[0]),
-            count=int(row[1]),
-            mean=float(row[2]),
-            quantiles={float(q): _f(v) for q, v in zip(quantiles, row[3:], strict=True)},
+            ts=float(row[1]),
+            count=int(row[2]),
+            mean=float(row[3]),
+            quantiles={float(q): _f(v) for q, v in zip(quantiles, row[5:], strict=True)},
+            group=str(row[0]),
         )
         for row in rows
     ]

@@ -1,4 +1,14 @@
-"""Canonical series over time from whichever table holds them: samples, steps, scrapes, downsampled history."""
+"""Canonical series over time, one per label set, from whichever table holds them.
+
+A series is (canonical name, instance, label set) — `SeriesId(instance, labels)`. Engine-pushed gauges
+(samples, steps, event counters) have no labels; scraped series keep the identifying labels of their
+source (model, engine, GPU, MIG instance, host, target labels such as `node`). Nothing here combines
+label sets: where an average or a sum over GPUs is meant, the caller says so (the rules with
+`avg by (...)`, the dashboard with its own grouping), so one full GPU is never hidden by an empty one.
+
+Downsampled history (`kvpilot db prune`) is read as bucket averages stamped at the bucket's middle; raw
+and downsampled rows never overlap (retention aligns its cutoff to the bucket).
+"""
 
 from __future__ import annotations
 
@@ -7,22 +17,40 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
 
-from sqlalchemy import Float, Select, cast, func, select, union_all
+from sqlalchemy import Float, Select, Text, cast, func, literal, select, union_all
 
-from collector.queries._base import Db, Points, _bound, _dialect, bucket_expr
-from collector.schema import (
-    AllocRow,
-    DownsampledPoint,
-    RequestRow,
-    SampleRow,
-    SeriesPoint,
-    StepRow,
-)
+from collector.queries._base import Db, _bound, _dialect, bucket_expr
+from collector.schema import AllocRow, DownsampledPoint, RequestRow, SampleRow, SeriesPoint, StepRow
 from collector.series import CANONICAL, SAMPLE_COLUMNS, STEP_COLUMNS, list_series_names
 
-# --- canonical series ------------------------------------------------------------------------------
+Labels = tuple[tuple[str, str], ...]
+
+
+class SeriesId(NamedTuple):
+    """One stored series of a canonical name: its instance and its other labels, sorted."""
+
+    instance: str
+    labels: Labels = ()
+
+    def label_dict(self) -> dict[str, str]:
+        return dict(self.labels)
+
+    def all_labels(self) -> Labels:
+        """The label set with `instance`, sorted: what a rule sees (without `__name__`)."""
+        return tuple(sorted((*self.labels, ("instance", self.instance))))
+
+
+Series = dict[SeriesId, list[tuple[float, float]]]
+_NO_LABELS = "{}"
+
+
+@lru_cache(maxsize=65_536)
+def parse_labels(stored: str) -> Labels:
+    """The stored sorted-JSON form of a label set -> sorted pairs (memoised: a few thousand distinct sets)."""
+    return tuple(sorted(json.loads(stored).items())) if stored and stored != _NO_LABELS else ()
 
 
 def is_ratio_series(name: str) -> bool:
@@ -30,55 +58,55 @@ def is_ratio_series(name: str) -> bool:
     return canonical is not None and canonical.unit in ("ratio", "bool", "seconds", "celsius")
 
 
-def _sources(
-    name: str, start: float, end: float, instances: Sequence[str] | None, labels: dict[str, str] | None
-) -> list[Select]:
-    """One SELECT (instance, ts, value) per table that holds `name`."""
+def _engine_sources(name: str, start: float, end: float, instances: Sequence[str] | None) -> list[Select]:
+    """SELECT (instance, labels, ts, value) from the engine event tables that hold `name` (no labels)."""
     selects: list[Select] = []
-    if labels is None:
-        if name in SAMPLE_COLUMNS:
-            t = SampleRow.__table__
-            col = t.c[SAMPLE_COLUMNS[name]]
-            stmt = select(t.c.instance, t.c.ts, col.label("value")).where(
+    no_labels = cast(literal(_NO_LABELS), Text).label("labels")
+    if name in SAMPLE_COLUMNS:
+        t = SampleRow.__table__
+        col = t.c[SAMPLE_COLUMNS[name]]
+        selects.append(
+            select(t.c.instance, no_labels, t.c.ts, col.label("value")).where(
                 t.c.ts >= start, t.c.ts < end, col.is_not(None)
             )
-            selects.append(stmt.where(t.c.instance.in_(instances)) if instances is not None else stmt)
-        if name in STEP_COLUMNS:
-            t = StepRow.__table__
-            col = (t.c.prefill_tokens + t.c.decode_tokens) if name == "step_tokens" else t.c[STEP_COLUMNS[name]]
-            stmt = select(t.c.instance, t.c.ts, col.label("value")).where(
+        )
+    if name in STEP_COLUMNS:
+        t = StepRow.__table__
+        col = (t.c.prefill_tokens + t.c.decode_tokens) if name == "step_tokens" else t.c[STEP_COLUMNS[name]]
+        selects.append(
+            select(t.c.instance, no_labels, t.c.ts, col.label("value")).where(
                 t.c.ts >= start, t.c.ts < end, t.c.warmup.is_(False)
             )
-            selects.append(stmt.where(t.c.instance.in_(instances)) if instances is not None else stmt)
-    if labels is None and name in EVENT_COUNTERS:
-        selects.append(_event_counter(name, start, end, instances))
-    # Scraped points; several label sets of one instance (GPUs, directions) are combined per scrape:
-    # averaged for ratios, summed for amounts and counters.
+        )
+    if name in EVENT_COUNTERS:
+        selects.append(_event_counter(name, start, end))
+    if instances is not None:
+        selects = [s.where(s.selected_columns[0].in_(instances)) for s in selects]
+    return selects
+
+
+def _sources(name: str, start: float, end: float, instances: Sequence[str] | None) -> list[Select]:
+    """One SELECT (instance, labels, ts, value) per table that holds `name`."""
+    selects = _engine_sources(name, start, end, instances)
     t = SeriesPoint.__table__
-    agg = func.avg if is_ratio_series(name) else func.sum
     conds = [t.c.name == name, t.c.ts >= start, t.c.ts < end]
     if instances is not None:
         conds.append(t.c.instance.in_(instances))
-    if labels is not None:
-        conds.append(t.c.labels == json.dumps(dict(sorted(labels.items())), separators=(",", ":")))
-    selects.append(
-        select(t.c.instance, t.c.ts, agg(t.c.value).label("value")).where(*conds).group_by(t.c.instance, t.c.ts)
-    )
-    # Downsampled history (written by prune): bucket averages, stamped at the bucket's middle.
+    selects.append(select(t.c.instance, t.c.labels, t.c.ts, t.c.value).where(*conds))
     d = DownsampledPoint.__table__
     dconds = [d.c.name == name, d.c.bucket_ts >= start, d.c.bucket_ts < end]
     if instances is not None:
         dconds.append(d.c.instance.in_(instances))
-    if labels is None:
-        selects.append(
-            select(
-                d.c.instance,
-                (d.c.bucket_ts + d.c.bucket_s / 2).label("ts"),
-                (func.sum(d.c.sum) / func.sum(d.c.count)).label("value"),
-            )
-            .where(*dconds)
-            .group_by(d.c.instance, d.c.bucket_ts, d.c.bucket_s)
+    selects.append(
+        select(
+            d.c.instance,
+            d.c.labels,
+            (d.c.bucket_ts + d.c.bucket_s / 2).label("ts"),
+            (func.sum(d.c.sum) / func.sum(d.c.count)).label("value"),
         )
+        .where(*dconds)
+        .group_by(d.c.instance, d.c.labels, d.c.bucket_ts, d.c.bucket_s)
+    )
     return selects
 
 
@@ -93,7 +121,7 @@ EVENT_COUNTERS: dict[str, tuple[Any, str, str]] = {
 }
 
 
-def _event_counter(name: str, start: float, end: float, instances: Sequence[str] | None) -> Select:
+def _event_counter(name: str, start: float, end: float) -> Select:
     table_cls, column, value = EVENT_COUNTERS[name]
     ev = table_cls.__table__.alias("ev")
     smp = SampleRow.__table__
@@ -102,8 +130,17 @@ def _event_counter(name: str, start: float, end: float, instances: Sequence[str]
         .where(ev.c.instance == smp.c.instance, ev.c[column] == value, ev.c.ts >= start, ev.c.ts <= smp.c.ts)
         .scalar_subquery()
     )
-    stmt = select(smp.c.instance, smp.c.ts, cast(count, Float).label("value")).where(smp.c.ts >= start, smp.c.ts < end)
-    return stmt.where(smp.c.instance.in_(instances)) if instances is not None else stmt
+    no_labels = cast(literal(_NO_LABELS), Text).label("labels")
+    return select(smp.c.instance, no_labels, smp.c.ts, cast(count, Float).label("value")).where(
+        smp.c.ts >= start, smp.c.ts < end
+    )
+
+
+def _matches(labels: Labels, wanted: dict[str, str] | None) -> bool:
+    if not wanted:
+        return True
+    have = dict(labels)
+    return all(have.get(k) == v for k, v in wanted.items())
 
 
 def series_points(
@@ -114,36 +151,54 @@ def series_points(
     end: float,
     instances: Sequence[str] | None = None,
     labels: dict[str, str] | None = None,
-) -> Points:
-    """instance -> [(ts, value)] sorted by ts, for any canonical series, from whichever table holds it.
+) -> Series:
+    """SeriesId -> [(ts, value)] sorted by ts, for any canonical series, one entry per label set.
 
-    `memory_usage` is derived as used/total at the same timestamp; `up` comes from scrape health.
-    `labels` selects one label set of a scraped series (e.g. {"direction": "out"}).
+    `labels` keeps the series whose labels include these pairs (e.g. {"gpu": "1"}); engine series have
+    none, so any label filter excludes them. `memory_usage` is derived as used / total of the same
+    series at the same timestamp; `up` comes from scrape health.
     """
     if name not in CANONICAL:
         raise ValueError(f"unknown series {name!r}; known: {', '.join(list_series_names())}")
     if name == "memory_usage":
-        return _memory_usage(db, start=start, end=end, instances=instances)
-    selects = _sources(name, start, end, instances, labels)
+        return _memory_usage(db, start=start, end=end, instances=instances, labels=labels)
+    return raw_series(db, name=name, start=start, end=end, instances=instances, labels=labels)
+
+
+def raw_series(
+    db: Db,
+    *,
+    name: str,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None = None,
+    labels: dict[str, str] | None = None,
+) -> Series:
+    """`series_points` without the name check or derived series (histogram buckets are read through this)."""
+    selects = _sources(name, start, end, instances)
     stmt = union_all(*selects) if len(selects) > 1 else selects[0]
-    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    out: Series = defaultdict(list)
     with _bound(db) as conn:
-        for instance, ts, value in conn.execute(stmt):
-            out[instance].append((float(ts), float(value)))
+        for instance, stored, ts, value in conn.execute(stmt):
+            series_labels = parse_labels(stored)
+            if _matches(series_labels, labels):
+                out[SeriesId(instance, series_labels)].append((float(ts), float(value)))
     for points in out.values():
         points.sort()
     return dict(out)
 
 
-def _memory_usage(db: Db, *, start: float, end: float, instances: Sequence[str] | None) -> Points:
-    used = series_points(db, name="memory_used_bytes", start=start, end=end, instances=instances)
-    total = series_points(db, name="memory_total_bytes", start=start, end=end, instances=instances)
-    out: Points = {}
-    for instance, points in used.items():
-        totals = dict(total.get(instance, []))
+def _memory_usage(
+    db: Db, *, start: float, end: float, instances: Sequence[str] | None, labels: dict[str, str] | None
+) -> Series:
+    used = series_points(db, name="memory_used_bytes", start=start, end=end, instances=instances, labels=labels)
+    total = series_points(db, name="memory_total_bytes", start=start, end=end, instances=instances, labels=labels)
+    out: Series = {}
+    for sid, points in used.items():
+        totals = dict(total.get(sid, []))
         usage = [(ts, u / totals[ts]) for ts, u in points if totals.get(ts)]
         if usage:
-            out[instance] = usage
+            out[sid] = usage
     return out
 
 
@@ -155,58 +210,97 @@ def bucketed(
     end: float,
     bucket_s: float,
     instances: Sequence[str] | None = None,
-) -> Points:
-    """instance -> [(bucket_start, average)] of a canonical series, downsampled in SQL."""
+    labels: dict[str, str] | None = None,
+    agg: str = "avg",
+) -> Series:
+    """SeriesId -> [(bucket_start, value)] of a canonical series downsampled in SQL; `agg` is avg or max.
+
+    `max` is what a chart next to a `> threshold` rule must show: an average hides the peak that fired it.
+    """
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
+    if agg not in _BUCKET_AGGS:
+        raise ValueError(f"agg must be one of {sorted(_BUCKET_AGGS)}, got {agg!r}")
     if name == "memory_usage":
-        raw = series_points(db, name=name, start=start, end=end, instances=instances)
-        return {inst: _py_buckets(points, bucket_s) for inst, points in raw.items()}
+        raw = series_points(db, name=name, start=start, end=end, instances=instances, labels=labels)
+        return {sid: _py_buckets(points, bucket_s, agg) for sid, points in raw.items()}
     if name not in CANONICAL:
         raise ValueError(f"unknown series {name!r}")
     with _bound(db) as conn:
-        dialect = _dialect(conn)
-        inner = union_all(*_sources(name, start, end, instances, None)).subquery()
-        b = bucket_expr(inner.c.ts, bucket_s, dialect).label("bucket")
+        inner = union_all(*_sources(name, start, end, instances)).subquery()
+        b = bucket_expr(inner.c.ts, bucket_s, _dialect(conn)).label("bucket")
         stmt = (
-            select(inner.c.instance, b, func.avg(inner.c.value))
-            .group_by(inner.c.instance, b)
-            .order_by(inner.c.instance, b)
+            select(inner.c.instance, inner.c.labels, b, _BUCKET_AGGS[agg](inner.c.value))
+            .group_by(inner.c.instance, inner.c.labels, b)
+            .order_by(inner.c.instance, inner.c.labels, b)
         )
-        out: Points = defaultdict(list)
-        for instance, bucket, value in conn.execute(stmt):
-            out[instance].append((float(bucket), float(value)))
+        out: Series = defaultdict(list)
+        for instance, stored, bucket, value in conn.execute(stmt):
+            series_labels = parse_labels(stored)
+            if _matches(series_labels, labels):
+                out[SeriesId(instance, series_labels)].append((float(bucket), float(value)))
     return dict(out)
 
 
-def _py_buckets(points: list[tuple[float, float]], bucket_s: float) -> list[tuple[float, float]]:
+_BUCKET_AGGS = {"avg": func.avg, "max": func.max}
+
+
+def _py_buckets(points: list[tuple[float, float]], bucket_s: float, agg: str = "avg") -> list[tuple[float, float]]:
     acc: dict[float, list[float]] = defaultdict(list)
     for ts, v in points:
         acc[math.floor(ts / bucket_s) * bucket_s].append(v)
-    return [(b, sum(vs) / len(vs)) for b, vs in sorted(acc.items())]
+    combine = max if agg == "max" else (lambda vs: sum(vs) / len(vs))
+    return [(b, combine(vs)) for b, vs in sorted(acc.items())]
+
+
+def increase_of(points: Sequence[tuple[float, float]]) -> float:
+    """A counter's increase over consecutive points, a drop counted as a reset (Prometheus rules)."""
+    total = 0.0
+    for (_, prev), (_, cur) in itertools.pairwise(points):
+        total += cur - prev if cur >= prev else cur
+    return total
 
 
 def counter_increase(
-    db: Db, *, name: str, start: float, end: float, instances: Sequence[str] | None = None
-) -> dict[str, float]:
-    """instance -> increase of a counter over the window, counting a drop as a reset (Prometheus rules)."""
-    out: dict[str, float] = {}
-    for instance, points in series_points(db, name=name, start=start, end=end, instances=instances).items():
-        total = 0.0
-        for (_, prev), (_, cur) in itertools.pairwise(points):
-            total += cur - prev if cur >= prev else cur
-        out[instance] = total
-    return out
+    db: Db,
+    *,
+    name: str,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[SeriesId, float]:
+    """SeriesId -> increase of a counter over the window, counting a drop as a reset."""
+    points = series_points(db, name=name, start=start, end=end, instances=instances, labels=labels)
+    return {sid: increase_of(pts) for sid, pts in points.items()}
 
 
 def counter_rate(
-    db: Db, *, name: str, start: float, end: float, instances: Sequence[str] | None = None
-) -> dict[str, float]:
-    """instance -> per-second rate of a counter between its first and last point in the window."""
-    points = series_points(db, name=name, start=start, end=end, instances=instances)
-    increases = counter_increase(db, name=name, start=start, end=end, instances=instances)
+    db: Db,
+    *,
+    name: str,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[SeriesId, float]:
+    """SeriesId -> per-second rate of a counter between its first and last point in the window."""
     out = {}
-    for instance, pts in points.items():
+    for sid, pts in series_points(db, name=name, start=start, end=end, instances=instances, labels=labels).items():
         span = pts[-1][0] - pts[0][0] if len(pts) > 1 else 0.0
-        out[instance] = increases[instance] / span if span > 0 else 0.0
+        out[sid] = increase_of(pts) / span if span > 0 else 0.0
     return out
+
+
+def group_sum(values: dict[SeriesId, float], by: Sequence[str] = ("instance",)) -> dict[SeriesId, float]:
+    """Sum values over the series that share the `by` labels (`sum by (...)`), e.g. tokens/s per instance."""
+    out: dict[SeriesId, float] = defaultdict(float)
+    for sid, value in values.items():
+        out[group_key(sid, by)] += value
+    return dict(out)
+
+
+def group_key(sid: SeriesId, by: Sequence[str]) -> SeriesId:
+    """The SeriesId that keeps only the `by` labels (instance is '' unless kept)."""
+    kept = tuple(p for p in sid.labels if p[0] in by)
+    return SeriesId(sid.instance if "instance" in by else "", kept)

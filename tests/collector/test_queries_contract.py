@@ -10,6 +10,7 @@ from sqlalchemy import Engine, insert
 
 from collector import queries as q
 from collector.ingest import parse_batch, store_batch
+from collector.queries import SeriesId
 from collector.schema import ScrapeTarget, SeriesPoint
 from collector.series import labels_json
 from tests.collector import evfactory as ev
@@ -137,20 +138,28 @@ def test_series_points_from_samples_steps_and_scrapes(db_engine: Engine) -> None
                 {"instance": "gpu-0", "name": "up", "labels": "{}", "ts": T0 + 15, "value": 0.0},
             ],
         )
+    e0, vllm, gpu0, gpu1 = (
+        SeriesId("e0"),
+        SeriesId("vllm-0"),
+        SeriesId("gpu-0", (("gpu", "0"),)),
+        SeriesId("gpu-0", (("gpu", "1"),)),
+    )
     kv = q.series_points(db_engine, name="kv_usage", start=T0, end=T0 + 100)
-    assert kv == {"e0": [(T0, 0.1), (T0 + 10, 0.3)], "vllm-0": [(T0 + 1, 0.25), (T0 + 3, 0.5)]}
-    assert q.series_points(db_engine, name="kv_usage", start=T0, end=T0 + 100, instances=["vllm-0"]).keys() == {
-        "vllm-0"
-    }
+    assert kv == {e0: [(T0, 0.1), (T0 + 10, 0.3)], vllm: [(T0 + 1, 0.25), (T0 + 3, 0.5)]}
+    assert q.series_points(db_engine, name="kv_usage", start=T0, end=T0 + 100, instances=["vllm-0"]).keys() == {vllm}
     assert q.series_points(db_engine, name="step_duration_seconds", start=T0, end=T0 + 100) == {
-        "e0": [(T0 + 1, pytest.approx(0.02))]
+        e0: [(T0 + 1, pytest.approx(0.02))]
     }
     usage = q.series_points(db_engine, name="memory_usage", start=T0, end=T0 + 100)
-    assert usage["e0"] == [(T0, 0.25), (T0 + 10, 0.5)]
-    assert usage["gpu-0"] == [(T0, 0.5)]  # (2 + 6) / (8 + 8): GPUs of one instance summed
+    assert usage[e0] == [(T0, 0.25), (T0 + 10, 0.5)]
+    # each GPU keeps its own usage: a full GPU is never averaged away by an idle one
+    assert usage[gpu0] == [(T0, 0.25)] and usage[gpu1] == [(T0, 0.75)]
     one_gpu = q.series_points(db_engine, name="memory_used_bytes", start=T0, end=T0 + 1, labels={"gpu": "1"})
-    assert one_gpu == {"gpu-0": [(T0, 6.0)]}
-    assert q.series_points(db_engine, name="up", start=T0, end=T0 + 100) == {"gpu-0": [(T0, 1.0), (T0 + 15, 0.0)]}
+    assert one_gpu == {gpu1: [(T0, 6.0)]}
+    assert q.series_points(db_engine, name="up", start=T0, end=T0 + 100) == {
+        SeriesId("gpu-0"): [(T0, 1.0), (T0 + 15, 0.0)]
+    }
+    assert gpu1.all_labels() == (("gpu", "1"), ("instance", "gpu-0"))
     assert set(q.list_series_names()) >= {"kv_usage", "memory_usage", "up", "utilization", "swaps_total"}
     with pytest.raises(ValueError, match="unknown series"):
         q.series_points(db_engine, name="nope", start=T0, end=T0 + 1)
@@ -169,8 +178,8 @@ def test_bucketed_and_kv_over_time(db_engine: Engine) -> None:
     ingest(db_engine, samples, "kv")
     b = q.bucketed(db_engine, name="kv_usage", start=T0, end=T0 + 120, bucket_s=60)
     expected = _reference_buckets([(e["ts"], e["kv_usage"]) for e in samples], 60)
-    assert len(b["e0"]) == len(expected) == 3
-    for (ts, v), (ets, evalue) in zip(b["e0"], expected, strict=True):
+    assert len(b[SeriesId("e0")]) == len(expected) == 3
+    for (ts, v), (ets, evalue) in zip(b[SeriesId("e0")], expected, strict=True):
         assert ts == ets and v == pytest.approx(evalue)
     kv = q.kv_over_time(db_engine, start=T0, end=T0 + 120, bucket_s=30)["e0"]
     expected = _reference_buckets([(e["ts"], e["kv_usage"]) for e in samples], 30)
@@ -198,8 +207,8 @@ def test_counter_increase_handles_resets(db_engine: Engine) -> None:
                 for i, v in enumerate(values)
             ],
         )
-    assert q.counter_increase(db_engine, name="preemptions_total", start=T0, end=T0 + 100) == {"v": 16.0}
-    assert q.counter_rate(db_engine, name="preemptions_total", start=T0, end=T0 + 100) == {"v": 0.4}
+    assert q.counter_increase(db_engine, name="preemptions_total", start=T0, end=T0 + 100) == {SeriesId("v"): 16.0}
+    assert q.counter_rate(db_engine, name="preemptions_total", start=T0, end=T0 + 100) == {SeriesId("v"): 0.4}
 
 
 def test_instances_runs_and_target_health(db_engine: Engine) -> None:
@@ -236,7 +245,7 @@ def test_pushed_rejections_and_ooms_read_as_counters(db_engine: Engine) -> None:
     raw = ev.body(events)
     store_batch(db_engine, parse_batch(raw, max_events=1000), idempotency_key="counters", content=raw)
     with db_engine.connect() as conn:
-        rejected = q.series_points(conn, name="requests_rejected_total", start=ev.T0, end=ev.T0 + 10)["e0"]
-        oom = q.series_points(conn, name="oom_total", start=ev.T0, end=ev.T0 + 10)["e0"]
+        rejected = q.series_points(conn, name="requests_rejected_total", start=ev.T0, end=ev.T0 + 10)[SeriesId("e0")]
+        oom = q.series_points(conn, name="oom_total", start=ev.T0, end=ev.T0 + 10)[SeriesId("e0")]
     assert [v for _, v in rejected] == [0, 0, 0, 1, 2, 3, 3, 3, 3, 3]
     assert [v for _, v in oom] == [0] * 7 + [1] * 3
