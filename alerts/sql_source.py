@@ -1,11 +1,11 @@
 """The `SeriesSource` over the collector's database, through collector.queries (the one read path).
 
-`ttft_p99_seconds` is derived here (the collector stores TTFT only per request): the nearest-rank p99
-of each instance's minute, a point at the minute's end. TTFTRegression asks for a day of it every
-evaluation, so the percentile is computed in SQL (GROUP BY instance, minute over ROW_NUMBER/COUNT
-windows, as collector.queries.latency_percentiles does), the scan goes through the (instance, ts) index
-(an `instance IN (...)` of the instances seen in the window), and minutes older than `settle_s` are
-memoised: a settled minute's value does not change, so each tick only recomputes the recent ones.
+`ttft_p99_seconds` is the nearest-rank p99 of each instance's minute of finished requests, a point at
+the minute's end: `collector.queries.latency_quantiles_over_time(group_by="instance")`, the very figure
+the dashboard's TTFT p99 chart shows. TTFTRegression asks for a day of it every evaluation, so the scan
+goes through the (instance, ts) index (an `instance IN (...)` of the instances seen in the window), and
+minutes older than `settle_s` are memoised: a settled minute's value does not change, so each tick only
+recomputes the recent ones.
 A request pushed more than `settle_s` after it finished is missed by an already-memoised minute.
 """
 
@@ -16,12 +16,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from sqlalchemy import Engine, case, func, literal, select
+from sqlalchemy import Engine
 
 from alerts.expr_eval import Points
 from collector import queries
 from collector.db import translate_errors
-from collector.schema import Instance, RequestRow
 
 TTFT_P99_BUCKET_S = 60.0
 TTFT_QUANTILE = 0.99
@@ -97,40 +96,29 @@ class SqlSource:
             self._memo[instance].update(by_end)
 
     def _query(self, lo: float, hi: float, instances: Sequence[str] | None) -> BucketValues:
-        """p99 per (instance, bucket) for bucket ends in [lo, hi) (both multiples of the width), in SQL."""
+        """p99 per (instance, bucket) for bucket ends in [lo, hi) (both multiples of the width)."""
         width = TTFT_P99_BUCKET_S
         ts_lo, ts_hi = lo - width, hi - width  # bucket end e holds ts in [e - width, e)
-        r = RequestRow.__table__
         out: BucketValues = defaultdict(dict)
         self.p99_queries += 1
         with translate_errors(), self.engine.connect() as conn:
             if instances is None:
                 # The index is (instance, ts): name the instances so the range scan can use it.
-                i = Instance.__table__
-                instances = list(conn.execute(select(i.c.name).where(i.c.last_seen_ts >= ts_lo)).scalars())
+                instances = [i.name for i in queries.list_instances(conn) if i.last_seen_ts >= ts_lo]
                 if not instances:
                     return out
-            bucket = queries.bucket_expr(r.c.ts, width, conn.dialect.name).label("b")
-            ranked = (
-                select(
-                    r.c.instance,
-                    bucket,
-                    r.c.ttft_s.label("v"),
-                    func.row_number().over(partition_by=(r.c.instance, bucket), order_by=r.c.ttft_s).label("rn"),
-                    func.count().over(partition_by=(r.c.instance, bucket)).label("n"),
-                )
-                .where(
-                    r.c.instance.in_(list(instances)),
-                    r.c.ts >= ts_lo,
-                    r.c.ts < ts_hi,
-                    r.c.ttft_s.is_not(None),
-                    r.c.warmup.is_(False),
-                )
-                .subquery()
+            buckets = queries.latency_quantiles_over_time(
+                conn,
+                start=ts_lo,
+                end=ts_hi,
+                bucket_s=width,
+                metric="ttft",
+                quantiles=(TTFT_QUANTILE,),
+                group_by="instance",
+                instances=list(instances),
             )
-            # nearest rank: the smallest rank k with k >= q * n
-            p99 = func.min(case((ranked.c.rn >= literal(TTFT_QUANTILE) * ranked.c.n, ranked.c.v), else_=None))
-            stmt = select(ranked.c.instance, ranked.c.b, p99).group_by(ranked.c.instance, ranked.c.b)
-            for instance, bucket_start, value in conn.execute(stmt):
-                out[instance][float(bucket_start) + width] = float(value)
+        for b in buckets:
+            value = b.quantiles[TTFT_QUANTILE]
+            if value is not None:
+                out[b.group][b.ts + width] = value
         return out
