@@ -1,11 +1,11 @@
 """Continuous batching: decide what runs this step under a token budget and the KV memory there is.
 
-One step: (1) the recycler may reclaim memory; (2) running sequences, best (priority, arrival) first,
-get their next chunk — when the KV pool cannot grow, the worst running sequence is preempted
-(`recompute`: blocks freed, back to waiting; `swap`: blocks moved to the host tier) until it fits;
-(3) only if nothing was preempted, swapped sequences come back, then waiting ones are admitted
-(prefix-cache hits skip their cached tokens). The result is a `SchedulerOutput` the executor runs
-and `update` consumes — state flows forward, never back (STYLE.md 2).
+One step: (1) the recycler may reclaim memory and name idle sequences the scheduler swaps out;
+(2) running sequences, best (priority, arrival) first, get their next chunk — when the KV pool cannot
+grow, the worst running sequence is preempted (`recompute`: blocks freed, back to waiting; `swap`:
+blocks moved to the host tier) until it fits; (3) only if nothing was preempted, swapped sequences
+come back, then waiting ones are admitted (prefix-cache hits skip their cached tokens). The result is
+a `SchedulerOutput` the executor runs and `update` consumes — state flows forward, never back (STYLE.md 2).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.config import RecyclerConfig, SchedulerConfig
 from engine.kv import KVCacheManager, SwapPlan
-from engine.recycler import Recycler
+from engine.recycler import Recycler, RecycleResult
 from engine.request_queue import make_queue
 from engine.sequence import SeqStatus, Sequence
 
@@ -75,6 +75,7 @@ class Scheduler:
         self.recycler = Recycler(recycler_cfg)
         self.step_id = 0
         self.total_preemptions = 0
+        self.total_idle_swaps = 0  # sequences the recycler had swapped out while idle
 
     def reconfigure(self, cfg: SchedulerConfig, recycler_cfg: RecyclerConfig) -> None:
         self.cfg = cfg
@@ -109,7 +110,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         self.step_id += 1
         out = SchedulerOutput(self.step_id, now)
-        self.recycler.maybe_run(now, self, out)
+        recycled = self.recycler.maybe_run(now, self.kv, self.running, self.step_id)
+        self._swap_out_idle(recycled, out)
         budget = self.cfg.max_num_batched_tokens
         chunk = self.cfg.prefill_chunk_tokens
         decodes: list[ScheduledSeq] = []
@@ -211,28 +213,34 @@ class Scheduler:
         if self.cfg.preemption_mode == "swap":
             plan = self.kv.swap_out(seq.seq_id)
             if plan is not None:
-                out.swap_out.append(plan)
-                seq.swaps += 1
-                seq.times.swapped_at = out.now
-                seq.status = SeqStatus.SWAPPED
-                bisect.insort(self.swapped, seq, key=Sequence.order_key)
+                self._to_swapped(seq, plan, out)
                 return
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         self.add(seq)
 
-    def swap_out_idle(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Recycler hook: move an idle running sequence to the host tier."""
-        plan = self.kv.swap_out(seq.seq_id)
-        if plan is None:
-            return False
-        self._discard(self.running, seq)
+    def _swap_out_idle(self, recycled: RecycleResult, out: SchedulerOutput) -> None:
+        """Swap out the recycler's idle victims, worst first, until its page target is met; a victim the cold tier
+        cannot take stays running."""
+        pages_left = recycled.pages_to_swap
+        for seq in recycled.victims:
+            if pages_left <= 0:
+                break
+            pages = len(self.kv.pages(seq.seq_id))
+            plan = self.kv.swap_out(seq.seq_id)
+            if plan is None:
+                continue
+            self._discard(self.running, seq)
+            self._to_swapped(seq, plan, out)
+            self.total_idle_swaps += 1
+            pages_left -= pages
+
+    def _to_swapped(self, seq: Sequence, plan: SwapPlan, out: SchedulerOutput) -> None:
         out.swap_out.append(plan)
         seq.swaps += 1
         seq.times.swapped_at = out.now
         seq.status = SeqStatus.SWAPPED
         bisect.insort(self.swapped, seq, key=Sequence.order_key)
-        return True
 
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, sampled: list[int | None], now: float) -> UpdateResult:

@@ -115,6 +115,28 @@ def test_active_recycler_evicts_cached_blocks_above_threshold() -> None:
     assert s.kv.occupancy() <= 0.2 and s.recycler.pages_recycled > 0
 
 
+def test_aggressive_recycler_swaps_idle_sequences_worst_first_skipping_what_does_not_fit() -> None:
+    s = make(pages=64, cold_pages=16, max_num_batched_tokens=128, prefill_chunk_tokens=128)
+    best, middle, worst = seq(1, n=20, out=100), seq(2, n=50, at=0.1, out=100), seq(3, n=85, at=0.2, out=100)
+    for q in (best, middle, worst):
+        s.add(q)
+    t = 0.0
+    for _ in range(3):
+        run_step(s, t)
+        t += 0.01
+    assert [len(s.kv.pages(q.seq_id)) for q in (best, middle, worst)] == [4, 8, 12]  # the cold tier holds 16
+    # a long high-priority prefill now takes the whole budget, so the three sit idle from the next step on
+    cfg = s.cfg.model_copy(update={"max_num_batched_tokens": 16, "prefill_chunk_tokens": 16})
+    s.reconfigure(cfg, RecyclerConfig(mode="aggressive", threshold=0.1, recycle_interval_ms=1))
+    s.add(seq(0, n=300, prio=0, at=0.5, out=4))
+    for _ in range(3):
+        run_step(s, t)
+        t += 0.01
+    # worst first: `worst` (12 pages) fits, `middle` (8) no longer does and stays running, `best` (4) fills the tier
+    assert [q.status for q in (best, middle, worst)] == [SeqStatus.SWAPPED, SeqStatus.RUNNING, SeqStatus.SWAPPED]
+    assert s.kv.cold.used_pages == 16 and s.total_idle_swaps == 2 and middle.swaps == 0
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_everything_finishes_under_memory_pressure(mode: str) -> None:
     s = make(pages=32, cold_pages=32, max_num_seqs=16, preemption_mode=mode)

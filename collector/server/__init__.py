@@ -1,0 +1,26 @@
+"""`kvpilot collector serve`: the ingest API, target CRUD, /health and /metrics — this is the public surface.
+
+- `app`: `create_app` (lifespan: database, schema check, scraper) and the one handler of refusals, which
+  counts each in `kvpilot_collector_ingest_rejected_total{reason}` and logs a line;
+- `ingest_routes` (POST /v1/ingest), `target_routes` (/v1/targets), `health_routes` (/health, /metrics):
+  module-level routers of thin handlers; `/v1/*` depends on the ingest token (`deps.require_token`);
+- `deps`: the state, session and auth dependencies; `errors`: `Rejected` and the documented error shape;
+- `run`: `serve` (blocking) and `run_in_thread` (demo, tests: `handle = run_in_thread(settings)` ...
+  `handle.stop()`); `process`: `start_subprocess(settings)` for a separate process that can be killed.
+"""
+
+from collector.server.app import create_app
+from collector.server.process import CollectorProcess, free_port, start_subprocess, stop_process
+from collector.server.run import CollectorHandle, check_bind_safety, run_in_thread, serve
+
+__all__ = [
+    "CollectorHandle",
+    "CollectorProcess",
+    "check_bind_safety",
+    "create_app",
+    "free_port",
+    "run_in_thread",
+    "serve",
+    "start_subprocess",
+    "stop_process",
+]

@@ -1,0 +1,133 @@
+"""The collector's FastAPI app: lifespan (database, schema check, scraper), routers, and one place for refusals.
+
+Every refusal, wherever raised, is answered here as `{"detail": ..., "errors": ...}` and counted in
+`kvpilot_collector_ingest_rejected_total{reason}` with a log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from collector.db import check_schema_current, make_engine, redact, session_factory
+from collector.errors import CollectorError
+from collector.events import EventBatch
+from collector.scraper import ScrapeMetrics, Scraper
+from collector.server import health_routes, ingest_routes, target_routes
+from collector.server.deps import CollectorState, IngestMetrics, get_state
+from collector.server.errors import Rejected, as_rejected
+from collector.settings import CollectorSettings
+
+log = logging.getLogger("kvpilot.collector")
+
+
+def create_app(
+    settings: CollectorSettings | None = None,
+    *,
+    engine: Engine | None = None,
+    registry: CollectorRegistry | None = None,
+    start_scraper: bool | None = None,
+) -> FastAPI:
+    """The app on `settings`; `engine` (kept and disposed by the caller) and `registry` are injected in tests.
+
+    `start_scraper` overrides `settings.scrape_enabled`. The database is opened and checked at startup.
+    """
+    settings = settings or CollectorSettings()
+    registry = registry or CollectorRegistry()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = engine or make_engine(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
+        check_schema_current(db)
+        state = CollectorState(
+            settings=settings,
+            engine=db,
+            sessions=session_factory(db),
+            registry=registry,
+            metrics=IngestMetrics(registry),
+        )
+        scrape = settings.scrape_enabled if start_scraper is None else start_scraper
+        if scrape:
+            state.scraper = Scraper(db, timeout_s=settings.scrape_timeout_s, metrics=ScrapeMetrics(registry))
+            state.scraper.start()
+        app.state.kvpilot = state
+        log.info("collector ready on %s", redact(settings.db_url))
+        try:
+            yield
+        finally:
+            if state.scraper:
+                state.scraper.stop()
+            if engine is None:
+                db.dispose()
+
+    app = FastAPI(
+        title="kvpilot collector",
+        version="1",
+        description="Ingest of engine telemetry events and Prometheus scrape targets.",
+        lifespan=lifespan,
+    )
+    app.openapi = lambda: _openapi_with_batch(app)  # type: ignore[method-assign]
+    app.add_exception_handler(Rejected, _rejected)
+    app.add_exception_handler(CollectorError, _collector_error)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.include_router(health_routes.router)
+    app.include_router(ingest_routes.router)
+    app.include_router(target_routes.router)
+    return app
+
+
+def _openapi_with_batch(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus EventBatch, which the ingest route reads itself (to handle gzip)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
+    batch_schema = EventBatch.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(batch_schema.pop("$defs", {}))
+    components["EventBatch"] = batch_schema
+    app.openapi_schema = schema
+    return schema
+
+
+# --- refusals: answered and counted here ------------------------------------------------------------
+
+
+async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
+    get_state(request).metrics.rejected.labels(exc.reason).inc()
+    log.info("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.reason, exc.detail)
+    body = {"detail": exc.detail} if exc.errors is None else {"detail": exc.detail, "errors": exc.errors}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _collector_error(request: Request, exc: CollectorError) -> JSONResponse:
+    return await _rejected(request, as_rejected(exc))
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [
+        {
+            "loc": ".".join(str(p) for p in err.get("loc", ())),
+            "msg": err.get("msg", ""),
+            "type": err.get("type", ""),
+        }
+        for err in exc.errors()[:20]
+    ]
+    detail = f"{errors[0]['loc']}: {errors[0]['msg']}" if errors else "invalid request"
+    return await _rejected(request, Rejected(422, "invalid_request", detail, errors=errors))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return await _rejected(
+        request, Rejected(exc.status_code, f"http_{exc.status_code}", str(exc.detail), headers=exc.headers)
+    )

@@ -1,0 +1,91 @@
+"""Serving the collector in this process: `serve` (blocking, what `kvpilot collector serve` runs) and
+`run_in_thread` (demo, tests). Both refuse a non-loopback bind without a token and an unmigrated database."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from collector.db import check_schema_current, make_engine
+from collector.errors import CollectorError
+from collector.server.app import create_app
+from collector.settings import CollectorSettings
+
+log = logging.getLogger("kvpilot.collector")
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def check_bind_safety(settings: CollectorSettings) -> None:
+    if settings.ingest_token is None and settings.host not in LOOPBACK:
+        raise CollectorError(
+            f"refusing to listen on {settings.host} without KVPILOT_INGEST_TOKEN; set a token or bind to 127.0.0.1"
+        )
+
+
+def _check_database(settings: CollectorSettings) -> None:
+    engine = make_engine(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
+    try:
+        check_schema_current(engine)
+    finally:
+        engine.dispose()
+
+
+def serve(settings: CollectorSettings) -> None:
+    """Blocking: what `kvpilot collector serve` runs. Refuses an unmigrated database up front."""
+    check_bind_safety(settings)
+    _check_database(settings)
+    if settings.ingest_token is None:
+        log.warning("no KVPILOT_INGEST_TOKEN: /v1/* accepts unauthenticated requests on %s", settings.host)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+
+
+@dataclass
+class CollectorHandle:
+    """A collector serving in a background thread of this process."""
+
+    url: str
+    port: int
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout_s)
+
+    def __enter__(self) -> CollectorHandle:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def run_in_thread(settings: CollectorSettings, *, timeout_s: float = 30.0) -> CollectorHandle:
+    """Start a collector on `settings.host:settings.port` (port 0 picks a free one); returns when it serves.
+
+    Raises SchemaOutdatedError before starting if the database is not at head.
+    """
+    check_bind_safety(settings)
+    _check_database(settings)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(settings), log_level=settings.log_level, access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvpilot-collector", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise CollectorError("collector did not start (see its log)")
+        time.sleep(0.02)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return CollectorHandle(url=f"http://{host}:{port}", port=port, server=server, thread=thread)

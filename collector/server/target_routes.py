@@ -1,0 +1,90 @@
+"""/v1/targets: the Prometheus endpoints the scraper polls (create, list, get, delete), behind the ingest token."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Response
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, UrlConstraints
+from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
+
+from collector.schema import ScrapeTarget
+from collector.server.deps import SessionDep, StateDep, require_token
+from collector.server.errors import ERROR_RESPONSES, ErrorResponse, Rejected
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+
+TargetId = Annotated[int, Path(ge=1, le=2**63 - 1)]
+Url = Annotated[HttpUrl, UrlConstraints(max_length=2000)]
+Label = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00]+$")]
+NOT_FOUND = {404: {"model": ErrorResponse}}
+
+
+class TargetIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: Url
+    job: Label = "kvpilot"
+    instance: Label | None = Field(None, description="the instance label of the points; default host:port")
+    interval_s: float | None = Field(None, ge=1.0, le=86400.0)
+    enabled: bool = True
+
+
+class TargetOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    url: str
+    job: str
+    instance: str
+    interval_s: float
+    enabled: bool
+    up: bool | None
+    last_error: str | None
+    last_scrape_at: float | None
+    scrape_duration_s: float | None
+    created_at: float
+
+
+@router.post("/targets", status_code=201, response_model=TargetOut, responses=ERROR_RESPONSES)
+def create_target(body: TargetIn, state: StateDep, session: SessionDep) -> ScrapeTarget:
+    url = str(body.url)
+    parts = urlsplit(url)
+    target = ScrapeTarget(
+        url=url,
+        job=body.job,
+        instance=body.instance or (parts.netloc or url)[:200],
+        interval_s=body.interval_s or state.settings.scrape_default_interval_s,
+        enabled=body.enabled,
+        created_at=time.time(),
+    )
+    session.add(target)
+    try:
+        session.flush()
+    except IntegrityError as exc:
+        raise Rejected(409, "conflict", f"a target with url {url} already exists") from exc
+    return target
+
+
+@router.get("/targets", response_model=list[TargetOut], responses=ERROR_RESPONSES)
+def list_targets(session: SessionDep) -> list[ScrapeTarget]:
+    return list(session.scalars(select(ScrapeTarget).order_by(ScrapeTarget.id)))
+
+
+@router.get("/targets/{target_id}", response_model=TargetOut, responses={**NOT_FOUND, **ERROR_RESPONSES})
+def get_target(target_id: TargetId, session: SessionDep) -> ScrapeTarget:
+    target = session.get(ScrapeTarget, target_id)
+    if target is None:
+        raise HTTPException(404, f"no target {target_id}")
+    return target
+
+
+@router.delete("/targets/{target_id}", status_code=204, responses={**NOT_FOUND, **ERROR_RESPONSES})
+def delete_target(target_id: TargetId, session: SessionDep) -> Response:
+    deleted = session.execute(delete(ScrapeTarget).where(ScrapeTarget.id == target_id)).rowcount
+    if not deleted:
+        raise HTTPException(404, f"no target {target_id}")
+    return Response(status_code=204)
