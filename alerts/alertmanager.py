@@ -1,24 +1,26 @@
 """Alertmanager's wire formats: label-set fingerprints, webhook payload version 4, the v2 postable alert.
 
-Receivers written for Alertmanager must work unchanged, so these follow Alertmanager field for field:
-the fingerprint is prometheus/common's LabelSet.Fingerprint (FNV-1a 64 over label names and values in
-name order, each followed by the 0xff separator byte, printed as 16 hex digits); times are RFC 3339 with
-nanoseconds trimmed like Go's time.Time JSON; a firing alert's endsAt is Go's zero time, as Alertmanager
-hides an end time that has not been reached.
+Receivers written for Alertmanager must work unchanged, so the webhook body is the one Alertmanager
+0.25 posts for the same alerts, byte for byte (alerts/gowire.py has Go's text forms): the fingerprint is
+prometheus/common's LabelSet.Fingerprint (FNV-1a 64 over label names and values in name order, each
+followed by the 0xff separator byte, printed as 16 hex digits); times are Go's time.Time JSON; a firing
+alert's endsAt is Go's zero time, as Alertmanager hides an end time that has not been reached; the
+groupKey is the route key, ':', and the group labels as model.LabelSet.String() prints them.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import urllib.parse
 from collections.abc import Iterable, Mapping
+from functools import cmp_to_key
 from typing import Any
+
+from alerts.gowire import go_json, go_map, go_quote, quote_meta, rfc3339
 
 FNV_OFFSET64 = 14695981039346656037
 FNV_PRIME64 = 1099511628211
 SEPARATOR_BYTE = 0xFF
 _MASK64 = (1 << 64) - 1
-GO_ZERO_TIME = "0001-01-01T00:00:00Z"
 
 
 def _fnv_add(h: int, data: bytes) -> int:
@@ -43,40 +45,13 @@ def fingerprint(labels: Mapping[str, str]) -> str:
 
 
 def labelset_string(labels: Mapping[str, str]) -> str:
-    """model.LabelSet.String(): `{a="1", b="2"}` sorted, values quoted as Go's %q does."""
-    return "{" + ", ".join(f"{k}={go_quote(labels[k])}" for k in sorted(labels)) + "}"
+    """model.LabelSet.String() as Alertmanager 0.25-0.27 prints it: `{a="1", b="2"}`, values quoted with %q.
 
-
-def go_quote(value: str) -> str:
-    out = ['"']
-    for ch in value:
-        if ch in ('"', "\\"):
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
-
-
-def rfc3339(ts: float | None) -> str:
-    """Go's time.Time MarshalJSON (RFC3339Nano, UTC, trailing zeros of the fraction trimmed)."""
-    if ts is None:
-        return GO_ZERO_TIME
-    micros = round(ts * 1_000_000)
-    when = dt.datetime.fromtimestamp(micros // 1_000_000, tz=dt.UTC)
-    base = when.strftime("%Y-%m-%dT%H:%M:%S")
-    frac = micros % 1_000_000
-    if frac:
-        base += "." + f"{frac:06d}".rstrip("0")
-    return base + "Z"
+    prometheus/common before v0.49 sorts the whole `name="value"` strings, not the names: `a1="x"` sorts
+    before `a="y"` ('1' < '='). Alertmanager 0.28 and later (common v0.61+) sort by name instead; the two
+    differ only when one label name is another followed by a digit.
+    """
+    return "{" + ", ".join(sorted(f"{k}={go_quote(v)}" for k, v in labels.items())) + "}"
 
 
 def group_key(route_key: str, group_labels: Mapping[str, str]) -> str:
@@ -110,10 +85,11 @@ def webhook_alert(
     ends_at: float | None,
     generator: str,
 ) -> dict[str, Any]:
+    """template.Alert: fields in the Go struct's order, label and annotation maps sorted as Go writes maps."""
     return {
         "status": status,
-        "labels": dict(labels),
-        "annotations": dict(annotations),
+        "labels": go_map(labels),
+        "annotations": go_map(annotations),
         "startsAt": rfc3339(starts_at),
         "endsAt": rfc3339(ends_at if status == "resolved" else None),
         "generatorURL": generator,
@@ -121,14 +97,38 @@ def webhook_alert(
     }
 
 
-def _alert_order(alert: dict[str, Any]) -> tuple:
-    """types.AlertSlice order: by job, then instance (alerts carrying them first), then the label set."""
-    labels = alert["labels"]
-    return (
-        ("job" not in labels, labels.get("job", "")),
-        ("instance" not in labels, labels.get("instance", "")),
-        sorted(labels.items()),
-    )
+def _labelset_before(ours: Mapping[str, str], other: Mapping[str, str]) -> bool:
+    """model.LabelSet.Before: the smaller set first, else the first differing name or value in name order."""
+    if len(ours) != len(other):
+        return len(ours) < len(other)
+    for name in sorted([*ours, *other]):
+        if name not in ours:
+            return True
+        if name not in other:
+            return False
+        if ours[name] != other[name]:
+            return ours[name] < other[name]
+    return False
+
+
+def _alert_less(ours: Mapping[str, str], other: Mapping[str, str]) -> bool:
+    """types.AlertSlice.Less: by job, then instance (alerts carrying them first), then LabelSet.Before."""
+    for name in ("job", "instance"):
+        if name not in ours and name not in other:
+            continue
+        if name not in ours:
+            return False
+        if name not in other:
+            return True
+        if ours[name] != other[name]:
+            return ours[name] < other[name]
+    return _labelset_before(ours, other)
+
+
+def _alert_cmp(a: dict[str, Any], b: dict[str, Any]) -> int:
+    if _alert_less(a["labels"], b["labels"]):
+        return -1
+    return 1 if _alert_less(b["labels"], a["labels"]) else 0
 
 
 def webhook_payload(
@@ -140,23 +140,31 @@ def webhook_payload(
     external_url: str,
     max_alerts: int = 0,
 ) -> dict[str, Any]:
-    """Alertmanager's webhook body, version 4 (notify/webhook: Message = template.Data + version, key, truncated)."""
-    all_alerts = list(alerts)
-    all_alerts.sort(key=_alert_order)
-    kept = all_alerts[:max_alerts] if max_alerts > 0 else all_alerts
-    status = "firing" if any(a["status"] == "firing" for a in all_alerts) else "resolved"
+    """Alertmanager's webhook Message, version 4: template.Data's fields, then version, groupKey, truncatedAlerts.
+
+    As Alertmanager does: the group's alerts sorted (AlertSlice), cut to max_alerts, and only then the
+    status and the common labels and annotations computed, over the alerts kept; the receiver name goes
+    through regexp.QuoteMeta (template.Data does it for use in templates, and the webhook sends Data).
+    """
+    ordered = sorted(alerts, key=cmp_to_key(_alert_cmp))
+    kept = ordered[:max_alerts] if max_alerts > 0 else ordered
     return {
-        "receiver": receiver,
-        "status": status,
+        "receiver": quote_meta(receiver),
+        "status": "firing" if any(a["status"] == "firing" for a in kept) else "resolved",
         "alerts": kept,
-        "groupLabels": dict(group_labels),
-        "commonLabels": _common([a["labels"] for a in all_alerts]),
-        "commonAnnotations": _common([a["annotations"] for a in all_alerts]),
+        "groupLabels": go_map(group_labels),
+        "commonLabels": go_map(_common([a["labels"] for a in kept])),
+        "commonAnnotations": go_map(_common([a["annotations"] for a in kept])),
         "externalURL": external_url,
         "version": "4",
         "groupKey": group_key_text,
-        "truncatedAlerts": len(all_alerts) - len(kept),
+        "truncatedAlerts": len(ordered) - len(kept),
     }
+
+
+def webhook_body(payload: Mapping[str, Any]) -> str:
+    """The bytes Alertmanager posts: json.NewEncoder(buf).Encode(msg), Go's JSON and a trailing newline."""
+    return go_json(payload) + "\n"
 
 
 def postable_alert(

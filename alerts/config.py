@@ -49,9 +49,15 @@ class Matcher(BaseModel):
         hit = re.fullmatch(self.value, actual) is not None if self.is_regex else actual == self.value
         return hit if self.is_equal else not hit
 
+    @property
+    def match_type(self) -> int:
+        """labels.MatchType: =, !=, =~, !~ in that order (the last key when Alertmanager sorts matchers)."""
+        return (0 if self.is_equal else 1) + (2 if self.is_regex else 0)
+
     def text(self) -> str:
-        op = ("=~" if self.is_regex else "=") if self.is_equal else ("!~" if self.is_regex else "!=")
-        escaped = self.value.replace("\\", "\\\\").replace('"', '\\"')
+        """labels.Matcher.String(): the value escaped as OpenMetrics does (backslash, newline, double quote)."""
+        op = ("=", "!=", "=~", "!~")[self.match_type]
+        escaped = self.value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
         return f'{self.name}{op}"{escaped}"'
 
 
@@ -111,7 +117,8 @@ def resolve_routes(config: NotifierConfig) -> tuple[ResolvedRoute, list[Resolved
     )
     children = []
     for child in root.routes:
-        key = "{}/{" + ",".join(m.text() for m in child.matchers) + "}"
+        ordered = sorted(child.matchers, key=lambda m: (m.name, m.value, m.match_type))  # as Alertmanager's Route
+        key = "{}/{" + ",".join(m.text() for m in ordered) + "}"
         children.append(
             ResolvedRoute(
                 key=key,

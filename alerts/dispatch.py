@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from alerts.alertmanager import group_key, postable_alert, webhook_alert, webhook_payload
+from alerts.alertmanager import group_key, postable_alert, webhook_alert, webhook_body, webhook_payload
 from alerts.config import NotifierConfig, Receiver, ResolvedRoute, resolve_routes, routes_for
 from alerts.silences import active_silences, is_silenced
 from alerts.state import FIRING, INACTIVE, ActiveAlert
@@ -166,9 +166,8 @@ class Dispatcher:
         # A group's row goes when the group empties and comes back with seq 0 when it fills again, so the key
         # names the row's incarnation (its creation time, the same for any evaluator reading the row) as well.
         incarnation = round(row.created_at * 1000)
-        return _outbox(
-            receiver, f"{receiver.name}/{digest}/{incarnation}/{row.seq}", row.group_key, payload, now, lease
-        )
+        key = f"{receiver.name}/{digest}/{incarnation}/{row.seq}"
+        return _outbox(receiver, key, row.group_key, webhook_body(payload), now, lease)
 
     def _forward(
         self, session: Session, receiver: Receiver, live: list[NotifyAlert], now: float, lease: Lease
@@ -212,7 +211,8 @@ class Dispatcher:
         ]
         row.seq += 1
         row.last_notified_at, row.last_firing, row.last_resolved = now, firing, resolved
-        return _outbox(receiver, f"{receiver.name}/forward/{row.seq}", FORWARD_KEY, body, now, lease)
+        text = json.dumps(body, separators=(",", ":"))  # Alertmanager parses these; only what it sends is byte-exact
+        return _outbox(receiver, f"{receiver.name}/forward/{row.seq}", FORWARD_KEY, text, now, lease)
 
 
 def _webhook_alert(item: NotifyAlert) -> dict[str, Any]:
@@ -227,14 +227,14 @@ def _webhook_alert(item: NotifyAlert) -> dict[str, Any]:
     )
 
 
-def _outbox(receiver: Receiver, key: str, gkey: str, payload: Any, now: float, lease: Lease) -> AlertNotification:
+def _outbox(receiver: Receiver, key: str, gkey: str, body: str, now: float, lease: Lease) -> AlertNotification:
     return AlertNotification(
         idempotency_key=key,
         receiver=receiver.name,
         kind=receiver.kind,
         url=receiver.url,
         group_key=gkey,
-        body=json.dumps(payload, separators=(",", ":"), sort_keys=False),
+        body=body,
         status="pending",
         attempts=0,
         created_at=now,

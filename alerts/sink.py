@@ -24,6 +24,7 @@ class Received:
     idempotency_key: str
     payload: Any
     signature_ok: bool | None
+    body: bytes = b""  # the bytes as they arrived, for comparing senders byte for byte
 
 
 @dataclass
@@ -100,7 +101,7 @@ def run_webhook_sink(
                 if key and any(r.idempotency_key == key for r in sink.received):
                     sink.duplicates += 1
                 else:
-                    sink.received.append(Received(time.time(), key, payload, signature_ok))
+                    sink.received.append(Received(time.time(), key, payload, signature_ok, body))
                     if log_payloads:
                         status = payload.get("status") if isinstance(payload, dict) else "alerts"
                         names = sorted(
