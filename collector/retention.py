@@ -4,6 +4,10 @@ Before raw rows older than the cutoff are deleted, their canonical series (sampl
 series, scraped points) are aggregated into `samples_downsampled` in the same transaction, so no
 value is ever in neither place. The cutoff is aligned to the bucket width: a bucket is never split
 between raw and downsampled data, and `collector.queries.series_points` reads both without overlap.
+
+A scraped series keeps its label set: its aggregates are per (instance, name, labels), exactly the raw
+`series_points` identity, so GPUs, MIG instances, engines and histogram buckets stay apart in history.
+Series from the engine event tables have no labels and are stored with '{}'.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, Float, case, delete, func, insert, literal, select
+from sqlalchemy import Engine, Float, delete, func, insert, literal, select
 
 from collector.db import translate_errors
-from collector.queries import bucket_expr, is_ratio_series
+from collector.queries import bucket_expr
 from collector.schema import (
     AllocRow,
     DownsampledPoint,
@@ -25,7 +29,7 @@ from collector.schema import (
     SeriesPoint,
     StepRow,
 )
-from collector.series import CANONICAL, SAMPLE_COLUMNS, STEP_COLUMNS
+from collector.series import SAMPLE_COLUMNS, STEP_COLUMNS, labels_json
 
 DAY = 86_400.0
 
@@ -54,7 +58,7 @@ def prune(
     raw_cutoff = math.floor((now - raw_days * DAY) / bucket_s) * bucket_s
     down_cutoff = now - downsample_days * DAY
     d = DownsampledPoint.__table__
-    cols = [d.c.instance, d.c.name, d.c.bucket_ts, d.c.bucket_s, d.c.count, d.c.sum, d.c.min, d.c.max]
+    cols = [d.c.instance, d.c.name, d.c.labels, d.c.bucket_ts, d.c.bucket_s, d.c.count, d.c.sum, d.c.min, d.c.max]
     deleted: dict[str, int] = {}
     written = 0
     with translate_errors(), engine.begin() as conn:
@@ -67,6 +71,7 @@ def prune(
                 select(
                     table.c.instance,
                     literal(name),
+                    literal(labels_json({})),
                     bucket,
                     literal(bucket_s, Float),
                     func.count(value),
@@ -78,31 +83,24 @@ def prune(
                 .group_by(table.c.instance, bucket)
             )
             written += max(conn.execute(insert(d).from_select(cols, src)).rowcount or 0, 0)
-        # Scraped points: combine label sets per scrape first (as series_points does), then bucket.
+        # Scraped points: each label set is its own series, bucketed on its own.
         sp = SeriesPoint.__table__
-        ratio_names = [n for n in CANONICAL if is_ratio_series(n)]
-        per_scrape = (
+        bucket = bucket_expr(sp.c.ts, bucket_s, dialect).label("bucket")
+        src = (
             select(
                 sp.c.instance,
                 sp.c.name,
-                sp.c.ts,
-                case((sp.c.name.in_(ratio_names), func.avg(sp.c.value)), else_=func.sum(sp.c.value)).label("v"),
+                sp.c.labels,
+                bucket,
+                literal(bucket_s, Float),
+                func.count(sp.c.value),
+                func.sum(sp.c.value),
+                func.min(sp.c.value),
+                func.max(sp.c.value),
             )
             .where(sp.c.ts < raw_cutoff)
-            .group_by(sp.c.instance, sp.c.name, sp.c.ts)
-            .subquery()
+            .group_by(sp.c.instance, sp.c.name, sp.c.labels, bucket)
         )
-        bucket = bucket_expr(per_scrape.c.ts, bucket_s, dialect).label("bucket")
-        src = select(
-            per_scrape.c.instance,
-            per_scrape.c.name,
-            bucket,
-            literal(bucket_s, Float),
-            func.count(per_scrape.c.v),
-            func.sum(per_scrape.c.v),
-            func.min(per_scrape.c.v),
-            func.max(per_scrape.c.v),
-        ).group_by(per_scrape.c.instance, per_scrape.c.name, bucket)
         written += max(conn.execute(insert(d).from_select(cols, src)).rowcount or 0, 0)
 
         for model in (RequestRow, StepRow, AllocRow, SampleRow, SeriesPoint):

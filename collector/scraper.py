@@ -2,17 +2,35 @@
 
 One scraper per deployment: with several collectors on one PostgreSQL, run it on one of them
 (`KVPILOT_SCRAPE_ENABLED=false` on the others) or targets are scraped once per collector.
-Each scrape is one transaction: its points, its `up`/`scrape_duration_seconds` and the target's health.
+Each scrape is one transaction: its points, its `up`/`scrape_duration_seconds`/`scrape_series_dropped`,
+the target's health and the upsert of its instance into `instances`.
+
+Every stored point carries the target's static labels (`scrape_targets.labels`). As Prometheus does with
+`honor_labels: false`, a scraped label that collides with a target label is kept as `exported_<name>`
+and the target's value wins.
+
+Cardinality is bounded per scrape. A series with more than `MAX_LABELS` labels or a label value longer
+than `MAX_LABEL_VALUE_CHARS` is dropped (never truncated: two series cut to one prefix would merge).
+Beyond the target's `sample_limit` distinct series the excess is dropped, where Prometheus would fail the
+whole scrape: an exporter growing a high-cardinality family should not blank out the utilization and
+queue gauges the alerts depend on. What is kept is deterministic and the same scrape after scrape:
+gauges and counters before histogram buckets, then by name and label set, and a histogram is never kept
+in part. Such a scrape stays `up` but is marked degraded (`last_error` says how many series were kept);
+every drop is counted in `kvpilot_collector_scrape_series_dropped_total{reason}`, stored as the
+`scrape_series_dropped` series, and logged as one warning line per target and scrape.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter as Tally
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter
@@ -21,13 +39,54 @@ from sqlalchemy import Engine, insert, select, update
 
 from collector.db import translate_errors
 from collector.errors import CollectorError
+from collector.ingest import _upsert as upsert_statement
 from collector.schema import ScrapeTarget, SeriesPoint
-from collector.series import labels_json, map_samples
+from collector.series import Point, labels_json, map_samples
 
 log = logging.getLogger(__name__)
 
 MAX_SCRAPE_BYTES = 16 * 2**20
-_NO_LABELS = labels_json({})
+DEFAULT_SAMPLE_LIMIT = 10_000
+MAX_SAMPLE_LIMIT = 1_000_000
+MAX_LABELS = 32
+MAX_LABEL_VALUE_CHARS = 256
+DROP_REASONS = ("sample_limit", "label_count", "label_value_length")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+# Names a target label may not take: they are columns of their own or have a meaning on buckets.
+_RESERVED_LABELS = frozenset({"instance", "job", "le"})
+
+
+class TargetLabelsError(ValueError):
+    """A scrape target's static labels or sample limit are not acceptable; the message names the offender."""
+
+
+def validate_target_labels(labels: Mapping[str, str]) -> str:
+    """Check a target's static labels and return their stored form (`scrape_targets.labels`).
+
+    Names match `[a-zA-Z_][a-zA-Z0-9_]*`, do not start with `__` (Prometheus' reserved prefix) and are
+    not `instance`, `job` or `le`; values are non-empty strings of at most 256 characters without NUL;
+    at most 32 labels.
+    """
+    if len(labels) > MAX_LABELS:
+        raise TargetLabelsError(f"at most {MAX_LABELS} target labels, got {len(labels)}")
+    for name, value in labels.items():
+        if not isinstance(name, str) or not _LABEL_NAME.match(name) or name.startswith("__"):
+            raise TargetLabelsError(f"label name {name!r} must match [a-zA-Z_][a-zA-Z0-9_]* and not start with __")
+        if name in _RESERVED_LABELS:
+            raise TargetLabelsError(f"label name {name!r} is reserved")
+        if not isinstance(value, str) or not value or len(value) > MAX_LABEL_VALUE_CHARS or "\x00" in value:
+            raise TargetLabelsError(
+                f"label {name!r}: the value must be a non-empty string of at most {MAX_LABEL_VALUE_CHARS}"
+                " characters without NUL"
+            )
+    return labels_json(labels)
+
+
+def validate_sample_limit(limit: int) -> int:
+    """A target's `sample_limit`: 1 to MAX_SAMPLE_LIMIT series per scrape (there is no 'unlimited')."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_SAMPLE_LIMIT:
+        raise TargetLabelsError(f"sample_limit must be an integer from 1 to {MAX_SAMPLE_LIMIT}")
+    return limit
 
 
 @dataclass(frozen=True)
@@ -38,12 +97,21 @@ class ScrapeOutcome:
     points: int
     duration_s: float
     error: str | None
+    dropped: dict[str, int] = field(default_factory=dict)
 
 
 class ScrapeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.scrapes = Counter("kvpilot_collector_scrapes", "scrapes by result", ["result"], registry=registry)
         self.points = Counter("kvpilot_collector_scrape_points", "canonical points stored", registry=registry)
+        self.series_dropped = Counter(
+            "kvpilot_collector_scrape_series_dropped",
+            "scraped series not stored, by the bound that dropped them",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in DROP_REASONS:
+            self.series_dropped.labels(reason)
 
 
 def parse_exposition(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -53,6 +121,72 @@ def parse_exposition(text: str) -> list[tuple[str, dict[str, str], float]]:
         for sample in family.samples:
             samples.append((sample.name, dict(sample.labels), float(sample.value)))
     return samples
+
+
+def with_target_labels(labels: Mapping[str, str], target_labels: Mapping[str, str]) -> dict[str, str]:
+    """A scraped label set plus the target's: on a collision the scraped one becomes `exported_<name>`."""
+    merged = dict(target_labels)
+    taken = set(target_labels) | set(labels)
+    for name, value in labels.items():
+        stored = name
+        if name in target_labels:
+            stored = f"exported_{name}"
+            while stored in taken:  # Prometheus prefixes again until the name is free
+                stored = f"exported_{stored}"
+            taken.add(stored)
+        merged[stored] = value
+    return merged
+
+
+@dataclass(frozen=True)
+class BoundedScrape:
+    """The series of one scrape to store, `(name, labels JSON, value)`, and what the bounds dropped."""
+
+    series: list[tuple[str, str, float]]
+    offered: int
+    dropped: dict[str, int]
+
+
+def _limit_order(point: tuple[str, dict[str, str], float]) -> tuple[bool, str, str, float]:
+    """Gauges and counters first, then by name and label set; a histogram's buckets stay together."""
+    name, labels, _ = point
+    is_bucket = "le" in labels and name.endswith("_bucket")
+    rest = labels_json({k: v for k, v in labels.items() if k != "le"}) if is_bucket else labels_json(labels)
+    return (is_bucket, name, rest, float(labels["le"]) if is_bucket else 0.0)
+
+
+def bound_series(points: list[Point], *, target_labels: Mapping[str, str], sample_limit: int) -> BoundedScrape:
+    """Merge the target's labels into each point, then apply the label bounds and `sample_limit`."""
+    dropped: Tally[str] = Tally()
+    candidates: list[tuple[str, dict[str, str], float]] = []
+    for p in points:
+        labels = with_target_labels(p.labels, target_labels)
+        if len(labels) > MAX_LABELS:
+            dropped["label_count"] += 1
+        elif any(len(v) > MAX_LABEL_VALUE_CHARS for v in labels.values()):
+            dropped["label_value_length"] += 1
+        else:
+            candidates.append((p.name, labels, p.value))
+    candidates.sort(key=_limit_order)
+    kept = candidates[:sample_limit]
+    if len(candidates) > sample_limit:
+        cut = _limit_order(candidates[sample_limit])
+        if kept and cut[0] and _limit_order(kept[-1])[:3] == cut[:3]:
+            kept = [c for c in kept if _limit_order(c)[:3] != cut[:3]]  # no histogram kept in part
+        dropped["sample_limit"] += len(candidates) - len(kept)
+    return BoundedScrape([(n, labels_json(lab), v) for n, lab, v in kept], len(points), dict(dropped))
+
+
+def _target_labels(target: ScrapeTarget) -> dict[str, str]:
+    """The stored static labels; a malformed value (written around the API) is logged and ignored."""
+    try:
+        labels = json.loads(target.labels or "{}")
+    except ValueError:
+        labels = None
+    if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+        log.warning("scrape target %s has malformed labels %r; ignored", target.url, target.labels)
+        return {}
+    return labels
 
 
 class Scraper:
@@ -95,7 +229,7 @@ class Scraper:
         started = self.clock()
         t0 = time.perf_counter()
         error: str | None = None
-        points = []
+        points: list[Point] = []
         try:
             points = map_samples(parse_exposition(self._fetch(target.url)))
         except httpx.HTTPError as exc:
@@ -104,44 +238,54 @@ class Scraper:
             error = f"{type(exc).__name__}: {exc}"
         duration = time.perf_counter() - t0
         up = error is None
-        rows = [
-            {"instance": target.instance, "name": p.name, "labels": p.labels, "ts": started, "value": p.value}
-            for p in points
+        static = _target_labels(target)
+        limit = target.sample_limit if target.sample_limit and target.sample_limit > 0 else DEFAULT_SAMPLE_LIMIT
+        bounded = bound_series(points, target_labels=static, sample_limit=limit)
+        n_dropped = sum(bounded.dropped.values())
+        synthetic = labels_json(static)
+        series = [
+            *bounded.series,
+            ("up", synthetic, 1.0 if up else 0.0),
+            ("scrape_duration_seconds", synthetic, duration),
+            ("scrape_series_dropped", synthetic, float(n_dropped)),
         ]
-        rows.append(
-            {
-                "instance": target.instance,
-                "name": "up",
-                "labels": _NO_LABELS,
-                "ts": started,
-                "value": 1.0 if up else 0.0,
-            }
-        )
-        rows.append(
-            {
-                "instance": target.instance,
-                "name": "scrape_duration_seconds",
-                "labels": _NO_LABELS,
-                "ts": started,
-                "value": duration,
-            }
-        )
-        for row in rows:
-            row["target_id"] = target.id
+        rows = [
+            {"instance": target.instance, "name": n, "labels": lab, "ts": started, "value": v, "target_id": target.id}
+            for n, lab, v in series
+        ]
+        health_error = error
+        if up and n_dropped:
+            health_error = f"degraded: stored {len(bounded.series)} of {bounded.offered} series ({_reasons(bounded)})"
         t = ScrapeTarget.__table__
         with translate_errors(), self.engine.begin() as conn:
             conn.execute(insert(SeriesPoint.__table__), rows)
             conn.execute(
+                upsert_statement(conn.dialect.name, "instances"),
+                [{"name": target.instance, "first_seen_ts": started, "last_seen_ts": started}],
+            )
+            conn.execute(
                 update(t)
                 .where(t.c.id == target.id)
-                .values(up=up, last_error=error, last_scrape_at=started, scrape_duration_s=duration)
+                .values(up=up, last_error=health_error, last_scrape_at=started, scrape_duration_s=duration)
             )
         if error:
             log.warning("scrape of %s failed: %s", target.url, error)
+        elif n_dropped:
+            log.warning(
+                "scrape of %s (instance %s): dropped %d of %d series, sample_limit %d: %s",
+                target.url,
+                target.instance,
+                n_dropped,
+                bounded.offered,
+                limit,
+                _reasons(bounded),
+            )
         if self.metrics:
             self.metrics.scrapes.labels("success" if up else "failure").inc()
-            self.metrics.points.inc(len(points))
-        return ScrapeOutcome(target.id, target.url, up, len(points), duration, error)
+            self.metrics.points.inc(len(bounded.series))
+            for reason, n in bounded.dropped.items():
+                self.metrics.series_dropped.labels(reason).inc(n)
+        return ScrapeOutcome(target.id, target.url, up, len(bounded.series), duration, error, bounded.dropped)
 
     # --- scheduling --------------------------------------------------------------------------------
 
@@ -177,3 +321,7 @@ class Scraper:
             self._thread = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+
+
+def _reasons(bounded: BoundedScrape) -> str:
+    return ", ".join(f"{reason}={n}" for reason, n in sorted(bounded.dropped.items()))

@@ -1,126 +1,42 @@
-"""Series mapping (kvpilot, vLLM, SGLang, DCGM names and units) and the scraper against real HTTP."""
+"""The scraper against real HTTP into SQLite and PostgreSQL: labelled series, target labels, bounds, health.
+
+Assertions read the raw `series_points` rows: what a series means over time is the read side's to test.
+"""
 
 from __future__ import annotations
 
 import http.server
 import json
+import logging
 import threading
 from collections.abc import Iterator
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
-from sqlalchemy import Engine, insert
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine, insert, select
 
-from collector import queries as q
-from collector.schema import ScrapeTarget
-from collector.scraper import Scraper, parse_exposition
-from collector.series import CANONICAL, MAPPINGS, map_samples
+from collector.schema import Instance, ScrapeTarget, SeriesPoint
+from collector.scraper import (
+    MAX_LABEL_VALUE_CHARS,
+    ScrapeMetrics,
+    Scraper,
+    TargetLabelsError,
+    bound_series,
+    validate_sample_limit,
+    validate_target_labels,
+    with_target_labels,
+)
+from collector.series import Point, labels_json
 
-VLLM = """\
-# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 7.0
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
-# TYPE vllm:num_preemptions counter
-vllm:num_preemptions_total{engine="0",model_name="m"} 12.0
-# TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 4.0
-vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 10.0
-vllm:time_to_first_token_seconds_count{model_name="m"} 10.0
-vllm:time_to_first_token_seconds_sum{model_name="m"} 2.5
-# TYPE vllm:some_new_metric gauge
-vllm:some_new_metric 1.0
-"""
-
-SGLANG = """\
-# TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{model_name="m"} 5.0
-# TYPE sglang:num_queue_reqs gauge
-sglang:num_queue_reqs{model_name="m"} 2.0
-# TYPE sglang:token_usage gauge
-sglang:token_usage{model_name="m"} 0.28
-# TYPE sglang:cache_hit_rate gauge
-sglang:cache_hit_rate{model_name="m"} 0.75
-# TYPE sglang:generation_tokens counter
-sglang:generation_tokens_total{model_name="m"} 1000.0
-"""
-
-DCGM = """\
-# HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).
-# TYPE DCGM_FI_DEV_GPU_UTIL gauge
-DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a",Hostname="h"} 80
-DCGM_FI_DEV_GPU_UTIL{gpu="1",UUID="GPU-b",Hostname="h"} 40
-# TYPE DCGM_FI_DEV_FB_USED gauge
-DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-a",Hostname="h"} 1024
-DCGM_FI_DEV_FB_USED{gpu="1",UUID="GPU-b",Hostname="h"} 3072
-# TYPE DCGM_FI_DEV_FB_FREE gauge
-DCGM_FI_DEV_FB_FREE{gpu="0",UUID="GPU-a",Hostname="h"} 3072
-DCGM_FI_DEV_FB_FREE{gpu="1",UUID="GPU-b",Hostname="h"} 1024
-"""
-
-KVPILOT = """\
-# TYPE kvpilot_kv_usage gauge
-kvpilot_kv_usage 0.5
-# TYPE kvpilot_swaps counter
-kvpilot_swaps_total{direction="out"} 4.0
-kvpilot_swaps_total{direction="in"} 1.0
-# TYPE kvpilot_requests counter
-kvpilot_requests_total{status="finished"} 9.0
-# TYPE kvpilot_e2e_request_latency_seconds histogram
-kvpilot_e2e_request_latency_seconds_bucket{le="+Inf"} 9.0
-kvpilot_e2e_request_latency_seconds_count 9.0
-kvpilot_e2e_request_latency_seconds_sum 4.5
-"""
+FIXTURES = Path(__file__).parent / "fixtures"
+NOW = 1_760_000_000.0
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def as_dict(text: str) -> dict[tuple[str, str], float]:
-    return {(p.name, p.labels): p.value for p in map_samples(parse_exposition(text))}
-
-
-def test_every_mapping_targets_a_known_canonical_series() -> None:
-    assert all(m.canonical in CANONICAL for m in MAPPINGS)
-    assert len({m.external for m in MAPPINGS}) == len(MAPPINGS)
-
-
-def test_vllm_names() -> None:
-    got = as_dict(VLLM)
-    assert got == {
-        ("running", "{}"): 7.0,
-        ("queue_depth", "{}"): 3.0,
-        ("kv_usage", "{}"): 0.42,
-        ("preemptions_total", "{}"): 12.0,
-        ("ttft_seconds_count", "{}"): 10.0,
-        ("ttft_seconds_sum", "{}"): 2.5,
-    }
-
-
-def test_sglang_names() -> None:
-    assert as_dict(SGLANG) == {
-        ("running", "{}"): 5.0,
-        ("queue_depth", "{}"): 2.0,
-        ("kv_usage", "{}"): 0.28,
-        ("prefix_hit_rate", "{}"): 0.75,
-        ("generation_tokens_total", "{}"): 1000.0,
-    }
-
-
-def test_dcgm_units_are_converted_and_total_derived() -> None:
-    got = as_dict(DCGM)
-    mib = 2**20
-    assert got[("utilization", '{"gpu":"0"}')] == pytest.approx(0.8)
-    assert got[("memory_used_bytes", '{"gpu":"1"}')] == 3072 * mib
-    assert got[("memory_free_bytes", '{"gpu":"1"}')] == 1024 * mib
-    assert got[("memory_total_bytes", '{"gpu":"0"}')] == 4096 * mib
-
-
-def test_kvpilot_names_keep_their_labels() -> None:
-    got = as_dict(KVPILOT)
-    assert got[("swaps_total", '{"direction":"out"}')] == 4.0
-    assert got[("requests_total", '{"status":"finished"}')] == 9.0
-    assert got[("e2e_seconds_sum", "{}")] == 4.5 and got[("kv_usage", "{}")] == 0.5
+def page(name: str) -> tuple[int, str]:
+    return 200, (FIXTURES / name).read_text()
 
 
 class _Exporter(http.server.BaseHTTPRequestHandler):
@@ -142,8 +58,10 @@ class _Exporter(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def exporter() -> Iterator[str]:
     _Exporter.pages = {
-        "/vllm": (200, VLLM),
-        "/dcgm": (200, DCGM),
+        "/vllm": page("vllm_dp2.prom"),
+        "/qwen": page("vllm_qwen.prom"),
+        "/sglang": page("sglang.prom"),
+        "/dcgm": page("dcgm.prom"),
         "/broken": (200, "this is { not prometheus"),
         "/err": (500, "oops"),
     }
@@ -155,44 +73,210 @@ def exporter() -> Iterator[str]:
     server.server_close()
 
 
-def test_scraper_stores_points_and_health(db_engine: Engine, exporter: str) -> None:
-    from collector.server import free_port
-
-    dead = f"http://127.0.0.1:{free_port()}/metrics"
-    with db_engine.begin() as conn:
+def add_targets(engine: Engine, *targets: dict[str, Any]) -> None:
+    with engine.begin() as conn:
         conn.execute(
             insert(ScrapeTarget.__table__),
             [
-                {"url": url, "job": job, "instance": inst, "interval_s": 10.0, "enabled": True, "created_at": 0.0}
-                for url, job, inst in [
-                    (f"{exporter}/vllm", "vllm", "vllm-0"),
-                    (f"{exporter}/dcgm", "dcgm", "node-0"),
-                    (f"{exporter}/broken", "x", "broken"),
-                    (f"{exporter}/err", "x", "err"),
-                    (dead, "x", "dead"),
-                ]
+                {"job": "x", "interval_s": 10.0, "enabled": True, "created_at": 0.0, "labels": "{}", **t}
+                for t in targets
             ],
         )
-    now = 1_760_000_000.0
-    scraper = Scraper(db_engine, timeout_s=2.0, clock=lambda: now)
+
+
+def stored(engine: Engine, *, instance: str, name: str | None = None) -> list[tuple[str, dict[str, str], float, float]]:
+    """Raw rows of one instance: (name, labels, ts, value)."""
+    sp = SeriesPoint.__table__
+    stmt = select(sp.c.name, sp.c.labels, sp.c.ts, sp.c.value).where(sp.c.instance == instance)
+    if name is not None:
+        stmt = stmt.where(sp.c.name == name)
+    with engine.connect() as conn:
+        rows = conn.execute(stmt.order_by(sp.c.ts, sp.c.id)).all()
+    return [(n, json.loads(labels), ts, v) for n, labels, ts, v in rows]
+
+
+def target_row(engine: Engine, instance: str) -> Any:
+    t = ScrapeTarget.__table__
+    with engine.connect() as conn:
+        return conn.execute(select(t).where(t.c.instance == instance)).one()
+
+
+def test_scraper_stores_labelled_series_and_health(db_engine: Engine, exporter: str) -> None:
+    from collector.server import free_port
+
+    add_targets(
+        db_engine,
+        {
+            "url": f"{exporter}/vllm",
+            "job": "vllm",
+            "instance": "vllm-0",
+            "labels": '{"cluster":"west","engine":"vllm"}',
+        },
+        {"url": f"{exporter}/qwen", "job": "vllm", "instance": "vllm-1"},
+        {"url": f"{exporter}/sglang", "job": "sglang", "instance": "sglang-0"},
+        {"url": f"{exporter}/dcgm", "job": "dcgm", "instance": "node-0", "labels": '{"cluster":"west"}'},
+        {"url": f"{exporter}/broken", "instance": "broken"},
+        {"url": f"{exporter}/err", "instance": "err"},
+        {"url": f"http://127.0.0.1:{free_port()}/metrics", "instance": "dead"},
+    )
+    scraper = Scraper(db_engine, timeout_s=2.0, clock=lambda: NOW)
     try:
         outcomes = {o.url.rsplit("/", 1)[-1]: o for o in scraper.run_once()}
-        assert outcomes["vllm"].up and outcomes["vllm"].points == 6
-        assert not outcomes["broken"].up and not outcomes["err"].up and not outcomes["metrics"].up
-        assert "HTTP 500" in (outcomes["err"].error or "")
-        assert scraper.due_targets(now + 5) == []  # interval not elapsed
-        assert len(scraper.due_targets(now + 10)) == 5
+        assert scraper.due_targets(NOW + 5) == []  # interval not elapsed
+        assert len(scraper.due_targets(NOW + 10)) == 7
     finally:
         scraper.stop()
-    health = {h.instance: h for h in q.target_health(db_engine)}
-    assert health["vllm-0"].up is True and health["vllm-0"].last_error is None
-    assert health["vllm-0"].scrape_duration_s is not None and health["vllm-0"].last_scrape_at == now
-    assert health["dead"].up is False and "Connect" in (health["dead"].last_error or "")
-    assert q.series_points(db_engine, name="kv_usage", start=now, end=now + 1) == {"vllm-0": [(now, 0.42)]}
-    up = q.series_points(db_engine, name="up", start=now, end=now + 1)
-    assert up["vllm-0"] == [(now, 1.0)] and up["dead"] == [(now, 0.0)]
-    util = q.series_points(db_engine, name="utilization", start=now, end=now + 1)
-    assert util == {"node-0": [(now, pytest.approx(0.6))]}  # two GPUs averaged
-    usage = q.series_points(db_engine, name="memory_usage", start=now, end=now + 1)
-    assert usage == {"node-0": [(now, pytest.approx(0.5))]}
-    json.dumps([h.__dict__ for h in health.values()])
+    assert outcomes["vllm"].up and outcomes["vllm"].points == 380 and outcomes["vllm"].dropped == {}
+    assert not outcomes["broken"].up and not outcomes["err"].up and not outcomes["metrics"].up
+    assert "HTTP 500" in (outcomes["err"].error or "")
+
+    # Target labels on every point; the scraped `engine` collides with the target's and becomes exported_engine.
+    kv = stored(db_engine, instance="vllm-0", name="kv_usage")
+    static = {"cluster": "west", "engine": "vllm"}
+    assert [(labels, v) for _, labels, _, v in kv] == [
+        ({**static, "exported_engine": "0", "model_name": LLAMA}, 0.25),
+        ({**static, "exported_engine": "1", "model_name": LLAMA}, 0.5),
+    ]
+    assert [labels for _, labels, _, _ in stored(db_engine, instance="vllm-0", name="up")] == [static]
+    # The second vLLM server keeps its own model; no label it did not expose.
+    assert [(labels, v) for _, labels, _, v in stored(db_engine, instance="vllm-1", name="running")] == [
+        ({"engine": "0", "model_name": "Qwen/Qwen2.5-7B-Instruct"}, 4.0)
+    ]
+    # Aborted requests are stored apart from finished ones.
+    requests = stored(db_engine, instance="vllm-0", name="requests_total")
+    by_status: dict[str, float] = {}
+    for _, labels, _, v in requests:
+        assert "instance" not in labels and "job" not in labels
+        by_status[labels["status"]] = by_status.get(labels["status"], 0.0) + v
+    assert by_status == {"finished": 28 + 8 + 18 + 5, "aborted": 4 + 2}
+    # Histogram buckets with le, next to _sum and _count.
+    ttft = stored(db_engine, instance="vllm-0", name="ttft_seconds_bucket")
+    assert len(ttft) == 2 * 17 and {labels["le"] for _, labels, _, _ in ttft} >= {"0.1", "1", "+Inf"}
+    # DCGM: one series per GPU and per MIG instance, each with its own total.
+    mem = {
+        (name, json.dumps(labels, sort_keys=True)): v
+        for name, labels, _, v in stored(db_engine, instance="node-0")
+        if name.startswith("memory_")
+    }
+    totals = {labels: v for (name, labels), v in mem.items() if name == "memory_total_bytes"}
+    assert len(totals) == 5
+    for labels, total in totals.items():
+        assert json.loads(labels)["cluster"] == "west"
+        assert 0 < mem[("memory_used_bytes", labels)] / total <= 1.0
+    mig = [json.loads(labels) for labels in totals if "GPU_I_ID" in labels]
+    assert sorted(m["GPU_I_ID"] for m in mig) == ["1", "2"]
+
+    up = {inst: stored(db_engine, instance=inst, name="up")[0][3] for inst in ("vllm-0", "sglang-0", "dead")}
+    assert up == {"vllm-0": 1.0, "sglang-0": 1.0, "dead": 0.0}
+    health = target_row(db_engine, "vllm-0")
+    assert health.up is True and health.last_error is None and health.last_scrape_at == NOW
+    assert health.scrape_duration_s is not None
+    dead = target_row(db_engine, "dead")
+    assert dead.up is False and "Connect" in (dead.last_error or "")
+    with db_engine.connect() as conn:
+        instances = {r.name: r for r in conn.execute(select(Instance.__table__)).all()}
+    assert set(instances) == {"vllm-0", "vllm-1", "sglang-0", "node-0", "broken", "err", "dead"}
+    assert instances["vllm-0"].first_seen_ts == instances["vllm-0"].last_seen_ts == NOW
+
+
+def test_counter_resets_are_stored_as_scraped(db_engine: Engine, exporter: str) -> None:
+    add_targets(db_engine, {"url": f"{exporter}/vllm", "instance": "vllm-0", "interval_s": 15.0})
+    clock = iter([NOW, NOW + 15])
+    scraper = Scraper(db_engine, timeout_s=2.0, clock=lambda: next(clock))
+    try:
+        scraper.run_once(now=NOW)
+        _Exporter.pages["/vllm"] = page("vllm_dp2_restarted.prom")  # the server restarted in between
+        scraper.run_once(now=NOW + 15)
+    finally:
+        scraper.stop()
+    e0 = {"engine": "0", "model_name": LLAMA}
+    stop = [(ts, v) for _, labels, ts, v in stored(db_engine, instance="vllm-0", name="requests_total")
+            if labels == {**e0, "finished_reason": "stop", "status": "finished"}]  # fmt: skip
+    assert stop == [(NOW, 28.0), (NOW + 15, 3.0)]
+    prompt = [(ts, v) for _, labels, ts, v in stored(db_engine, instance="vllm-0", name="prompt_tokens_total")
+              if labels == e0]  # fmt: skip
+    assert prompt[1][1] < prompt[0][1]
+    with db_engine.connect() as conn:
+        inst = conn.execute(select(Instance.__table__).where(Instance.name == "vllm-0")).one()
+    assert (inst.first_seen_ts, inst.last_seen_ts) == (NOW, NOW + 15)
+
+
+def test_sample_limit_keeps_whole_histograms_counts_and_logs(
+    db_engine: Engine, exporter: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    add_targets(db_engine, {"url": f"{exporter}/vllm", "instance": "vllm-0", "sample_limit": 100})
+    registry = CollectorRegistry()
+    scraper = Scraper(db_engine, timeout_s=2.0, clock=lambda: NOW, metrics=ScrapeMetrics(registry))
+    try:
+        with caplog.at_level(logging.WARNING, logger="collector.scraper"):
+            (outcome,) = scraper.run_once()
+    finally:
+        scraper.stop()
+    assert outcome.up and outcome.dropped == {"sample_limit": 380 - outcome.points}
+    assert 100 - 17 < outcome.points <= 100
+    rows = stored(db_engine, instance="vllm-0")
+    series = [
+        (n, labels) for n, labels, _, _ in rows if n not in ("up", "scrape_duration_seconds", "scrape_series_dropped")
+    ]
+    assert len(series) == outcome.points
+    # Every non-bucket series (62) is kept before any bucket, and a histogram is kept whole or not at all.
+    assert sum(not n.endswith("_bucket") for n, _ in series) == 62
+    histograms: dict[tuple[str, str], int] = {}
+    for n, labels in series:
+        if n.endswith("_bucket"):
+            key = (n, labels_json({k: v for k, v in labels.items() if k != "le"}))
+            histograms[key] = histograms.get(key, 0) + 1
+    assert histograms and all(count == 17 for count in histograms.values())  # 16 bounds and +Inf
+    dropped = [v for n, _, _, v in rows if n == "scrape_series_dropped"]
+    assert dropped == [380.0 - outcome.points]
+    assert registry.get_sample_value("kvpilot_collector_scrape_series_dropped_total", {"reason": "sample_limit"}) == (
+        380 - outcome.points
+    )
+    warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(warnings) == 1
+    assert f"dropped {380 - outcome.points} of 380 series" in warnings[0] and "sample_limit 100" in warnings[0]
+    health = target_row(db_engine, "vllm-0")
+    assert health.up is True and (health.last_error or "").startswith("degraded: stored")
+
+
+def test_label_bounds_drop_series_instead_of_truncating() -> None:
+    long = "m" * (MAX_LABEL_VALUE_CHARS + 1)
+    points = [
+        Point("running", {"model_name": long, "engine": "0"}, 1.0),
+        Point("running", {"model_name": "ok", "engine": "0"}, 2.0),
+        Point("running", {"model_name": "ok", "engine": "1"}, 3.0),
+    ]
+    many = {f"l{i}": "v" for i in range(31)}  # 31 + the 2 scraped labels > MAX_LABELS
+    bounded = bound_series(points, target_labels=many, sample_limit=10)
+    assert bounded.series == [] and bounded.dropped == {"label_count": 3}
+    bounded = bound_series(points, target_labels={"node": "a"}, sample_limit=1)
+    assert bounded.series == [("running", labels_json({"engine": "0", "model_name": "ok", "node": "a"}), 2.0)]
+    assert bounded.dropped == {"label_value_length": 1, "sample_limit": 1}
+
+
+def test_target_labels_win_and_scraped_ones_are_exported() -> None:
+    merged = with_target_labels({"node": "scraped", "exported_node": "x", "gpu": "0"}, {"node": "target"})
+    assert merged == {"node": "target", "exported_exported_node": "scraped", "exported_node": "x", "gpu": "0"}
+
+
+def test_validate_target_labels() -> None:
+    assert validate_target_labels({"node": "gpu-1", "cluster": "west"}) == '{"cluster":"west","node":"gpu-1"}'
+    assert validate_target_labels({}) == "{}"
+    for bad in (
+        {"__meta": "x"},
+        {"1node": "x"},
+        {"no-dash": "x"},
+        {"instance": "x"},
+        {"job": "x"},
+        {"le": "1"},
+        {"node": ""},
+        {"node": "x" * (MAX_LABEL_VALUE_CHARS + 1)},
+        {"node": "a\x00b"},
+        {f"l{i}": "v" for i in range(33)},
+    ):
+        with pytest.raises(TargetLabelsError):
+            validate_target_labels(bad)
+    assert validate_sample_limit(10_000) == 10_000
+    for bad_limit in (0, -1, 10**7, True):
+        with pytest.raises(TargetLabelsError):
+            validate_sample_limit(bad_limit)  # type: ignore[arg-type]
