@@ -172,7 +172,7 @@ def _spans(
 
 
 @functools.cache
-def _upsert(dialect: str, table_name: str):  # type: ignore[no-untyped-def]
+def upsert_statement(dialect: str, table_name: str):  # type: ignore[no-untyped-def]
     """INSERT ... ON CONFLICT: keep first_seen, raise last_seen. Built once per dialect, run as executemany."""
     table = {"instances": Instance.__table__, "runs": Run.__table__}[table_name]
     keys = ["name"] if table_name == "instances" else ["instance", "run_id"]
@@ -232,11 +232,11 @@ def store_batch(
                     # Sorted, so concurrent batches take row locks in one order (no deadlocks on PostgreSQL).
                     dialect = conn.dialect.name
                     conn.execute(
-                        _upsert(dialect, "instances"),
+                        upsert_statement(dialect, "instances"),
                         [{"name": n, "first_seen_ts": a, "last_seen_ts": b} for n, (a, b) in sorted(instances.items())],
                     )
                     conn.execute(
-                        _upsert(dialect, "runs"),
+                        upsert_statement(dialect, "runs"),
                         [
                             {"instance": i, "run_id": r, "first_seen_ts": a, "last_seen_ts": b}
                             for (i, r), (a, b) in sorted(runs.items())

@@ -39,7 +39,7 @@ from sqlalchemy import Engine, insert, select, update
 
 from collector.db import translate_errors
 from collector.errors import CollectorError
-from collector.ingest import _upsert as upsert_statement
+from collector.ingest import upsert_statement
 from collector.schema import ScrapeTarget, SeriesPoint
 from collector.series import Point, labels_json, map_samples
 

@@ -64,7 +64,6 @@ from collector.queries.timeseries import (
     group_key,
     group_sum,
     increase_of,
-    is_ratio_series,
     parse_labels,
     series_points,
 )
@@ -106,7 +105,6 @@ __all__ = [
     "histogram_quantiles",
     "histogram_quantiles_over_time",
     "increase_of",
-    "is_ratio_series",
     "kv_over_time",
     "latency_histogram",
     "latency_percentiles",

@@ -53,11 +53,6 @@ def parse_labels(stored: str) -> Labels:
     return tuple(sorted(json.loads(stored).items())) if stored and stored != _NO_LABELS else ()
 
 
-def is_ratio_series(name: str) -> bool:
-    canonical = CANONICAL.get(name)
-    return canonical is not None and canonical.unit in ("ratio", "bool", "seconds", "celsius")
-
-
 def _engine_sources(name: str, start: float, end: float, instances: Sequence[str] | None) -> list[Select]:
     """SELECT (instance, labels, ts, value) from the engine event tables that hold `name` (no labels)."""
     selects: list[Select] = []

@@ -7,11 +7,19 @@ from typing import Annotated
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Response
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, UrlConstraints
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, UrlConstraints, field_validator
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
+from collector.queries import parse_labels
 from collector.schema import ScrapeTarget
+from collector.scraper import (
+    DEFAULT_SAMPLE_LIMIT,
+    MAX_LABELS,
+    MAX_SAMPLE_LIMIT,
+    TargetLabelsError,
+    validate_target_labels,
+)
 from collector.server.deps import SessionDep, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, ErrorResponse, Rejected
 
@@ -31,6 +39,21 @@ class TargetIn(BaseModel):
     instance: Label | None = Field(None, description="the instance label of the points; default host:port")
     interval_s: float | None = Field(None, ge=1.0, le=86400.0)
     enabled: bool = True
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_LABELS,
+        description="static labels added to every point (Prometheus target labels), e.g. {'node': 'gpu-host-1'}",
+    )
+    sample_limit: int = Field(DEFAULT_SAMPLE_LIMIT, ge=1, le=MAX_SAMPLE_LIMIT, description="series kept per scrape")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        try:
+            validate_target_labels(labels)
+        except TargetLabelsError as exc:
+            raise ValueError(str(exc)) from exc
+        return labels
 
 
 class TargetOut(BaseModel):
@@ -42,11 +65,18 @@ class TargetOut(BaseModel):
     instance: str
     interval_s: float
     enabled: bool
+    labels: dict[str, str]
+    sample_limit: int
     up: bool | None
     last_error: str | None
     last_scrape_at: float | None
     scrape_duration_s: float | None
     created_at: float
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _stored_labels(cls, labels: object) -> object:
+        return dict(parse_labels(labels)) if isinstance(labels, str) else labels
 
 
 @router.post("/targets", status_code=201, response_model=TargetOut, responses=ERROR_RESPONSES)
@@ -59,6 +89,8 @@ def create_target(body: TargetIn, state: StateDep, session: SessionDep) -> Scrap
         instance=body.instance or (parts.netloc or url)[:200],
         interval_s=body.interval_s or state.settings.scrape_default_interval_s,
         enabled=body.enabled,
+        labels=validate_target_labels(body.labels),
+        sample_limit=body.sample_limit,
         created_at=time.time(),
     )
     session.add(target)

@@ -200,6 +200,21 @@ def test_target_crud(client: TestClient) -> None:
     assert client.get("/v1/targets/99", headers=AUTH).status_code == 404
 
 
+def test_target_labels_and_sample_limit(client: TestClient) -> None:
+    body = {"url": "http://127.0.0.1:9400/metrics", "labels": {"node": "gpu-1"}, "sample_limit": 500}
+    created = client.post("/v1/targets", json=body, headers=AUTH)
+    assert created.status_code == 201, created.text
+    assert created.json()["labels"] == {"node": "gpu-1"} and created.json()["sample_limit"] == 500
+    listed = client.get("/v1/targets", headers=AUTH).json()
+    assert listed[0]["labels"] == {"node": "gpu-1"}
+    for bad in ({"__meta": "x"}, {"instance": "x"}, {"node": "x" * 300}, {str(i): "v" for i in range(40)}):
+        refused = client.post("/v1/targets", json={"url": "http://127.0.0.1:9401/m", "labels": bad}, headers=AUTH)
+        assert refused.status_code == 422, bad
+        assert "labels" in refused.text
+    too_many = {"url": "http://127.0.0.1:9401/m", "sample_limit": 0}
+    assert client.post("/v1/targets", json=too_many, headers=AUTH).status_code == 422
+
+
 def test_unmigrated_database_refuses_to_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
     settings = CollectorSettings(db_url=f"sqlite:///{tmp_path / 'new.db'}", scrape_enabled=False)
     with pytest.raises(Exception, match="kvpilot db upgrade"), TestClient(create_app(settings)):
