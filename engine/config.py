@@ -132,6 +132,9 @@ class ServerConfig(_Strict):
     admin_token: str | None = None
     max_prompt_tokens: int = Field(8192, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
+    max_body_bytes: int = Field(
+        2 * 2**20, ge=1024, description="request bodies above this are refused (413) before they are parsed"
+    )
 
 
 class TelemetryConfig(_Strict):

@@ -20,15 +20,17 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.async_engine import AsyncEngine, RequestHandle
+from engine.body_limit import BodyLimitMiddleware
 from engine.config import PRIORITY_CLASSES, ConfigError
 from engine.llm_engine import InvalidRequestError, LLMEngine, QueueFullError
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("kvpilot.engine.server")
+MAX_CHARS_PER_TOKEN = 64
 
 
 class GenerateRequest(BaseModel):
@@ -115,11 +117,23 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
 
     app = FastAPI(title="kvpilot engine", version="1", lifespan=lifespan)
     app.state.kv = state
+    refused = Counter(
+        "kvpilot_http_body_too_large", "requests refused (413) for a body over server.max_body_bytes", registry=registry
+    )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=engine.config.server.max_body_bytes, on_refused=refused.inc)
 
     async def admit(
         state: ServerState, prompt: str, params: SamplingParams, priority: str | int, request_id: str | None
     ) -> RequestHandle:
-        ids = state.engine.tokenizer.encode(prompt)
+        # No tokenizer needs more than MAX_CHARS_PER_TOKEN characters for one token: a prompt longer than
+        # that many per allowed token can never fit, and is refused before tokenizing it.
+        limit = state.engine.config.server.max_prompt_tokens
+        if len(prompt) > limit * MAX_CHARS_PER_TOKEN:
+            raise HTTPException(
+                400, {"field": "prompt", "message": f"prompt of {len(prompt)} characters exceeds {limit} tokens"}
+            )
+        # Tokenizing a long prompt takes a while: off the event loop, so /health and streams stay live.
+        ids = await asyncio.to_thread(state.engine.tokenizer.encode, prompt)
         try:
             return await state.loop.submit(ids, params, priority, request_id)
         except QueueFullError as exc:

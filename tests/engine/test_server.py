@@ -167,3 +167,29 @@ def test_health_and_metrics_text(client: TestClient) -> None:
         pytest.skip("promtool not installed (Debian package `prometheus`)")
     proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_oversized_body_refused_before_parsing_and_engine_stays_live(client: TestClient) -> None:
+    limit = client.app.state.kv.engine.config.server.max_body_bytes
+    huge = b'{"prompt": "' + b"a" * (limit + 10) + b'"}'
+    r = client.post("/generate", content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["detail"]["field"] == "body"
+
+    def chunks():  # no Content-Length: the limit is enforced on the bytes read so far
+        yield b'{"prompt": "'
+        for _ in range(limit // 65536 + 2):
+            yield b"a" * 65536
+        yield b'"}'
+
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    metrics = client.get("/metrics").text
+    assert "kvpilot_http_body_too_large_total 2.0" in metrics
+    # a prompt within the body limit but far beyond any tokenization of max_prompt_tokens: 400, not tokenized
+    cfg = client.app.state.kv.engine.config.server
+    long_prompt = "b" * (cfg.max_prompt_tokens * 64 + 1)
+    if len(long_prompt) + 20 < limit:
+        r = client.post("/generate", json={"prompt": long_prompt, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["detail"]["field"] == "prompt"
+    assert client.get("/health").status_code == 200
+    assert client.post("/generate", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
