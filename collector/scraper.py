@@ -189,6 +189,10 @@ def _target_labels(target: ScrapeTarget) -> dict[str, str]:
     return labels
 
 
+class ScrapeError(CollectorError):
+    """A scrape that failed on our side of the wire: status, size or deadline."""
+
+
 class Scraper:
     def __init__(
         self,
@@ -210,32 +214,51 @@ class Scraper:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvpilot-scrape")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._in_flight: set[int] = set()
 
     # --- one scrape -------------------------------------------------------------------------------
 
-    def _fetch(self, url: str) -> str:
+    def _fetch(self, url: str, deadline_s: float) -> str:
+        """The body, or ScrapeError. The deadline bounds the whole scrape: a target that trickles a byte
+        every second never trips a read timeout, but it cannot hold a scrape past its deadline."""
+        give_up = time.monotonic() + deadline_s
         with self.client.stream("GET", url, headers={"Accept": "text/plain;version=0.0.4"}) as resp:
             if resp.status_code != 200:
-                raise CollectorError(f"HTTP {resp.status_code}")
+                raise ScrapeError(f"HTTP {resp.status_code}")
             chunks, size = [], 0
             for chunk in resp.iter_bytes():
                 size += len(chunk)
                 if size > MAX_SCRAPE_BYTES:
-                    raise CollectorError(f"response larger than {MAX_SCRAPE_BYTES} bytes")
+                    raise ScrapeError(f"response larger than {MAX_SCRAPE_BYTES} bytes")
+                if time.monotonic() > give_up:
+                    raise ScrapeError(f"deadline of {deadline_s:g}s exceeded")
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def deadline_s(self, target: ScrapeTarget) -> float:
+        """A scrape ends within its timeout and within its own interval (as Prometheus's scrape_timeout)."""
+        return max(0.1, min(self.timeout_s, target.interval_s))
 
     def scrape(self, target: ScrapeTarget) -> ScrapeOutcome:
         started = self.clock()
         t0 = time.perf_counter()
         error: str | None = None
         points: list[Point] = []
+        detail: str | None = None
+        # `error` (stored, shown to anyone who lists targets) names only the class of failure and the
+        # HTTP status: never the upstream's text (a page that is not an exposition would be echoed) nor
+        # the socket error's words (which tell a visitor what listens on a port). The log has the detail.
         try:
-            points = map_samples(parse_exposition(self._fetch(target.url)))
+            points = map_samples(parse_exposition(self._fetch(target.url, self.deadline_s(target))))
+        except httpx.TimeoutException as exc:
+            error, detail = "timeout", f"{type(exc).__name__}: {exc}"
         except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        except (CollectorError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            error, detail = "connection failed", f"{type(exc).__name__}: {exc}"
+        except ScrapeError as exc:
+            error = detail = str(exc)
+        except ValueError as exc:
+            error, detail = "not a Prometheus text exposition", f"{type(exc).__name__}: {exc}"
         duration = time.perf_counter() - t0
         up = error is None
         static = _target_labels(target)
@@ -269,7 +292,7 @@ class Scraper:
                 .values(up=up, last_error=health_error, last_scrape_at=started, scrape_duration_s=duration)
             )
         if error:
-            log.warning("scrape of %s failed: %s", target.url, error)
+            log.warning("scrape of %s failed: %s", target.url, detail)
         elif n_dropped:
             log.warning(
                 "scrape of %s (instance %s): dropped %d of %d series, sample_limit %d: %s",
@@ -301,10 +324,33 @@ class Scraper:
         due = self.due_targets(self.clock() if now is None else now)
         return list(self._pool.map(self.scrape, due))
 
+    def submit_due(self, now: float | None = None) -> int:
+        """Start a scrape of every due target that is not being scraped already, without waiting for any:
+        each target runs on its own schedule, so a slow one delays nobody else. Returns how many started."""
+        due = self.due_targets(self.clock() if now is None else now)
+        started = 0
+        with self._lock:
+            for target in due:
+                if target.id in self._in_flight:
+                    continue
+                self._in_flight.add(target.id)
+                self._pool.submit(self._scrape_tracked, target)
+                started += 1
+        return started
+
+    def _scrape_tracked(self, target: ScrapeTarget) -> None:
+        try:
+            self.scrape(target)
+        except CollectorError as exc:
+            log.error("storing the scrape of %s failed: %s", target.url, exc)
+        finally:
+            with self._lock:
+                self._in_flight.discard(target.id)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.run_once()
+                self.submit_due()
             except CollectorError as exc:
                 log.error("scrape round failed: %s", exc)
             self._stop.wait(self.tick_s)
@@ -319,7 +365,8 @@ class Scraper:
         if self._thread is not None:
             self._thread.join(timeout=self.timeout_s + 2)
             self._thread = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Scrapes in flight end within their deadline: wait for them, so none writes after stop().
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self.client.close()
 
 

@@ -9,6 +9,7 @@ import http.server
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,6 +44,18 @@ class _Exporter(http.server.BaseHTTPRequestHandler):
     pages: ClassVar[dict[str, tuple[int, str]]] = {}
 
     def do_GET(self) -> None:
+        if self.path == "/trickle":  # a byte every 0.3 s, forever: never trips a read timeout
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            try:
+                for _ in range(100):
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            except OSError:
+                pass
+            return
         status, body = self.pages.get(self.path, (404, "not found"))
         data = body.encode()
         self.send_response(status)
@@ -172,7 +185,10 @@ def test_scraper_stores_labelled_series_and_health(db_engine: Engine, exporter: 
     assert health.up is True and health.last_error is None and health.last_scrape_at == NOW
     assert health.scrape_duration_s is not None
     dead = target_row(db_engine, "dead")
-    assert dead.up is False and "Connect" in (dead.last_error or "")
+    # Health names the class of failure, never the upstream's text or the socket error (port mapping).
+    assert dead.up is False and dead.last_error == "connection failed"
+    assert target_row(db_engine, "broken").last_error == "not a Prometheus text exposition"
+    assert "oops" not in (target_row(db_engine, "err").last_error or "")
     with db_engine.connect() as conn:
         instances = {r.name: r for r in conn.execute(select(Instance.__table__)).all()}
     assert set(instances) == {"vllm-0", "vllm-1", "sglang-0", "node-0", "broken", "err", "dead"}
@@ -280,3 +296,22 @@ def test_validate_target_labels() -> None:
     for bad_limit in (0, -1, 10**7, True):
         with pytest.raises(TargetLabelsError):
             validate_sample_limit(bad_limit)  # type: ignore[arg-type]
+
+
+def test_a_trickling_target_neither_outlives_its_deadline_nor_delays_others(db_engine: Engine, exporter: str) -> None:
+    add_targets(
+        db_engine,
+        {"url": f"{exporter}/trickle", "instance": "slow", "interval_s": 1.0},
+        {"url": f"{exporter}/dcgm", "instance": "fast", "interval_s": 1.0},
+    )
+    scraper = Scraper(db_engine, timeout_s=1.0, tick_s=0.1)
+    scraper.start()
+    try:
+        time.sleep(3.5)
+    finally:
+        scraper.stop()
+    fast = [v for n, _, _, v in stored(db_engine, instance="fast", name="up")]
+    slow = target_row(db_engine, "slow")
+    assert len(fast) >= 3, fast  # about one scrape a second, while the slow target hangs on
+    assert slow.up is False and slow.last_error == "deadline of 1s exceeded"
+    assert slow.scrape_duration_s < 2.0
