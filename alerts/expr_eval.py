@@ -145,13 +145,13 @@ class Evaluator:
         out: Vector = {}
         if name == "quantile_over_time":
             q = self._scalar(node.args[0], ts)
-            for labels, (_times, values) in series:
+            for labels, _pts, values in series:
                 out[drop_name(labels)] = quantile(q, values)
             return out
         end = ts - matrix_node.selector.offset_s
         keep_name = name == "last_over_time"
-        for labels, (times, values) in series:
-            value = range_value(name, times, values, end, matrix_node.range_s)
+        for labels, pts, values in series:
+            value = range_value(name, pts, values, end, matrix_node.range_s)
             if value is not None:
                 out[labels if keep_name else drop_name(labels)] = value
         return out

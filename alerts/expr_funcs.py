@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from alerts.expr_ast import Aggregate
-from alerts.expr_values import NAME, EvalError, Labels, Vector, drop_name
+from alerts.expr_values import NAME, EvalError, Labels, Points, Vector, drop_name
 from collector.histograms import bucket_quantile, parse_le
 
 RANGE_FUNCS = frozenset(
@@ -31,7 +31,7 @@ RANGE_FUNCS = frozenset(
 )
 
 
-def range_value(name: str, times: Sequence[float], values: Sequence[float], end: float, range_s: float) -> float | None:
+def range_value(name: str, pts: Points, values: list[float], end: float, range_s: float) -> float | None:
     """The range function `name` over one series' samples in [end - range_s, end] (at least one)."""
     if name == "avg_over_time":
         return math.fsum(values) / len(values)
@@ -48,15 +48,15 @@ def range_value(name: str, times: Sequence[float], values: Sequence[float], end:
     if name == "irate":
         if len(values) < 2:
             return None
-        t0, t1, v0, v1 = times[-2], times[-1], values[-2], values[-1]
+        (t0, v0), (t1, v1) = pts[-2], pts[-1]
         delta = v1 - v0 if v1 >= v0 else v1
         return delta / (t1 - t0) if t1 > t0 else None
-    return _extrapolated(times, values, end - range_s, end, range_s, is_counter=name != "delta", is_rate=name == "rate")
+    return _extrapolated(pts, values, end - range_s, end, range_s, is_counter=name != "delta", is_rate=name == "rate")
 
 
 def _extrapolated(
-    times: Sequence[float],
-    values: Sequence[float],
+    pts: Points,
+    values: list[float],
     range_start: float,
     range_end: float,
     range_s: float,
@@ -66,8 +66,7 @@ def _extrapolated(
 ) -> float | None:
     if len(values) < 2:
         return None
-    first_t, last_t = times[0], times[-1]
-    first_v, last_v = values[0], values[-1]
+    (first_t, first_v), (last_t, last_v) = pts[0], pts[-1]
     result = last_v - first_v
     if is_counter:
         previous = 0.0

@@ -19,8 +19,6 @@ from alerts.expr_ast import Matcher, MatrixSelector, VectorSelector
 from alerts.expr_values import NAME, Labels, Points, Vector, is_stale, with_name
 from alerts.series_catalog import resolve
 
-Samples = tuple[Sequence[float], Sequence[float]]  # (timestamps, values), oldest first
-
 
 class _Source(Protocol):
     def points(
@@ -66,8 +64,8 @@ def instant_timestamps(source: _Source, sel: VectorSelector, ts: float, lookback
     return out
 
 
-def matrix(source: _Source, node: MatrixSelector, ts: float) -> list[tuple[Labels, Samples]]:
-    """Samples in the closed range [t - range, t] of each series, stale markers left out."""
+def matrix(source: _Source, node: MatrixSelector, ts: float) -> list[tuple[Labels, Points, list[float]]]:
+    """Samples in the closed range [t - range, t] of each series, stale markers left out, and their values."""
     sel = node.selector
     end = ts - sel.offset_s
     start = end - node.range_s
@@ -75,13 +73,13 @@ def matrix(source: _Source, node: MatrixSelector, ts: float) -> list[tuple[Label
     for labels, pts in fetch(source, sel, start, end):
         if not pts:
             continue
-        times, values = zip(*pts, strict=True)
-        if math.isnan(sum(values)) or times[0] < start or times[-1] > end:  # rare: filter point by point
-            kept = [(t, v) for t, v in pts if start <= t <= end and not is_stale(v)]
-            if not kept:
+        values = [v for _, v in pts]
+        if math.isnan(sum(values)) or pts[0][0] < start or pts[-1][0] > end:  # rare: filter point by point
+            pts = [(t, v) for t, v in pts if start <= t <= end and not is_stale(v)]
+            if not pts:
                 continue
-            times, values = zip(*kept, strict=True)
-        result.append((with_name(sel.name, labels), (times, values)))
+            values = [v for _, v in pts]
+        result.append((with_name(sel.name, labels), pts, values))
     return result
 
 

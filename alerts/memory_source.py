@@ -7,9 +7,9 @@ keeps working for one series per instance; `labels=` adds the others (gpu, model
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 from collections.abc import Sequence
-from itertools import pairwise
 
 from alerts.expr_values import Labels, Points, as_labels
 
@@ -40,13 +40,13 @@ class MemorySource:
         points: Sequence[tuple[float, float]],
         labels: dict[str, str] | None = None,
     ) -> None:
+        new_times = [ts for ts, _ in points]
         with self._lock:
             times, values = self._get(name, instance, labels)
-            if all(a[0] <= b[0] for a, b in pairwise(points)) and (
-                not times or not points or points[0][0] >= times[-1]
-            ):
-                times.extend(ts for ts, _ in points)
-                values.extend(value for _, value in points)
+            in_order = all(map(operator.le, new_times, new_times[1:]))
+            if in_order and (not times or not new_times or new_times[0] >= times[-1]):
+                times.extend(new_times)
+                values.extend([value for _, value in points])
                 return
         for ts, value in points:
             self.add(name, instance, ts, value, labels)
