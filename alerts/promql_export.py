@@ -2,8 +2,11 @@
 
 Plain canonical series are renamed through collector.series's kvpilot mappings (`queue_depth` ->
 `kvpilot_queue_depth`); series that only exist derived in kvpilot get their PromQL definition
-(`memory_usage` -> used / total); a range over a derived series becomes a subquery. The result is a
-rule file that `promtool check rules` accepts and a stock Prometheus + Alertmanager can run.
+(`memory_usage` -> used / total); a range over a derived series becomes a subquery. External names a
+rule was written with (`vllm:num_requests_waiting`, `DCGM_FI_DEV_FB_USED`) stay as written: the exporter
+publishes them, in the unit the rule reads them in. Vector matching (`on`, `ignoring`, `group_left`,
+`group_right`) is copied as is. The result is a rule file that `promtool check rules` accepts and a stock
+Prometheus + Alertmanager can run.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@
 
 As promtool does: every group is evaluated at each evaluation_interval step from 0 to the last eval_time,
 and an alert test at eval_time compares the *firing* alerts of the last step at or before it.
+
+Input series keep every label (`memory_usage{instance="n1", gpu="0", UUID="GPU-..."}`): each label set is
+its own series, as the collector stores them. An input named externally (`DCGM_FI_DEV_FB_USED` in MiB) is
+stored as the scraper would store it: under its canonical series, in base units.
 """
 
 from __future__ import annotations
