@@ -117,13 +117,11 @@ def _throughput(instances: int, rounds: int, gpus: int = 0) -> dict:
     names = {s.name for r in rules for s in selectors(r.expr)}
     source = MemorySource()
     now = 1_800_000_000.0
-    label_sets = [{}] if not gpus else [{"gpu": str(g), "node": ""} for g in range(gpus)]
     for i in range(instances):
         instance = f"engine-{i}"
+        label_sets = [{"gpu": str(g), "node": f"node-{i}"} for g in range(gpus)] if gpus else [{}]
         for name in names:
             for g, labels in enumerate(label_sets):
-                if gpus:
-                    labels = {**labels, "node": f"node-{i}"}
                 if name == "ttft_p99_seconds":
                     points = [(now - 86400 - 900 + k * 60.0, 0.1 + 0.001 * ((k + g) % 7)) for k in range(1456)]
                 else:
@@ -133,7 +131,7 @@ def _throughput(instances: int, rounds: int, gpus: int = 0) -> dict:
                         for k in range(361)
                     ]
                 source.add_many(name, instance, points, labels)
-    series = instances * len(label_sets)
+    series = instances * max(gpus, 1)
     evaluated = 0
     started = time.perf_counter()
     for r in range(rounds):
