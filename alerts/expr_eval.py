@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 from alerts.expr_ast import Aggregate, Binary, Call, MatrixSelector, Node, NumberLiteral, Paren, Unary, VectorSelector
 from alerts.expr_funcs import ELEMENTWISE, RANGE_FUNCS, aggregate, histogram_quantile, quantile, range_value, unique
@@ -26,6 +25,7 @@ from alerts.expr_values import (
     EvalError,
     Labels,
     Points,
+    SeriesSource,
     Vector,
     drop_name,
     is_stale,
@@ -48,18 +48,6 @@ __all__ = [
     "labels_dict",
 ]
 LOOKBACK_S = 300.0
-
-
-@runtime_checkable
-class SeriesSource(Protocol):
-    def points(
-        self, name: str, start: float, end: float, instances: Sequence[str] | None = None
-    ) -> dict[Labels, Points]:
-        """Samples of canonical series `name` with start <= ts <= end, one entry per label set, oldest first.
-
-        A label set is sorted (name, value) pairs with an `instance` and never `__name__`; `instances`
-        is a hint: the caller filters again, a source may return more.
-        """
 
 
 class CachingSource:

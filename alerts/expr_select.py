@@ -11,22 +11,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
 from functools import cache
-from typing import Protocol
 
 from alerts.expr_ast import Matcher, MatrixSelector, VectorSelector
-from alerts.expr_values import NAME, Labels, Points, Vector, is_stale, with_name
+from alerts.expr_values import NAME, Labels, Points, SeriesSource, Vector, is_stale, with_name
 from alerts.series_catalog import resolve
 
 
-class _Source(Protocol):
-    def points(
-        self, name: str, start: float, end: float, instances: Sequence[str] | None = None
-    ) -> dict[Labels, Points]: ...
-
-
-def fetch(source: _Source, sel: VectorSelector, start: float, end: float) -> list[tuple[Labels, Points]]:
+def fetch(source: SeriesSource, sel: VectorSelector, start: float, end: float) -> list[tuple[Labels, Points]]:
     """The selector's series with samples in [start, end], in the written name's unit."""
     resolved = resolve(sel.name)
     exact = [m.value for m in sel.matchers if m.label == "instance" and m.op == "="]
@@ -38,7 +30,7 @@ def fetch(source: _Source, sel: VectorSelector, start: float, end: float) -> lis
     return out
 
 
-def instant(source: _Source, sel: VectorSelector, ts: float, lookback_s: float) -> Vector:
+def instant(source: SeriesSource, sel: VectorSelector, ts: float, lookback_s: float) -> Vector:
     """The newest sample in (t - lookback, t] of each series, unless that sample is a stale marker."""
     t = ts - sel.offset_s
     out: Vector = {}
@@ -51,7 +43,7 @@ def instant(source: _Source, sel: VectorSelector, ts: float, lookback_s: float) 
     return out
 
 
-def instant_timestamps(source: _Source, sel: VectorSelector, ts: float, lookback_s: float) -> Vector:
+def instant_timestamps(source: SeriesSource, sel: VectorSelector, ts: float, lookback_s: float) -> Vector:
     """timestamp(selector): the time of the sample `instant` would pick, the name dropped."""
     t = ts - sel.offset_s
     out: Vector = {}
@@ -64,7 +56,7 @@ def instant_timestamps(source: _Source, sel: VectorSelector, ts: float, lookback
     return out
 
 
-def matrix(source: _Source, node: MatrixSelector, ts: float) -> list[tuple[Labels, Points, list[float]]]:
+def matrix(source: SeriesSource, node: MatrixSelector, ts: float) -> list[tuple[Labels, Points, list[float]]]:
     """Samples in the closed range [t - range, t] of each series, stale markers left out, and their values."""
     sel = node.selector
     end = ts - sel.offset_s

@@ -1,4 +1,5 @@
-"""The values expressions compute: label sets, instant vectors, sample lists, and the error evaluation raises.
+"""The values expressions compute (label sets, instant vectors, sample lists), the source they are read from,
+and the error evaluation raises.
 
 A label set is a tuple of (name, value) pairs sorted by name, so equal sets are equal tuples and can key a
 dict. Label values are never empty (Prometheus: an empty value is the label's absence). The series name is
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 Labels = tuple[tuple[str, str], ...]
 Vector = dict[Labels, float]
@@ -16,6 +19,18 @@ Points = list[tuple[float, float]]
 NAME = "__name__"
 STALE_NAN = struct.unpack(">d", bytes.fromhex("7ff0000000000002"))[0]
 _STALE_BITS = b"\x7f\xf0\x00\x00\x00\x00\x00\x02"
+
+
+@runtime_checkable
+class SeriesSource(Protocol):
+    def points(
+        self, name: str, start: float, end: float, instances: Sequence[str] | None = None
+    ) -> dict[Labels, Points]:
+        """Samples of canonical series `name` with start <= ts <= end, one entry per label set, oldest first.
+
+        A label set is sorted (name, value) pairs with an `instance` and never `__name__`; `instances`
+        is a hint: the caller filters again, a source may return more.
+        """
 
 
 class EvalError(RuntimeError):
