@@ -64,6 +64,8 @@ class Binary(Node):
     return_bool: bool = False
     on: tuple[str, ...] | None = None
     ignoring: tuple[str, ...] | None = None
+    group: str | None = None  # "left" | "right": many-to-one / one-to-many matching
+    include: tuple[str, ...] = ()  # labels group_left/right copy from the "one" side
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,7 @@ FUNCTIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "count_over_time": (("matrix",), "vector"),
     "last_over_time": (("matrix",), "vector"),
     "quantile_over_time": (("scalar", "matrix"), "vector"),
+    "histogram_quantile": (("scalar", "vector"), "vector"),
     "absent_over_time": (("matrix",), "vector"),
     "abs": (("vector",), "vector"),
     "ceil": (("vector",), "vector"),

@@ -2,15 +2,18 @@
 
 Grammar (a PromQL subset, precedence lowest first: `or`; `and` `unless`; comparisons; `+ -`; `* / %`; `^`):
 
-    expr      := expr binop [bool] [on(l,...) | ignoring(l,...)] expr | unary
+    expr      := expr binop [bool] [(on|ignoring)(l,...) [(group_left|group_right) [(l,...)]]] expr | unary
     unary     := ('-' | '+') unary | primary
     primary   := NUMBER | Inf | NaN | '(' expr ')' | call | aggregate | selector
     selector  := NAME ['{' label op "value", ... '}'] ['[' DURATION ']'] [offset DURATION]
+                 (any label; NAME may contain ':' as vllm:num_requests_waiting does)
     call      := FUNC '(' [expr, ...] ')'
     aggregate := AGG [by|without (l,...)] '(' [scalar ','] expr ')' [by|without (l,...)]
 """
 
 from __future__ import annotations
+
+import re
 
 from alerts.durations import DurationError, parse_duration
 from alerts.expr_ast import (
@@ -51,7 +54,7 @@ _PRECEDENCE = {
 }
 _UNARY_PRECEDENCE = 5  # as PromQL: -a*b is (-a)*b, -a^b is -(a^b)
 _MATCH_OPS = ("=", "!=", "=~", "!~")
-ALLOWED_LABELS = frozenset({"instance"})
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 def parse_expr(text: str) -> Node:
@@ -125,17 +128,25 @@ class _Parser:
                 if op not in COMPARISONS:
                     raise ExprSyntaxError("bool modifier is only allowed on comparisons", **_pos(bool_tok))
                 return_bool = True
-            on = ignoring = None
+            on = ignoring = group = None
+            include: tuple[str, ...] = ()
             if self.peek().kind == "KEYWORD" and self.peek().text in ("on", "ignoring"):
                 which = self.advance().text
                 labels = self.label_list()
                 on, ignoring = (labels, None) if which == "on" else (None, labels)
             if self.peek().kind == "KEYWORD" and self.peek().text in ("group_left", "group_right"):
-                tok = self.peek()
-                raise ExprSyntaxError(f"{tok.text} (many-to-one matching) is not supported", **_pos(tok))
+                group_tok = self.advance()
+                if on is None and ignoring is None:
+                    raise ExprSyntaxError(
+                        f"{group_tok.text} needs on(...) or ignoring(...) before it", **_pos(group_tok)
+                    )
+                group = group_tok.text.removeprefix("group_")
+                if self.peek().kind == "OP" and self.peek().text == "(":
+                    include = self.label_list()
             next_min = _PRECEDENCE[op] if op == "^" else _PRECEDENCE[op] + 1
             rhs = self.expression(next_min)
-            lhs = self._check_binary(Binary(op, lhs, rhs, return_bool, on, ignoring, **_pos(op_tok)))
+            node = Binary(op, lhs, rhs, return_bool, on, ignoring, group, include, **_pos(op_tok))
+            lhs = self._check_binary(node)
 
     def _check_binary(self, node: Binary) -> Binary:
         lt, rt = value_type(node.lhs), value_type(node.rhs)
@@ -153,6 +164,13 @@ class _Parser:
             raise ExprSyntaxError("comparisons between scalars must use the bool modifier", node.line, node.column)
         if (node.on is not None or node.ignoring is not None) and (lt != "vector" or rt != "vector"):
             raise ExprSyntaxError("on/ignoring only apply between two vectors", node.line, node.column)
+        if node.group is not None and node.op in SET_OPS:
+            raise ExprSyntaxError(f'no grouping allowed for "{node.op}" operation', node.line, node.column)
+        for label in node.include if node.on is not None else ():
+            if label in node.on:  # type: ignore[operator]
+                raise ExprSyntaxError(
+                    f"label {label!r} must not occur in ON and GROUP clause at once", node.line, node.column
+                )
         return node
 
     def label_list(self) -> tuple[str, ...]:
@@ -160,7 +178,7 @@ class _Parser:
         labels: list[str] = []
         while not (self.peek().kind == "OP" and self.peek().text == ")"):
             tok = self.peek()
-            if tok.kind not in ("IDENT", "KEYWORD"):
+            if tok.kind not in ("IDENT", "KEYWORD") or not _LABEL_NAME.fullmatch(tok.text):
                 raise ExprSyntaxError(f"expected a label name, found {_describe(tok)}", **_pos(tok))
             labels.append(self.advance().text)
             if self.peek().kind == "OP" and self.peek().text == ",":
@@ -288,22 +306,15 @@ class _Parser:
             self.advance()
             while not (self.peek().kind == "OP" and self.peek().text == "}"):
                 label_tok = self.peek()
-                if label_tok.kind not in ("IDENT", "KEYWORD"):
+                if label_tok.kind not in ("IDENT", "KEYWORD") or not _LABEL_NAME.fullmatch(label_tok.text):
                     raise ExprSyntaxError(f"expected a label name, found {_describe(label_tok)}", **_pos(label_tok))
                 self.advance()
-                if label_tok.text not in ALLOWED_LABELS:
-                    raise ExprSyntaxError(
-                        f"unknown label {label_tok.text!r}: canonical series carry only {sorted(ALLOWED_LABELS)}",
-                        **_pos(label_tok),
-                    )
                 op_tok = self.peek()
                 if op_tok.kind != "OP" or op_tok.text not in _MATCH_OPS:
                     raise ExprSyntaxError(f"expected one of = != =~ !~, found {_describe(op_tok)}", **_pos(op_tok))
                 self.advance()
                 value_tok = self.expect("STRING", what="a quoted label value")
                 if op_tok.text in ("=~", "!~"):
-                    import re
-
                     try:
                         re.compile(value_tok.text)
                     except re.error as exc:

@@ -2,8 +2,11 @@
 
 Plain canonical series are renamed through collector.series's kvpilot mappings (`queue_depth` ->
 `kvpilot_queue_depth`); series that only exist derived in kvpilot get their PromQL definition
-(`memory_usage` -> used / total); a range over a derived series becomes a subquery. The result is a
-rule file that `promtool check rules` accepts and a stock Prometheus + Alertmanager can run.
+(`memory_usage` -> used / total); a range over a derived series becomes a subquery. External names a
+rule was written with (`vllm:num_requests_waiting`, `DCGM_FI_DEV_FB_USED`) stay as written: the exporter
+publishes them, in the unit the rule reads them in. Vector matching (`on`, `ignoring`, `group_left`,
+`group_right`) is copied as is. The result is a rule file that `promtool check rules` accepts and a stock
+Prometheus + Alertmanager can run.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from alerts.expr_ast import (
     Unary,
     VectorSelector,
 )
+from alerts.expr_parser import parse_expr
 from alerts.rules import RuleGroup
+from alerts.series_catalog import external_names, known_series
 from alerts.templates import go_format
 from collector.series import MAPPINGS
 
@@ -44,6 +49,8 @@ def _renames() -> dict[str, str]:
     for mapping in MAPPINGS:
         if mapping.source == "kvpilot" and mapping.scale == 1.0:
             names.setdefault(mapping.canonical, mapping.external)
+            if mapping.canonical.endswith("_count") and mapping.external.endswith("_count"):
+                names.setdefault(mapping.canonical[:-6] + "_bucket", mapping.external[:-6] + "_bucket")
     return names
 
 
@@ -61,6 +68,11 @@ DERIVED: dict[str, Callable[[str], str]] = {
 
 def is_plain_rename(name: str) -> bool:
     return name in RENAMES and name not in DERIVED
+
+
+def is_external(name: str) -> bool:
+    """An exporter's own name (vllm:..., DCGM_...): exported as written, a stock Prometheus scrapes it."""
+    return name not in known_series() and name in external_names()
 
 
 def _matchers(matchers: tuple[Matcher, ...]) -> str:
@@ -116,11 +128,15 @@ def to_promql(node: Node) -> str:
             modifiers += f" on ({', '.join(node.on)})"
         elif node.ignoring is not None:
             modifiers += f" ignoring ({', '.join(node.ignoring)})"
+        if node.group is not None:
+            modifiers += f" group_{node.group}" + (f" ({', '.join(node.include)})" if node.include else "")
         return f"{to_promql(node.lhs)} {node.op}{modifiers} {to_promql(node.rhs)}"
     raise ExportError(f"cannot export {type(node).__name__}")
 
 
 def _renamed(name: str) -> str:
+    if is_external(name):
+        return name
     if name not in RENAMES:
         raise ExportError(f"series {name!r} has no /metrics equivalent to export to PromQL")
     return RENAMES[name]
@@ -175,6 +191,8 @@ def promtool_test_inputs(series: str, values: str) -> list[tuple[str, str]] | No
     """
     from alerts.promtest import expand_values
 
+    if is_external(series):
+        return [(series, values)]
     if is_plain_rename(series):
         return [(RENAMES[series], values)]
     if series == "memory_usage":
@@ -184,7 +202,8 @@ def promtool_test_inputs(series: str, values: str) -> list[tuple[str, str]] | No
 
 
 def promtool_test_file(test_doc: dict[str, Any], exported_rules: str) -> dict[str, Any] | None:
-    """A promtool test document over exported rules, or None if some input series cannot be translated."""
+    """A promtool test document over exported rules, or None if some input series or expression test
+    cannot be translated (an expected sample named after a derived series: PromQL's result has no name)."""
     from alerts.promtest import parse_series
 
     out = dict(test_doc)
@@ -197,10 +216,38 @@ def promtool_test_file(test_doc: dict[str, Any], exported_rules: str) -> dict[st
             translated = promtool_test_inputs(name, str(entry.get("values", "")))
             if translated is None:
                 return None
-            label_text = ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-            new_inputs.extend({"series": f"{metric}{{{label_text}}}", "values": vals} for metric, vals in translated)
+            new_inputs.extend({"series": _series_text(metric, labels), "values": vals} for metric, vals in translated)
         new_test = dict(test, input_series=new_inputs)
-        new_test.pop("promql_expr_test", None)
+        if test.get("promql_expr_test"):
+            cases = [_expr_case(case) for case in test["promql_expr_test"]]
+            if any(case is None for case in cases):
+                return None
+            new_test["promql_expr_test"] = cases
         tests.append(new_test)
     out["tests"] = tests
     return out
+
+
+def _series_text(name: str, labels: dict[str, str]) -> str:
+    label_text = ", ".join(f"{k}={_quote(v)}" for k, v in sorted(labels.items()))
+    return f"{name}{{{label_text}}}"
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _expr_case(case: dict[str, Any]) -> dict[str, Any] | None:
+    """One promql_expr_test over /metrics names: the expression exported, expected names renamed."""
+    from alerts.promtest import parse_series
+
+    samples = []
+    for sample in case.get("exp_samples") or []:
+        text = str(sample.get("labels", "") or "").strip()
+        if text and not text.startswith("{"):
+            name, labels = parse_series(text)
+            if name in DERIVED or not (is_external(name) or name in RENAMES):
+                return None
+            text = _series_text(_renamed(name), labels)
+        samples.append(dict(sample, labels=text))
+    return dict(case, expr=to_promql(parse_expr(str(case.get("expr", "")))), exp_samples=samples)

@@ -18,6 +18,10 @@
 
 As promtool does: every group is evaluated at each evaluation_interval step from 0 to the last eval_time,
 and an alert test at eval_time compares the *firing* alerts of the last step at or before it.
+
+Input series keep every label (`memory_usage{instance="n1", gpu="0", UUID="GPU-..."}`): each label set is
+its own series, as the collector stores them. An input named externally (`DCGM_FI_DEV_FB_USED` in MiB) is
+stored as the scraper would store it: under its canonical series, in base units.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from pathlib import Path
 import yaml
 
 from alerts.durations import DurationError, format_duration, parse_duration
-from alerts.expr_eval import STALE_NAN, EvalError, Evaluator
+from alerts.expr_eval import STALE_NAN, EvalError, Evaluator, is_stale
 from alerts.expr_lexer import ExprSyntaxError
 from alerts.expr_parser import parse_expr
 from alerts.memory_source import MemorySource
 from alerts.rules import RuleFileError, RuleGroup, load_rule_files
+from alerts.series_catalog import resolve
 from alerts.state import RuleState
 from alerts.templates import go_format
 
@@ -173,18 +178,7 @@ def _run_group(test: dict, number: int, groups: list[RuleGroup], eval_interval: 
     interval = _duration(test.get("interval", format_duration(eval_interval)), f"test {name}: interval")
     external_labels = {str(k): str(v) for k, v in (test.get("external_labels") or {}).items()}
     external_url = str(test.get("external_url") or "")
-    source = MemorySource()
-    for entry in test.get("input_series") or []:
-        series, labels = parse_series(str(entry.get("series", "")))
-        extra = set(labels) - {"instance"}
-        if extra:
-            raise TestFileError(
-                f"test {name}: series {entry.get('series')!r}: only the 'instance' label exists on "
-                f"canonical series, got {sorted(extra)}"
-            )
-        for i, value in enumerate(expand_values(entry.get("values", ""))):
-            if value is not None:
-                source.add(series, labels.get("instance", ""), i * interval, value)
+    source = load_input_series(test.get("input_series") or [], interval, name)
     evaluator = Evaluator(source)
     alert_tests: dict[float, list[dict]] = {}
     for case in test.get("alert_rule_test") or []:
@@ -218,6 +212,23 @@ def _run_group(test: dict, number: int, groups: list[RuleGroup], eval_interval: 
             current += 1
     for case in expr_tests:
         _check_expr(case, evaluator, name, report)
+
+
+def load_input_series(entries: list[dict], interval: float, test_name: str) -> MemorySource:
+    """Input series with all their labels. An external name is stored as the collector stores it: under
+    its canonical series, scaled to base units (DCGM_FI_DEV_FB_USED in MiB -> memory_used_bytes)."""
+    source = MemorySource()
+    for entry in entries:
+        series, labels = parse_series(str(entry.get("series", "")))
+        if "__name__" in labels:
+            raise TestFileError(f"test {test_name}: series {entry.get('series')!r}: give the name before '{{'")
+        resolved = resolve(series)
+        instance = labels.pop("instance", "")
+        for i, value in enumerate(expand_values(entry.get("values", ""))):
+            if value is not None:
+                stored = value if resolved.scale == 1.0 or is_stale(value) else value * resolved.scale
+                source.add(resolved.canonical, instance, i * interval, stored, labels)
+    return source
 
 
 def _fmt_alerts(items: list[tuple[dict, dict]]) -> str:

@@ -13,6 +13,20 @@
 
 A file with any error yields no rules at all (`RuleFileError` lists every problem), so a bad edit never
 leaves an evaluator half-loaded. Recording rules (`record:`) are refused with a clear message.
+
+Rules evaluate per label set, as Prometheus's do: `memory_usage > 0.9` fires once per GPU, with the
+GPU's labels (gpu, UUID, Hostname, ...) in the alert. Selectors may match any label.
+
+Series names. A selector names a canonical series (`kvpilot alerts check --list-series`) or an external
+name the collector maps to one (collector.series.BY_EXTERNAL: `vllm:num_requests_waiting`,
+`sglang:num_queue_reqs`, `DCGM_FI_DEV_FB_USED`, `kvpilot_kv_usage`; `<name>_bucket` wherever the
+histogram's `<name>_count` is mapped). An external name is an alias of its canonical series: it reads
+every engine's samples of that series, not only the ones that engine's exporter reported (add a matcher
+such as `{instance=~"vllm-.*"}` to narrow it). Where the mapping converts units (DCGM's FB_* in MiB ->
+bytes, GPU_UTIL percent -> ratio), values are converted back: the rule reads the name in the unit its
+exporter uses, so `DCGM_FI_DEV_FB_USED > 70000` means 70000 MiB, as the author wrote it (and as the same
+rule means on a stock Prometheus; `kvpilot alerts export-prometheus` keeps external names as written).
+An unknown name is an error naming the closest canonical and external names.
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ from alerts.durations import DurationError, parse_duration
 from alerts.expr_ast import Node, selectors, value_type
 from alerts.expr_lexer import ExprSyntaxError
 from alerts.expr_parser import parse_expr
-from alerts.series_catalog import known_series
+from alerts.series_catalog import is_known, unknown_series_hint
 from alerts.templates import Template, TemplateError, compile_template
 
 BUILTIN_RULES = Path(__file__).resolve().parent / "rules" / "builtin.yml"
@@ -271,15 +285,12 @@ def _parse_rule_expr(text: str, node: yaml.ScalarNode, filename: str, rule: str,
             "(compare a series, e.g. 'x > 1')"
         )
         return None
-    known = known_series()
     for sel in selectors(expr):
-        if sel.name not in known:
-            import difflib
-
-            close = difflib.get_close_matches(sel.name, sorted(known), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else "; see `kvpilot alerts check --list-series`"
+        if not is_known(sel.name):
             line, column = _file_position(node, sel.line, sel.column)
-            problems.append(f"{filename}:{line}:{column}: rule {rule!r}: unknown series {sel.name!r}{hint}")
+            problems.append(
+                f"{filename}:{line}:{column}: rule {rule!r}: unknown series {sel.name!r}{unknown_series_hint(sel.name)}"
+            )
     return expr
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from alerts.alertmanager import generator_url
+from alerts.alertmanager import generator_url, labelset_string
 from alerts.config import NotifierConfig, webhook_config
 from alerts.delivery import DeliveryWorker
 from alerts.dispatch import Dispatcher, NotifyAlert, notifiable
@@ -191,7 +191,7 @@ class AlertEvaluator:
                             log.info(
                                 "alert %s %s: %s -> %s",
                                 rule.name,
-                                t.alert.labels.get("instance", ""),
+                                labelset_string(t.alert.labels),
                                 t.old_state,
                                 "dropped" if t.dropped else t.new_state,
                             )

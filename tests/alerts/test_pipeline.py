@@ -223,3 +223,59 @@ def test_an_alert_that_fires_again_after_resolving_pages_again(config_for, make_
     with ev.factory() as s:
         keys = s.execute(select(AlertNotification.idempotency_key)).scalars().all()
         assert len(keys) == len(set(keys)) == 3
+
+
+GPU_RULES = """
+groups:
+  - name: gpus
+    interval: 10s
+    rules:
+      - alert: MemoryPressure
+        expr: memory_usage > 0.9
+        for: 30s
+        labels: {severity: page}
+"""
+
+
+def test_each_gpu_has_its_own_for_state_notification_and_silence(config_for, make_evaluator, sink, clock):
+    """One DCGM instance, three GPUs: `for`, firing, silences and notifications follow each label set."""
+    from alerts.rules import load_rules_text
+    from alerts.silences import SilenceIn, create_silence, parse_matcher
+
+    source = MemorySource()
+    ev = make_evaluator(source, load_rules_text(GPU_RULES), config_for(sink))
+    with ev.factory() as s:
+        silence = SilenceIn(
+            matchers=[parse_matcher('gpu="2"')], startsAt=clock.now, endsAt=clock.now + 3600, createdBy="test"
+        )
+        create_silence(s, silence, now=clock.now)
+        s.commit()
+    usage = {"0": 0.95, "1": 0.75, "2": 0.97}
+
+    def tick(n: int) -> None:
+        for _ in range(n):
+            for gpu, value in usage.items():
+                labels = {"gpu": gpu, "UUID": f"GPU-{gpu}", "Hostname": "n1"}
+                source.add("memory_usage", "dcgm:9400", clock.now, value, labels)
+            assert ev.tick().error is None
+            clock.advance(10)
+
+    def states() -> dict[str, str]:
+        return {a.labels["gpu"]: a.state for a in ev.states["MemoryPressure\0gpus"].active.values()}
+
+    tick(4)  # 30s held by GPUs 0 and 2
+    assert states() == {"0": "firing", "2": "firing"}
+    usage["1"] = 0.99
+    tick(2)  # GPU 1 pending on its own clock while 0 and 2 keep firing
+    assert states() == {"0": "firing", "1": "pending", "2": "firing"}
+    tick(3)
+    assert states() == {"0": "firing", "1": "firing", "2": "firing"}
+    assert sink.wait_for(2, 5)
+    notified = [a["labels"] for r in sink.received for a in r.payload["alerts"] if a["status"] == "firing"]
+    gpu0 = {"alertname": "MemoryPressure", "instance": "dcgm:9400", "gpu": "0", "UUID": "GPU-0", "Hostname": "n1"}
+    assert {**gpu0, "severity": "page"} in notified
+    assert {a["gpu"] for a in notified} == {"0", "1"}  # GPU 2 is silenced
+    with ev.factory() as s:
+        rows = s.execute(select(AlertState)).scalars().all()
+        assert sorted(r.labels["gpu"] for r in rows) == ["0", "1", "2"]
+        assert len({r.fingerprint for r in rows}) == 3

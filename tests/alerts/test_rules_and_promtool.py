@@ -64,7 +64,10 @@ def test_series_notation():
         ("rate(queue_depth)", 1, 6, "range vector"),
         ("queue_depth >", 1, 14, "end of input"),
         ("queue_depth and 1", 1, 13, "instant vectors"),
-        ('queue_depth{job="x"}', 1, 13, "unknown label"),
+        ('queue_depth{"job"="x"}', 1, 13, "expected a label name"),
+        ("a + group_left b", 1, 5, "needs on(...) or ignoring(...)"),
+        ("a and on(x) group_left b", 1, 3, 'no grouping allowed for "and"'),
+        ("a * on(x) group_left(x) b", 1, 3, "must not occur in ON and GROUP clause"),
         ("queue_depth >\n  @", 2, 3, "unexpected character"),
         ("nope(queue_depth)", 1, 1, "unknown function"),
         ("queue_depth[5x]", 1, 13, "bad number or duration"),
@@ -166,8 +169,10 @@ def test_export_passes_promtool_check(tmp_path):
 def test_same_tests_pass_on_real_prometheus(path, tmp_path):
     """Our evaluator vs Prometheus itself: the promtool tests run against the exported PromQL."""
     promtool = _promtool()
-    (tmp_path / "exported.yml").write_text(export_yaml(load_rule_files([BUILTIN_RULES])))
-    doc = promtool_test_file(yaml.safe_load(Path(path).read_text()), "exported.yml")
+    source = yaml.safe_load(Path(path).read_text())
+    rule_files = [Path(path).parent / f for f in source["rule_files"]]
+    (tmp_path / "exported.yml").write_text(export_yaml(load_rule_files(rule_files)))
+    doc = promtool_test_file(source, "exported.yml")
     if doc is None:
         pytest.skip("series exported as a different PromQL shape (rate of a counter / histogram quantile)")
     test_path = tmp_path / Path(path).name
