@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy import Engine
 
-from alerts.expr_eval import Points
+from alerts.expr_eval import Labels, Points
 from collector import queries
 from collector.db import translate_errors
 
@@ -41,12 +41,16 @@ class SqlSource:
         self._memo_range: tuple[float, float] | None = None  # bucket ends [lo, hi) held in _memo
         self.p99_queries = 0  # SQL round trips for ttft_p99_seconds (tests and the benchmark read it)
 
-    def points(self, name: str, start: float, end: float, instances: Sequence[str] | None = None) -> dict[str, Points]:
+    def points(
+        self, name: str, start: float, end: float, instances: Sequence[str] | None = None
+    ) -> dict[Labels, Points]:
+        """One entry per stored label set (instance included): rules see every GPU, engine and model."""
         # collector windows are half-open [start, end); the evaluator's are closed.
         stop = math.nextafter(end, math.inf)
         if name == "ttft_p99_seconds":
-            return self._ttft_p99(start, stop, instances)
-        return queries.series_points(self.engine, name=name, start=start, end=stop, instances=instances)
+            return {(("instance", inst),): pts for inst, pts in self._ttft_p99(start, stop, instances).items()}
+        series = queries.series_points(self.engine, name=name, start=start, end=stop, instances=instances)
+        return {sid.all_labels(): pts for sid, pts in series.items()}
 
     # --- ttft_p99_seconds -----------------------------------------------------------------------
 

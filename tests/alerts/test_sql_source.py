@@ -130,9 +130,9 @@ def test_ttft_p99_per_minute_equals_nearest_rank_and_memo_follows_new_data(db_en
     clock = FakeClock(T + 3600)  # everything older than 15 minutes is settled
     source = SqlSource(db_engine, clock=clock)
     got = source.points("ttft_p99_seconds", T, T + 1800)
-    assert got == {inst: sorted(by_end.items()) for inst, by_end in expected.items()}
+    assert got == {((("instance", inst),)): sorted(by_end.items()) for inst, by_end in expected.items()}
     assert source.points("ttft_p99_seconds", T + 600, T + 1200, ["e1"]) == {
-        "e1": sorted((e, v) for e, v in expected["e1"].items() if T + 600 <= e <= T + 1200)
+        (("instance", "e1"),): sorted((e, v) for e, v in expected["e1"].items() if T + 600 <= e <= T + 1200)
     }
     queries = source.p99_queries
     source.points("ttft_p99_seconds", T, T + 1800)
@@ -142,8 +142,8 @@ def test_ttft_p99_per_minute_equals_nearest_rank_and_memo_follows_new_data(db_en
     late = _requests("e1", T + 1860, [5.0])
     _ingest(db_engine, late)
     got = source.points("ttft_p99_seconds", T + 1500, T + 1860)
-    assert got["e1"][-1] == (T + 1860, 5.0)
-    assert got["e0"] == sorted((e, v) for e, v in expected["e0"].items() if e >= T + 1500)
+    assert got[(("instance", "e1"),)][-1] == (T + 1860, 5.0)
+    assert got[(("instance", "e0"),)] == sorted((e, v) for e, v in expected["e0"].items() if e >= T + 1500)
 
 
 def test_ttft_regression_fires_over_a_day_of_stored_requests(db_engine, config_for, sink):
