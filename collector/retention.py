@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, Float, delete, func, insert, literal, select
 
 from collector.db import translate_errors
+from collector.exposition import labels_json
 from collector.queries import bucket_expr
 from collector.schema import (
     AllocRow,
@@ -29,7 +30,7 @@ from collector.schema import (
     SeriesPoint,
     StepRow,
 )
-from collector.series import SAMPLE_COLUMNS, STEP_COLUMNS, labels_json
+from collector.series import SAMPLE_COLUMNS, STEP_COLUMNS
 
 DAY = 86_400.0
 

@@ -39,9 +39,9 @@ from sqlalchemy import Engine, insert, select, update
 
 from collector.db import translate_errors
 from collector.errors import CollectorError
+from collector.exposition import Point, labels_json, map_samples
 from collector.ingest import upsert_statement
 from collector.schema import ScrapeTarget, SeriesPoint
-from collector.series import Point, labels_json, map_samples
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from alerts.rules import BUILTIN_RULES, load_rule_files
 from alerts.runner import AlertEvaluator
 from alerts.sql_source import SqlSource
 from collector.db import session_factory
+from collector.exposition import labels_json
 from collector.schema import ScrapeTarget
 from collector.scraper import Scraper
-from collector.series import labels_json
 from tests.alerts.conftest import FakeClock
 
 T = 1_760_000_040.0

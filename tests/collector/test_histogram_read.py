@@ -10,10 +10,10 @@ import pytest
 from sqlalchemy import Engine, insert
 
 from collector import queries as q
+from collector.exposition import labels_json
 from collector.histograms import bucket_quantile
 from collector.queries import SeriesId
 from collector.schema import ScrapeTarget, SeriesPoint
-from collector.series import labels_json
 
 T0 = 1_760_000_000.0
 BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, math.inf)

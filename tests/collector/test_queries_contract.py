@@ -9,10 +9,10 @@ import pytest
 from sqlalchemy import Engine, insert
 
 from collector import queries as q
+from collector.exposition import labels_json
 from collector.ingest import parse_batch, store_batch
 from collector.queries import SeriesId
 from collector.schema import ScrapeTarget, SeriesPoint
-from collector.series import labels_json
 from tests.collector import evfactory as ev
 
 T0 = ev.T0

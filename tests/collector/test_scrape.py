@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine, insert, select
 
+from collector.exposition import Point, labels_json
 from collector.schema import Instance, ScrapeTarget, SeriesPoint
 from collector.scraper import (
     MAX_LABEL_VALUE_CHARS,
@@ -29,7 +30,6 @@ from collector.scraper import (
     validate_target_labels,
     with_target_labels,
 )
-from collector.series import Point, labels_json
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NOW = 1_760_000_000.0

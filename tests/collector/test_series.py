@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from collector import series
+from collector.exposition import format_le, labels_json, map_samples
 from collector.scraper import parse_exposition
-from collector.series import CANONICAL, MAPPINGS, Mapping, format_le, map_samples
+from collector.series import CANONICAL, MAPPINGS, Mapping
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIB = 2**20
@@ -29,7 +30,7 @@ def by_name(points: dict[tuple[str, str], float], name: str) -> dict[str, float]
 
 
 def lab(**labels: str) -> str:
-    return series.labels_json(labels)
+    return labels_json(labels)
 
 
 def test_every_mapping_targets_a_known_canonical_series() -> None:
@@ -102,7 +103,7 @@ def test_histograms_keep_their_buckets_with_one_spelling_of_le() -> None:
         *("0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75"),
         *("1", "2.5", "5", "7.5", "10", "+Inf"),
     ]
-    assert buckets["+Inf"] == got[("ttft_seconds_count", series.labels_json(e0))] == 40.0
+    assert buckets["+Inf"] == got[("ttft_seconds_count", labels_json(e0))] == 40.0
     assert list(buckets.values()) == sorted(buckets.values())  # cumulative, as exposed
     go_style = (
         'kvpilot_time_to_first_token_seconds_bucket{le="1"} 3\nkvpilot_time_to_first_token_seconds_bucket{le="1.0"} 3\n'
@@ -119,7 +120,7 @@ def test_unit_scaling_applies_to_le(monkeypatch: pytest.MonkeyPatch) -> None:
     ]
     for m in fake:
         monkeypatch.setitem(series.BY_EXTERNAL, m.external, m)
-    monkeypatch.setitem(series._RANK, origin, len(MAPPINGS))
+    monkeypatch.setitem(series.FAMILY_RANK, origin, len(MAPPINGS))
     got = mapped(f'{origin}_bucket{{le="250.0"}} 7\n{origin}_bucket{{le="+Inf"}} 9\n{origin}_sum 1500\n')
     assert got == {
         ("queue_time_seconds_bucket", lab(le="0.25")): 7.0,
