@@ -52,7 +52,7 @@ def lines(
 ) -> alt.Chart | alt.LayerChart:
     """One line per `color` value over time (and per `dash` value, drawn dashed); `percent` formats 0..1 as %.
 
-    `threshold` (value, rule name) draws the level an alert rule fires above as a dashed red rule.
+    `threshold` (value, rule name) draws the level an alert rule fires above as a dashed dark rule.
     """
     fmt = ".0%" if percent else y_format
     scale = alt.Scale(domain=[0, 1]) if percent else alt.Scale(zero=True)
@@ -84,7 +84,7 @@ def lines(
     shown = f"{level:.0%}" if percent else f"{level:g}"
     line = (
         alt.Chart(pd.DataFrame({y: [level], "rule": [f"{rule} fires above {shown}"]}))
-        .mark_rule(color="#e45756", strokeDash=[6, 4])
+        .mark_rule(color="#333333", strokeDash=[6, 4])
         .encode(y=f"{y}:Q", tooltip=["rule:N"])
     )
     return alt.layer(chart, line)

@@ -34,18 +34,17 @@ def empty(what: str, hint: str) -> None:
     st.info(f"**No {what}** in {window_text()}. {hint}", icon=":material/info:")
 
 
-PUSH_SOURCE = "kvpilot's engine pushes them (`telemetry.sink: http`, `telemetry.collector_url`)"
-TRACE_SOURCE = "vLLM sends them as OpenTelemetry traces (`vllm serve --otlp-traces-endpoint` at the collector)"
+PUSH_SOURCE = "kvpilot's engine push (`telemetry.sink: http`, `telemetry.collector_url`)"
+TRACE_SOURCE = "vLLM's OpenTelemetry traces (`vllm serve --otlp-traces-endpoint` pointed at the collector)"
 
 
 def needs_events(figures: str, instances: Sequence[str], sources: Sequence[str] = (PUSH_SOURCE, TRACE_SOURCE)) -> None:
     """In place of an empty chart: these figures need per-request events, which a scrape does not carry."""
     names = ", ".join(f"`{n}`" for n in instances)
     verb = "is" if len(instances) == 1 else "are"
-    where = "; ".join(sources)
     st.info(
         f"**{figures} need per-request events**; {names} {verb} only scraped (a /metrics scrape gives counters, "
-        f"gauges and histogram buckets). {where[:1].upper()}{where[1:]}.",
+        f"gauges and histogram buckets). They come from {' or '.join(sources)}.",
         icon=":material/info:",
     )
 

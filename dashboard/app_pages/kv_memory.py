@@ -17,8 +17,8 @@ NO_SAMPLES = (
     "from scraping vLLM/SGLang; widen the time range or clear the filters."
 )
 PUSH_ONLY = (
-    "kvpilot's engine pushes them (`telemetry.sink: http`, with `telemetry.trace_alloc` for the trace); "
-    "vLLM and SGLang expose only KV usage",
+    "kvpilot's engine push (`telemetry.sink: http`; `telemetry.trace_alloc` for the trace): vLLM and SGLang "
+    "expose only their KV usage",
 )
 
 with ui.guarded("KV usage"):
@@ -92,7 +92,7 @@ if sel.scraped:
                     width="stretch",
                 )
             st.dataframe(
-                engines.drop(columns=["queue depth", "running", "swapped"]),
+                engines.drop(columns=["queue depth", "running", "swapped"], errors="ignore"),
                 hide_index=True,
                 width="stretch",
                 column_config={
@@ -147,7 +147,7 @@ with ui.guarded("Allocation trace"):
     ops = kv.alloc_ops(f)
     if ops.empty:
         if sel.scrape_only and not sel.pushed:
-            ui.needs_events("The KV allocation trace", sel.scrape_only, sources=PUSH_ONLY)
+            st.caption("No allocation trace: the selected instances are only scraped (see the note above).")
         else:
             ui.empty("allocation events", "Engines send alloc/free/swap/evict events when telemetry.trace_alloc is on.")
     else:

@@ -80,12 +80,12 @@ if summary.empty:
         st.stop()
     scraped_histograms()
     if sel.scrape_only:
-        ui.needs_events(PER_REQUEST, sel.scrape_only)
+        ui.needs_events(PER_REQUEST, scraped.serving_instances(f) or sel.scrape_only)
     st.stop()
-if sel.scrape_only:
+if scraped.serving_instances(f):
     st.caption(
-        f"Per-request figures of {', '.join(sel.pushed)}; {', '.join(sel.scrape_only)} (scraped only) are under "
-        "'From scraped histograms' at the end."
+        f"Per-request figures of {', '.join(sel.pushed)}; {', '.join(scraped.serving_instances(f))} (scraped "
+        "only) are under 'From scraped histograms' at the end."
     )
 by_stage = summary.set_index("stage")
 cols = st.columns(4)
@@ -208,4 +208,4 @@ with ui.guarded("Slowest requests"):
 if sel.scraped:
     scraped_histograms()
     if sel.scrape_only:
-        ui.needs_events(PER_REQUEST, sel.scrape_only)
+        ui.needs_events(PER_REQUEST, scraped.serving_instances(f) or sel.scrape_only)

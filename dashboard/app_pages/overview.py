@@ -24,10 +24,11 @@ with ui.guarded("Headline numbers"):
         cols[4].metric("TPOT p99", ui.fmt_s(t["tpot_p99"]), help="decode time per output token after the first")
         cols[4].caption(f"p50 {ui.fmt_s(t['tpot_p50'])}")
         failed = t["failed"] + t["rejected"] + t["aborted"]
-        if sel.scrape_only:
+        scraped_rows = scraped.instance_rows(f)
+        if scraped_rows:
             st.caption(
                 f"Headline numbers from the per-request events of {', '.join(sel.pushed)}; "
-                f"{', '.join(sel.scrape_only)} (scraped only) are in the table below."
+                f"{', '.join(scraped_rows)} (scraped only) are in the tables below."
             )
     else:
         t = scraped.totals(f)
@@ -123,6 +124,7 @@ if sel.scraped:
                 hide_index=True,
                 width="stretch",
                 column_config={c: st.column_config.ProgressColumn(**PERCENT) for c in ("utilization", "memory")}
+                | {c: st.column_config.NumberColumn(format="%.1f") for c in ("memory used (GiB)", "memory total (GiB)")}
                 | {"memory peak": st.column_config.NumberColumn(format="percent"), "newest": newest},
             )
 

@@ -31,8 +31,8 @@ ENGINE_GAUGES = {
 GPU_GAUGES = {
     "utilization": "utilization",
     "memory_usage": "memory",
-    "memory_used_bytes": "memory used",
-    "memory_total_bytes": "memory total",
+    "memory_used_bytes": "memory used (GiB)",
+    "memory_total_bytes": "memory total (GiB)",
     "gpu_power_watts": "power (W)",
     "gpu_temperature_celsius": "temperature (°C)",
 }
@@ -40,6 +40,7 @@ GPU_GAUGES = {
 PEAKS = {"kv_usage": "KV peak", "memory_usage": "memory peak"}
 HISTOGRAMS = {"ttft_seconds": "TTFT", "itl_seconds": "ITL", "e2e_seconds": "End to end", "queue_time_seconds": "Queue"}
 HISTOGRAM_QUANTILES = (0.5, 0.9, 0.99)
+GIB = 2**30
 MEMORY_PRESSURE = 0.9  # alerts/rules/builtin.yml: MemoryPressure fires on memory_usage > 0.9
 FAILED = {("status", "failed"), ("status", "rejected"), ("status", "aborted"), ("finished_reason", "abort")}
 
@@ -90,8 +91,17 @@ def label_sets(f: Filters, kind: str) -> pd.DataFrame:
             if sid in rows:
                 rows[sid]["preemptions"] = value
     df = pd.DataFrame(list(rows.values()), columns=columns).sort_values(["instance", "labels"], ignore_index=True)
+    for name, column in gauges.items():
+        if name.endswith("_bytes"):
+            df[column] = df[column] / GIB
+    # A gauge none of these label sets exports (vLLM has no swapped count in v1) is left out, not shown empty.
+    df = df.drop(columns=[c for c in [*gauges.values(), *peaks.values()] if df[c].isna().all()])
     df["newest"] = to_time(df["newest"])
     return df
+
+
+def _rounded(value: float | None) -> int | None:
+    return None if value is None else round(value)
 
 
 def _per_instance(values: dict[SeriesId, float]) -> dict[str, float]:
@@ -137,13 +147,14 @@ def instance_rows(f: Filters) -> dict[str, dict[str, Any]]:
         has_counts = inst in per_instance_requests or inst in rates["generation_tokens_total"]
         if not (has_counts or t or e or g):
             continue
-        out[inst] = {
-            "requests": round(per_instance_requests.get(inst, 0.0)),
-            "failed": round(failed.get(inst, 0.0)),
-            "req/s": rates["requests_total"].get(inst, 0.0),
-            "output tok/s": rates["generation_tokens_total"].get(inst, 0.0),
-            "prompt tok/s": rates["prompt_tokens_total"].get(inst, 0.0),
-            "preemptions": round(preemptions.get(inst, 0.0)),
+        counted = inst in per_instance_requests
+        out[inst] = {  # None where the instance exports no such counter (a DCGM exporter serves no requests)
+            "requests": _rounded(per_instance_requests.get(inst)),
+            "failed": _rounded(failed.get(inst, 0.0)) if counted else None,
+            "req/s": rates["requests_total"].get(inst),
+            "output tok/s": rates["generation_tokens_total"].get(inst),
+            "prompt tok/s": rates["prompt_tokens_total"].get(inst),
+            "preemptions": _rounded(preemptions.get(inst)),
             "TTFT p50 (s)": t.quantiles[0.5] if t else None,
             "TTFT p99 (s)": t.quantiles[0.99] if t else None,
             "e2e p99 (s)": e.quantiles[0.99] if e else None,
@@ -155,6 +166,15 @@ def instance_rows(f: Filters) -> dict[str, dict[str, Any]]:
             "last sample": last.get(inst),
         }
     return out
+
+
+SERVING = ("requests", "TTFT p50 (s)", "queue depth", "KV usage")
+
+
+def serving_instances(f: Filters) -> tuple[str, ...]:
+    """Scrape-only instances that serve requests (counters, latency histograms, queue or KV gauges), not a
+    GPU exporter: the ones whose per-request figures are missing."""
+    return tuple(n for n, row in instance_rows(f).items() if any(row[c] is not None for c in SERVING))
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)

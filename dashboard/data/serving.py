@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
@@ -149,9 +151,29 @@ def throughput(f: Filters) -> pd.DataFrame:
     return df
 
 
-def _line(sid: queries.SeriesId) -> str:
-    """A chart line's name: the instance, and the label set where it has one (`dcgm-a · gpu=1`)."""
-    return " · ".join(p for p in (sid.instance, label_text(sid.labels)) if p)
+IDENTIFYING = ("gpu", "engine", "GPU_I_ID", "device", "model_name")  # one of these alone names a series best
+
+
+def line_names(sids: Iterable[queries.SeriesId]) -> dict[queries.SeriesId, str]:
+    """A chart line's name: the instance, and what tells its series apart (`dcgm-a · gpu=1`).
+
+    Labels that all series of an instance share are left out; when one identifying label (gpu, engine)
+    alone tells them apart, it is the only one shown.
+    """
+    by_instance: dict[str, list[queries.SeriesId]] = defaultdict(list)
+    for sid in dict.fromkeys(sids):
+        by_instance[sid.instance].append(sid)
+    out = {}
+    for inst, group in by_instance.items():
+        if len(group) == 1:
+            out[group[0]] = inst
+            continue
+        shared = set.intersection(*(set(s.labels) for s in group))
+        key = next((k for k in IDENTIFYING if len({s.label_dict().get(k) for s in group}) == len(group)), None)
+        for sid in group:
+            kept = [(key, sid.label_dict()[key])] if key else [p for p in sid.labels if p not in shared]
+            out[sid] = " · ".join([inst, label_text(tuple(kept))])
+    return out
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -175,24 +197,29 @@ def gauges(f: Filters, names: tuple[str, ...], agg: str = "avg") -> pd.DataFrame
                     {"instance": inst, "labels": "", "line": inst, "ts": ts, "series": name, "value": v}
                     for ts, v in points
                 )
+    pushed = set(selection(f).pushed)
+    found: list[tuple[str, queries.SeriesId, list[tuple[float, float]]]] = []
     for name in names:
         series = queries.bucketed(
             db, name=name, start=f.start, end=f.end, bucket_s=f.bucket_s, instances=f.instance_list, agg=agg
         )
         for sid, points in series.items():
-            if name in per_run and not sid.labels and sid.instance in set(selection(f).pushed):
+            if name in per_run and not sid.labels and sid.instance in pushed:
                 continue  # the run's own samples are above
-            rows.extend(
-                {
-                    "instance": sid.instance,
-                    "labels": label_text(sid.labels),
-                    "line": _line(sid),
-                    "ts": ts,
-                    "series": name,
-                    "value": v,
-                }
-                for ts, v in points
-            )
+            found.append((name, sid, points))
+    lines = line_names(sid for _, sid, _ in found)
+    for name, sid, points in found:
+        rows.extend(
+            {
+                "instance": sid.instance,
+                "labels": label_text(sid.labels),
+                "line": lines[sid],
+                "ts": ts,
+                "series": name,
+                "value": v,
+            }
+            for ts, v in points
+        )
     df = pd.DataFrame(rows, columns=GAUGE_COLUMNS)
     df["time"] = to_time(df["ts"])
     return df
