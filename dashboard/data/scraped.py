@@ -181,22 +181,23 @@ def serving_instances(f: Filters) -> tuple[str, ...]:
 def totals(f: Filters) -> dict[str, Any]:
     """Headline numbers of a selection without engine events, from counters and histogram buckets."""
     names = list(selection(f).scraped)
+    out: dict[str, Any] = {"requests": 0, "failed": 0, "requests_per_s": 0.0, "output_tokens_per_s": 0.0}
+    out |= {f"{key}_p{q}": None for key in ("ttft", "itl") for q in (50, 99)}
+    if not names:
+        return out
     db = engine(f.db_url)
     kw: dict[str, Any] = {"start": f.start, "end": f.end, "instances": names}
-    requests = queries.counter_increase(db, name="requests_total", **kw) if names else {}
-    out: dict[str, Any] = {
-        "requests": round(sum(requests.values())),
-        "failed": round(sum(v for sid, v in requests.items() if FAILED & set(sid.labels))),
-        "requests_per_s": sum(queries.counter_rate(db, name="requests_total", **kw).values()) if names else 0.0,
-        "output_tokens_per_s": (
-            sum(queries.counter_rate(db, name="generation_tokens_total", **kw).values()) if names else 0.0
-        ),
-    }
+    requests = queries.counter_increase(db, name="requests_total", **kw)
+    out["requests"] = round(sum(requests.values()))
+    out["failed"] = round(sum(v for sid, v in requests.items() if FAILED & set(sid.labels)))
+    out["requests_per_s"] = sum(queries.counter_rate(db, name="requests_total", **kw).values())
+    out["output_tokens_per_s"] = sum(queries.counter_rate(db, name="generation_tokens_total", **kw).values())
     for base, key in (("ttft_seconds", "ttft"), ("itl_seconds", "itl")):
-        got = queries.histogram_quantiles(db, name=base, quantiles=(0.5, 0.99), by=(), **kw) if names else {}
-        stats = next(iter(got.values()), None)
-        for q in (0.5, 0.99):
-            out[f"{key}_p{round(q * 100)}"] = stats.quantiles[q] if stats else None
+        # by=(): every selected instance's buckets summed into one distribution.
+        merged = queries.histogram_quantiles(db, name=base, quantiles=(0.5, 0.99), by=(), **kw)
+        stats = next(iter(merged.values()), None)
+        if stats:
+            out[f"{key}_p50"], out[f"{key}_p99"] = stats.quantiles[0.5], stats.quantiles[0.99]
     return out
 
 

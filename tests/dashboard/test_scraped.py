@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from dashboard import ui
 from tests.dashboard.conftest import metrics, no_exception, texts
 from tests.dashboard.seed import Seed
 from tests.dashboard.seed_scraped import ENGINE_STEP, GPU_MEMORY, SCRAPE_S, SCRAPES
@@ -73,6 +74,8 @@ def test_a_scraped_only_selection_shows_scrape_figures(seeded: Seed, open_page) 
     shown = metrics(at)
     assert shown["Requests"] == f"{INTERVALS * 15:,}"
     assert "ITL p99" in shown  # from histograms, not TPOT from request events
+    assert shown["TTFT p99"] == ui.fmt_s(TTFT_P99)
+    assert shown["Not finished"] == str(INTERVALS)  # finished_reason=abort
     assert list(at.dataframe[0].value["instance"]) == ["vllm-a"]
 
 
@@ -114,7 +117,6 @@ def test_kv_page_for_a_scraped_only_instance(seeded: Seed, open_page) -> None:
 
 
 def test_gpu_lines_are_named_by_what_tells_them_apart(seeded: Seed, open_page) -> None:
-    from dashboard import ui
     from dashboard.data import serving
 
     at = open_page(seeded.url)
@@ -124,3 +126,16 @@ def test_gpu_lines_are_named_by_what_tells_them_apart(seeded: Seed, open_page) -
     assert peaks == pytest.approx({"dcgm-node1 · gpu=0": 0.95, "dcgm-node1 · gpu=1": 0.75})
     kv = serving.gauges(f, ("kv_usage",), agg="max")
     assert {"e0", "e1", "vllm-a · engine=0", "vllm-a · engine=1"} == set(kv["line"])
+
+
+def test_scraped_figures_on_both_backends(db_url: str, open_page) -> None:
+    """The same per-GPU memory and bucket percentiles from SQLite and PostgreSQL."""
+    from tests.dashboard.seed import seed_database
+
+    seed_database(db_url, with_study=False)
+    at = open_page(db_url)
+    no_exception(at)
+    table = at.dataframe[0].value.set_index("instance")
+    assert table.loc["dcgm-node1", "memory"] == pytest.approx(0.95)
+    assert table.loc["vllm-a", "TTFT p99 (s)"] == pytest.approx(TTFT_P99)
+    assert sorted(_table(at, "memory peak")["memory"]) == pytest.approx([0.75, 0.95])
