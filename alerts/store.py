@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.state import FIRING, PENDING, ActiveAlert
 from collector.db import translate_errors
-from collector.schema import AlertEvaluatorLease, AlertState
+from collector.schema import AlertEvaluatorLease, AlertNotification, AlertState
 
 log = logging.getLogger(__name__)
 LEASE_ID = 1
@@ -199,3 +199,11 @@ def current_alerts(session: Session, *, include_pending: bool = True) -> list[St
         )
         for r in rows
     ]
+
+
+def notification_bodies(session: Session, ids: list[int]) -> dict[int, str]:
+    """Notification id -> the JSON body it sent (the dashboard reads alert history out of it)."""
+    if not ids:
+        return {}
+    stmt = select(AlertNotification.id, AlertNotification.body).where(AlertNotification.id.in_(ids))
+    return {int(i): body for i, body in session.execute(stmt)}

@@ -9,7 +9,8 @@ import time
 
 import streamlit as st
 
-from dashboard import data, filters, ui
+from dashboard import filters, ui
+from dashboard.data import base
 
 st.set_page_config(page_title="kvpilot", page_icon=":material/speed:", layout="wide")
 
@@ -23,8 +24,8 @@ PAGES = [
 ]
 
 page = st.navigation(PAGES)
-url = data.db_url()
-problem = data.schema_problem(url)
+url = base.db_url()
+problem = base.schema_problem(url)
 if problem:
     st.title(page.title)
     st.error(f"**The dashboard cannot read its database.** {problem}", icon=":material/database:")

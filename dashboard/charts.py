@@ -48,8 +48,12 @@ def lines(
     dash: str | None = None,
     log: bool = False,
     height: int = HEIGHT,
-) -> alt.Chart:
-    """One line per `color` value over time (and per `dash` value, drawn dashed); `percent` formats 0..1 as %."""
+    threshold: tuple[float, str] | None = None,
+) -> alt.Chart | alt.LayerChart:
+    """One line per `color` value over time (and per `dash` value, drawn dashed); `percent` formats 0..1 as %.
+
+    `threshold` (value, rule name) draws the level an alert rule fires above as a dashed dark rule.
+    """
     fmt = ".0%" if percent else y_format
     scale = alt.Scale(domain=[0, 1]) if percent else alt.Scale(zero=True)
     if log:
@@ -68,12 +72,22 @@ def lines(
     if dash:
         encoding["strokeDash"] = alt.StrokeDash(f"{dash}:N", legend=legend)
         encoding["detail"] = alt.Detail(f"{dash}:N")
-    return (
+    chart = (
         alt.Chart(df, title=title, height=height)
         .mark_line(point=len(df) < 40, interpolate="monotone")
         .encode(**encoding)
         .interactive(bind_y=False)
     )
+    if threshold is None:
+        return chart
+    level, rule = threshold
+    shown = f"{level:.0%}" if percent else f"{level:g}"
+    line = (
+        alt.Chart(pd.DataFrame({y: [level], "rule": [f"{rule} fires above {shown}"]}))
+        .mark_rule(color="#333333", strokeDash=[6, 4])
+        .encode(y=f"{y}:Q", tooltip=["rule:N"])
+    )
+    return alt.layer(chart, line)
 
 
 def stacked_stages(df: pd.DataFrame, *, title: str) -> alt.Chart:

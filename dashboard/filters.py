@@ -10,8 +10,9 @@ import pandas as pd
 import streamlit as st
 
 from collector.db import redact
-from dashboard import data, timewin
-from dashboard.data import Filters
+from collector.queries import InstanceInfo
+from dashboard import timewin
+from dashboard.data import Filters, catalog
 
 ALL_RUNS = "__all__"
 REFRESH_CHOICES_S = (10, 30, 60, 300)
@@ -25,15 +26,21 @@ def _run_label(run_id: str, runs: pd.DataFrame) -> str:
     return f"{run_id} · {where} · to {timewin.fmt_ts(rows['last_seen_ts'].max())[5:16]}"
 
 
-def _span(runs: pd.DataFrame, instances: list[str] | None, run_id: str | None) -> tuple[float, float] | None:
+def _span(
+    runs: pd.DataFrame, instances: list[str] | None, run_id: str | None, infos: list[InstanceInfo]
+) -> tuple[float, float] | None:
+    """First and last event of the selected runs; for scraped instances (no runs), first and last scrape."""
     sel = runs
     if instances:
         sel = sel[sel["instance"].isin(instances)]
     if run_id is not None:
         sel = sel[sel["run_id"] == run_id]
-    if sel.empty:
-        return None
-    return float(sel["first_seen_ts"].min()), float(sel["last_seen_ts"].max())
+    if not sel.empty:
+        return float(sel["first_seen_ts"].min()), float(sel["last_seen_ts"].max())
+    scraped = [i for i in infos if instances and i.name in instances and "scrape" in i.sources]
+    if run_id is None and scraped:
+        return min(i.first_seen_ts for i in scraped), max(i.last_seen_ts for i in scraped)
+    return None
 
 
 def _custom_range(span: tuple[float, float] | None, now: float) -> tuple[float, float]:
@@ -94,8 +101,10 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     """Draw the filters; None (with the reason shown) when the range is unusable."""
     # Whole 5 s steps: reruns within a few seconds share cache entries instead of missing on a new `now`.
     now = math.ceil(time.time() / 5.0) * 5.0 if now is None else now
-    runs = data.runs(url)
-    instances = data.instances(url)
+    runs = catalog.runs(url)
+    infos = catalog.instance_infos(url)
+    instances = [i.name for i in infos]
+    described = {i.name: catalog.describe(i) for i in infos}
     _seed_from_url(instances)
     side = st.sidebar
     side.subheader("Filters")
@@ -104,7 +113,9 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
         options=instances,
         key="f_instances",
         placeholder="All instances",
-        help="Engines by their `instance` label; none selected means all of them.",
+        format_func=lambda name: described.get(name, name),
+        help="Engines that push events and scraped targets (vLLM, SGLang, DCGM) by their `instance` label, "
+        "with where their data comes from and their target labels; none selected means all of them.",
     )
     pool = runs[runs["instance"].isin(chosen)] if chosen else runs
     run_ids = [ALL_RUNS, *dict.fromkeys(pool["run_id"])]
@@ -112,7 +123,7 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
         st.session_state["f_run"] = ALL_RUNS
     run_choice = side.selectbox("Run", options=run_ids, key="f_run", format_func=lambda r: _run_label(r, runs))
     run_id = None if run_choice == ALL_RUNS else run_choice
-    span = _span(runs, chosen or None, run_id)
+    span = _span(runs, chosen or None, run_id, infos)
 
     if "f_range" not in st.session_state:
         newest = float(runs["last_seen_ts"].max()) if not runs.empty else None

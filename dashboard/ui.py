@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import streamlit as st
 
@@ -32,6 +32,21 @@ def window_text() -> str:
 def empty(what: str, hint: str) -> None:
     """An empty state: what is missing in which window, and the next step to get it."""
     st.info(f"**No {what}** in {window_text()}. {hint}", icon=":material/info:")
+
+
+PUSH_SOURCE = "kvpilot's engine push (`telemetry.sink: http`, `telemetry.collector_url`)"
+TRACE_SOURCE = "vLLM's OpenTelemetry traces (`vllm serve --otlp-traces-endpoint` pointed at the collector)"
+
+
+def needs_events(figures: str, instances: Sequence[str], sources: Sequence[str] = (PUSH_SOURCE, TRACE_SOURCE)) -> None:
+    """In place of an empty chart: these figures need per-request events, which a scrape does not carry."""
+    names = ", ".join(f"`{n}`" for n in instances)
+    verb = "is" if len(instances) == 1 else "are"
+    st.info(
+        f"**{figures} need per-request events**; {names} {verb} only scraped (a /metrics scrape gives counters, "
+        f"gauges and histogram buckets). They come from {' or '.join(sources)}.",
+        icon=":material/info:",
+    )
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, transform, ui
+from dashboard import charts, transform, ui
+from dashboard.data import alerting
 
 st.title("Alerts")
 f = ui.current_filters()
@@ -21,9 +22,9 @@ NO_EVALUATOR = (
 states = pd.DataFrame()
 silence_rows: list[dict] = []
 with ui.guarded("Alert state"):
-    states = data.alert_states(f.db_url)
+    states = alerting.alert_states(f.db_url)
 with ui.guarded("Silences"):
-    silence_rows = data.silences(f.db_url)
+    silence_rows = alerting.silences(f.db_url)
 active_matchers = [s["matchers"] for s in silence_rows if s["status"]["state"] == "active"]
 if f.instances is not None and not states.empty:
     # Alerts of the selected instances, and those without an instance label (fleet-wide rules).
@@ -96,7 +97,7 @@ else:
 
 st.subheader("Notification history")
 with ui.guarded("Notification history"):
-    history = data.alert_history(f.db_url, f.start, f.end)
+    history = alerting.alert_history(f.db_url, f.start, f.end)
     if history.empty:
         ui.empty(
             "notifications",
@@ -118,7 +119,7 @@ with ui.guarded("Notification history"):
 
 st.subheader("Deliveries")
 with ui.guarded("Deliveries"):
-    rows = data.deliveries(f.db_url)
+    rows = alerting.deliveries(f.db_url)
     if not rows:
         st.info(
             "**No notifications in the outbox.** Deliveries appear here with every HTTP attempt once the "
@@ -223,7 +224,7 @@ with ui.guarded("Silences"):
                 ),
             )
             if c2.button("Expire", key="silence_expire", icon=":material/timer_off:"):
-                if data.expire_silence(f.db_url, target):
+                if alerting.expire_silence(f.db_url, target):
                     st.toast(f"Silence {target[:8]} expired.")
                     st.rerun()
                 else:
@@ -250,7 +251,7 @@ with ui.guarded("Silences"):
         comment = st.text_input("Comment", key="silence_comment", placeholder="why, and a ticket if there is one")
         if st.form_submit_button("Create silence", icon=":material/notifications_off:"):
             try:
-                sid = data.create_silence(
+                sid = alerting.create_silence(
                     f.db_url,
                     matchers=matcher_lines.splitlines(),
                     duration_s=hours * 3600,

@@ -4,25 +4,89 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, data, ui
+from dashboard import charts, ui
+from dashboard.data import catalog, latency, scraped
 
 st.title("Latency")
 f = ui.current_filters()
-st.caption(f"Finished requests in {ui.window_text()}; percentiles are exact (nearest rank), computed in SQL.")
+sel = catalog.selection(f)
+st.caption(
+    f"Finished requests in {ui.window_text()}; percentiles from per-request events are exact (nearest rank), "
+    "computed in SQL; those from scraped histograms are precise to a bucket's width."
+)
 
 NO_REQUESTS = (
     "Requests appear here once engines push request events to the collector; widen the time range "
     "or clear the instance/run filters."
 )
+PER_REQUEST = "Exact percentiles, the stage breakdown, the latency distributions and the slowest requests"
+
+
+def scraped_histograms() -> None:
+    """TTFT, ITL, e2e and queue time percentiles of the scraped instances, from their histogram buckets."""
+    st.subheader("From scraped histograms")
+    with ui.guarded("Scraped histograms"):
+        table = scraped.histogram_summary(f)
+        if table.empty:
+            ui.empty(
+                "histogram observations",
+                "vLLM, SGLang and kvpilot expose TTFT, ITL and end-to-end histograms on /metrics; the "
+                "collector keeps their buckets once it scrapes them.",
+            )
+            return
+        st.dataframe(
+            table,
+            hide_index=True,
+            width="stretch",
+            column_config={c: st.column_config.NumberColumn(format="%.4f") for c in table.columns if "(s)" in c},
+        )
+        shown = [b for b, label in scraped.HISTOGRAMS.items() if label in set(table["metric"])]
+        base = (
+            st.segmented_control(
+                "Histogram",
+                options=shown,
+                default=shown[0],
+                key="lat_hist_metric",
+                format_func=lambda b: scraped.HISTOGRAMS[b],
+                label_visibility="collapsed",
+            )
+            or shown[0]
+        )
+        over_time = scraped.histogram_over_time(f, base)
+        if not over_time.empty:
+            st.altair_chart(
+                charts.lines(
+                    over_time,
+                    y="seconds",
+                    color="instance",
+                    dash="quantile",
+                    title=f"{scraped.HISTOGRAMS[base]} p50 / p90 / p99 per {ui.fmt_s(f.bar_bucket_s)} bucket "
+                    "(from histogram buckets)",
+                    y_title="seconds",
+                    y_format=".3~g",
+                ),
+                width="stretch",
+            )
+
 
 summary = None
 with ui.guarded("Summary"):
-    summary = data.latency_summary(f)
+    summary = latency.summary(f)
 if summary is None:
     st.stop()
 if summary.empty:
-    ui.empty("finished requests", NO_REQUESTS)
+    if not sel.scraped:
+        ui.empty("finished requests", NO_REQUESTS)
+        st.stop()
+    scraped_histograms()
+    if sel.scrape_only:
+        ui.needs_events(PER_REQUEST, scraped.serving_instances(f) or sel.scrape_only)
     st.stop()
+if scraped.serving_instances(f):
+    st.caption(
+        f"Per-request figures of {', '.join(sel.pushed)}; {', '.join(scraped.serving_instances(f))} (scraped "
+        "only) are under 'From scraped histograms' at the end."
+    )
 by_stage = summary.set_index("stage")
 cols = st.columns(4)
 for col, stage in zip(cols[:3], ("TTFT", "TPOT", "End to end"), strict=True):
@@ -49,15 +113,15 @@ metric = (
         options=["ttft", "tpot", "e2e"],
         default="ttft",
         key="lat_metric",
-        format_func=lambda m: data.LATENCY_METRICS[m],
+        format_func=lambda m: latency.LATENCY_METRICS[m],
         label_visibility="collapsed",
     )
     or "ttft"
 )
 with ui.guarded("Percentiles over time"):
-    over_time = data.latency_over_time(f, metric)
+    over_time = latency.over_time(f, metric)
     if over_time.empty:
-        ui.empty(f"{data.LATENCY_METRICS[metric]} values", "TPOT needs requests with more than one output token.")
+        ui.empty(f"{latency.LATENCY_METRICS[metric]} values", "TPOT needs requests with more than one output token.")
     else:
         log = st.toggle("Log scale", key="lat_log", help="keeps p50 readable next to a slow tail")
         st.altair_chart(
@@ -66,7 +130,7 @@ with ui.guarded("Percentiles over time"):
                 y="seconds",
                 color="quantile",
                 log=log,
-                title=f"{data.LATENCY_METRICS[metric]} p50 / p90 / p99 per {ui.fmt_s(f.bucket_s)} bucket",
+                title=f"{latency.LATENCY_METRICS[metric]} p50 / p90 / p99 per {ui.fmt_s(f.bucket_s)} bucket",
                 y_title="seconds",
                 y_format=".3~g",
             ),
@@ -75,7 +139,7 @@ with ui.guarded("Percentiles over time"):
 
 st.subheader("Where the time goes")
 with ui.guarded("Stage breakdown"):
-    stages = data.stage_breakdown(f)
+    stages = latency.stage_breakdown(f)
     if stages.empty:
         ui.empty("finished requests", NO_REQUESTS)
     else:
@@ -97,21 +161,21 @@ with ui.guarded("Stage breakdown"):
 st.subheader("Distributions")
 left, right = st.columns(2)
 for col, hist_metric in ((left, "ttft"), (right, "e2e")):
-    with col, ui.guarded(f"{data.LATENCY_METRICS[hist_metric]} histogram"):
+    with col, ui.guarded(f"{latency.LATENCY_METRICS[hist_metric]} histogram"):
         clip = (
-            by_stage.loc[data.LATENCY_METRICS[hist_metric], "p95 (s)"]
-            if data.LATENCY_METRICS[hist_metric] in by_stage.index
+            by_stage.loc[latency.LATENCY_METRICS[hist_metric], "p95 (s)"]
+            if latency.LATENCY_METRICS[hist_metric] in by_stage.index
             else None
         )
         full = st.toggle("Spread out the slowest 5%", key=f"hist_full_{hist_metric}", value=False)
-        bins = data.histogram(f, hist_metric, None if full else clip)
+        bins = latency.histogram(f, hist_metric, None if full else clip)
         if bins.empty:
-            ui.empty(f"{data.LATENCY_METRICS[hist_metric]} values", NO_REQUESTS)
+            ui.empty(f"{latency.LATENCY_METRICS[hist_metric]} values", NO_REQUESTS)
         else:
             note = "" if full else " (to p95; slower ones in the last bar)"
             st.altair_chart(
                 charts.histogram(
-                    bins, title=f"{data.LATENCY_METRICS[hist_metric]} distribution{note}", x_title="seconds"
+                    bins, title=f"{latency.LATENCY_METRICS[hist_metric]} distribution{note}", x_title="seconds"
                 ),
                 width="stretch",
             )
@@ -119,13 +183,13 @@ for col, hist_metric in ((left, "ttft"), (right, "e2e")):
 st.subheader("Slowest requests")
 rank = st.selectbox(
     "Rank by",
-    options=list(data.LATENCY_METRICS),
+    options=list(latency.LATENCY_METRICS),
     index=2,
     key="slow_metric",
-    format_func=lambda m: data.LATENCY_METRICS[m],
+    format_func=lambda m: latency.LATENCY_METRICS[m],
 )
 with ui.guarded("Slowest requests"):
-    slow = data.slowest(f, rank)
+    slow = latency.slowest(f, rank)
     if slow.empty:
         ui.empty("requests", NO_REQUESTS)
     else:
@@ -140,3 +204,8 @@ with ui.guarded("Slowest requests"):
             }
             | {"finished at": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")},
         )
+
+if sel.scraped:
+    scraped_histograms()
+    if sel.scrape_only:
+        ui.needs_events(PER_REQUEST, scraped.serving_instances(f) or sel.scrape_only)

@@ -4,28 +4,51 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, data, ui
+from dashboard import charts, ui
+from dashboard.data import alerting, catalog, scraped, serving
 
 st.title("Overview")
 f = ui.current_filters()
-st.caption(f"Requests, engine steps and gauges in {ui.window_text()}.")
+sel = catalog.selection(f)
+st.caption(f"Requests, engine steps, scrapes and gauges in {ui.window_text()}.")
 
 with ui.guarded("Headline numbers"):
-    t = data.totals(f)
     cols = st.columns(6)
-    cols[0].metric("Requests", f"{t['requests']:,}", help="requests that left the engine in the window")
-    cols[1].metric("Requests/s", f"{t['requests_per_s']:.2f}")
-    cols[2].metric("Output tokens/s", ui.fmt_num(t["output_tokens_per_s"]))
-    cols[3].metric("TTFT p99", ui.fmt_s(t["ttft_p99"]), help="time to first token, finished requests")
-    cols[3].caption(f"p50 {ui.fmt_s(t['ttft_p50'])}")
-    cols[4].metric("TPOT p99", ui.fmt_s(t["tpot_p99"]), help="decode time per output token after the first")
-    cols[4].caption(f"p50 {ui.fmt_s(t['tpot_p50'])}")
-    failed = t["failed"] + t["rejected"] + t["aborted"]
+    if sel.pushed or not sel.scraped:
+        t = serving.totals(f)
+        cols[0].metric("Requests", f"{t['requests']:,}", help="requests that left the engine in the window")
+        cols[1].metric("Requests/s", f"{t['requests_per_s']:.2f}")
+        cols[2].metric("Output tokens/s", ui.fmt_num(t["output_tokens_per_s"]))
+        cols[3].metric("TTFT p99", ui.fmt_s(t["ttft_p99"]), help="time to first token, finished requests")
+        cols[3].caption(f"p50 {ui.fmt_s(t['ttft_p50'])}")
+        cols[4].metric("TPOT p99", ui.fmt_s(t["tpot_p99"]), help="decode time per output token after the first")
+        cols[4].caption(f"p50 {ui.fmt_s(t['tpot_p50'])}")
+        failed = t["failed"] + t["rejected"] + t["aborted"]
+        scraped_rows = scraped.instance_rows(f)
+        if scraped_rows:
+            st.caption(
+                f"Headline numbers from the per-request events of {', '.join(sel.pushed)}; "
+                f"{', '.join(scraped_rows)} (scraped only) are in the tables below."
+            )
+    else:
+        t = scraped.totals(f)
+        cols[0].metric("Requests", f"{t['requests']:,}", help="increase of the scraped requests counters")
+        cols[1].metric("Requests/s", f"{t['requests_per_s']:.2f}")
+        cols[2].metric("Output tokens/s", ui.fmt_num(t["output_tokens_per_s"]))
+        cols[3].metric("TTFT p99", ui.fmt_s(t["ttft_p99"]), help="from the scraped histogram buckets")
+        cols[3].caption(f"p50 {ui.fmt_s(t['ttft_p50'])}")
+        cols[4].metric("ITL p99", ui.fmt_s(t["itl_p99"]), help="inter-token latency, from histogram buckets")
+        cols[4].caption(f"p50 {ui.fmt_s(t['itl_p50'])}")
+        failed = t["failed"]
+        st.caption(
+            "From scraped counters and histogram buckets: percentiles are precise to a bucket's width "
+            "(the Latency page says what would give exact ones)."
+        )
     cols[5].metric("Not finished", f"{failed:,}", help="failed, rejected or aborted requests")
     cols[5].caption(f"{failed / t['requests']:.1%} of requests" if t["requests"] else "no requests")
 
 with ui.guarded("Firing alerts"):
-    alerts = data.alert_states(f.db_url)
+    alerts = alerting.alert_states(f.db_url)
     active = alerts[alerts["state"].isin(["firing", "pending"])]
     if f.instances is not None:
         active = active[active["instance"].isin(f.instances) | (active["instance"] == "")]
@@ -43,13 +66,14 @@ with ui.guarded("Firing alerts"):
             icon=":material/notifications_active:",
         )
 
+PERCENT = {"min_value": 0.0, "max_value": 1.0, "format": "percent"}
 st.subheader("Per instance")
 with ui.guarded("Per instance"):
-    summary = data.instance_summary(f)
+    summary = serving.instance_summary(f)
     if summary.empty:
         ui.empty(
             "engine data",
-            "Start an engine that pushes to the collector (`kvpilot engine serve`), "
+            "Start an engine that pushes to the collector (`kvpilot engine serve`) or register a scrape target, "
             "widen the time range, or clear the instance/run filters.",
         )
     else:
@@ -60,20 +84,55 @@ with ui.guarded("Per instance"):
             column_config={
                 "req/s": st.column_config.NumberColumn(format="%.2f"),
                 "output tok/s": st.column_config.NumberColumn(format="%.1f"),
+                "prompt tok/s": st.column_config.NumberColumn(format="%.1f"),
                 "TTFT p50 (s)": st.column_config.NumberColumn(format="%.4f"),
                 "TTFT p99 (s)": st.column_config.NumberColumn(format="%.4f"),
                 "e2e p99 (s)": st.column_config.NumberColumn(format="%.3f"),
-                "KV usage": st.column_config.ProgressColumn(min_value=0.0, max_value=1.0, format="percent"),
-                "utilization": st.column_config.ProgressColumn(min_value=0.0, max_value=1.0, format="percent"),
+                "KV usage": st.column_config.ProgressColumn(**PERCENT, help="newest; the fullest engine"),
+                "utilization": st.column_config.ProgressColumn(**PERCENT, help="newest; the busiest GPU"),
+                "memory": st.column_config.ProgressColumn(**PERCENT, help="newest; the fullest GPU"),
                 "last sample": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss"),
             },
         )
+        if (summary["source"] == "scrape").any():
+            st.caption(
+                "Scraped instances: requests and token rates from counters, TTFT and e2e from histogram "
+                "buckets; queue and running add up over engines, KV, utilization and memory show the fullest "
+                "engine or GPU (each one is in the tables below)."
+            )
+
+if sel.scraped:
+    with ui.guarded("Scraped engines and GPUs"):
+        engines, gpus = scraped.label_sets(f, "engine"), scraped.label_sets(f, "gpu")
+        newest = st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
+        if not engines.empty:
+            st.markdown("**Scraped engines** (one row per label set: engine, model)")
+            st.dataframe(
+                engines,
+                hide_index=True,
+                width="stretch",
+                column_config={
+                    c: st.column_config.ProgressColumn(**PERCENT)
+                    for c in ("KV usage", "cold KV usage", "prefix hit rate", "KV peak")
+                }
+                | {"newest": newest},
+            )
+        if not gpus.empty:
+            st.markdown("**Accelerators** (one row per GPU; peak = the highest value in the window)")
+            st.dataframe(
+                gpus,
+                hide_index=True,
+                width="stretch",
+                column_config={c: st.column_config.ProgressColumn(**PERCENT) for c in ("utilization", "memory")}
+                | {c: st.column_config.NumberColumn(format="%.1f") for c in ("memory used (GiB)", "memory total (GiB)")}
+                | {"memory peak": st.column_config.NumberColumn(format="percent"), "newest": newest},
+            )
 
 left, right = st.columns(2)
 with left, ui.guarded("Throughput"):
-    tp = data.throughput(f)
+    tp = serving.throughput(f)
     if tp.empty:
-        ui.empty("engine steps", "Step events come from kvpilot engines; scraped servers show gauges only.")
+        ui.empty("engine steps", "Step events come from kvpilot engines; scraped servers show token rates above.")
     else:
         long = tp.melt(
             id_vars=["instance", "time"],
@@ -88,43 +147,61 @@ with left, ui.guarded("Throughput"):
             width="stretch",
         )
 with right, ui.guarded("Queue and running"):
-    g = data.gauges(f, ("queue_depth", "running"))
+    g = serving.gauges(f, ("queue_depth", "running"))
     if g.empty:
         ui.empty("queue samples", "Engines sample queue depth and running sequences every telemetry interval.")
     else:
         g["series"] = g["series"].str.replace("_", " ")
         st.altair_chart(
             charts.lines(
-                g,
-                y="value",
-                color="instance",
-                dash="series",
-                y_title="requests",
-                title="Queue depth and running sequences",
+                g, y="value", color="line", dash="series", y_title="requests", title="Queue depth and running sequences"
             ),
             width="stretch",
         )
 
 left, right = st.columns(2)
 with left, ui.guarded("KV usage"):
-    kv = data.gauges(f, ("kv_usage",))
+    kv = serving.gauges(f, ("kv_usage",), agg="max")
     if kv.empty:
         ui.empty("KV usage samples", "The KV memory page has the full picture once samples arrive.")
     else:
         st.altair_chart(
             charts.lines(
-                kv, y="value", color="instance", title="KV cache usage (hot tier)", y_title="used", percent=True
+                kv,
+                y="value",
+                color="line",
+                title="KV cache usage (hot tier, peak per bucket)",
+                y_title="used",
+                percent=True,
             ),
             width="stretch",
         )
-with right, ui.guarded("Utilization"):
-    util = data.gauges(f, ("utilization",))
+with right, ui.guarded("GPU memory"):
+    memory = serving.gauges(f, ("memory_usage",), agg="max")
+    if memory.empty:
+        ui.empty("accelerator memory samples", "Engines on a GPU sample it; scrape a DCGM exporter for every GPU.")
+    else:
+        st.altair_chart(
+            charts.lines(
+                memory,
+                y="value",
+                color="line",
+                title="Accelerator memory per GPU (peak per bucket)",
+                y_title="used",
+                percent=True,
+                threshold=(scraped.MEMORY_PRESSURE, "MemoryPressure"),
+            ),
+            width="stretch",
+        )
+
+with ui.guarded("Utilization"):
+    util = serving.gauges(f, ("utilization",))
     if util.empty:
         ui.empty("utilization samples", "Engines on CPU report none; on a GPU they sample it, or scrape DCGM.")
     else:
         st.altair_chart(
             charts.lines(
-                util, y="value", color="instance", title="Accelerator utilization", y_title="busy", percent=True
+                util, y="value", color="line", title="Accelerator utilization per GPU", y_title="busy", percent=True
             ),
             width="stretch",
         )

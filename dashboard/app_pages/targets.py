@@ -7,14 +7,15 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, timewin, ui
+from dashboard import charts, timewin, ui
+from dashboard.data import catalog, serving
 
 st.title("Targets")
 f = ui.current_filters()
 now = time.time()
 
 with ui.guarded("Scrape targets"):
-    targets = data.targets(f.db_url)
+    targets = catalog.targets(f.db_url)
     if targets.empty:
         st.info(
             "**No scrape targets.** Engines that push events need none. To scrape vLLM, SGLang, a DCGM "
@@ -56,20 +57,34 @@ with ui.guarded("Scrape targets"):
     targets["last scrape"] = targets["last_scrape_at"].map(lambda ts: timewin.fmt_ago(ts, now))
     st.dataframe(
         targets[
-            ["health", "job", "instance", "url", "last scrape", "scrape_duration_s", "interval_s", "last_error", "id"]
+            [
+                "health",
+                "job",
+                "instance",
+                "labels",
+                "url",
+                "last scrape",
+                "scrape_duration_s",
+                "interval_s",
+                "sample_limit",
+                "last_error",
+                "id",
+            ]
         ],
         hide_index=True,
         width="stretch",
         column_config={
             "scrape_duration_s": st.column_config.NumberColumn("scrape (s)", format="%.3f"),
             "interval_s": st.column_config.NumberColumn("interval (s)", format="%.0f"),
+            "labels": st.column_config.TextColumn("labels", help="static target labels, added to every series"),
+            "sample_limit": st.column_config.NumberColumn("sample limit", help="samples a scrape may keep"),
             "url": st.column_config.LinkColumn("url"),
         },
     )
 
 st.subheader("Scrape history")
 with ui.guarded("Scrape history"):
-    history = data.gauges(f, ("up", "scrape_duration_seconds"))
+    history = serving.gauges(f, ("up", "scrape_duration_seconds"))
     if history.empty:
         ui.empty("scrapes", "The collector's scraper records `up` and the scrape duration each interval.")
     else:

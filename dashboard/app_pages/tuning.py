@@ -8,16 +8,17 @@ import pandas as pd
 import streamlit as st
 import yaml
 
-from dashboard import charts, data, transform, ui
+from dashboard import charts, transform, ui
+from dashboard.data import tuning
 
 st.title("Tuning")
 f = ui.current_filters()
 
 st.subheader("Studies")
 with ui.guarded("Studies"):
-    studies = data.studies(f.db_url)
+    studies = tuning.studies(f.db_url)
     if studies.empty:
-        raise data.DataUnavailable(data.NO_STUDIES)
+        raise tuning.DataUnavailable(tuning.NO_STUDIES)
     st.dataframe(
         studies,
         hide_index=True,
@@ -25,7 +26,7 @@ with ui.guarded("Studies"):
         column_config={"started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")},
     )
     name = st.selectbox("Study", options=list(studies["study"]), key="study_pick")
-    s = data.study(f.db_url, name)
+    s = tuning.study(f.db_url, name)
     trials = s.trials
     complete = trials[trials["state"] == "COMPLETE"]
     cols = st.columns(4)
@@ -84,7 +85,7 @@ with ui.guarded("Studies"):
                 if len(s.objectives) > 1
                 else s.objectives[0]
             )
-            imp = data.importances(f.db_url, name, s.objectives.index(target))
+            imp = tuning.importances(f.db_url, name, s.objectives.index(target))
             if imp.empty:
                 st.info("No parameter varies across completed trials.", icon=":material/info:")
             else:
@@ -94,9 +95,9 @@ with ui.guarded("Studies"):
 
 st.subheader("Proposals")
 with ui.guarded("Proposals"):
-    props = data.proposals(f.db_url)
+    props = tuning.proposals(f.db_url)
     if props.empty:
-        raise data.DataUnavailable(
+        raise tuning.DataUnavailable(
             "No tuning proposals yet: a finished `kvpilot tune` run writes one when it beats the running config."
         )
     counts = props["status"].value_counts()
@@ -144,14 +145,14 @@ with ui.guarded("Proposals"):
     st.markdown("**Config diff against the running config**")
     engine_url = st.text_input(
         "Engine URL (GET /admin/config, token from KVPILOT_ADMIN_TOKEN)",
-        value=data.default_engine_url(),
+        value=tuning.default_engine_url(),
         key="engine_url",
         placeholder="http://127.0.0.1:8000",
     )
     running, source = None, ""
     if engine_url:
         with ui.guarded("Running config"):
-            running = data.running_config(engine_url, os.environ.get("KVPILOT_ADMIN_TOKEN"))
+            running = tuning.running_config(engine_url, os.environ.get("KVPILOT_ADMIN_TOKEN"))
             source = f"running engine at {engine_url}"
     if running is None:
         applied = props[(props["status"] == "applied") & (props["id"] != pid)]
@@ -193,7 +194,7 @@ with ui.guarded("Proposals"):
         )
         if decision:
             try:
-                data.set_proposal_status(f.db_url, int(pid), decision)
+                tuning.set_proposal_status(f.db_url, int(pid), decision)
             except ValueError as exc:
                 st.warning(f"Proposal #{pid} not changed: {exc}")
             else:

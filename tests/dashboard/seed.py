@@ -26,6 +26,7 @@ from collector.schema import (
     SeriesPoint,
 )
 from tests.collector import evfactory as ev
+from tests.dashboard.seed_scraped import NODE, scraped_points
 
 T0 = ev.T0
 SPAN_S = 600.0
@@ -322,17 +323,35 @@ def _targets(session) -> None:  # type: ignore[no-untyped-def]
                 scrape_duration_s=0.001,
                 created_at=T0,
             ),
+            # A DCGM exporter with a static target label (tests/dashboard/seed_scraped.py).
+            ScrapeTarget(
+                id=3,
+                url="http://10.0.0.7:9400/metrics",
+                job="dcgm",
+                instance="dcgm-node1",
+                interval_s=15.0,
+                enabled=True,
+                labels=json.dumps({"node": NODE}, separators=(",", ":")),
+                sample_limit=5000,
+                up=True,
+                last_error=None,
+                last_scrape_at=time.time(),
+                scrape_duration_s=0.004,
+                created_at=T0,
+            ),
         ]
     )
     session.flush()
+    health = (("vllm-a", 1, 1.0, 0.012), ("gpu-b", 2, 0.0, 0.001), ("dcgm-node1", 3, 1.0, 0.004))
     session.execute(
         insert(SeriesPoint.__table__),
         [
             {"instance": inst, "name": name, "labels": "{}", "ts": T0 + 15.0 * k, "value": value, "target_id": tid}
             for k in range(20)
-            for inst, tid, up in (("vllm-a", 1, 1.0), ("gpu-b", 2, 0.0))
-            for name, value in (("up", up), ("scrape_duration_seconds", 0.012 if up else 0.001))
-        ],
+            for inst, tid, up, took in health
+            for name, value in (("up", up), ("scrape_duration_seconds", took))
+        ]
+        + scraped_points(vllm_target=1, dcgm_target=3),
     )
 
 

@@ -122,7 +122,7 @@ def test_kv_memory_page_usage_and_allocation_trace(seeded: Seed, open_page) -> N
     for op in set(OPS):
         assert shown[op] == f"{sum(a['op'] == op for a in seeded.allocs):,}"
     assert f"all {len(seeded.allocs)} events in the window" in texts(at)
-    trace = at.dataframe[0].value
+    trace = next(d.value for d in at.dataframe if "usage_after" in d.value.columns)
     assert len(trace) == len(seeded.allocs)
     assert list(trace["op"][:3]) == list(OPS[:3])  # time order
 
@@ -225,7 +225,7 @@ def _status(url: str, proposal_id: int) -> str:
 
 
 def test_a_proposal_decided_elsewhere_is_not_overwritten(seeded: Seed, open_page) -> None:
-    from dashboard import data
+    from dashboard.data import tuning
     from tuner.proposals import set_status
 
     at = open_page(seeded.url, "tuning")
@@ -239,17 +239,18 @@ def test_a_proposal_decided_elsewhere_is_not_overwritten(seeded: Seed, open_page
     assert _status(seeded.url, 2) == "rejected"
     assert "Proposal #2 not changed: proposal 2 is rejected; it cannot become accepted" in texts(at)
     with pytest.raises(ValueError, match="only accepts or rejects"):
-        data.set_proposal_status(seeded.url, 1, "applied")
+        tuning.set_proposal_status(seeded.url, 1, "applied")
 
 
 def test_targets_page_health(seeded: Seed, open_page) -> None:
     at = open_page(seeded.url, "targets")
     no_exception(at)
     shown = metrics(at)
-    assert (shown["Targets"], shown["Up"], shown["Down"]) == ("2", "1", "1")
+    assert (shown["Targets"], shown["Up"], shown["Down"]) == ("3", "2", "1")
     assert "is down: connection refused" in texts(at)
     table = at.dataframe[0].value.set_index("instance")
     assert table.loc["gpu-b", "health"] == "down" and table.loc["vllm-a", "health"] == "up"
+    assert table.loc["dcgm-node1", "labels"] == "node=node-1" and table.loc["dcgm-node1", "sample_limit"] == 5000
 
 
 @pytest.mark.parametrize("page", list(PAGE_FILES))
@@ -280,24 +281,24 @@ def test_unmigrated_database_says_run_upgrade(tmp_path, open_page) -> None:
 
 def test_storage_outage_shows_an_error_not_a_traceback(seeded: Seed, open_page, monkeypatch) -> None:
     from collector.errors import StorageUnavailableError
-    from dashboard import data
+    from dashboard.data import latency
 
     def down(*_a, **_k):
         raise StorageUnavailableError("connection refused")
 
-    monkeypatch.setattr(data, "latency_summary", down)
+    monkeypatch.setattr(latency, "summary", down)
     at = open_page(seeded.url, "latency")
     no_exception(at)
     assert "database is unreachable (connection refused)" in texts(at)
 
 
 def test_tuning_page_without_optuna_still_lists_proposals(seeded: Seed, open_page, monkeypatch) -> None:
-    from dashboard import data
+    from dashboard.data import tuning
 
     def missing():
-        raise data.DataUnavailable("Optuna is not installed here")
+        raise tuning.DataUnavailable("Optuna is not installed here")
 
-    monkeypatch.setattr(data, "_optuna", missing)
+    monkeypatch.setattr(tuning, "_optuna", missing)
     at = open_page(seeded.url, "tuning")
     no_exception(at)
     assert "Optuna is not installed here" in texts(at)
@@ -309,9 +310,9 @@ def test_tuning_page_without_studies_says_how_to_start_one(sqlite_url: str, open
     at = open_page(sqlite_url, "tuning")
     no_exception(at)
     assert "No Optuna studies for this database yet" in texts(at)
-    from dashboard import data
+    from dashboard.data import tuning
 
-    storage = Path(data.study_storage_url(sqlite_url).removeprefix("sqlite:///"))
+    storage = Path(tuning.study_storage_url(sqlite_url).removeprefix("sqlite:///"))
     assert not storage.exists()  # the dashboard only reads: it created no study storage
     engine = make_engine(sqlite_url)
     assert not inspect(engine).has_table("studies")
@@ -359,7 +360,7 @@ def test_every_page_shows_the_same_numbers_on_postgresql(pg_url: str, sqlite_url
 
 def test_run_filter_keeps_gauges_to_that_run(seeded: Seed, open_page) -> None:
     from collector.ingest import parse_batch, store_batch
-    from dashboard import data
+    from dashboard.data import serving
     from tests.collector import evfactory as ev
 
     # A second run on e0 with a full KV cache; r1's charts must not show it.
@@ -372,9 +373,11 @@ def test_run_filter_keeps_gauges_to_that_run(seeded: Seed, open_page) -> None:
     no_exception(at)
     f = at.session_state[ui.FILTERS_KEY]
     assert f.run_id == "r1"
-    kv = data.gauges(f, ("kv_usage",))
+    kv = serving.gauges(f, ("kv_usage",))
+    kv = kv[kv["instance"].isin(["e0", "e1"])]  # scraped series carry no run: shown whole
     assert kv["value"].max() == pytest.approx(max(s["kv_usage"] for s in seeded.samples))
-    assert data.gauges(f.__class__(**{**f.__dict__, "run_id": None}), ("kv_usage",))["value"].max() == 1.0
+    every_run = serving.gauges(f.__class__(**{**f.__dict__, "run_id": None}), ("kv_usage",))
+    assert every_run[every_run["instance"] == "e0"]["value"].max() == 1.0
 
 
 def test_alerts_page_follows_the_instance_filter(seeded: Seed, open_page) -> None:
@@ -386,7 +389,7 @@ def test_alerts_page_follows_the_instance_filter(seeded: Seed, open_page) -> Non
 
 
 def test_proposal_diff_against_the_running_engine(seeded: Seed, open_page, monkeypatch) -> None:
-    from dashboard import data
+    from dashboard.data import tuning
 
     seen = {}
 
@@ -394,7 +397,7 @@ def test_proposal_diff_against_the_running_engine(seeded: Seed, open_page, monke
         seen["url"], seen["token"] = url, token
         return {"scheduler": {"max_num_seqs": 80, "max_num_batched_tokens": 4096}, "cache": {"block_size": 16}}
 
-    monkeypatch.setattr(data, "running_config", fake_running_config)
+    monkeypatch.setattr(tuning, "running_config", fake_running_config)
     monkeypatch.setenv("KVPILOT_ADMIN_TOKEN", "s3cret")
     at = open_page(seeded.url, "tuning")
     at.text_input(key="engine_url").set_value("http://127.0.0.1:8000").run()
@@ -406,10 +409,10 @@ def test_proposal_diff_against_the_running_engine(seeded: Seed, open_page, monke
 
 
 def test_unreachable_engine_is_reported_not_raised(seeded: Seed) -> None:
-    from dashboard import data
+    from dashboard.data import tuning
 
-    with pytest.raises(data.DataUnavailable, match="unreachable"):
-        data.running_config("http://127.0.0.1:9", None)
+    with pytest.raises(tuning.DataUnavailable, match="unreachable"):
+        tuning.running_config("http://127.0.0.1:9", None)
 
 
 def test_filters_round_trip_through_the_url(seeded: Seed, open_page, monkeypatch) -> None:
