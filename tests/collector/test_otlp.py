@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,7 @@ from sqlalchemy import func, select
 from collector import otlp
 from collector.db import make_engine
 from collector.errors import StorageUnavailableError
+from collector.ingest import batch_from_events, store_batch
 from collector.queries import latency_percentiles
 from collector.retention import DAY, prune
 from collector.schema import IngestBatch, Instance, OtlpSpan, RequestRow, Run
@@ -462,3 +464,34 @@ def test_request_events_bound_spans_before_converting() -> None:
     with pytest.raises(otlp.TooManySpansError):
         otlp.request_events(request, instance_map={}, max_spans=4)
     assert len(otlp.request_events(request, instance_map={}, max_spans=5).events) == 1
+
+
+def test_overlapping_exports_stored_concurrently_keep_each_span_once(db_engine) -> None:  # type: ignore[no-untyped-def]
+    """Stateless collectors on one database (no shared lock): the claims alone keep each span once."""
+    spans = make_spans([vllm_attributes(i) for i in range(12)])
+    request = encode_spans(spans)
+    batches = []
+    for start in range(0, 10, 2):  # windows of 4 spans, each overlapping the next by 2, each sent twice
+        window = otlp.request_events(request, instance_map={}, max_spans=50)
+        window.events, window.span_ids = window.events[start : start + 4], window.span_ids[start : start + 4]
+        batches += [window, window]
+    errors: list[BaseException] = []
+    start_together = threading.Barrier(len(batches))
+
+    def send(batch: otlp.SpanBatch) -> None:
+        parsed = batch_from_events(batch.events, max_events=50, span_ids=batch.span_ids)
+        start_together.wait(10)
+        try:
+            store_batch(db_engine, parsed, idempotency_key=batch.idempotency_key, content=batch.identity)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=(batch,)) for batch in batches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    with db_engine.connect() as conn:
+        ids = conn.execute(select(RequestRow.request_id)).scalars().all()
+    assert sorted(ids) == sorted(f"chatcmpl-{i}" for i in range(12))
