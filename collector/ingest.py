@@ -3,6 +3,10 @@
 A batch is one transaction: the dedup record in `ingest_batches`, every event row (Core `insert()`
 executemany, one statement per event type) and the instance/run upserts commit together or not at all.
 So a retried batch either finds its key (stored once, reported as duplicate) or stores everything.
+
+Source adapters (OTLP spans) build their batch with `batch_from_events` from events validated one by one
+and store it here too; a batch that carries span identities claims them in `otlp_spans` in the same
+transaction and skips the rows whose span an earlier batch stored.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import operator
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
-from sqlalchemy import Engine, bindparam, func, insert, select
+from sqlalchemy import Connection, Engine, bindparam, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
@@ -24,7 +29,7 @@ from collector import fastdecode
 from collector.db import translate_errors
 from collector.errors import CollectorError, IdempotencyConflictError
 from collector.events import EVENT_TYPES
-from collector.schema import EVENT_TABLES, IngestBatch, Instance, Run
+from collector.schema import EVENT_TABLES, IngestBatch, Instance, OtlpSpan, Run
 from collector.validation import validate_wire
 
 # Column order of each event table's insert: the event's fields less the discriminator and version.
@@ -90,6 +95,8 @@ class ParsedBatch:
     count: int
     instances: dict[str, tuple[float, float]]
     runs: dict[tuple[str, str], tuple[float, float]]
+    # (trace_id, span_id) of each request row, aligned with rows["request"]; None when not from spans.
+    span_ids: list[tuple[str, str]] | None = None
 
 
 def parse_batch(body: bytes, *, max_events: int) -> ParsedBatch:
@@ -117,6 +124,25 @@ def parse_batch(body: bytes, *, max_events: int) -> ParsedBatch:
         raise BatchTooLargeError(f"batch has {count} events; the limit is {max_events}")
     instances, runs = _spans(rows)
     return ParsedBatch(key, rows, count, instances, runs)
+
+
+def batch_from_events(
+    events: Sequence[dict], *, max_events: int, span_ids: Sequence[tuple[str, str]] | None = None
+) -> ParsedBatch:
+    """A batch of events a source adapter validated one by one (`collector.validation.validate_event`).
+
+    `span_ids`, when given, names the span of each event (all of type request, in order).
+    """
+    if len(events) > max_events:
+        raise BatchTooLargeError(f"batch has {len(events)} events; the limit is {max_events}")
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for event in events:
+        grouped[event["type"]].append(event)
+    if span_ids is not None and (len(span_ids) != len(events) or set(grouped) - {"request"}):
+        raise ValueError("span_ids must name one span per event, and every event must be a request")
+    rows = {kind: list(map(_GETTERS[kind], kind_events)) for kind, kind_events in grouped.items()}
+    instances, runs = _spans(rows)
+    return ParsedBatch(None, rows, len(events), instances, runs, None if span_ids is None else list(span_ids))
 
 
 def _reject_nul(key: str | None, events: list[dict]) -> None:
@@ -215,12 +241,16 @@ def store_batch(
             return _duplicate(existing, key, digest)
         try:
             with engine.begin() as conn:
+                if batch.span_ids is not None:
+                    rows = _claim_spans(conn, rows, batch.span_ids, received)
+                    instances, runs = _spans(rows)
+                count = sum(len(kind_rows) for kind_rows in rows.values())
                 batch_id = conn.execute(
                     _INSERT_BATCH,
                     {
                         "idempotency_key": key,
                         "content_sha256": digest,
-                        "event_count": batch.count,
+                        "event_count": count,
                         "received_at": received,
                     },
                 ).scalar_one()
@@ -249,7 +279,30 @@ def store_batch(
                 raise
             return _duplicate(existing, key, digest)
     counts = {kind: len(kind_rows) for kind, kind_rows in rows.items()}
-    return IngestResult(batch_id=batch_id, idempotency_key=key, events=batch.count, duplicate=False, counts=counts)
+    return IngestResult(batch_id=batch_id, idempotency_key=key, events=count, duplicate=False, counts=counts)
+
+
+_SPANS = OtlpSpan.__table__
+_CLAIM_CHUNK = 500  # rows per INSERT: 3 parameters each, far below SQLite's and PostgreSQL's limits
+
+
+def _claim_spans(
+    conn: Connection, rows: dict[str, list[tuple]], span_ids: list[tuple[str, str]], received: float
+) -> dict[str, list[tuple]]:
+    """Claim each request row's span in `otlp_spans`; keep only the rows whose span no other batch stored.
+
+    INSERT ... ON CONFLICT DO NOTHING RETURNING names the spans this transaction claimed. On PostgreSQL a
+    concurrent batch holding one of them makes this wait for its commit, then skip it. Claims go in sorted
+    order, so two batches sharing spans lock them in one order (no deadlock).
+    """
+    dialect_insert = sqlite.insert if conn.dialect.name == "sqlite" else postgresql.insert
+    stmt = dialect_insert(_SPANS).on_conflict_do_nothing().returning(_SPANS.c.trace_id, _SPANS.c.span_id)
+    params = [{"trace_id": t, "span_id": s, "received_at": received} for t, s in sorted(set(span_ids))]
+    claimed: set[tuple[str, str]] = set()
+    for start in range(0, len(params), _CLAIM_CHUNK):
+        claimed.update((t, s) for t, s in conn.execute(stmt.values(params[start : start + _CLAIM_CHUNK])))
+    kept = [row for row, span in zip(rows.get("request", []), span_ids, strict=True) if span in claimed]
+    return {**rows, "request": kept} if kept else {kind: r for kind, r in rows.items() if kind != "request"}
 
 
 def _find_batch(engine: Engine, key: str) -> IngestBatch | None:

@@ -25,6 +25,7 @@ from collector.schema import (
     AllocRow,
     DownsampledPoint,
     IngestBatch,
+    OtlpSpan,
     RequestRow,
     SampleRow,
     SeriesPoint,
@@ -107,7 +108,8 @@ def prune(
         for model in (RequestRow, StepRow, AllocRow, SampleRow, SeriesPoint):
             t = model.__table__
             deleted[t.name] = conn.execute(delete(t).where(t.c.ts < raw_cutoff)).rowcount or 0
-        b = IngestBatch.__table__
-        deleted[b.name] = conn.execute(delete(b).where(b.c.received_at < raw_cutoff)).rowcount or 0
+        for batch_table in (IngestBatch.__table__, OtlpSpan.__table__):
+            expired = batch_table.c.received_at < raw_cutoff
+            deleted[batch_table.name] = conn.execute(delete(batch_table).where(expired)).rowcount or 0
         deleted[d.name] = conn.execute(delete(d).where(d.c.bucket_ts < down_cutoff)).rowcount or 0
     return PruneResult(raw_cutoff, down_cutoff, written, deleted)

@@ -78,6 +78,20 @@ class IngestBatch(Base):
     received_at: Mapped[float] = mapped_column(Float, index=True)
 
 
+class OtlpSpan(Base):
+    """The identity of each OTLP span stored as a request row, claimed in that batch's transaction.
+
+    A span re-sent inside a different export (another batch, so another idempotency key) finds its
+    claim and is not stored twice. Pruned with the raw rows (by `received_at`).
+    """
+
+    __tablename__ = "otlp_spans"
+
+    trace_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    span_id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    received_at: Mapped[float] = mapped_column(Float, index=True)
+
+
 class _EventColumns:
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True, sort_order=-5)
     batch_id: Mapped[int | None] = mapped_column(BigInteger, sort_order=-4)

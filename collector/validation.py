@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field, TypeAdapter
 from sqlalchemy import BigInteger, Float, Integer, String
 from typing_extensions import TypedDict
 
-from collector.events import EVENT_TYPES, EventBatch
+from collector.events import EVENT_TYPES, EventBatch, event_adapter
 from collector.schema import EVENT_TABLES
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ if FAST_PATH:
         events: Required[Annotated[list[_WireEvent], Field(max_length=100_000)]]  # type: ignore[valid-type]
 
     wire_adapter: TypeAdapter[Any] = TypeAdapter(WireBatch)
+    event_wire_adapter: TypeAdapter[Any] = TypeAdapter(_WireEvent)
 else:  # pragma: no cover - exercised only if events.py grows validators
     log.warning("collector.events models have validators; ingest validates through the models (slower)")
     wire_adapter = TypeAdapter(EventBatch)
@@ -119,6 +120,17 @@ def validate_wire(body: bytes) -> tuple[str | None, list[dict[str, Any]]]:
         if len(event) != len(defaults) + _REQUIRED[event["type"]]:
             events[i] = {**defaults, **event}
     return data.get("idempotency_key"), events
+
+
+def validate_event(data: dict[str, Any]) -> dict[str, Any]:
+    """One event built by a source adapter (OTLP spans), validated exactly as in a pushed batch.
+
+    Returns the event with every field present; raises pydantic.ValidationError naming the field.
+    """
+    if not FAST_PATH:  # pragma: no cover
+        return dict(event_adapter.validate_python(data).__dict__)
+    event = event_wire_adapter.validate_python(data)
+    return {**DEFAULTS[event["type"]], **event}
 
 
 _REQUIRED = {kind: len(model.model_fields) - len(DEFAULTS.get(kind, {})) for kind, model in EVENT_TYPES.items()}

@@ -2,7 +2,8 @@
 
 - `app`: `create_app` (lifespan: database, schema check, scraper) and the one handler of refusals, which
   counts each in `kvpilot_collector_ingest_rejected_total{reason}` and logs a line;
-- `ingest_routes` (POST /v1/ingest), `target_routes` (/v1/targets), `health_routes` (/health, /metrics):
+- `ingest_routes` (POST /v1/ingest), `otlp_routes` (POST /v1/traces: OTLP/HTTP spans, see `collector.otlp`),
+  `target_routes` (/v1/targets), `health_routes` (/health, /metrics):
   module-level routers of thin handlers; `/v1/*` depends on the ingest token (`deps.require_token`);
 - `deps`: the state, session and auth dependencies; `errors`: `Rejected` and the documented error shape;
 - `run`: `serve` (blocking) and `run_in_thread` (demo, tests: `handle = run_in_thread(settings)` ...

@@ -1,7 +1,7 @@
 """The collector's FastAPI app: lifespan (database, schema check, scraper), routers, and one place for refusals.
 
-Every refusal, wherever raised, is answered here as `{"detail": ..., "errors": ...}` and counted in
-`kvpilot_collector_ingest_rejected_total{reason}` with a log line.
+Every refusal, wherever raised, is answered here as `{"detail": ..., "errors": ...}` (on /v1/traces as the
+OTLP spec's google.rpc.Status) and counted in `kvpilot_collector_ingest_rejected_total{reason}` with a log line.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,7 +23,7 @@ from collector.db import check_schema_current, make_engine, redact, session_fact
 from collector.errors import CollectorError
 from collector.events import EventBatch
 from collector.scraper import ScrapeMetrics, Scraper
-from collector.server import health_routes, ingest_routes, target_routes
+from collector.server import health_routes, ingest_routes, otlp_routes, target_routes
 from collector.server.deps import CollectorState, IngestMetrics, get_state
 from collector.server.errors import Rejected, as_rejected
 from collector.settings import CollectorSettings
@@ -73,7 +73,7 @@ def create_app(
     app = FastAPI(
         title="kvpilot collector",
         version="1",
-        description="Ingest of engine telemetry events and Prometheus scrape targets.",
+        description="Ingest of engine events, OTLP/HTTP traces (vLLM's request spans) and Prometheus scrape targets.",
         lifespan=lifespan,
     )
     app.openapi = lambda: _openapi_with_batch(app)  # type: ignore[method-assign]
@@ -83,6 +83,7 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(health_routes.router)
     app.include_router(ingest_routes.router)
+    app.include_router(otlp_routes.router)
     app.include_router(target_routes.router)
     return app
 
@@ -103,18 +104,20 @@ def _openapi_with_batch(app: FastAPI) -> dict[str, Any]:
 # --- refusals: answered and counted here ------------------------------------------------------------
 
 
-async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
+async def _rejected(request: Request, exc: Rejected) -> Response:
     get_state(request).metrics.rejected.labels(exc.reason).inc()
     log.info("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.reason, exc.detail)
+    if request.url.path == otlp_routes.TRACES_PATH:
+        return otlp_routes.status_response(request, exc)
     body = {"detail": exc.detail} if exc.errors is None else {"detail": exc.detail, "errors": exc.errors}
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
-async def _collector_error(request: Request, exc: CollectorError) -> JSONResponse:
+async def _collector_error(request: Request, exc: CollectorError) -> Response:
     return await _rejected(request, as_rejected(exc))
 
 
-async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
     errors = [
         {
             "loc": ".".join(str(p) for p in err.get("loc", ())),
@@ -127,7 +130,7 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
     return await _rejected(request, Rejected(422, "invalid_request", detail, errors=errors))
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     return await _rejected(
         request, Rejected(exc.status_code, f"http_{exc.status_code}", str(exc.detail), headers=exc.headers)
     )

@@ -34,6 +34,15 @@ class IngestMetrics:
             "kvpilot_collector_ingest_rejected", "requests refused, by reason", ["reason"], registry=registry
         )
         self.bytes = Counter("kvpilot_collector_ingest_bytes", "request body bytes received", registry=registry)
+        self.otlp_spans = Counter(
+            "kvpilot_collector_otlp_spans",
+            "OTLP spans received: stored (as request rows), duplicate (stored before), ignored (not llm_request),"
+            " rejected (an llm_request span that cannot be a request row)",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("stored", "duplicate", "ignored", "rejected"):
+            self.otlp_spans.labels(result)
         self.latency = Histogram(
             "kvpilot_collector_ingest_batch_seconds",
             "time from body received to commit",

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from collector.errors import CollectorError, IdempotencyConflictError, StorageError, StorageUnavailableError
 from collector.ingest import BatchTooLargeError, BatchValidationError
+from collector.otlp import OtlpDecodeError, TooManySpansError
 
 log = logging.getLogger("kvpilot.collector")
 
@@ -52,6 +53,10 @@ def as_rejected(exc: CollectorError) -> Rejected:
     """The HTTP answer to an error of the data layer; storage failures become a retryable 503 that names no detail."""
     if isinstance(exc, BatchValidationError):
         return Rejected(422, "invalid", f"batch rejected, nothing stored: {exc}", errors=exc.errors)
+    if isinstance(exc, OtlpDecodeError):
+        return Rejected(400, "bad_otlp", str(exc))
+    if isinstance(exc, TooManySpansError):
+        return Rejected(413, "too_many_spans", str(exc))
     if isinstance(exc, BatchTooLargeError):
         return Rejected(413, "too_many_events", str(exc))
     if isinstance(exc, IdempotencyConflictError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
@@ -50,19 +50,21 @@ async def read_limited(request: Request, limit: int) -> bytes:
     return bytes(buf)
 
 
-def gunzip_limited(data: bytes, limit: int) -> bytes:
-    """Decompress one gzip member, refusing output past `limit` (zip bombs) and trailing junk."""
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+def gunzip_limited(data: bytes, limit: int, *, coding: Literal["gzip", "deflate"] = "gzip") -> bytes:
+    """Decompress one gzip member (or zlib stream: HTTP's deflate), refusing output past `limit` (zip bombs)
+    and trailing junk."""
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if coding == "gzip" else zlib.MAX_WBITS)
+    reason = f"bad_{coding}"
     try:
         out = inflater.decompress(data, limit + 1)
     except zlib.error as exc:
-        raise Rejected(400, "bad_gzip", f"body is not valid gzip: {exc}") from exc
+        raise Rejected(400, reason, f"body is not valid {coding}: {exc}") from exc
     if len(out) > limit or inflater.unconsumed_tail:
         raise Rejected(413, "too_large", f"decompressed body exceeds the limit of {limit} bytes")
     if not inflater.eof:
-        raise Rejected(400, "bad_gzip", "gzip body is truncated")
+        raise Rejected(400, reason, f"{coding} body is truncated")
     if inflater.unused_data:
-        raise Rejected(400, "bad_gzip", "data after the end of the gzip stream")
+        raise Rejected(400, reason, f"data after the end of the {coding} stream")
     return out
 
 

@@ -47,7 +47,13 @@ def collector_url(_sqlite_template: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def test_schema_lists_the_api() -> None:
-    assert {"POST /v1/ingest", "POST /v1/targets", "GET /v1/targets", "DELETE /v1/targets/{target_id}"} <= set(LABELS)
+    assert {
+        "POST /v1/ingest",
+        "POST /v1/traces",
+        "POST /v1/targets",
+        "GET /v1/targets",
+        "DELETE /v1/targets/{target_id}",
+    } <= set(LABELS)
 
 
 @pytest.mark.parametrize(("label", "mode"), CASES, ids=[f"{label} {mode.value}" for label, mode in CASES])

@@ -1,0 +1,124 @@
+"""POST /v1/traces: OTLP/HTTP trace export; vLLM's `llm_request` spans are stored as request rows.
+
+The handler stays thin (STYLE.md 10), as /v1/ingest's: the same ingest token, body limits (wire and
+inflated) and storage path (`collector.otlp` turns spans into request events, `store_batch` stores them
+in a worker thread). Answers follow the OTLP/HTTP spec, in the request's encoding: 200 with an
+ExportTraceServiceResponse (`partial_success` when llm_request spans were rejected); a refusal as a
+google.rpc.Status (`status_response`, which the app's one refusal handler calls for this path): 400 an
+undecodable body, 401/403 the token, 413 too large or too many spans, 415 the media type or content
+coding, 503 with Retry-After when the database is unavailable (the exporter retries those).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+
+from collector import otlp
+from collector.ingest import IngestResult, batch_from_events, store_batch
+from collector.server.deps import CollectorState, IngestMetrics, StateDep, require_token
+from collector.server.errors import ERROR_RESPONSES, Rejected
+from collector.server.ingest_routes import gunzip_limited, read_limited
+from collector.settings import CollectorSettings
+
+log = logging.getLogger("kvpilot.collector")
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+
+TRACES_PATH = "/v1/traces"
+MEDIA_TYPES: dict[otlp.Media, str] = {"protobuf": "application/x-protobuf", "json": "application/json"}
+_BY_TYPE = {value: key for key, value in MEDIA_TYPES.items()}
+
+
+def _content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def request_media(request: Request) -> otlp.Media:
+    media = _BY_TYPE.get(_content_type(request))
+    if media is None:
+        raise Rejected(415, "unsupported_media", "content-type must be application/x-protobuf or application/json")
+    return media
+
+
+def inflate(request: Request, raw: bytes, settings: CollectorSettings) -> bytes:
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding in ("gzip", "deflate"):
+        return gunzip_limited(raw, settings.max_decompressed_bytes, coding=coding)  # type: ignore[arg-type]
+    if coding in ("identity", ""):
+        return raw
+    raise Rejected(415, "unsupported_encoding", "content-encoding must be gzip, deflate or identity")
+
+
+def status_response(request: Request, exc: Rejected) -> Response:
+    """A refusal of this path as the spec has it: a google.rpc.Status in the request's encoding."""
+    media: otlp.Media = "json" if _content_type(request) == MEDIA_TYPES["json"] else "protobuf"
+    return Response(
+        otlp.status_body(exc.status_code, exc.detail, media),
+        status_code=exc.status_code,
+        media_type=MEDIA_TYPES[media],
+        headers=exc.headers,
+    )
+
+
+def export_sync(state: CollectorState, body: bytes, media: otlp.Media) -> tuple[otlp.SpanBatch, IngestResult | None]:
+    """Decode, convert and store one export in a worker thread, under the ingest lock like a pushed batch."""
+    settings = state.settings
+    with state.ingest_lock:
+        request = otlp.parse_request(body, media)
+        spans = otlp.request_events(request, instance_map=settings.otlp_instance_map, max_spans=settings.otlp_max_spans)
+        if not spans.events:
+            return spans, None
+        batch = batch_from_events(spans.events, max_events=settings.otlp_max_spans, span_ids=spans.span_ids)
+        return spans, store_batch(state.engine, batch, idempotency_key=spans.idempotency_key, content=spans.identity)
+
+
+@router.post(
+    "/traces",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "ExportTraceServiceResponse; partial_success counts the rejected spans",
+            "content": {"application/x-protobuf": {}, "application/json": {}},
+        },
+        **ERROR_RESPONSES,
+    },
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/x-protobuf": {"schema": {"type": "string", "format": "binary"}},
+                "application/json": {"schema": {"type": "object"}},
+            },
+        }
+    },
+)
+async def export_traces(request: Request, state: StateDep) -> Response:
+    """OTLP/HTTP ExportTraceServiceRequest (protobuf or JSON, gzip/deflate); llm_request spans become requests."""
+    media = request_media(request)
+    raw = await read_limited(request, state.settings.max_batch_bytes)
+    state.metrics.bytes.inc(len(raw))
+    body = inflate(request, raw, state.settings)
+    started = time.perf_counter()
+    spans, result = await run_in_threadpool(export_sync, state, body, media)
+    state.metrics.latency.observe(time.perf_counter() - started)
+    _count(state.metrics, spans, result)
+    if spans.rejected:
+        log.info("OTLP export: %s", spans.error_message())
+    return Response(otlp.export_response(spans, media), media_type=MEDIA_TYPES[media])
+
+
+def _count(metrics: IngestMetrics, spans: otlp.SpanBatch, result: IngestResult | None) -> None:
+    stored = 0
+    if result is not None:
+        metrics.batches.labels("duplicate" if result.duplicate else "accepted").inc()
+        stored = 0 if result.duplicate else result.counts.get("request", 0)
+        metrics.events.labels("request").inc(stored)
+    metrics.otlp_spans.labels("stored").inc(stored)
+    metrics.otlp_spans.labels("duplicate").inc(len(spans.events) - stored + spans.repeated)
+    metrics.otlp_spans.labels("ignored").inc(spans.ignored)
+    metrics.otlp_spans.labels("rejected").inc(spans.rejected)
