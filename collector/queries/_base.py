@@ -18,11 +18,6 @@ LatencyMetric = Literal["ttft", "e2e", "queue", "prefill", "decode", "swap", "tp
 Points = dict[str, list[tuple[float, float]]]
 
 
-Db = Session | Connection | Engine
-GroupBy = Literal["instance", "run", "all"]
-LatencyMetric = Literal["ttft", "e2e", "queue", "prefill", "decode", "swap", "tpot"]
-Points = dict[str, list[tuple[float, float]]]
-
 DEFAULT_QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from collector.series import labels_json
+from collector.exposition import labels_json
 from tests.collector import evfactory as ev
 
 T0 = ev.T0
