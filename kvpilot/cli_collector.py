@@ -209,6 +209,7 @@ def tail_cmd(
 
     url = check_collector_url(collector)
     logging.basicConfig(level=logging.INFO, format="kvpilot: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     stop = threading.Event()
     handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -230,5 +231,5 @@ def tail_cmd(
     assert isinstance(sink, HttpSink)
     typer.echo(
         f"read {stats.lines} lines: {stats.iteration_lines} iteration lines, {stats.steps} steps, "
-        f"{stats.unparsable} unparsable; {sink.sent} acknowledged, {len(sink.spool)} batches left in the spool"
+        f"{stats.unparsable} unparsable; {sink.sent} acknowledged, {len(sink.spool)} batch(es) waiting in the spool"
     )

@@ -62,6 +62,7 @@ def serve_cmd(
 
     collector_url, labels = check_collector_url(collector), parse_labels(label)
     logging.basicConfig(level=logging.INFO, format="kvpilot: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per batch sent
     try:
         options = LaunchOptions(
             vllm_args=list(vllm_args or []),
@@ -103,7 +104,7 @@ def serve_cmd(
     spooled = len(getattr(sink, "spool", ()))
     typer.echo(
         f"kvpilot: vLLM exited with {code}; {stats.iteration_lines} iteration lines, {stats.steps} steps "
-        f"({sent} acknowledged, {spooled} batches left in the spool), {stats.unparsable} unparsable",
+        f"({sent} acknowledged, {spooled} batch(es) waiting in the spool), {stats.unparsable} unparsable",
         err=True,
     )
     raise typer.Exit(code if code >= 0 else 128 - code)

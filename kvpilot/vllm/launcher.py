@@ -47,6 +47,7 @@ log = logging.getLogger("kvpilot.vllm")
 
 MAX_READ_BYTES = 64 * 1024  # one read of vLLM's output; a longer line arrives in pieces
 TAIL_LINES = 40  # kept for the error message when vLLM dies before serving
+CAPACITY_WAIT_S = 5.0
 
 
 class VllmExitedError(RuntimeError):
@@ -214,6 +215,10 @@ class VllmLauncher:
                         pass
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self._tail.append(line)
+            if "Iteration(" in line and not self._ready.is_set():
+                # a step served in the moment between vLLM's first /health and our read of its KV block
+                # count: wait (bounded) for that count rather than ship this step in other units
+                self._ready.wait(CAPACITY_WAIT_S)
             event = self.parser.feed(line)
             if event is not None and self._sink is not None:
                 self._sink.emit(event)

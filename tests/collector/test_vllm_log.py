@@ -171,3 +171,21 @@ def test_tail_ships_to_a_real_collector_through_the_spool(tmp_path: Path, sqlite
     engine.dispose()
     assert [r.step for r in rows] == list(range(33))
     assert (rows[1].kv_blocks_used, rows[1].kv_blocks_total, rows[1].instance) == (12, 64, "vllm-a")
+
+
+def test_tail_command(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvpilot.cli import app
+
+    args = ["collector", "tail", "--file", str(FIXTURE), "--instance", "vllm-a", "--spool-dir", str(tmp_path)]
+    down = ["--collector", "http://127.0.0.1:9"]
+    result = CliRunner().invoke(app, [*args, *down])
+    assert result.exit_code == 0, result.output
+    assert (
+        "33 iteration lines, 33 steps, 0 unparsable; 0 acknowledged, 1 batch(es) waiting in the spool" in result.output
+    )
+    again = CliRunner().invoke(app, [*args, *down])
+    assert "0 steps" in again.output  # the offset was kept: nothing is read twice
+    missing = CliRunner().invoke(app, [*args[:2], "--file", str(tmp_path / "nope.log"), "--instance", "x"])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
