@@ -99,6 +99,8 @@ class LogTail:
                 if not follow or stop.is_set():
                     return self.stats
                 if self._replaced():
+                    self._read_available(fh)  # what reached the old file before it was moved away
+                    self._checkpoint()
                     fh.close()
                     self._read_from_start()
                     fh = self._open(0)

@@ -189,3 +189,33 @@ def test_tail_command(tmp_path: Path) -> None:
     assert "0 steps" in again.output  # the offset was kept: nothing is read twice
     missing = CliRunner().invoke(app, [*args[:2], "--file", str(tmp_path / "nope.log"), "--instance", "x"])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_tail_follow_picks_up_appended_lines_and_a_rotated_file(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    log = tmp_path / "vllm.log"
+    log.write_text("\n".join(LINES[:60]) + "\n", encoding="utf-8")  # start-up, no steps yet
+    sink, stop = MemorySink(), threading.Event()
+    tail = LogTail(log, instance="vllm-a", sink=sink, state_dir=tmp_path / "state")
+    runner = threading.Thread(target=tail.run, kwargs={"follow": True, "stop": stop, "poll_s": 0.05})
+    runner.start()
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(sink.of_type("step")) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    try:
+        with log.open("a", encoding="utf-8") as fh:
+            fh.write("\n".join(ITERATION_LINES[:5]) + "\n")
+        wait_for(5)
+        log.rename(tmp_path / "vllm.log.1")  # logrotate: move, then a new file
+        log.write_text("\n".join(ITERATION_LINES[5:8]) + "\n", encoding="utf-8")
+        wait_for(8)
+    finally:
+        stop.set()
+        runner.join(timeout=10)
+    assert [s.step for s in sink.of_type("step")] == list(range(8))
+    assert not runner.is_alive()
