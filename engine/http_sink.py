@@ -199,6 +199,11 @@ def _safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "engine"
 
 
+def spool_dir_for(root: str | os.PathLike, instance: str) -> Path:
+    """The spool directory of one instance under `root` (a sink per directory: see DiskSpool)."""
+    return Path(root) / _safe_name(instance)
+
+
 class _SinkCollector:
     """Exposes the sink's plain counters to a prometheus registry (no double bookkeeping)."""
 
@@ -285,7 +290,7 @@ class HttpSink:
             batch_size=telemetry.http_batch_size,
             flush_interval_s=telemetry.http_flush_interval_s,
             queue_size=telemetry.http_queue_size,
-            spool_dir=Path(telemetry.spool_dir) / _safe_name(telemetry.instance) if telemetry.spool_dir else None,
+            spool_dir=spool_dir_for(telemetry.spool_dir, telemetry.instance) if telemetry.spool_dir else None,
             spool_max_bytes=telemetry.spool_max_bytes,
             compress=telemetry.http_compress,
             registry=registry,

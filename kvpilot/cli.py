@@ -10,10 +10,14 @@ from kvpilot.cli_collector import collector_app, db_app
 from kvpilot.cli_dashboard import dashboard_cmd
 from kvpilot.cli_engine import engine_app
 from kvpilot.cli_loadtest import loadtest_cmd
+from kvpilot.cli_model import model_app
 from kvpilot.cli_tune import sim_app, tune_app
+from kvpilot.cli_vllm import vllm_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvpilot: observe and tune LLM serving.")
 app.add_typer(engine_app, name="engine", help="Run the inference engine.")
+app.add_typer(model_app, name="model", help="Make local model checkpoints.")
+app.add_typer(vllm_app, name="vllm", help="Run vLLM with its telemetry wired to the collector.")
 app.add_typer(bench_app, name="bench", help="Benchmarks with JSON output.")
 app.add_typer(collector_app, name="collector", help="Run the telemetry collector.")
 app.add_typer(db_app, name="db", help="Migrate and prune the collector database.")

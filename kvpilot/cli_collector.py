@@ -181,3 +181,55 @@ def prune_cmd(
         engine.dispose()
     deleted = ", ".join(f"{k} {v}" for k, v in result.deleted.items())
     typer.echo(f"downsampled {result.downsampled_rows} buckets; deleted: {deleted}")
+
+
+@collector_app.command("tail")
+def tail_cmd(
+    file: Path = typer.Option(..., "--file", exists=True, dir_okay=False, help="vLLM's log (its stdout/stderr)"),
+    instance: str = typer.Option(..., "--instance", min=1, help="instance name of its step rows"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep reading as the file grows (Ctrl-C stops)"),
+    collector: str = typer.Option(
+        "http://127.0.0.1:8100", "--collector", envvar="KVPILOT_COLLECTOR_URL", help="collector base URL"
+    ),
+    ingest_token: str | None = typer.Option(None, "--ingest-token", envvar="KVPILOT_INGEST_TOKEN"),
+    run_id: str | None = typer.Option(None, "--run-id", help="run id of the steps (default: kept from last time)"),
+    block_size: int | None = typer.Option(
+        None, "--block-size", min=1, max=1 << 20, help="vLLM's KV block size, to count KV in blocks, not tokens"
+    ),
+    spool_dir: Path = typer.Option(Path("kvpilot-data/spool"), "--spool-dir", help="spool and read offset live here"),
+) -> None:
+    """Ship a vLLM log's iteration lines (--enable-logging-iteration-details) as step rows; resumes where it left."""
+    import signal
+    import threading
+
+    from collector.vllm_log import VllmLogError
+    from engine.http_sink import HttpSink, SpoolLockedError, spool_dir_for
+    from kvpilot.cli_vllm import check_collector_url
+    from kvpilot.vllm.tail import tail_file
+
+    url = check_collector_url(collector)
+    logging.basicConfig(level=logging.INFO, format="kvpilot: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    stop = threading.Event()
+    handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stats, sink = tail_file(
+            file,
+            instance=instance,
+            sink_factory=lambda d: HttpSink(url, token=ingest_token or None, spool_dir=d),
+            state_dir=spool_dir_for(spool_dir, instance),
+            follow=follow,
+            run_id=run_id,
+            block_size=block_size,
+            stop=stop,
+        )
+    except (VllmLogError, SpoolLockedError, OSError) as exc:
+        raise _fail(exc) from exc
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert isinstance(sink, HttpSink)
+    typer.echo(
+        f"read {stats.lines} lines: {stats.iteration_lines} iteration lines, {stats.steps} steps, "
+        f"{stats.unparsable} unparsable; {sink.sent} acknowledged, {len(sink.spool)} batch(es) waiting in the spool"
+    )

@@ -9,6 +9,8 @@ Fixtures:
 - `db_url` (parametrized sqlite/postgres): a URL of a database migrated to head, empty for each test.
 - `db_engine`: an Engine on `db_url`.
 - `sqlite_url`: SQLite only, for tests that need a file (server subprocesses, kill -9).
+- `vllm_peer` (session): one real vLLM started by `kvpilot vllm serve`, shipping to a collector subprocess
+  (tests/vllm/peer.py); tests that use it carry the `vllm` marker.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from collector.db import make_engine, upgrade
+
+if TYPE_CHECKING:
+    from tests.vllm.peer import VllmPeer
 
 PG_ENV = "KVPILOT_TEST_PG_URL"
 
@@ -118,3 +124,14 @@ def db_engine(db_url: str) -> Iterator[Engine]:
     engine = make_engine(db_url)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def vllm_peer(tmp_path_factory: pytest.TempPathFactory, _sqlite_template: Path) -> Iterator[VllmPeer]:
+    from tests.vllm.peer import start_peer, stop_peer
+
+    peer = start_peer(tmp_path_factory.mktemp("vllm"), _sqlite_template)
+    yield peer
+    code = stop_peer(peer)
+    assert code == 0, f"kvpilot vllm serve exited with {code} after SIGTERM {peer.where()}"
+    assert b", 0 unparsable" in peer.kvpilot_log.read_bytes(), f"vLLM's log format changed? {peer.where()}"

