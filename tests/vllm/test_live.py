@@ -144,3 +144,41 @@ def test_steps_made_while_the_collector_is_down_arrive_once_it_is_back(vllm_peer
     stored, lines = vllm_peer.wait_steps_stored(timeout_s=90)
     assert stored == lines == stored_before + made, vllm_peer.where()
     assert not list(spool.glob("*.batch"))
+
+
+def _vllm_finished_total(peer: VllmPeer) -> float:
+    """vLLM's own count of finished requests (every finished_reason), from its /metrics."""
+    text = httpx.get(f"{peer.url}/metrics", timeout=10.0).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{")
+    )
+
+
+def test_request_spans_become_request_rows_as_many_as_vllm_counted(vllm_peer: VllmPeer) -> None:
+    """vLLM's OTLP `llm_request` spans -> POST /v1/traces -> one request row each, with its stage timings."""
+    counted_before = _vllm_finished_total(vllm_peer)
+    jobs = [(300 + i, 10 + 15 * i, 4 + 2 * i) for i in range(6)]
+    with httpx.Client() as client, cf.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda j: vllm_peer.complete(client, prompt(j[0], j[1]), j[2]), jobs))
+    sent = {r["id"]: r for r in results}
+    deadline = time.monotonic() + 60  # vLLM's span processor exports in batches every few seconds
+    while True:
+        rows = vllm_peer.query(
+            "SELECT request_id, status, prompt_tokens, output_tokens, queue_s, prefill_s, ttft_s, decode_s, e2e_s,"
+            " run_id FROM requests WHERE instance = :i",
+            i=INSTANCE,
+        )
+        ours = {r.request_id: r for r in rows if any(r.request_id.startswith(rid) for rid in sent)}
+        if len(ours) >= len(sent) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    counted = _vllm_finished_total(vllm_peer) - counted_before
+    assert len(ours) == len(sent) == counted, (len(ours), len(sent), counted, vllm_peer.where())
+    for request_id, row in ours.items():
+        response = next(r for rid, r in sent.items() if request_id.startswith(rid))
+        assert (row.status, row.run_id) == ("finished", "vllm-session")
+        assert row.prompt_tokens == response["usage"]["prompt_tokens"]
+        assert row.output_tokens == response["usage"]["completion_tokens"]
+        assert 0 < row.ttft_s <= row.e2e_s
+        # queue + prefill + decode leave out only vLLM's input processing and output handoff
+        assert abs(row.queue_s + row.prefill_s + row.decode_s - row.e2e_s) <= 0.05 * row.e2e_s + 0.02, row
