@@ -53,6 +53,7 @@ from collector.queries.request_stats import (
     latency_percentiles,
     latency_quantiles_over_time,
 )
+from collector.queries.run_audit import duplicate_steps, stored_event_counts, stored_requests
 from collector.queries.timeseries import (
     EVENT_COUNTERS,
     Labels,
@@ -98,6 +99,7 @@ __all__ = [
     "bucketed",
     "counter_increase",
     "counter_rate",
+    "duplicate_steps",
     "goodput",
     "group_key",
     "group_sum",
@@ -119,6 +121,8 @@ __all__ = [
     "series_points",
     "slowest_requests",
     "stage_breakdown_over_time",
+    "stored_event_counts",
+    "stored_requests",
     "target_health",
     "throughput_over_time",
 ]

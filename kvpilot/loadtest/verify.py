@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy import Engine, func, select
 
-from collector.schema import AlertNotification, AlertNotificationAttempt, AllocRow, RequestRow, SampleRow, StepRow
+from collector import queries
+from collector.schema import AlertNotification, AlertNotificationAttempt
 from kvpilot.loadtest.client import RequestResult
 
 
@@ -36,13 +37,7 @@ def full_answers(results: Sequence[RequestResult]) -> dict:
 
 
 def request_rows(db: Engine, run_id: str) -> list[tuple[str, str]]:
-    with db.connect() as conn:
-        rows = conn.execute(
-            select(RequestRow.request_id, RequestRow.status).where(
-                RequestRow.run_id == run_id, RequestRow.warmup.is_(False)
-            )
-        )
-        return [(r[0], r[1]) for r in rows]
+    return queries.stored_requests(db, run_id=run_id)
 
 
 def stored_once(db: Engine, run_id: str, expected_ids: Sequence[str], acknowledged: int) -> dict:
@@ -63,19 +58,11 @@ def stored_once(db: Engine, run_id: str, expected_ids: Sequence[str], acknowledg
 
 
 def event_rows(db: Engine, run_id: str) -> dict[str, int]:
-    out = {}
-    with db.connect() as conn:
-        for name, table in (("request", RequestRow), ("step", StepRow), ("alloc", AllocRow), ("sample", SampleRow)):
-            out[name] = int(
-                conn.execute(select(func.count()).select_from(table).where(table.run_id == run_id)).scalar_one()
-            )
-    return out
+    return queries.stored_event_counts(db, run_id=run_id)
 
 
 def duplicate_steps(db: Engine, run_id: str) -> int:
-    with db.connect() as conn:
-        stmt = select(StepRow.step).where(StepRow.run_id == run_id).group_by(StepRow.step).having(func.count() > 1)
-        return len(conn.execute(stmt).all())
+    return queries.duplicate_steps(db, run_id=run_id)
 
 
 def engine_events_stored_once(
