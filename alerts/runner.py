@@ -289,11 +289,17 @@ def start_evaluator(
     """Start evaluating `rule_files` (default: the built-in rules) against the database at `db_url`.
 
     `api_port` (0: any free port, see `handle.api_url`): also serve the Alertmanager-compatible API
-    (alerts.api) with this evaluator's metrics, on `api_host` (loopback unless told otherwise).
+    (alerts.api) with this evaluator's metrics, on `api_host` (loopback unless told otherwise; any other
+    address needs `api_token` or KVPILOT_ALERTS_API_TOKEN, else UnsafeBindError).
     """
     from alerts.api import create_api_app
-    from alerts.api_server import serve_api
+    from alerts.api_server import check_api_bind, serve_api
+    from alerts.settings import AlertsSettings
     from alerts.sql_source import SqlSource
+
+    if api_port is not None:
+        api_token = api_token or AlertsSettings().api_token
+        check_api_bind(api_host, api_token)  # before anything starts
 
     groups = load_rule_files(list(rule_files or [BUILTIN_RULES]))
     engine = make_engine(db_url)
