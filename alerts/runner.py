@@ -100,7 +100,13 @@ class AlertEvaluator:
         self.lease: Lease | None = None
         self._loaded_token: int | None = None
         self.delivery = delivery or (
-            DeliveryWorker(factory, {r.name: r for r in notifier.receivers}, clock=clock, metrics=self.metrics)
+            DeliveryWorker(
+                factory,
+                {r.name: r for r in notifier.receivers},
+                clock=clock,
+                metrics=self.metrics,
+                lease_ttl_s=lease_ttl_s,
+            )
             if deliver
             else None
         )
@@ -301,12 +307,14 @@ def start_evaluator(
     api_port: int | None = None,
     api_host: str = "127.0.0.1",
     api_token: str | None = None,
+    lease_ttl_s: float = 15.0,
 ) -> EvaluatorHandle:
     """Start evaluating `rule_files` (default: the built-in rules) against the database at `db_url`.
 
     `api_port` (0: any free port, see `handle.api_url`): also serve the Alertmanager-compatible API
     (alerts.api) with this evaluator's metrics, on `api_host` (loopback unless told otherwise; any other
-    address needs `api_token` or KVPILOT_ALERTS_API_TOKEN, else UnsafeBindError).
+    address needs `api_token` or KVPILOT_ALERTS_API_TOKEN, else UnsafeBindError). `lease_ttl_s`: how long
+    the evaluator lease outlives its holder's last renewal.
     """
     from alerts.api import create_api_app
     from alerts.api_server import check_api_bind, serve_api
@@ -327,7 +335,9 @@ def start_evaluator(
         repeat_interval_s=repeat_interval_s,
         alertmanager_urls=alertmanager_urls,
     )
-    evaluator = AlertEvaluator(session_factory(engine), groups, source or SqlSource(engine), config, metrics=metrics)
+    evaluator = AlertEvaluator(
+        session_factory(engine), groups, source or SqlSource(engine), config, metrics=metrics, lease_ttl_s=lease_ttl_s
+    )
     api = None
     if api_port is not None:
         app = create_api_app(engine=engine, metrics=evaluator.metrics, token=api_token, notifier=config)
