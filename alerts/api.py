@@ -12,7 +12,11 @@ Alertmanager's field names and RFC 3339 times:
 Differences from Alertmanager: bad input is 422 naming the field (FastAPI's shape) where Alertmanager
 answers 400 with text; pending alerts (not yet firing, which Prometheus never sends to Alertmanager) are
 listed too unless `pending=false`, each alert says which in `alertState` ("pending" | "firing").
-Optional bearer token (`token`): every route but /-/healthy and /-/ready needs `Authorization: Bearer`.
+Optional bearer token (`token`): every route but /-/healthy and /-/ready needs `Authorization: Bearer`
+(alerts.api_server refuses to serve beyond loopback without one). Bounded input (alerts.settings): a body
+over `max_body_bytes` is 413 before parsing; matchers, comment and author have maximum sizes, a silence a
+maximum duration and at least one matcher that does not match the empty string (422 naming the field);
+past `max_silences` unexpired silences a new one is 429. Regexes are RE2 (alerts.regex).
 Handlers are thin; data functions live in alerts.silences and alerts.store.
 """
 
@@ -34,12 +38,22 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.alertmanager import rfc3339
+from alerts.body_limit import BodyLimit
 from alerts.config import NotifierConfig, resolve_routes, routes_for
 from alerts.metrics import AlertMetrics
+from alerts.settings import AlertsSettings
 from alerts.silences import (
+    MAX_COMMENT_CHARS,
+    MAX_CREATED_BY_CHARS,
+    MAX_MATCHERS,
+    MAX_NAME_CHARS,
+    MAX_VALUE_CHARS,
     SilenceIn,
     SilenceMatcher,
+    SilenceRejected,
+    TooManySilences,
     active_silences_by_id,
+    check_matchers,
     create_silence,
     expire_silence,
     get_silence,
@@ -53,6 +67,8 @@ from collector.db import make_engine, session_factory
 from collector.errors import StorageError
 
 SILENCE_RETENTION_S = 120 * 3600.0  # Alertmanager's --data.retention default
+MAX_ID_CHARS = 64  # ids are UUIDs (36)
+MAX_FILTER_CHARS = MAX_NAME_CHARS + MAX_VALUE_CHARS + 8
 
 
 def _epoch(value: dt.datetime) -> float:
@@ -64,12 +80,14 @@ class PostableSilence(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    id: str | None = None
-    matchers: Annotated[list[SilenceMatcher], Field(min_length=1)]
+    id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
+    matchers: Annotated[list[SilenceMatcher], Field(min_length=1, max_length=MAX_MATCHERS)]
     startsAt: dt.datetime
     endsAt: dt.datetime
-    createdBy: Annotated[str, Field(min_length=1, max_length=200)]
-    comment: str = ""
+    createdBy: Annotated[str, Field(min_length=1, max_length=MAX_CREATED_BY_CHARS)]
+    comment: Annotated[str, Field(max_length=MAX_COMMENT_CHARS)] = ""
+
+    select_some = field_validator("matchers")(check_matchers)
 
     @field_validator("endsAt")
     @classmethod
@@ -105,11 +123,13 @@ class ApiState:
         token: str | None,
         notifier: NotifierConfig | None,
         resend_s: float,
+        settings: AlertsSettings | None = None,
     ) -> None:
+        self.settings = settings or AlertsSettings()
         self.factory = factory
         self.metrics = metrics
         self.clock = clock
-        self.token = token
+        self.token = token or None  # an empty token would accept "Bearer "
         self.routes = resolve_routes(notifier) if notifier is not None else None
         self.resend_s = resend_s
 
@@ -138,12 +158,21 @@ def _authorized(state: StateDep, authorization: Annotated[str | None, Header()] 
         raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 
-def _filters(filter: Annotated[list[str] | None, Query()] = None) -> list[SilenceMatcher]:
+def _unprocessable(loc: list[str], message: str) -> HTTPException:
+    return HTTPException(422, [{"loc": loc, "msg": message, "type": "value_error"}])
+
+
+def _filters(state: StateDep, filter: Annotated[list[str] | None, Query()] = None) -> list[SilenceMatcher]:
     """Alertmanager's `filter` parameters: label matchers such as alertname="X" or instance=~"gpu.*"."""
+    texts = filter or []
+    if len(texts) > state.settings.max_filters:
+        raise _unprocessable(["query", "filter"], f"at most {state.settings.max_filters} filters")
+    if any(len(text) > MAX_FILTER_CHARS for text in texts):
+        raise _unprocessable(["query", "filter"], f"a filter has at most {MAX_FILTER_CHARS} characters")
     try:
-        return [parse_matcher(text) for text in filter or []]
+        return [parse_matcher(text) for text in texts]
     except ValueError as exc:
-        raise HTTPException(422, [{"loc": ["query", "filter"], "msg": str(exc), "type": "value_error"}]) from None
+        raise _unprocessable(["query", "filter"], str(exc)) from None
 
 
 SessionDep = Annotated[Session, Depends(_session)]
@@ -175,39 +204,41 @@ def _silence_order(silence: dict[str, Any]) -> tuple:
     return (2, -silence["endsAt"])
 
 
-def _matches_filters(matchers: list[SilenceMatcher], filters: list[SilenceMatcher]) -> bool:
+def _matches_filters(matchers: list[dict[str, Any]], filters: list[SilenceMatcher]) -> bool:
     """A silence passes a filter when it has an equal matcher (Alertmanager's silence filtering)."""
-    return all(
-        any(
-            m.name == f.name and m.value == f.value and m.isRegex == f.isRegex and m.isEqual == f.isEqual
-            for m in matchers
-        )
-        for f in filters
-    )
+    wanted = [f.model_dump() for f in filters]
+    stored = [{"isRegex": False, "isEqual": True, **m} for m in matchers]
+    return all(f in stored for f in wanted)
 
 
 @api.get("/silences")
 def get_silences(session: SessionDep, now: NowDep, filters: FiltersDep) -> list[dict[str, Any]]:
     rows = list_silences(session, now=now, include_expired=True, expired_since=now - SILENCE_RETENTION_S)
-    rows = [s for s in rows if _matches_filters([SilenceMatcher.model_validate(m) for m in s["matchers"]], filters)]
+    rows = [s for s in rows if _matches_filters(s["matchers"], filters)]
     return [_gettable_silence(s) for s in sorted(rows, key=_silence_order)]
 
 
 @api.post("/silences")
-def post_silence(body: PostableSilence, session: SessionDep, now: NowDep) -> SilenceCreated:
-    if body.id:
-        if not update_silence(session, body.id, body.to_silence(), now=now):
-            raise HTTPException(404, f"silence {body.id} not found")
-        silence_id = body.id
-    else:
-        silence_id = create_silence(session, body.to_silence(), now=now)
+def post_silence(body: PostableSilence, session: SessionDep, now: NowDep, state: StateDep) -> SilenceCreated:
+    bounds = {"max_duration_s": state.settings.max_silence_duration_s, "max_silences": state.settings.max_silences}
+    try:
+        if body.id:
+            if not update_silence(session, body.id, body.to_silence(), now=now, **bounds):
+                raise HTTPException(404, f"silence {body.id} not found")
+            silence_id = body.id
+        else:
+            silence_id = create_silence(session, body.to_silence(), now=now, **bounds)
+    except TooManySilences as exc:
+        raise HTTPException(429, str(exc), headers={"Retry-After": str(round(exc.retry_after_s))}) from None
+    except SilenceRejected as exc:
+        raise _unprocessable(["body", exc.field], str(exc)) from None
     session.commit()
     return SilenceCreated(silenceID=silence_id)
 
 
 @api.get("/silence/{silence_id}")
 def get_one_silence(silence_id: str, session: SessionDep, now: NowDep) -> dict[str, Any]:
-    silence = get_silence(session, silence_id, now=now)
+    silence = get_silence(session, silence_id, now=now) if len(silence_id) <= MAX_ID_CHARS else None
     if silence is None:
         raise HTTPException(404, f"silence {silence_id} not found")
     return _gettable_silence(silence)
@@ -215,7 +246,7 @@ def get_one_silence(silence_id: str, session: SessionDep, now: NowDep) -> dict[s
 
 @api.delete("/silence/{silence_id}")
 def delete_silence(silence_id: str, session: SessionDep, now: NowDep) -> Response:
-    if not expire_silence(session, silence_id, now=now):
+    if len(silence_id) > MAX_ID_CHARS or not expire_silence(session, silence_id, now=now):
         raise HTTPException(404, f"silence {silence_id} not found")
     session.commit()
     return Response(status_code=200)
@@ -267,11 +298,15 @@ def create_api_app(
     token: str | None = None,
     notifier: NotifierConfig | None = None,
     clock: Callable[[], float] = time.time,
+    settings: AlertsSettings | None = None,
 ) -> FastAPI:
     """The API over the database at `db_url` (or an existing `engine`, which the caller keeps and disposes).
 
     `metrics`: the evaluator's, served at /metrics. `notifier`: to list each alert's receivers.
+    `settings`: the limits (default: AlertsSettings() from the environment).
     """
+    settings = settings or AlertsSettings()
+    token = token if token is not None else settings.api_token
     if (db_url is None) == (engine is None):
         raise ValueError("pass exactly one of db_url or engine")
     owned = make_engine(db_url) if engine is None else None
@@ -292,7 +327,9 @@ def create_api_app(
         token=token,
         notifier=notifier,
         resend_s=notifier.alertmanager_resend_s if notifier is not None else 60.0,
+        settings=settings,
     )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(api)
 
     async def _storage_error(_request: Request, exc: Exception) -> JSONResponse:

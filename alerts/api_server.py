@@ -1,15 +1,40 @@
 """Serve an ASGI app (the alerts API) with uvicorn in a daemon thread: for `kvpilot alerts run`, demos, tests.
 
 Port 0 picks a free port; `.url` says which. `stop()` asks uvicorn to exit and joins the thread.
+As every kvpilot service (DESIGN.md, trust boundaries), the API binds loopback unless told otherwise and
+refuses any other address without a token (`check_api_bind`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from typing import Any
 
 import uvicorn
+
+
+class UnsafeBindError(ValueError):
+    """The API was asked to listen beyond loopback without a bearer token."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname other than localhost, or "" (every address): not provably loopback
+
+
+def check_api_bind(host: str, token: str | None) -> None:
+    """Refuse a non-loopback address without a token, as the collector does."""
+    if not token and not is_loopback(host):
+        raise UnsafeBindError(
+            f"refusing to serve the alerts API on {host or 'every address'!r} without a token: set "
+            "KVPILOT_ALERTS_API_TOKEN (or --api-token) or bind to 127.0.0.1"
+        )
 
 
 class ApiServer:
@@ -37,4 +62,7 @@ class ApiServer:
 
 
 def serve_api(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> ApiServer:
+    """Serve the alerts API (alerts.api.create_api_app); refuses an unsafe bind before listening."""
+    state = getattr(getattr(app, "state", None), "alerts", None)
+    check_api_bind(host, getattr(state, "token", None))
     return ApiServer(app, host=host, port=port)

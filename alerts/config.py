@@ -6,14 +6,14 @@ group per route), send_resolved true. `group_by: ['...']` groups by every label,
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from alerts.durations import parse_duration
+from alerts.regex import RegexError, check, full_match
 
 DurationS = Annotated[float, Field(ge=0)]
 
@@ -44,9 +44,18 @@ class Matcher(BaseModel):
     is_regex: bool = False
     is_equal: bool = True
 
+    @model_validator(mode="after")
+    def _regex_compiles(self) -> Matcher:
+        if self.is_regex:
+            try:
+                check(self.value)
+            except RegexError as exc:
+                raise ValueError(f"matcher {self.name}: {exc}") from None
+        return self
+
     def matches(self, labels: dict[str, str]) -> bool:
         actual = labels.get(self.name, "")
-        hit = re.fullmatch(self.value, actual) is not None if self.is_regex else actual == self.value
+        hit = full_match(self.value, actual) if self.is_regex else actual == self.value
         return hit if self.is_equal else not hit
 
     @property

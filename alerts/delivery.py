@@ -3,9 +3,15 @@
 2xx: delivered. 5xx, 408, 429 and network errors: retried after uniform(0, min(cap, base * 2**attempts))
 seconds (AWS's "full jitter"), until `max_age_s` after creation (then `expired`). Any other 4xx: `failed`
 at once (the receiver will not accept it on a retry). Every attempt is a row in alert_notification_attempts.
-Per (receiver, group) only the oldest unfinished notification is sent, so a receiver that was down sees
-firing before resolved, each exactly once (`Idempotency-Key` lets it drop a retry whose 2xx it sent but we
-never read). Claims are fenced by the lease: a superseded evaluator can neither claim nor record.
+A 2xx also ends the receiver's backoff: its other waiting notifications are due at once, so a backlog
+clears in a tick or two after the receiver recovers. Per (receiver, group) one notification is in flight,
+oldest first, a stale backlog collapsed to the newest (alerts.outbox); `Idempotency-Key` lets the receiver
+drop a retry whose 2xx it sent but we never read.
+
+The lease bounds every POST, not only the writes: claims are fenced, and right before each POST the worker
+renews the lease (fenced by its token) and re-checks that the row is still its claim, then posts with a
+deadline that ends `guard` before the renewed lease does, so the POST and its record are done before
+another evaluator can take the lease. A worker that lost the lease stops its batch without posting.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.config import Receiver
 from alerts.metrics import AlertMetrics
-from alerts.store import Lease, LeaseLostError, fence
+from alerts.outbox import claim_due
+from alerts.outbox import list_notifications as list_notifications
+from alerts.store import Lease, LeaseLostError, fence, renew
 from collector.db import translate_errors
 from collector.schema import AlertNotification, AlertNotificationAttempt
 
@@ -32,6 +40,7 @@ log = logging.getLogger(__name__)
 SIGNATURE_HEADER = "X-Kvpilot-Signature"
 USER_AGENT = "kvpilot-alerts/0.1 (Alertmanager webhook v4)"
 RETRYABLE_4XX = frozenset({408, 429})
+MAX_RESPONSE_BYTES = 4096  # what is kept of a receiver's answer (for last_error); the rest is not read
 
 
 def sign(body: bytes, secret: str) -> str:
@@ -64,6 +73,7 @@ class DeliveryWorker:
         max_age_s: float = 24 * 3600.0,
         batch: int = 50,
         rng: random.Random | None = None,
+        lease_ttl_s: float = 15.0,
     ) -> None:
         self.factory = factory
         self.receivers = receivers
@@ -75,15 +85,23 @@ class DeliveryWorker:
         self.max_age_s = max_age_s
         self.batch = batch
         self.rng = rng or random.Random()
+        self.lease_ttl_s = lease_ttl_s
+        # what a POST leaves of the renewed lease, for recording its outcome (and for clock jitter)
+        self.guard_s = max(0.2 * lease_ttl_s, 0.25)
 
     def close(self) -> None:
         self.client.close()
 
     def run_once(self, lease: Lease) -> list[DeliveryResult]:
-        """Claim the due head-of-line notifications, POST them, record the outcomes."""
-        claimed = self._claim(lease)
+        """Claim the due head-of-line notifications, POST them (each under a renewed lease), record outcomes."""
         results = []
-        for row in claimed:
+        for row in self._claim(lease):
+            try:
+                lease = self._renew(row, lease)
+            except LeaseLostError as exc:
+                self.metrics.lease_lost.inc()
+                log.warning("alerts: not posting %s, batch stopped: %s", row.idempotency_key, exc)
+                break
             results.append(self._deliver(row, lease))
         return results
 
@@ -96,31 +114,69 @@ class DeliveryWorker:
                 session.rollback()
                 self.metrics.lease_lost.inc()
                 return []
-            pending = (
-                session.execute(
-                    select(AlertNotification)
-                    .where(AlertNotification.status == "pending")
-                    .order_by(AlertNotification.id)
-                )
-                .scalars()
-                .all()
+            due = claim_due(
+                session,
+                now=now,
+                token=lease.token,
+                claim_until=lease.expires_at,
+                batch=self.batch,
+                on_superseded=self._superseded,
             )
-            heads: dict[tuple[str, str], AlertNotification] = {}
-            for row in pending:
-                heads.setdefault((row.receiver, row.group_key), row)
-            due = [
-                r
-                for r in heads.values()
-                if r.next_attempt_at <= now and (r.claim_expires_at is None or r.claim_expires_at < now)
-            ][: self.batch]
-            for row in due:
-                receiver = self.receivers.get(row.receiver)
-                timeout = receiver.timeout_s if receiver else 10.0
-                row.claim_token, row.claim_expires_at = lease.token, now + timeout + 5.0
             session.commit()
             for row in due:
                 session.expunge(row)
-            return list(due)
+            return due
+
+    def _superseded(self, row: AlertNotification) -> None:
+        self.metrics.superseded.labels(row.receiver).inc()
+        self.metrics.finished.labels(row.receiver, "superseded").inc()
+        log.info("notification %s to %s: %s", row.idempotency_key, row.receiver, row.last_error)
+
+    def _renew(self, row: AlertNotification, lease: Lease) -> Lease:
+        """Extend the lease and the row's claim right before its POST; LeaseLostError if either is gone."""
+        now = self.clock()
+        with translate_errors(), self.factory() as session:
+            renewed = renew(session, lease, now, self.lease_ttl_s)
+            still_ours = session.execute(
+                update(AlertNotification)
+                .where(
+                    AlertNotification.id == row.id,
+                    AlertNotification.status == "pending",
+                    AlertNotification.claim_token == lease.token,
+                )
+                .values(claim_expires_at=renewed.expires_at)
+            )
+            if still_ours.rowcount != 1:
+                session.rollback()
+                raise LeaseLostError(f"notification {row.idempotency_key} is no longer claimed by {lease.holder}")
+            session.commit()
+        return renewed
+
+    def _post(
+        self, row: AlertNotification, receiver: Receiver, deadline_s: float
+    ) -> tuple[str, int | None, str | None]:
+        """One POST that ends within `deadline_s` seconds (each phase's timeout is what is left of it)."""
+        body = row.body.encode()
+        headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT, "Idempotency-Key": row.idempotency_key}
+        if receiver.secret:
+            headers[SIGNATURE_HEADER] = sign(body, receiver.secret)
+        deadline = time.monotonic() + deadline_s
+        try:
+            with self.client.stream("POST", row.url, content=body, headers=headers, timeout=deadline_s) as response:
+                answer = b""
+                for chunk in response.iter_bytes():
+                    answer += chunk
+                    if len(answer) >= MAX_RESPONSE_BYTES or time.monotonic() > deadline:
+                        break
+            status = response.status_code
+        except httpx.HTTPError as exc:
+            return "retry", None, f"{type(exc).__name__}: {exc}"
+        text = answer[:200].decode(errors="replace")
+        if 200 <= status < 300:
+            return "delivered", status, None
+        if status >= 500 or status in RETRYABLE_4XX:
+            return "retry", status, f"HTTP {status}: {text}"
+        return "failed", status, f"HTTP {status}: {text}"
 
     def _deliver(self, row: AlertNotification, lease: Lease) -> DeliveryResult:
         receiver = self.receivers.get(row.receiver)
@@ -131,25 +187,8 @@ class DeliveryWorker:
         if receiver is None:
             outcome, error = "failed", f"receiver {row.receiver!r} is no longer configured"
         else:
-            body = row.body.encode()
-            headers = {
-                "Content-Type": "application/json",
-                "User-Agent": USER_AGENT,
-                "Idempotency-Key": row.idempotency_key,
-            }
-            if receiver.secret:
-                headers[SIGNATURE_HEADER] = sign(body, receiver.secret)
-            try:
-                response = self.client.post(row.url, content=body, headers=headers, timeout=receiver.timeout_s)
-                status = response.status_code
-                if 200 <= status < 300:
-                    outcome = "delivered"
-                elif status >= 500 or status in RETRYABLE_4XX:
-                    outcome, error = "retry", f"HTTP {status}: {response.text[:200]}"
-                else:
-                    outcome, error = "failed", f"HTTP {status}: {response.text[:200]}"
-            except httpx.HTTPError as exc:
-                outcome, error = "retry", f"{type(exc).__name__}: {exc}"
+            budget = min(receiver.timeout_s, lease.expires_at - started - self.guard_s)
+            outcome, status, error = self._post(row, receiver, max(budget, 0.05))
         duration = time.monotonic() - wall_started
         now = self.clock()
         if outcome == "retry" and now - row.created_at >= self.max_age_s:
@@ -197,6 +236,7 @@ class DeliveryWorker:
             if outcome == "delivered":
                 current.status, current.delivered_at = "delivered", now
                 self.metrics.delivery_latency.observe(max(0.0, now - current.due_at))
+                self._end_backoff(session, row.receiver, now)
             elif outcome == "retry":
                 current.next_attempt_at = now + backoff_s(
                     current.attempts, base_s=self.base_backoff_s, cap_s=self.max_backoff_s, rng=self.rng
@@ -218,44 +258,15 @@ class DeliveryWorker:
             )
             session.commit()
 
-
-def list_notifications(session: Session, *, limit: int = 100, status: str | None = None) -> list[dict]:
-    """Deliveries and their attempts, newest first (for the CLI and the dashboard)."""
-    stmt = select(AlertNotification).order_by(AlertNotification.id.desc()).limit(limit)
-    if status:
-        stmt = stmt.where(AlertNotification.status == status)
-    rows = session.execute(stmt).scalars().all()
-    ids = [r.id for r in rows]
-    attempts: dict[int, list[dict]] = {}
-    if ids:
-        for a in session.execute(
-            select(AlertNotificationAttempt)
-            .where(AlertNotificationAttempt.notification_id.in_(ids))
-            .order_by(AlertNotificationAttempt.id)
-        ).scalars():
-            attempts.setdefault(a.notification_id, []).append(
-                {
-                    "attempt": a.attempt,
-                    "started_at": a.started_at,
-                    "duration_s": a.duration_s,
-                    "http_status": a.http_status,
-                    "outcome": a.outcome,
-                    "error": a.error,
-                }
+    @staticmethod
+    def _end_backoff(session: Session, receiver: str, now: float) -> None:
+        """The receiver answers again: whatever waits for it is due now, not after its own backoff."""
+        session.execute(
+            update(AlertNotification)
+            .where(
+                AlertNotification.receiver == receiver,
+                AlertNotification.status == "pending",
+                AlertNotification.next_attempt_at > now,
             )
-    return [
-        {
-            "id": r.id,
-            "idempotency_key": r.idempotency_key,
-            "receiver": r.receiver,
-            "kind": r.kind,
-            "status": r.status,
-            "attempts": r.attempts,
-            "created_at": r.created_at,
-            "next_attempt_at": r.next_attempt_at,
-            "delivered_at": r.delivered_at,
-            "last_error": r.last_error,
-            "attempt_log": attempts.get(r.id, []),
-        }
-        for r in rows
-    ]
+            .values(next_attempt_at=now)
+        )

@@ -4,8 +4,9 @@ Per route and group (group_by labels), as Alertmanager's aggregation groups and 
 the first flush waits group_wait, later flushes come every group_interval; a flush notifies when a
 firing alert is new since the last notification, when all alerts resolved, when (send_resolved) an
 alert resolved, or when repeat_interval passed. Resolved alerts leave the group after one flush.
-Silenced alerts are not notified. Notifications are rows in the outbox, written in the same transaction
-as the state change that caused them (and fenced by the lease), so none is lost or written twice.
+Silenced alerts are not notified; the evaluator matches silences before its transaction opens and passes
+the muted fingerprints in (`silenced`). Notifications are rows in the outbox, written in the same
+transaction as the state change that caused them (and fenced by the lease), so none is lost or written twice.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from alerts.alertmanager import group_key, postable_alert, webhook_alert, webhook_body, webhook_payload
 from alerts.config import NotifierConfig, Receiver, ResolvedRoute, resolve_routes, routes_for
-from alerts.silences import active_silences, is_silenced
+from alerts.silences import silenced_fingerprints
 from alerts.state import FIRING, INACTIVE, ActiveAlert
 from alerts.store import Lease
 from collector.schema import AlertGroup, AlertNotification
@@ -73,10 +75,20 @@ class Dispatcher:
         self.receivers: dict[str, Receiver] = {r.name: r for r in config.receivers}
         self.forwards = [r for r in config.receivers if r.kind == "alertmanager"]
 
-    def dispatch(self, session: Session, alerts: list[NotifyAlert], *, now: float, lease: Lease) -> list[int]:
-        """Decide and enqueue notifications; returns the new outbox row ids."""
-        silences = active_silences(session, now)
-        live = [a for a in alerts if not is_silenced(a.alert.labels, silences)]
+    def dispatch(
+        self,
+        session: Session,
+        alerts: list[NotifyAlert],
+        *,
+        now: float,
+        lease: Lease,
+        silenced: Collection[str] | None = None,
+    ) -> list[int]:
+        """Decide and enqueue notifications; returns the new outbox row ids. `silenced`: the fingerprints
+        muted now (None: match the active silences here, in this session)."""
+        if silenced is None:
+            silenced = silenced_fingerprints(session, ((a.alert.fingerprint, a.alert.labels) for a in alerts), now)
+        live = [a for a in alerts if a.alert.fingerprint not in silenced]
         if len(live) != len(alerts):
             log.debug("silences muted %d alert(s)", len(alerts) - len(live))
         groups: dict[tuple[str, str], tuple[ResolvedRoute, dict[str, str], list[NotifyAlert]]] = {}

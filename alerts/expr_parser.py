@@ -34,6 +34,8 @@ from alerts.expr_ast import (
     value_type,
 )
 from alerts.expr_lexer import ExprSyntaxError, Token, tokenize
+from alerts.regex import RegexError
+from alerts.regex import check as check_regex
 
 _PRECEDENCE = {
     "or": 1,
@@ -316,9 +318,9 @@ class _Parser:
                 value_tok = self.expect("STRING", what="a quoted label value")
                 if op_tok.text in ("=~", "!~"):
                     try:
-                        re.compile(value_tok.text)
-                    except re.error as exc:
-                        raise ExprSyntaxError(f"bad regular expression: {exc}", **_pos(value_tok)) from exc
+                        check_regex(value_tok.text)
+                    except RegexError as exc:
+                        raise ExprSyntaxError(str(exc), **_pos(value_tok)) from None
                 matchers.append(Matcher(label_tok.text, op_tok.text, value_tok.text))
                 if self.peek().kind == "OP" and self.peek().text == ",":
                     self.advance()

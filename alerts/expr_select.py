@@ -1,20 +1,19 @@
 """Series selection: one entry per stored label set, filtered by the selector's matchers.
 
 Matchers apply to any label as Prometheus's do: `=`/`!=` compare the value (an absent label is ""), `=~`/`!~`
-match the fully anchored regular expression. An exact `instance="..."` is also pushed down to the source.
-The selector's name may be external (`DCGM_FI_DEV_FB_USED`): the source is asked for the canonical series
-(alerts.series_catalog.resolve) and values come back in the written name's unit; `__name__` is the name
-as written.
+match the fully anchored regular expression, with RE2 semantics in linear time as Prometheus's
+(alerts.regex). An exact `instance="..."` is also pushed down to the source. The selector's name may be
+external (`DCGM_FI_DEV_FB_USED`): the source is asked for the canonical series (alerts.series_catalog.resolve)
+and values come back in the written name's unit; `__name__` is the name as written.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from functools import cache
 
 from alerts.expr_ast import Matcher, MatrixSelector, VectorSelector
 from alerts.expr_values import NAME, Labels, Points, SeriesSource, Vector, is_stale, with_name
+from alerts.regex import full_match
 from alerts.series_catalog import resolve
 
 
@@ -86,13 +85,8 @@ def matches(op: str, pattern: str, value: str) -> bool:
         return value == pattern
     if op == "!=":
         return value != pattern
-    full = _regex(pattern).fullmatch(value) is not None
+    full = full_match(pattern, value)
     return full if op == "=~" else not full
-
-
-@cache
-def _regex(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
 
 
 def _unscaled(pts: Points, scale: float) -> Points:

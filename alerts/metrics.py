@@ -28,6 +28,12 @@ class AlertMetrics:
         self.finished = Counter(
             "kvpilot_alerts_notifications_finished_total", "notifications done", ["receiver", "status"], registry=reg
         )
+        self.superseded = Counter(
+            "kvpilot_alerts_notifications_superseded_total",
+            "undelivered notifications dropped for a newer one of the same group (stale backlog)",
+            ["receiver"],
+            registry=reg,
+        )
         self.delivery_latency = Histogram(
             "kvpilot_alerts_delivery_latency_seconds",
             "outbox write to 2xx from the receiver",

@@ -1,4 +1,10 @@
-"""The evaluator loop: lease -> evaluate due groups -> persist state + outbox (one fenced txn) -> deliver.
+"""The evaluator loop: lease -> evaluate due groups -> match silences -> persist state + outbox (one fenced
+txn) -> deliver.
+
+Only the writes are in the transaction: rules are evaluated and silences matched before it opens (with
+reads of their own), so neither holds the lease row (PostgreSQL) or SQLite's write lock, which the
+collector's ingest on the same database waits for. The transaction's fence still refuses the writes if
+the lease changed hands meanwhile.
 
 Programmatic entry (what `kvpilot alerts run` and `kvpilot demo` use):
 
@@ -31,6 +37,7 @@ from alerts.dispatch import Dispatcher, NotifyAlert, notifiable
 from alerts.expr_eval import CachingSource, EvalError, Evaluator, SeriesSource
 from alerts.metrics import AlertMetrics
 from alerts.rules import BUILTIN_RULES, RuleGroup, load_rule_files
+from alerts.silences import silenced_fingerprints
 from alerts.state import RuleState
 from alerts.store import (
     Lease,
@@ -93,7 +100,13 @@ class AlertEvaluator:
         self.lease: Lease | None = None
         self._loaded_token: int | None = None
         self.delivery = delivery or (
-            DeliveryWorker(factory, {r.name: r for r in notifier.receivers}, clock=clock, metrics=self.metrics)
+            DeliveryWorker(
+                factory,
+                {r.name: r for r in notifier.receivers},
+                clock=clock,
+                metrics=self.metrics,
+                lease_ttl_s=lease_ttl_s,
+            )
             if deliver
             else None
         )
@@ -150,76 +163,85 @@ class AlertEvaluator:
         return result
 
     def _evaluate_and_dispatch(self, lease: Lease, now: float, result: TickResult) -> None:
-        with translate_errors(), self.factory() as session:
-            try:
-                fence(session, lease, now)
-                if self._loaded_token != lease.token:
-                    self._reload(session)
-                    delete_rules_except(session, {s.rule.name for s in self.states.values()})
-                source = CachingSource(self.source)
-                evaluator = Evaluator(source)
-                due_groups = [g for g in self.groups if self.next_eval.get(g.name, -1.0) <= now]
-                changed: list[RuleState] = []
-                for group in due_groups:
-                    previous = self.next_eval.get(group.name)
-                    self.next_eval[group.name] = (
-                        now + group.interval_s
-                        if previous is None or previous + group.interval_s <= now
-                        else previous + group.interval_s
-                    )
-                    for rule in group.rules:
-                        state = self.states[rule.name + "\0" + group.name]
-                        self.metrics.evaluations.labels(rule.name).inc()
-                        try:
-                            vector = evaluator.evaluate(rule.expr, now)
-                            assert isinstance(vector, dict)
-                            transitions = state.evaluate(
-                                now,
-                                vector,
-                                external_labels=self.external_labels,
-                                external_url=self.notifier.external_url,
-                            )
-                        except (EvalError, ValueError) as exc:
-                            self.metrics.evaluation_failures.labels(rule.name).inc()
-                            log.error("alerts: rule %s (%s) failed: %s", rule.name, rule.source, exc)
-                            continue
-                        result.evaluated_rules += 1
-                        result.series += len(vector)
-                        self.metrics.series_evaluated.inc(len(vector))
-                        for t in transitions:
-                            self.metrics.transitions.labels(t.new_state if not t.dropped else "dropped").inc()
-                            log.info(
-                                "alert %s %s: %s -> %s",
-                                rule.name,
-                                labelset_string(t.alert.labels),
-                                t.old_state,
-                                "dropped" if t.dropped else t.new_state,
-                            )
-                        changed.append(state)
-                for state in changed:
-                    save_rule_states(
-                        session,
-                        state.rule.name,
-                        state.active,
-                        generator_url(self.notifier.external_url, state.rule.expr_text),
-                    )
+        reloaded = self._loaded_token != lease.token
+        try:
+            with translate_errors():
+                if reloaded:
+                    with self.factory() as session:
+                        self._reload(session)
+                changed = self._evaluate(now, result)
                 alerts = [
                     NotifyAlert(a, generator_url(self.notifier.external_url, s.rule.expr_text))
                     for s in self.states.values()
                     for a in s.active.values()
                     if notifiable(a)
                 ]
-                result.notifications = self.dispatcher.dispatch(session, alerts, now=now, lease=lease)
-                session.commit()
-            except BaseException:
-                session.rollback()
-                self._loaded_token = None
-                raise
+                with self.factory() as session:
+                    silenced = silenced_fingerprints(
+                        session, ((a.alert.fingerprint, a.alert.labels) for a in alerts), now
+                    )
+                with self.factory() as session:
+                    fence(session, lease, now)
+                    if reloaded:
+                        delete_rules_except(session, {s.rule.name for s in self.states.values()})
+                    for state in changed:
+                        save_rule_states(
+                            session,
+                            state.rule.name,
+                            state.active,
+                            generator_url(self.notifier.external_url, state.rule.expr_text),
+                        )
+                    result.notifications = self.dispatcher.dispatch(
+                        session, alerts, now=now, lease=lease, silenced=silenced
+                    )
+                    session.commit()
+        except BaseException:
+            self._loaded_token = None  # in-memory state may be ahead of what is stored: reload it next tick
+            raise
         self._loaded_token = lease.token
         for receiver_id in result.notifications:
             log.debug("alerts: enqueued notification %d", receiver_id)
         if result.notifications:
             self.metrics.enqueued.labels("all").inc(len(result.notifications))
+
+    def _evaluate(self, now: float, result: TickResult) -> list[RuleState]:
+        """Evaluate the due groups into the in-memory rule states; returns the states evaluated."""
+        evaluator = Evaluator(CachingSource(self.source))
+        changed: list[RuleState] = []
+        for group in [g for g in self.groups if self.next_eval.get(g.name, -1.0) <= now]:
+            previous = self.next_eval.get(group.name)
+            self.next_eval[group.name] = (
+                now + group.interval_s
+                if previous is None or previous + group.interval_s <= now
+                else previous + group.interval_s
+            )
+            for rule in group.rules:
+                state = self.states[rule.name + "\0" + group.name]
+                self.metrics.evaluations.labels(rule.name).inc()
+                try:
+                    vector = evaluator.evaluate(rule.expr, now)
+                    assert isinstance(vector, dict)
+                    transitions = state.evaluate(
+                        now, vector, external_labels=self.external_labels, external_url=self.notifier.external_url
+                    )
+                except (EvalError, ValueError) as exc:
+                    self.metrics.evaluation_failures.labels(rule.name).inc()
+                    log.error("alerts: rule %s (%s) failed: %s", rule.name, rule.source, exc)
+                    continue
+                result.evaluated_rules += 1
+                result.series += len(vector)
+                self.metrics.series_evaluated.inc(len(vector))
+                for t in transitions:
+                    self.metrics.transitions.labels(t.new_state if not t.dropped else "dropped").inc()
+                    log.info(
+                        "alert %s %s: %s -> %s",
+                        rule.name,
+                        labelset_string(t.alert.labels),
+                        t.old_state,
+                        "dropped" if t.dropped else t.new_state,
+                    )
+                changed.append(state)
+        return changed
 
     def step_down(self) -> None:
         if self.lease is not None:
@@ -285,15 +307,23 @@ def start_evaluator(
     api_port: int | None = None,
     api_host: str = "127.0.0.1",
     api_token: str | None = None,
+    lease_ttl_s: float = 15.0,
 ) -> EvaluatorHandle:
     """Start evaluating `rule_files` (default: the built-in rules) against the database at `db_url`.
 
     `api_port` (0: any free port, see `handle.api_url`): also serve the Alertmanager-compatible API
-    (alerts.api) with this evaluator's metrics, on `api_host` (loopback unless told otherwise).
+    (alerts.api) with this evaluator's metrics, on `api_host` (loopback unless told otherwise; any other
+    address needs `api_token` or KVPILOT_ALERTS_API_TOKEN, else UnsafeBindError). `lease_ttl_s`: how long
+    the evaluator lease outlives its holder's last renewal.
     """
     from alerts.api import create_api_app
-    from alerts.api_server import serve_api
+    from alerts.api_server import check_api_bind, serve_api
+    from alerts.settings import AlertsSettings
     from alerts.sql_source import SqlSource
+
+    if api_port is not None:
+        api_token = api_token or AlertsSettings().api_token
+        check_api_bind(api_host, api_token)  # before anything starts
 
     groups = load_rule_files(list(rule_files or [BUILTIN_RULES]))
     engine = make_engine(db_url)
@@ -305,7 +335,9 @@ def start_evaluator(
         repeat_interval_s=repeat_interval_s,
         alertmanager_urls=alertmanager_urls,
     )
-    evaluator = AlertEvaluator(session_factory(engine), groups, source or SqlSource(engine), config, metrics=metrics)
+    evaluator = AlertEvaluator(
+        session_factory(engine), groups, source or SqlSource(engine), config, metrics=metrics, lease_ttl_s=lease_ttl_s
+    )
     api = None
     if api_port is not None:
         app = create_api_app(engine=engine, metrics=evaluator.metrics, token=api_token, notifier=config)

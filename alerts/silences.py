@@ -1,16 +1,55 @@
-"""Silences as Alertmanager has them: label matchers and a time window; CRUD for the API and the CLI."""
+"""Silences as Alertmanager has them: label matchers and a time window; CRUD for the API, the CLI, the dashboard.
+
+Bounded as Alertmanager's validation is and then some: matchers are RE2 (alerts.regex), at least one must
+not match the empty string (a silence of `alertname=~".*"` would mute everything), names are label names,
+and names, values, comment, author and the matcher count have maximum sizes. `create_silence` and
+`update_silence` also bound how long a silence lasts from now (`max_duration_s`, 30 days unless the
+caller's settings say otherwise) and how many unexpired silences there are (`max_silences`), so the
+evaluator's silence matching per tick stays bounded.
+"""
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
-from typing import Any
+from collections.abc import Iterable
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from sqlalchemy import select
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from alerts.regex import RegexError, check, full_match
 from collector.schema import AlertSilence
+
+log = logging.getLogger(__name__)
+
+LABEL_NAME = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
+MAX_NAME_CHARS = 256
+MAX_VALUE_CHARS = 1024
+MAX_MATCHERS = 32
+MAX_CREATED_BY_CHARS = 200
+MAX_COMMENT_CHARS = 4096
+DEFAULT_MAX_DURATION_S = 30 * 86400.0
+DEFAULT_MAX_SILENCES = 1000
+EVERYTHING = "at least one matcher must not match the empty string (this silence would mute every alert)"
+
+
+class SilenceRejected(ValueError):
+    """A silence refused by a bound; `field` names the input at fault (the API answers 422 naming it)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class TooManySilences(SilenceRejected):
+    """`max_silences` unexpired silences exist already; `retry_after_s`: until the first of them ends."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__("matchers", message)
+        self.retry_after_s = retry_after_s
 
 
 class SilenceMatcher(BaseModel):
@@ -18,8 +57,8 @@ class SilenceMatcher(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    name: str = Field(min_length=1)
-    value: str
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=LABEL_NAME)]
+    value: Annotated[str, Field(max_length=MAX_VALUE_CHARS)]
     isRegex: bool = False
     isEqual: bool = True
 
@@ -27,25 +66,34 @@ class SilenceMatcher(BaseModel):
     def _regex_compiles(self) -> SilenceMatcher:
         if self.isRegex:
             try:
-                re.compile(self.value)
-            except re.error as exc:
-                raise ValueError(f"matcher {self.name}: bad regular expression: {exc}") from exc
+                check(self.value)
+            except RegexError as exc:
+                raise ValueError(f"matcher {self.name}: {exc}") from None
         return self
 
     def matches(self, labels: dict[str, str]) -> bool:
         actual = labels.get(self.name, "")
-        hit = re.fullmatch(self.value, actual) is not None if self.isRegex else actual == self.value
+        hit = full_match(self.value, actual) if self.isRegex else actual == self.value
         return hit if self.isEqual else not hit
+
+
+def check_matchers(matchers: list[SilenceMatcher]) -> list[SilenceMatcher]:
+    """Alertmanager's rule: a silence whose every matcher matches the empty string matches every alert."""
+    if matchers and all(m.matches({}) for m in matchers):
+        raise ValueError(EVERYTHING)
+    return matchers
 
 
 class SilenceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    matchers: list[SilenceMatcher] = Field(min_length=1)
+    matchers: Annotated[list[SilenceMatcher], Field(min_length=1, max_length=MAX_MATCHERS)]
     startsAt: float
     endsAt: float
-    createdBy: str = Field(min_length=1, max_length=200)
-    comment: str = ""
+    createdBy: Annotated[str, Field(min_length=1, max_length=MAX_CREATED_BY_CHARS)]
+    comment: Annotated[str, Field(max_length=MAX_COMMENT_CHARS)] = ""
+
+    select_some = field_validator("matchers")(check_matchers)
 
     @model_validator(mode="after")
     def _window(self) -> SilenceIn:
@@ -66,7 +114,50 @@ def parse_matcher(text: str) -> SilenceMatcher:
     return SilenceMatcher(name=name, value=value, isRegex="~" in op, isEqual=not op.startswith("!"))
 
 
-def create_silence(session: Session, silence: SilenceIn, *, now: float) -> str:
+def _human(seconds: float) -> str:
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            count = seconds / size
+            return f"{count:g} {unit}" + ("s" if count != 1 else "")
+    return f"{seconds:g} s"
+
+
+def check_bounds(
+    session: Session,
+    silence: SilenceIn,
+    *,
+    now: float,
+    max_duration_s: float,
+    max_silences: int | None,
+    replacing: str | None = None,
+) -> None:
+    """Raise SilenceRejected if `silence` lasts too long from now, TooManySilences past `max_silences`."""
+    if silence.endsAt - max(silence.startsAt, now) > max_duration_s:
+        raise SilenceRejected(
+            "endsAt", f"a silence may last at most {_human(max_duration_s)} from now; expire it and make a new one"
+        )
+    if max_silences is None:
+        return
+    unexpired = select(func.count(), func.min(AlertSilence.ends_at)).where(AlertSilence.ends_at > now)
+    if replacing is not None:
+        unexpired = unexpired.where(AlertSilence.id != replacing)
+    count, first_end = session.execute(unexpired).one()
+    if count >= max_silences:
+        raise TooManySilences(
+            f"{count} unexpired silences (the limit is {max_silences}); expire some first",
+            retry_after_s=max(1.0, (first_end or now) - now),
+        )
+
+
+def create_silence(
+    session: Session,
+    silence: SilenceIn,
+    *,
+    now: float,
+    max_duration_s: float = DEFAULT_MAX_DURATION_S,
+    max_silences: int | None = DEFAULT_MAX_SILENCES,
+) -> str:
+    check_bounds(session, silence, now=now, max_duration_s=max_duration_s, max_silences=max_silences)
     silence_id = str(uuid.uuid4())
     session.add(
         AlertSilence(
@@ -93,11 +184,22 @@ def expire_silence(session: Session, silence_id: str, *, now: float) -> bool:
     return True
 
 
-def update_silence(session: Session, silence_id: str, silence: SilenceIn, *, now: float) -> bool:
+def update_silence(
+    session: Session,
+    silence_id: str,
+    silence: SilenceIn,
+    *,
+    now: float,
+    max_duration_s: float = DEFAULT_MAX_DURATION_S,
+    max_silences: int | None = DEFAULT_MAX_SILENCES,
+) -> bool:
     """Replace an existing silence's matchers, window and comment (Alertmanager: POST with an `id`)."""
     row = session.get(AlertSilence, silence_id)
     if row is None:
         return False
+    check_bounds(
+        session, silence, now=now, max_duration_s=max_duration_s, max_silences=max_silences, replacing=silence_id
+    )
     row.matchers = [m.model_dump() for m in silence.matchers]
     row.starts_at, row.ends_at = silence.startsAt, silence.endsAt
     row.created_by, row.comment, row.updated_at = silence.createdBy, silence.comment, now
@@ -141,11 +243,21 @@ def list_silences(
     return out
 
 
+def _stored_matchers(row: AlertSilence) -> list[SilenceMatcher] | None:
+    """A stored silence's matchers; None (the silence is ignored, and said so) if today's rules refuse them,
+    e.g. a pattern stored before matchers were RE2."""
+    try:
+        return [SilenceMatcher.model_validate(m) for m in row.matchers]
+    except ValidationError as exc:
+        log.warning("silence %s ignored: its matchers are no longer valid: %s", row.id, exc.errors()[0]["msg"])
+        return None
+
+
 def active_silences_by_id(session: Session, now: float) -> dict[str, list[SilenceMatcher]]:
     rows = session.execute(
         select(AlertSilence).where(AlertSilence.starts_at <= now, AlertSilence.ends_at > now).order_by(AlertSilence.id)
     ).scalars()
-    return {row.id: [SilenceMatcher.model_validate(m) for m in row.matchers] for row in rows}
+    return {row.id: matchers for row in rows if (matchers := _stored_matchers(row)) is not None}
 
 
 def active_silences(session: Session, now: float) -> list[list[SilenceMatcher]]:
@@ -159,3 +271,12 @@ def silenced_by(labels: dict[str, str], silences: dict[str, list[SilenceMatcher]
 
 def is_silenced(labels: dict[str, str], silences: list[list[SilenceMatcher]]) -> bool:
     return any(all(m.matches(labels) for m in matchers) for matchers in silences)
+
+
+def silenced_fingerprints(session: Session, alerts: Iterable[tuple[str, dict[str, str]]], now: float) -> frozenset[str]:
+    """Which of (fingerprint, labels) the active silences mute: run in a read-only session before the
+    evaluator's write transaction, so matching never holds the lease row or SQLite's write lock."""
+    silences = active_silences(session, now)
+    if not silences:
+        return frozenset()
+    return frozenset(fp for fp, labels in alerts if is_silenced(labels, silences))

@@ -35,6 +35,7 @@ class WebhookSink:
     received: list[Received] = field(default_factory=list)
     duplicates: int = 0
     status_code: int = 200
+    delay_s: float = 0.0  # a slow receiver: wait this long before answering
     lock: threading.Lock = field(default_factory=threading.Lock)
     arrived: threading.Condition = field(init=False)
 
@@ -76,6 +77,8 @@ def run_webhook_sink(
             sink = holder["sink"]
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length)
+            if sink.delay_s > 0:
+                time.sleep(sink.delay_s)
             if sink.status_code >= 300:
                 self.send_response(sink.status_code)
                 self.end_headers()

@@ -106,6 +106,25 @@ def fence(session: Session, lease: Lease, now: float) -> None:
         raise LeaseLostError(f"lease lost by {lease.holder} (token {lease.token})")
 
 
+def renew(session: Session, lease: Lease, now: float, ttl_s: float) -> Lease:
+    """`fence` that also extends the lease to `now + ttl_s`: what the delivery worker runs right before a POST,
+    so the POST happens under a lease that outlives its timeout. Raises LeaseLostError if superseded."""
+    lease_t = AlertEvaluatorLease.__table__
+    result = session.execute(
+        update(lease_t)
+        .where(
+            lease_t.c.id == LEASE_ID,
+            lease_t.c.holder == lease.holder,
+            lease_t.c.token == lease.token,
+            lease_t.c.expires_at >= now,
+        )
+        .values(renewed_at=now, expires_at=now + ttl_s)
+    )
+    if result.rowcount != 1:
+        raise LeaseLostError(f"lease lost by {lease.holder} (token {lease.token})")
+    return Lease(lease.holder, lease.token, now + ttl_s)
+
+
 def read_lease(factory: sessionmaker[Session]) -> Lease | None:
     with translate_errors(), factory() as session:
         row = session.get(AlertEvaluatorLease, LEASE_ID)

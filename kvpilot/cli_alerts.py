@@ -105,12 +105,18 @@ def run_cmd(
         help="serve the Alertmanager API v2 subset "
         "(silences, alerts, /metrics) on this port, e.g. 9093; 0: any free port",
     ),
-    api_host: str = typer.Option("127.0.0.1", "--api-host", help="address the API binds to"),
+    api_host: str = typer.Option(
+        "127.0.0.1", "--api-host", help="address the API binds to; anything but loopback needs a token"
+    ),
     api_token: str | None = typer.Option(
-        None, "--api-token", envvar="KVPILOT_ALERTS_API_TOKEN", help="require Authorization: Bearer TOKEN on the API"
+        None,
+        "--api-token",
+        envvar="KVPILOT_ALERTS_API_TOKEN",
+        help="require Authorization: Bearer TOKEN on the API (prefer the environment variable: argv is visible)",
     ),
 ) -> None:
     """Evaluate rules against the database and deliver notifications (one active evaluator per DB)."""
+    from alerts.api_server import UnsafeBindError
     from alerts.config import load_notifier_config
     from alerts.durations import DurationError, parse_duration
     from alerts.runner import start_evaluator
@@ -150,7 +156,7 @@ def run_cmd(
             api_host=api_host,
             api_token=api_token,
         )
-    except (StorageError, RuntimeError) as exc:
+    except (StorageError, RuntimeError, UnsafeBindError) as exc:
         typer.echo(f"database error: {exc}" if isinstance(exc, StorageError) else str(exc), err=True)
         if sink:
             sink.stop()
@@ -190,9 +196,11 @@ def silence_add(
     from pydantic import ValidationError
 
     from alerts.durations import DurationError, parse_duration
+    from alerts.settings import AlertsSettings
     from alerts.silences import SilenceIn, create_silence, parse_matcher
     from collector.db import session_scope
 
+    settings = AlertsSettings()
     now = time.time()
     try:
         silence = SilenceIn(
@@ -202,11 +210,17 @@ def silence_add(
             createdBy=author,
             comment=comment,
         )
+        with session_scope(_factory(db)) as session:
+            silence_id = create_silence(
+                session,
+                silence,
+                now=now,
+                max_duration_s=settings.max_silence_duration_s,
+                max_silences=settings.max_silences,
+            )
     except (ValueError, DurationError, ValidationError) as exc:
         typer.echo(f"bad silence: {exc}", err=True)
         raise typer.Exit(2) from None
-    with session_scope(_factory(db)) as session:
-        silence_id = create_silence(session, silence, now=now)
     typer.echo(silence_id)
 
 

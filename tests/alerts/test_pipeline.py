@@ -67,42 +67,44 @@ def test_fires_after_for_and_resolves_with_v4_payload(config_for, make_evaluator
     assert sink.duplicates == 0
 
 
-def test_receiver_down_for_minutes_gets_each_notification_once(config_for, make_evaluator, groups, clock):
+def test_receiver_down_for_minutes_gets_the_group_state_once(config_for, make_evaluator, groups, clock):
+    """Fired and resolved while the receiver was down: the stale `firing` is superseded by the `resolved`
+    that says the same alert's current state (Alertmanager sends a group's current state after an outage)."""
     outage = run_webhook_sink(port=0, secret="s3cret", log_payloads=False)
     outage.status_code = 503  # up but failing: a real HTTP 5xx
     port = outage.server.server_address[1]
+    source = MemorySource()
+    ev = make_evaluator(source, groups, config_for(outage), base_backoff_s=1.0, max_backoff_s=60.0)
+    _run(ev, source, clock, 500, 60)  # fires
+    outage.stop()  # now connection refused: network errors
+    _run(ev, source, clock, 10, 30)  # resolves while down
+    _run(ev, source, clock, 10, 300, step=15)  # five more minutes down
+    with ev.factory() as s:
+        rows = s.execute(select(AlertNotification).order_by(AlertNotification.id)).scalars().all()
+        assert [r.status for r in rows] == ["expired", "pending"]
+        assert rows[0].attempts >= 3 and rows[0].last_error.startswith("superseded by notification")
+        assert rows[1].attempts >= 1  # the resolved one is the group's head now, retried
+    back = run_webhook_sink(port=port, secret="s3cret", log_payloads=False)
     try:
-        source = MemorySource()
-        ev = make_evaluator(source, groups, config_for(outage), base_backoff_s=1.0, max_backoff_s=60.0)
-        _run(ev, source, clock, 500, 60)  # fires
-        outage.stop()  # now connection refused: network errors
-        _run(ev, source, clock, 10, 30)  # resolves while down
-        _run(ev, source, clock, 10, 300, step=15)  # five more minutes down
+        for _ in range(30):
+            ev.tick()
+            clock.advance(60)
+            if back.received:
+                break
+        assert back.wait_for(1, 5)
+        for _ in range(5):
+            ev.tick()
+            clock.advance(60)
+        assert [r.payload["status"] for r in back.received] == ["resolved"]
+        assert back.duplicates == 0
         with ev.factory() as s:
-            rows = s.execute(select(AlertNotification).order_by(AlertNotification.id)).scalars().all()
-            assert [r.status for r in rows] == ["pending", "pending"]
-            assert rows[0].attempts >= 3 and rows[1].attempts == 0  # head of line: resolved waits for firing
-        back = run_webhook_sink(port=port, secret="s3cret", log_payloads=False)
-        try:
-            for _ in range(30):
-                ev.tick()
-                clock.advance(60)
-                if len(back.received) >= 2:
-                    break
-            assert back.wait_for(2, 5)
-            for _ in range(5):
-                ev.tick()
-                clock.advance(60)
-            assert [r.payload["status"] for r in back.received] == ["firing", "resolved"]
-            assert back.duplicates == 0
-            with ev.factory() as s:
-                assert s.execute(select(AlertNotification.status)).scalars().all() == ["delivered", "delivered"]
-                outcomes = s.execute(select(AlertNotificationAttempt.outcome)).scalars().all()
-                assert outcomes.count("delivered") == 2 and outcomes.count("retry") >= 3
-        finally:
-            back.stop()
+            statuses = s.execute(select(AlertNotification.status).order_by(AlertNotification.id)).scalars().all()
+            assert statuses == ["expired", "delivered"]
+            outcomes = s.execute(select(AlertNotificationAttempt.outcome)).scalars().all()
+            assert outcomes.count("delivered") == 1 and outcomes.count("retry") >= 3
+        assert ev.metrics.superseded.labels("webhook")._value.get() == 1
     finally:
-        pass
+        back.stop()
 
 
 def test_4xx_is_failed_not_retried(config_for, make_evaluator, groups, clock):
