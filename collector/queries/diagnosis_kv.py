@@ -189,6 +189,21 @@ def _preemptions(db: Db, *, instance: str, start: float, end: float, run_id: str
     return max(counts)
 
 
+def _wall_cost(recomputed_tps: float, preempted: int, preemptions: int, ooms: int) -> str:
+    failed = f"; {ooms} allocation(s) failed" if ooms else ""
+    if preempted:
+        return (
+            f"Throughput: at least {recomputed_tps:.1f} prompt tokens/s recomputed for {preempted} preempted "
+            f"requests (preemptions x prompt tokens over the window; their generated tokens come on top){failed}."
+        )
+    if preemptions:
+        return (
+            f"Not estimated: {preemptions} preemption(s) counted (steps or scrapes), but no request row says which "
+            f"requests were preempted or how long they were{failed}."
+        )
+    return f"No preemption recorded in the window, so nothing was recomputed{failed}."
+
+
 def memory_wall(
     db: Db, *, instance: str, start: float, end: float, run_id: str | None = None, now: float | None = None
 ) -> Finding:
@@ -282,13 +297,7 @@ def memory_wall(
         },
         series=series,
         requests=request_dicts(worst),
-        cost=(
-            f"Throughput: at least {recomputed / window_s:.1f} prompt tokens/s recomputed for {len(preempted)} "
-            "preempted requests (preemptions x prompt tokens over the window; their generated tokens come on top)"
-            + (f"; {ooms} allocation(s) failed." if ooms else ".")
-            if preempted
-            else f"No preempted request in the window{f'; {ooms} allocation(s) failed' if ooms else ''}."
-        ),
-        cost_value=recomputed / window_s if rows else None,
+        cost=_wall_cost(recomputed / window_s, len(preempted), preemptions, ooms),
+        cost_value=recomputed / window_s if preempted else None,
         cost_unit="prompt tokens/s recomputed",
     )

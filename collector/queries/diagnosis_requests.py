@@ -166,7 +166,7 @@ def mixed_lengths(
         hours=hours,
         severity="critical" if stall.get("decode_stall_share", 0.0) >= 0.15 else "warning",
         evidence=evidence,
-        series={"prompt tokens by arrival": thin([(r.arrival, float(r.prompt_tokens)) for r in rows])},
+        series={"short requests: queue + prefill seconds": thin([(r.arrival, w) for r, w, _ in waits])},
         requests=request_dicts([r for r, _ in worst], {"wait_s": [w for _, w in worst]}),
         cost=(
             "Latency: short requests behind a long prefill reached their first token a median "
@@ -203,6 +203,7 @@ def bursts(
     first, last = min(counts), max(counts)
     per_second = [counts.get(s, 0) for s in range(first, last + 1)]
     baseline = float(median(per_second)) or len(rows) / len(per_second)
+    basis = "median" if median(per_second) else "mean"  # sparse traffic: most seconds are empty
     burst_s = {s for s, n in counts.items() if n >= BURST_RATIO * baseline and n >= BURST_MIN_ARRIVALS}
     in_burst = [r for r in rows if math.floor(r.arrival) in burst_s]
     finished_burst = [r for r in in_burst if r.status == "finished"]
@@ -214,7 +215,8 @@ def bursts(
     peak = max(per_second)
     evidence = {
         "requests": len(rows),
-        "median_arrivals_per_s": baseline,
+        "baseline_arrivals_per_s": baseline,
+        "baseline": basis,
         "peak_arrivals_per_s": peak,
         "peak_ratio": peak / baseline,
         "burst_seconds": len(burst_s),
@@ -226,8 +228,8 @@ def bursts(
     }
     if present:
         summary = (
-            f"{len(burst_s)} burst second(s) at up to {peak} arrivals/s ({peak / baseline:.1f}x the median "
-            f"{baseline:g}/s); their {len(in_burst)} arrivals queued a median {queue_burst * 1e3:.0f} ms "
+            f"{len(burst_s)} burst second(s) at up to {peak} arrivals/s ({peak / baseline:.1f}x the {basis} "
+            f"{baseline:.3g}/s); their {len(in_burst)} arrivals queued a median {queue_burst * 1e3:.0f} ms "
             f"(others {queue_calm * 1e3:.0f} ms)."
         )
     elif burst_s:
@@ -236,7 +238,9 @@ def bursts(
             f"{queue_burst * 1e3:.0f} ms (trap at {BURST_QUEUE_S * 1e3:g} ms)."
         )
     else:
-        summary = f"No burst: the busiest second had {peak} arrivals, {peak / baseline:.1f}x the median {baseline:g}/s."
+        summary = (
+            f"No burst: the busiest second had {peak} arrival(s), {peak / baseline:.1f}x the {basis} {baseline:.3g}/s."
+        )
     worst = sorted(in_burst, key=lambda r: -r.queue_s)[:EXAMPLES]
     mean_added = sum(added) / len(added) if added else 0.0
     return finding(
@@ -248,10 +252,7 @@ def bursts(
         hours=hours,
         severity="critical" if refused or queue_burst >= 10 * BURST_QUEUE_S else "warning",
         evidence=evidence,
-        series={
-            "arrivals per second": thin([(float(s), float(n)) for s, n in enumerate(per_second, start=first)]),
-            "burst threshold": [(float(first), BURST_RATIO * baseline), (float(last), BURST_RATIO * baseline)],
-        },
+        series={"arrivals per second": thin([(float(s), float(n)) for s, n in enumerate(per_second, start=first)])},
         requests=request_dicts(worst),
         cost=(
             f"Latency: burst arrivals queued {mean_added * 1e3:.0f} ms more on average than the median queue time "

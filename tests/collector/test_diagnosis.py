@@ -117,7 +117,7 @@ def test_bursts_present_when_the_burst_waits(db_engine: Engine) -> None:
     f = check(db_engine, "bursts")
     assert f.present
     e = f.evidence
-    assert e["median_arrivals_per_s"] == 2 and e["peak_arrivals_per_s"] == 12 and e["burst_seconds"] == 2
+    assert e["baseline_arrivals_per_s"] == 2 and e["peak_arrivals_per_s"] == 12 and e["burst_seconds"] == 2
     assert e["burst_arrivals"] == 24 and e["burst_queue_p50_s"] == pytest.approx(0.2)
     assert e["other_queue_p50_s"] == pytest.approx(0.005)
     assert f.cost_value == pytest.approx(0.195)
