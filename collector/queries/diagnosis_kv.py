@@ -35,7 +35,7 @@ from collector.queries.diagnosis_base import (
     thin,
 )
 from collector.queries.timeseries import increase_of, series_points
-from collector.schema import AllocRow, SampleRow
+from collector.schema import AllocRow, SampleRow, StepRow
 
 SWAP_KNOB = "scheduler.preemption_mode"
 WALL_KNOB = "scheduler.max_num_seqs"
@@ -180,9 +180,13 @@ def swap_thrashing(
 def _preemptions(db: Db, *, instance: str, start: float, end: float, run_id: str | None, from_requests: int) -> int:
     """Preemptions in the window: the largest count of requests, steps and the scraped counter (a source
     that does not record them reports 0, e.g. vLLM's spans)."""
+    st = StepRow.__table__.c
+    conds = [st.instance == instance, st.ts >= start, st.ts < end, st.warmup.is_(False)]
+    if run_id is not None:
+        conds.append(st.run_id == run_id)
     with _bound(db) as conn:
-        steps = step_rows(conn, instance=instance, start=start, end=end, run_id=run_id, columns=("preemptions",))
-    counts = [from_requests, sum(s.preemptions for s in steps)]
+        from_steps = conn.execute(select(func.coalesce(func.sum(st.preemptions), 0)).where(*conds)).scalar_one()
+    counts = [from_requests, int(from_steps)]
     if run_id is None:
         scraped = series_points(db, name="preemptions_total", start=start, end=end, instances=[instance])
         counts.append(int(sum(increase_of(points) for points in scraped.values())))

@@ -25,6 +25,7 @@ from collector.queries.diagnosis_base import (
     HOL_MIN_S,
     HOL_RATIO,
     LENGTH_SPREAD,
+    MAX_ROWS,
     MIN_BLOCKED,
     MIN_REQUESTS,
     Finding,
@@ -280,11 +281,16 @@ def cold_start(
         r.instance == instance, r.warmup.is_(False), r.run_id.in_(runs_in_window)
     )
     cols = ("request_id", "run_id", "ts", "prompt_tokens", "output_tokens", "queue_s", "ttft_s", "e2e_s")
-    per_run = {}
+    per_run: dict[str, list] = {}  # type: ignore[type-arg]
+    too_many: list[str] = []
     with _bound(db) as conn:
         started = [run for run, first_ts in conn.execute(firsts.group_by(r.run_id)) if first_ts >= start]
         for run in sorted(started):
-            per_run[run] = request_rows(conn, instance=instance, start=start, end=end, run_id=run, columns=cols)[0]
+            rows, truncated = request_rows(conn, instance=instance, start=start, end=end, run_id=run, columns=cols)
+            if truncated:  # the newest rows were kept: the run's first requests are lost
+                too_many.append(run)
+            else:
+                per_run[run] = rows
     if not started:
         why = "no run of this instance started in the window (the first requests of a run must be in it)"
         return no_data(trap, instance, why, knob=COLD_KNOB)
@@ -307,8 +313,12 @@ def cold_start(
             "rows": rows,
         }
     if not checked:
-        sizes = ", ".join(f"{run}: {len(rows)}" for run, rows in per_run.items())
+        sizes = ", ".join(
+            [f"{run}: {len(rows)}" for run, rows in per_run.items()] + [f"{run}: over {MAX_ROWS:,}" for run in too_many]
+        )
         why = f"runs that started in the window have too few finished requests ({sizes}; need {COLD_N + COLD_MIN_REST})"
+        if too_many:
+            why += " or more than can be read (narrow the window to the run's start)"
         return no_data(trap, instance, why, knob=COLD_KNOB)
     run, worst = max(checked.items(), key=lambda kv: kv[1]["ratio"])
     present = worst["ratio"] >= COLD_RATIO

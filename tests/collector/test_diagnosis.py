@@ -267,6 +267,15 @@ def test_memory_wall_for_vllm_from_scrapes_and_from_iteration_steps(db_engine: E
     f = check(db_engine, "memory_wall", instance="vllm-b")
     assert f.status == "absent" and f.evidence["source"].startswith("step rows")
     assert f.evidence["usage_peak"] == pytest.approx(0.6)
+    # Preemptions counted in steps only (no request says which): present at a full peak, cost not estimated.
+    steps = [
+        ev.step(k, instance="vllm-c", ts=T0 + k, kv_blocks_used=96 if k % 20 == 0 else 50, preemptions=int(k % 20 == 0))
+        for k in range(50)
+    ]
+    ingest(db_engine, steps)
+    f = check(db_engine, "memory_wall", instance="vllm-c")
+    assert f.present and f.evidence["full_share"] == pytest.approx(0.06) and f.evidence["preemptions"] == 3
+    assert f.cost_value is None and f.cost.startswith("Not estimated: 3 preemption(s)")
 
 
 # --- all of them ----------------------------------------------------------------------------------------
