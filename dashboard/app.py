@@ -18,6 +18,7 @@ PAGES = [
     st.Page("app_pages/overview.py", title="Overview", icon=":material/dashboard:", url_path="overview", default=True),
     st.Page("app_pages/latency.py", title="Latency", icon=":material/timer:", url_path="latency"),
     st.Page("app_pages/kv_memory.py", title="KV memory", icon=":material/memory:", url_path="kv-memory"),
+    st.Page("app_pages/diagnosis.py", title="Diagnosis", icon=":material/troubleshoot:", url_path="diagnosis"),
     st.Page("app_pages/alerts.py", title="Alerts", icon=":material/notifications:", url_path="alerts"),
     st.Page("app_pages/tuning.py", title="Tuning", icon=":material/tune:", url_path="tuning"),
     st.Page("app_pages/targets.py", title="Targets", icon=":material/lan:", url_path="targets"),

@@ -151,6 +151,18 @@ def _live_options(
     }
 
 
+def _only_knobs(space, knobs: list[str]):  # type: ignore[no-untyped-def]
+    """The space narrowed to `knobs` (all of it when none are named): a study over exactly those knobs."""
+    from tuner.space import SearchSpace, SpaceError
+
+    if not knobs:
+        return space
+    unknown = [k for k in knobs if k not in space.names]
+    if unknown:
+        raise SpaceError(f"knob: {', '.join(unknown)} not in the search space; one of {', '.join(space.names)}", "knob")
+    return SearchSpace(tuple(p for p in space.params if p.name in knobs), space.fixed)
+
+
 @tune_app.command("study")
 def study_cmd(
     trials: int = typer.Option(40, "--trials", help="trials in the study (and in the random baseline)"),
@@ -160,6 +172,9 @@ def study_cmd(
     random_baseline: bool = typer.Option(True, "--random-baseline/--no-random-baseline"),
     study_name: str | None = typer.Option(None, "--study-name", help="join or resume this study (parallel workers)"),
     space: Path | None = typer.Option(None, "--space", help="search space YAML (default tuner/space.yml)"),
+    knob: list[str] = typer.Option(
+        [], "--knob", help="search only this knob of the space (repeatable); the others keep the config's values"
+    ),
     config: Path | None = ConfigOpt,
     profile: str = ProfileOpt,
     workload: str = WorkloadOpt,
@@ -218,7 +233,7 @@ def study_cmd(
         opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
         prof = load_profile(profile)
         base = base_config(config, prof, backend)
-        sp = load_space(space, base=base)
+        sp = _only_knobs(load_space(space, base=base), knob)
         url = _db_url(db_url)
         db = open_db(url)
         try:

@@ -18,6 +18,10 @@ from collector.queries.catalog import (
     list_series_names,
     target_health,
 )
+from collector.queries.diagnosis import DETECTORS, diagnose, diagnosed_instances
+from collector.queries.diagnosis_base import KNOBS, TRAPS, Finding, Knob, Trap, study_command
+from collector.queries.diagnosis_kv import memory_wall, swap_thrashing
+from collector.queries.diagnosis_requests import bursts, cold_start, mixed_lengths
 from collector.queries.engine_stats import (
     AllocOpBucket,
     AllocTrace,
@@ -71,15 +75,20 @@ from collector.queries.timeseries import (
 
 __all__ = [
     "DEFAULT_QUANTILES",
+    "DETECTORS",
     "EVENT_COUNTERS",
+    "KNOBS",
+    "TRAPS",
     "AllocOpBucket",
     "AllocTrace",
     "Db",
+    "Finding",
     "Goodput",
     "GroupBy",
     "HistogramBin",
     "HistogramQuantiles",
     "InstanceInfo",
+    "Knob",
     "KvBucket",
     "Labels",
     "LatencyMetric",
@@ -93,12 +102,17 @@ __all__ = [
     "StageBucket",
     "TargetHealth",
     "ThroughputBucket",
+    "Trap",
     "alloc_ops_over_time",
     "alloc_trace",
     "bucket_expr",
     "bucketed",
+    "bursts",
+    "cold_start",
     "counter_increase",
     "counter_rate",
+    "diagnose",
+    "diagnosed_instances",
     "duplicate_steps",
     "goodput",
     "group_key",
@@ -115,6 +129,8 @@ __all__ = [
     "list_instances",
     "list_runs",
     "list_series_names",
+    "memory_wall",
+    "mixed_lengths",
     "parse_labels",
     "request_rates",
     "run_gauges_over_time",
@@ -123,6 +139,8 @@ __all__ = [
     "stage_breakdown_over_time",
     "stored_event_counts",
     "stored_requests",
+    "study_command",
+    "swap_thrashing",
     "target_health",
     "throughput_over_time",
 ]
