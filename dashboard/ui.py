@@ -29,6 +29,11 @@ def window_text() -> str:
     return st.session_state.get(WINDOW_KEY, "the selected time range")
 
 
+def page_caption(text: str) -> None:
+    """The line under a page's title; it also says, once per page, how times read."""
+    st.caption(f"{text} All times are UTC, 24-hour.")
+
+
 def empty(what: str, hint: str) -> None:
     """An empty state: what is missing in which window, and the next step to get it."""
     st.info(f"**No {what}** in {window_text()}. {hint}", icon=":material/info:")
