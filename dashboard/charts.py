@@ -100,15 +100,20 @@ def lines(
         # The first series in the data (hot tier, p50, queue depth) solid, the others dashed.
         encoding["strokeDash"] = alt.StrokeDash(f"{dash}:N", legend=legend, sort=list(dict.fromkeys(df[dash])))
         encoding["detail"] = alt.Detail(f"{dash}:N")
+    # A count's rule line far above the data would squash the lines into the axis: name it instead.
+    top = float(df[y].max()) if not df.empty else 0.0
+    drawn = [t for t in thresholds if percent or t.level <= 2 * top]
+    far = [t for t in thresholds if t not in drawn]
+    heading = alt.TitleParams(title, subtitle=[f"{t.text} (far above)" for t in far]) if far else title
     chart = (
-        alt.Chart(df, title=title, height=height)
+        alt.Chart(df, title=heading, height=height)
         .mark_line(point=len(df) < 40, interpolate=INTERPOLATE)
         .encode(**encoding)
         .interactive(bind_y=False)
     )
-    if not thresholds:
+    if not drawn:
         return chart
-    levels = pd.DataFrame({y: [t.level for t in thresholds], "rule": [t.text for t in thresholds]})
+    levels = pd.DataFrame({y: [t.level for t in drawn], "rule": [t.text for t in drawn]})
     rule = alt.Chart(levels).mark_rule(color="#333333", strokeDash=[6, 4]).encode(y=f"{y}:Q", tooltip=["rule:N"])
     label = (
         alt.Chart(levels)

@@ -27,7 +27,7 @@ class Col:
     label: str
     kind: Kind = "text"
     unit: str = ""  # after a "number": "req/s", "tok/s", "W"
-    digits: int = 2  # significant digits after the point for "number"
+    sig: int = 3  # significant digits of a "number" (1,208 · 7.48 · 0.102)
     width: Width = None
     help: str | None = None
 
@@ -48,11 +48,13 @@ def fmt_seconds(value: Any) -> str:
     return fmt_span(seconds)
 
 
-def fmt_number(value: Any, unit: str = "", digits: int = 2) -> str:
+def fmt_number(value: Any, unit: str = "", sig: int = 3) -> str:
+    """`sig` significant digits, never fewer than the integer part, thousands separated, no trailing zeros."""
     if _missing(value):
         return ""
     number = float(value)
-    text = f"{number:,.{digits}f}" if abs(number) < 1e6 else f"{number:,.0f}"
+    decimals = 0 if number == 0 else max(0, min(6, sig - 1 - math.floor(math.log10(abs(number)))))
+    text = f"{number:,.{decimals}f}"
     if "." in text:
         text = text.rstrip("0").rstrip(".")
     return f"{text} {unit}".rstrip()
@@ -90,7 +92,7 @@ def _formatter(col: Col) -> Callable[[Any], str] | None:
     if col.kind == "seconds":
         return fmt_seconds
     if col.kind == "number":
-        return lambda v: fmt_number(v, col.unit, col.digits)
+        return lambda v: fmt_number(v, col.unit, col.sig)
     if col.kind == "bytes":
         return fmt_bytes
     if col.kind == "gib":
@@ -153,27 +155,27 @@ def show(
 
 # Tables that more than one page shows: the scraped label sets (dashboard.data.scraped.label_sets).
 SCRAPED_ENGINE_TABLE = {
-    "instance": Col("Instance", width="medium"),
+    "instance": Col("Instance", width=150),
     "labels": Col("Labels", width="medium"),
-    "queue depth": Col("Queued", "number", digits=0),
-    "running": Col("Running", "number", digits=0),
-    "swapped": Col("Swapped", "number", digits=0),
-    "KV usage": Col("KV now", "bar"),
-    "KV peak": Col("KV peak", "bar", help="the highest sample in the window"),
-    "cold KV usage": Col("Cold KV now", "bar"),
-    "prefix hit rate": Col("Prefix hits", "bar"),
+    "queue depth": Col("Queued", "number"),
+    "running": Col("Running", "number"),
+    "swapped": Col("Swapped", "number"),
+    "KV usage": Col("KV now", "bar", width=110),
+    "KV peak": Col("KV peak", "bar", width=110, help="the highest sample in the window"),
+    "cold KV usage": Col("Cold KV now", "bar", width=110),
+    "prefix hit rate": Col("Prefix hits", "bar", width=110),
     "preemptions": Col("Preemptions", "count", help="counter increase in the window"),
     "newest": Col("Newest", "time"),
 }
 GPU_TABLE = {
-    "instance": Col("Instance", width="medium"),
-    "labels": Col("Labels", width="large"),
-    "utilization": Col("Busy now", "bar"),
-    "memory": Col("Memory now", "bar"),
-    "memory peak": Col("Memory peak", "bar", help="the highest sample in the window"),
+    "instance": Col("Instance", width=150),
+    "labels": Col("Labels", width="medium"),
+    "utilization": Col("Busy now", "bar", width=110),
+    "memory": Col("Memory now", "bar", width=110),
+    "memory peak": Col("Memory peak", "bar", width=110, help="the highest sample in the window"),
     "memory used (GiB)": Col("Used", "gib"),
     "memory total (GiB)": Col("Total", "gib"),
-    "power (W)": Col("Power", "number", unit="W", digits=0),
-    "temperature (°C)": Col("Temperature", "number", unit="°C", digits=0),
+    "power (W)": Col("Power", "number", unit="W"),
+    "temperature (°C)": Col("Temperature", "number", unit="°C"),
     "newest": Col("Newest", "time"),
 }

@@ -16,6 +16,17 @@ import yaml
 MISSING = object()
 
 
+UNIT_SUFFIXES = (("_tok_s", " (tok/s)"), ("_tps", " (tok/s)"), ("_rps", " (req/s)"), ("_s", " (s)"))
+
+
+def human(name: str) -> str:
+    """A snake_case metric name as a header: `ttft_p99_s` -> `ttft p99 (s)`."""
+    for suffix, unit in UNIT_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)].replace("_", " ") + unit
+    return name.replace("_", " ")
+
+
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'cache': {'block_size': 16}} -> {'cache.block_size': 16}; lists and scalars are leaves."""
     out: dict[str, Any] = {}

@@ -54,13 +54,13 @@ STATE_TABLE = {
     "alertname": Col("Alert", width="medium"),
     "severity": Col("Severity"),
     "instance": Col("Instance", width="medium"),
-    "summary": Col("Summary", width="large"),
-    "value": Col("Value", "number", digits=3, help="the expression's value at the last evaluation"),
+    "summary": Col("Summary", width="medium"),
+    "value": Col("Value", "number", help="the expression's value at the last evaluation"),
     "silenced": Col("Silenced", "bool"),
     "active_at": Col("Active since", "time"),
     "fired_at": Col("Firing since", "time"),
     "resolved_at": Col("Resolved at", "time"),
-    "labels": Col("Labels", width="large"),
+    "labels": Col("Labels", width="medium"),
 }
 
 st.subheader("Firing and pending")
@@ -116,7 +116,6 @@ with ui.guarded("Rules"):
             "for": Col("For", help="how long the condition must hold before the alert fires"),
             "severity": Col("Severity"),
             "expr": Col("Expression", width="large"),
-            "summary": Col("Summary", width="large"),
             "file": Col("File"),
         },
     )

@@ -23,6 +23,12 @@ NO_REQUESTS = (
 PER_REQUEST = "Exact percentiles, the stage breakdown, the latency distributions and the slowest requests"
 
 
+def _stat_label(column: str) -> str:
+    """`mean (s)` -> Mean, `p99 (s)` -> p99: the unit is in every cell."""
+    name = column.removesuffix(" (s)")
+    return name if name.startswith("p") else name.capitalize()
+
+
 def slowest_table(ranked_by: str) -> dict[str, Col]:
     return {
         "request_id": Col("Request", width="medium"),
@@ -31,8 +37,15 @@ def slowest_table(ranked_by: str) -> dict[str, Col]:
         "finished at": Col("Finished at", "time"),
         "status": Col("Status"),
         **{
-            f"{stage}_s": Col(stage.capitalize(), "seconds")
-            for stage in ("queue", "prefill", "ttft", "decode", "swap", "e2e")
+            f"{stage}_s": Col(label, "seconds")
+            for stage, label in (
+                ("queue", "Queue"),
+                ("prefill", "Prefill"),
+                ("ttft", "TTFT"),
+                ("decode", "Decode"),
+                ("swap", "Swap"),
+                ("e2e", "E2E"),
+            )
         },
         "prompt_tokens": Col("Prompt tokens", "count"),
         "output_tokens": Col("Output tokens", "count"),
@@ -62,7 +75,7 @@ def scraped_histograms() -> None:
                 "instance": Col("Instance", width="medium"),
                 "metric": Col("Metric"),
                 "observations": Col("Observations", "count"),
-                **{c: Col(c.removesuffix(" (s)").capitalize(), "seconds") for c in table.columns[3:]},
+                **{c: Col(_stat_label(c), "seconds") for c in table.columns[3:]},
             },
         )
         shown = [b for b, label in scraped.HISTOGRAMS.items() if label in set(table["metric"])]
@@ -129,7 +142,7 @@ show(
     {
         "stage": Col("Stage"),
         "requests": Col("Requests", "count"),
-        **{c: Col(c.removesuffix(" (s)").capitalize(), "seconds") for c in summary.columns[2:]},
+        **{c: Col(_stat_label(c), "seconds") for c in summary.columns[2:]},
     },
 )
 

@@ -71,27 +71,27 @@ with ui.guarded("Firing alerts"):
         )
 
 TRAFFIC_TABLE = {
-    "instance": Col("Instance", width="medium"),
-    "source": Col("Source", help="push: engine events; scrape: a /metrics target"),
+    "instance": Col("Instance", width=150),
     "requests": Col("Requests", "count"),
     "failed": Col("Not finished", "count", help="failed, rejected or aborted"),
     "req/s": Col("Requests/s", "number", help="over the time with traffic"),
-    "output tok/s": Col("Output tok/s", "number", digits=0),
-    "prompt tok/s": Col("Prompt tok/s", "number", digits=0),
+    "output tok/s": Col("Output tok/s", "number"),
+    "prompt tok/s": Col("Prompt tok/s", "number"),
     "preemptions": Col("Preemptions", "count"),
     "TTFT p50 (s)": Col("TTFT p50", "seconds"),
     "TTFT p99 (s)": Col("TTFT p99", "seconds"),
     "e2e p99 (s)": Col("E2E p99", "seconds"),
 }
 NOW_TABLE = {
-    "instance": Col("Instance", width="medium"),
-    "KV usage": Col("KV cache", "bar", help="newest sample; the fullest engine"),
-    "utilization": Col("Busy", "bar", help="newest sample; the busiest GPU"),
-    "memory": Col("Memory", "bar", help="newest sample; the fullest GPU"),
-    "queue depth": Col("Queued", "number", digits=0),
-    "running": Col("Running", "number", digits=0),
+    "instance": Col("Instance", width=150),
+    "source": Col("Source", help="push: engine events; scrape: a /metrics target"),
+    "KV usage": Col("KV cache", "bar", width=120, help="newest sample; the fullest engine"),
+    "utilization": Col("Busy", "bar", width=120, help="newest sample; the busiest GPU"),
+    "memory": Col("Memory", "bar", width=120, help="newest sample; the fullest GPU"),
+    "queue depth": Col("Queued", "number"),
+    "running": Col("Running", "number"),
     "last sample": Col("Newest sample", "time"),
-    "labels": Col("Labels", width="large"),
+    "labels": Col("Labels", width="medium"),
 }
 st.subheader("Per instance")
 with ui.guarded("Per instance"):

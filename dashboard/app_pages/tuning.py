@@ -47,8 +47,12 @@ with ui.guarded("Studies"):
         {
             "trial": Col("Trial", "count"),
             "state": Col("State"),
-            **{o: Col(o, "number", digits=4) for o in s.objectives},
-            **{c: Col(c.removeprefix("param: ")) for c in trials.columns if c.startswith("param: ")},
+            **{o: Col(transform.human(o), "number", sig=5) for o in s.objectives},
+            **{
+                c: Col(transform.human(c.removeprefix("param: ")), help=f"`{c.removeprefix('param: ')}` (a parameter)")
+                for c in trials.columns
+                if c.startswith("param: ")
+            },
             "duration (s)": Col("Took", "seconds"),
             "repeat of": Col("Repeat of", "count", help="told that trial's stored result"),
         },

@@ -6,6 +6,9 @@ traffic, and a KV spike to 100% between two regular samples.
 - `bench-1`, a pushing instance whose only run is a trial run (`<study>-t<n>-<hex>`): simulated too.
 - e0 (real) reaches KV 100% at T0 + 300.2 s and is back at 30% 0.4 s later; the regular samples are every
   10 s, so every bucket average of that stretch stays far below the 90% of the MemoryPressure demo rule.
+  Around it, OOM_RETRIES allocation attempts found no free block (`oom` alloc events) while every request
+  but the seed's two failed ones finished.
+- A resolved SwapThrashing alert on e1, next to the seed's firing and pending ones.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ SIM_RUNS = ("kv-tune-t0-0a1b2c", "kv-tune-t1-3d4e5f-s2", "kv-tune-confirm-best-s
 TRIAL_ONLY = "bench-1"
 TRIAL_ONLY_RUN = "shift-t4-aaaaaa"
 SPIKE_TS = T0 + 300.2
+OOM_RETRIES = 7
 
 
 def simulated_events() -> list[dict[str, Any]]:
@@ -52,6 +56,10 @@ def spike_events() -> list[dict[str, Any]]:
     return [
         ev.sample(0, instance="e0", run_id="r1", ts=SPIKE_TS, kv_usage=1.0, utilization=0.6),
         ev.sample(0, instance="e0", run_id="r1", ts=SPIKE_TS + 0.4, kv_usage=0.3, utilization=0.6),
+        *(
+            ev.alloc(0, instance="e0", run_id="r1", ts=SPIKE_TS + 0.01 * k, op="oom", usage_after=1.0)
+            for k in range(OOM_RETRIES)
+        ),
     ]
 
 
@@ -76,6 +84,22 @@ def _ingest(url: str, events: list[dict[str, Any]]) -> None:
                     keep_firing_since=None,
                     last_value=1.0,
                     last_eval_at=now,
+                    generator_url="",
+                )
+            )
+            session.add(
+                AlertState(
+                    rule="SwapThrashing",
+                    fingerprint="res1",
+                    labels={"alertname": "SwapThrashing", "instance": "e1", "severity": "warning"},
+                    annotations={"summary": "e1: 130 KV swaps/s"},
+                    state="inactive",  # alerts.state.INACTIVE: resolved, kept for a while
+                    active_at=now - 600,
+                    fired_at=now - 540,
+                    resolved_at=now - 120,
+                    keep_firing_since=None,
+                    last_value=130.0,
+                    last_eval_at=now - 120,
                     generator_url="",
                 )
             )

@@ -162,7 +162,8 @@ def test_table_cells_read_as_numbers_with_units() -> None:
         "10 min",
     ]
     assert tables.fmt_seconds(None) == tables.fmt_seconds(float("nan")) == ""
-    assert tables.fmt_number(1208.4, "tok/s", 0) == "1,208 tok/s" and tables.fmt_number(7.5) == "7.5"
+    assert tables.fmt_number(1208.4, "tok/s") == "1,208 tok/s" and tables.fmt_number(7.48) == "7.48"
+    assert tables.fmt_number(0.10169) == "0.102" and tables.fmt_number(13.24) == "13.2"
     assert tables.fmt_number(150.0) == "150" and tables.fmt_text(0.65) == "0.65" and tables.fmt_text(None) == ""
 
 
