@@ -98,12 +98,3 @@ def fmt_num(value: float | None, unit: str = "") -> str:
             return f"{value / limit:.2f}{suffix}{unit}"
     text = f"{value:.2f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
     return f"{text}{unit}"
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for limit, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= limit:
-            return f"{n / limit:.1f} {suffix}"
-    return f"{n:.0f} B"
