@@ -27,6 +27,7 @@ PAGES = [
     st.Page("app_pages/alerts.py", title="Alerts", icon=":material/notifications:", url_path="alerts"),
     st.Page("app_pages/tuning.py", title="Tuning", icon=":material/tune:", url_path="tuning"),
     st.Page("app_pages/targets.py", title="Targets", icon=":material/lan:", url_path="targets"),
+    # New pages (a diagnosis page is planned) go here, each with its own url_path.
 ]
 
 page = st.navigation(PAGES)

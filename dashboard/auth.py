@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -36,6 +37,8 @@ USER_KEY = "kvpilot_user"
 MAX_FAILURES = 5
 LOCKOUT_S = 60.0
 MAX_NAME = 64
+# What a user name may hold: it is shown (Markdown) and stored as a silence's author.
+USER_NAME = re.compile(r"[\w][\w .@+-]{0,63}")
 
 
 def bind_address() -> str | None:
@@ -89,11 +92,8 @@ def write_mode(cfg: settings_mod.DashboardSettings, loopback: bool) -> str | Non
 
 def _proxy_user(cfg: settings_mod.DashboardSettings) -> str | None:
     assert cfg.trust_proxy_header is not None
-    value = request_headers().get(cfg.trust_proxy_header) or ""
-    value = value.strip()
-    if not value or len(value) > MAX_NAME or not value.isprintable():
-        return None
-    return value
+    value = (request_headers().get(cfg.trust_proxy_header) or "").strip()
+    return value if USER_NAME.fullmatch(value) else None
 
 
 def access(cfg: settings_mod.DashboardSettings | None = None) -> Access:
@@ -146,8 +146,10 @@ def check_password(cfg: settings_mod.DashboardSettings, name: str, password: str
     if not good:
         FAILURES.add(now)
         raise ValueError("wrong password")
-    if not name or len(name) > MAX_NAME or not name.isprintable():
-        raise ValueError(f"give your name (1 to {MAX_NAME} characters): silences record who created them")
+    if not USER_NAME.fullmatch(name):
+        raise ValueError(
+            f"give your name (1 to {MAX_NAME} letters, digits, spaces or . @ + -): silences record who created them"
+        )
     return name
 
 

@@ -65,6 +65,8 @@ def _seed_from_url(instances: list[str]) -> None:
         return
     st.session_state["f_from_url"] = True
     q = st.query_params
+    if q.get("sim") == "1":
+        st.session_state["f_sim"] = True
     if "instance" in q:
         st.session_state["f_instances"] = [i for i in q.get_all("instance") if i in instances]
     if "run" in q:
@@ -84,10 +86,12 @@ def _seed_from_url(instances: list[str]) -> None:
         )
 
 
-def _write_url(chosen: list[str], run_id: str | None, window: timewin.Window) -> None:
+def _write_url(chosen: list[str], run_id: str | None, window: timewin.Window, include_sim: bool) -> None:
     params: dict[str, str | list[str]] = {
         "range": window.label if window.label in timewin.PRESETS else timewin.WHOLE_RUN
     }
+    if include_sim:
+        params["sim"] = "1"
     if chosen:
         params["instance"] = chosen
     if run_id is not None:
@@ -105,6 +109,7 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     all_infos = catalog.instance_infos(url)
     side = st.sidebar
     side.subheader("Filters")
+    _seed_from_url([i.name for i in all_infos])
     simulated = catalog.simulated_instances(all_infos, all_runs)
     include_sim = side.toggle(
         "Include simulated and trial runs",
@@ -118,7 +123,6 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     runs = all_runs if include_sim else all_runs[pd.Series(real, index=all_runs.index, dtype=bool)]
     instances = [i.name for i in infos]
     described = {i.name: catalog.describe(i) for i in infos}
-    _seed_from_url(instances)
     if any(name not in instances for name in st.session_state.get("f_instances", [])):
         st.session_state["f_instances"] = [n for n in st.session_state["f_instances"] if n in instances]
     chosen = side.multiselect(
@@ -154,7 +158,7 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     except ValueError as exc:
         side.error(f"{exc}: pick an end after the start.")
         return None
-    _write_url(chosen, run_id, window)
+    _write_url(chosen, run_id, window, include_sim)
     bucket_s = timewin.pick_bucket_s(window.span_s)
     side.caption(f"{window.describe()} · charts in {timewin.fmt_span(bucket_s)} buckets")
 

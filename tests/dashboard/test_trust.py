@@ -181,3 +181,20 @@ def test_every_page_has_a_stable_url(seeded: Seed, open_page) -> None:
     at = open_page(seeded.url, "overview")  # app_pages/overview.py: opened at "/" and at "/overview"
     no_exception(at)
     assert metrics(at)["Requests"] == f"{len(seeded.requests):,}"
+
+
+def test_a_link_to_simulated_data_says_so_in_the_url(mixed: Seed, open_page, monkeypatch) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("KVPILOT_DB_URL", mixed.url)
+    at = AppTest.from_file(str(APP), default_timeout=30)
+    at.query_params.update({"instance": SIM, "sim": "1", "range": "Whole run"})
+    at.run()
+    no_exception(at)
+    assert at.toggle(key="f_sim").value and at.multiselect(key="f_instances").value == [SIM]
+    assert metrics(at)["Requests"] == "300"
+    at = AppTest.from_file(str(APP), default_timeout=30)
+    at.query_params.update({"instance": SIM, "range": "Whole run"})  # without sim=1: not shown
+    at.run()
+    assert at.multiselect(key="f_instances").value == []
+    assert metrics(at)["Requests"] == f"{len(mixed.requests):,}"
