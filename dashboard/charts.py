@@ -1,17 +1,45 @@
 """Altair chart builders: one look for every page (UTC time axis, tooltips, fixed heights, units in titles).
 
 Data arrives already downsampled in SQL (one row per bucket), so charts never aggregate in the browser.
+Time axes read 24-hour UTC (`HH:MM:SS`, with the date across days), never a 12-hour clock or a
+millisecond tick. A bucket's value holds until the next bucket (a step), never a smoothed curve that
+overshoots the data or dips below zero.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import altair as alt
 import pandas as pd
 
 HEIGHT = 240
-# No fixed format: Vega picks one per zoom level (seconds within a minute, dates across days), in UTC.
-TIME_AXIS = alt.Axis(title=None, labelAngle=0, labelOverlap=True)
-TIME = alt.X("time:T", axis=TIME_AXIS, scale=alt.Scale(type="utc"))
+CLOCK = "%H:%M:%S"
+DATE_CLOCK = "%m-%d %H:%M"
+TIMESTAMP = "%Y-%m-%d %H:%M:%S"
+# A bucket starts at its time and holds until the next: draw what was measured, nothing in between.
+INTERPOLATE = "step-after"
+
+
+def time_format(times: pd.Series | None) -> str:
+    """HH:MM:SS within two days; month-day and HH:MM across a longer span."""
+    if times is None or times.empty:
+        return CLOCK
+    span = pd.to_datetime(times, utc=True)
+    return CLOCK if (span.max() - span.min()) <= pd.Timedelta(days=2) else DATE_CLOCK
+
+
+def time_axis(times: pd.Series | None = None) -> alt.Axis:
+    # tickMinStep (ms): no tick between whole seconds, so no ".500" labels on a short span.
+    return alt.Axis(title=None, labelAngle=0, labelOverlap=True, format=time_format(times), tickMinStep=1000)
+
+
+def time_x(df: pd.DataFrame, field: str = "time") -> alt.X:
+    """The x encoding of a UTC time column, its labels in 24-hour UTC."""
+    return alt.X(f"{field}:T", axis=time_axis(df.get(field)), scale=alt.Scale(type="utc"))
+
+
 STAGE_COLORS = {
     "queue": "#f58518",
     "prefill": "#4c78a8",
@@ -31,9 +59,7 @@ OP_COLORS = {
 
 
 def _time_tooltip() -> alt.Tooltip:
-    return alt.Tooltip(
-        "time:T", title="time (UTC)", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds"
-    )
+    return alt.Tooltip("time:T", title="time (UTC)", format=TIMESTAMP, formatType="utc")
 
 
 def lines(
@@ -48,11 +74,12 @@ def lines(
     dash: str | None = None,
     log: bool = False,
     height: int = HEIGHT,
-    threshold: tuple[float, str] | None = None,
+    thresholds: Sequence[Any] = (),
 ) -> alt.Chart | alt.LayerChart:
     """One line per `color` value over time (and per `dash` value, drawn dashed); `percent` formats 0..1 as %.
 
-    `threshold` (value, rule name) draws the level an alert rule fires above as a dashed dark rule.
+    `thresholds` (transform.Threshold: level, text) draw the levels alert rules fire at as dashed dark
+    rules, so a reader sees a peak against the line that pages them.
     """
     fmt = ".0%" if percent else y_format
     scale = alt.Scale(domain=[0, 1]) if percent else alt.Scale(zero=True)
@@ -64,30 +91,36 @@ def lines(
         tooltip.append(alt.Tooltip(f"{dash}:N"))
     tooltip.append(alt.Tooltip(f"{y}:Q", format=".1%" if percent else ".4~g"))
     encoding: dict = {
-        "x": TIME,
+        "x": time_x(df),
         "y": alt.Y(f"{y}:Q", title=y_title, axis=alt.Axis(format=fmt), scale=scale),
         "color": alt.Color(f"{color}:N", legend=legend),
         "tooltip": tooltip,
     }
     if dash:
-        encoding["strokeDash"] = alt.StrokeDash(f"{dash}:N", legend=legend)
+        # The first series in the data (hot tier, p50, queue depth) solid, the others dashed.
+        encoding["strokeDash"] = alt.StrokeDash(f"{dash}:N", legend=legend, sort=list(dict.fromkeys(df[dash])))
         encoding["detail"] = alt.Detail(f"{dash}:N")
+    # A count's rule line far above the data would squash the lines into the axis: name it instead.
+    top = float(df[y].max()) if not df.empty else 0.0
+    drawn = [t for t in thresholds if percent or t.level <= 2 * top]
+    far = [t for t in thresholds if t not in drawn]
+    heading = alt.TitleParams(title, subtitle=[f"{t.text} (far above)" for t in far]) if far else title
     chart = (
-        alt.Chart(df, title=title, height=height)
-        .mark_line(point=len(df) < 40, interpolate="monotone")
+        alt.Chart(df, title=heading, height=height)
+        .mark_line(point=len(df) < 40, interpolate=INTERPOLATE)
         .encode(**encoding)
         .interactive(bind_y=False)
     )
-    if threshold is None:
+    if not drawn:
         return chart
-    level, rule = threshold
-    shown = f"{level:.0%}" if percent else f"{level:g}"
-    line = (
-        alt.Chart(pd.DataFrame({y: [level], "rule": [f"{rule} fires above {shown}"]}))
-        .mark_rule(color="#333333", strokeDash=[6, 4])
-        .encode(y=f"{y}:Q", tooltip=["rule:N"])
+    levels = pd.DataFrame({y: [t.level for t in drawn], "rule": [t.text for t in drawn]})
+    rule = alt.Chart(levels).mark_rule(color="#333333", strokeDash=[6, 4]).encode(y=f"{y}:Q", tooltip=["rule:N"])
+    label = (
+        alt.Chart(levels)
+        .mark_text(align="right", baseline="bottom", dx=-2, dy=-2, color="#333333", fontSize=11)
+        .encode(y=f"{y}:Q", x=alt.value(alt.ExprRef("width")), text="rule:N")
     )
-    return alt.layer(chart, line)
+    return alt.layer(chart, rule, label)
 
 
 def stacked_stages(df: pd.DataFrame, *, title: str) -> alt.Chart:
@@ -97,7 +130,7 @@ def stacked_stages(df: pd.DataFrame, *, title: str) -> alt.Chart:
         alt.Chart(df, title=title, height=HEIGHT + 40)
         .mark_bar()
         .encode(
-            x=TIME,
+            x=time_x(df),
             y=alt.Y("seconds:Q", title="seconds (mean)", stack="zero"),
             color=alt.Color(
                 "stage:N",
@@ -147,7 +180,7 @@ def stacked_counts(
         alt.Chart(df, title=title, height=HEIGHT)
         .mark_bar()
         .encode(
-            x=TIME,
+            x=time_x(df),
             y=alt.Y(f"sum({y}):Q", title=y_title, stack="zero"),
             color=alt.Color(f"{color}:N", title=None, scale=scale, legend=alt.Legend(orient="bottom")),
             tooltip=[_time_tooltip(), f"{color}:N", alt.Tooltip(f"sum({y}):Q", title=y_title)],
@@ -158,7 +191,7 @@ def stacked_counts(
 def alloc_timeline(df: pd.DataFrame, *, title: str) -> alt.LayerChart:
     """Each allocation event as a mark on its op's row (size = blocks), over the hot-tier usage after it."""
     ops = [op for op in OP_COLORS if op in set(df["op"])]
-    base = alt.Chart(df).encode(x=TIME)
+    base = alt.Chart(df).encode(x=time_x(df))
     events = (
         base.mark_tick(thickness=2, size=14)
         .encode(
@@ -251,7 +284,7 @@ def alert_timeline(df: pd.DataFrame, *, title: str) -> alt.Chart:
         alt.Chart(df, title=title, height=alt.Step(28))
         .mark_bar(cornerRadius=2)
         .encode(
-            x=alt.X("from:T", axis=TIME_AXIS, scale=alt.Scale(type="utc")),
+            x=alt.X("from:T", axis=time_axis(pd.concat([df["from"], df["to"]])), scale=alt.Scale(type="utc")),
             x2="to:T",
             y=alt.Y("alert:N", title=None, axis=alt.Axis(labelLimit=320)),
             color=alt.Color(
@@ -260,8 +293,8 @@ def alert_timeline(df: pd.DataFrame, *, title: str) -> alt.Chart:
             tooltip=[
                 "alert:N",
                 "phase:N",
-                alt.Tooltip("from:T", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds"),
-                alt.Tooltip("to:T", format="%Y-%m-%d %H:%M:%S", timeUnit="utcyearmonthdatehoursminutesseconds"),
+                alt.Tooltip("from:T", title="from (UTC)", format=TIMESTAMP, formatType="utc"),
+                alt.Tooltip("to:T", title="to (UTC)", format=TIMESTAMP, formatType="utc"),
             ],
         )
     )

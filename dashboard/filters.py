@@ -37,7 +37,7 @@ def _span(
         sel = sel[sel["run_id"] == run_id]
     if not sel.empty:
         return float(sel["first_seen_ts"].min()), float(sel["last_seen_ts"].max())
-    scraped = [i for i in infos if instances and i.name in instances and "scrape" in i.sources]
+    scraped = [i for i in infos if (not instances or i.name in instances) and "scrape" in i.sources]
     if run_id is None and scraped:
         return min(i.first_seen_ts for i in scraped), max(i.last_seen_ts for i in scraped)
     return None
@@ -65,6 +65,8 @@ def _seed_from_url(instances: list[str]) -> None:
         return
     st.session_state["f_from_url"] = True
     q = st.query_params
+    if q.get("sim") == "1":
+        st.session_state["f_sim"] = True
     if "instance" in q:
         st.session_state["f_instances"] = [i for i in q.get_all("instance") if i in instances]
     if "run" in q:
@@ -84,10 +86,12 @@ def _seed_from_url(instances: list[str]) -> None:
         )
 
 
-def _write_url(chosen: list[str], run_id: str | None, window: timewin.Window) -> None:
+def _write_url(chosen: list[str], run_id: str | None, window: timewin.Window, include_sim: bool) -> None:
     params: dict[str, str | list[str]] = {
         "range": window.label if window.label in timewin.PRESETS else timewin.WHOLE_RUN
     }
+    if include_sim:
+        params["sim"] = "1"
     if chosen:
         params["instance"] = chosen
     if run_id is not None:
@@ -101,13 +105,26 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     """Draw the filters; None (with the reason shown) when the range is unusable."""
     # Whole 5 s steps: reruns within a few seconds share cache entries instead of missing on a new `now`.
     now = math.ceil(time.time() / 5.0) * 5.0 if now is None else now
-    runs = catalog.runs(url)
-    infos = catalog.instance_infos(url)
-    instances = [i.name for i in infos]
-    described = {i.name: catalog.describe(i) for i in infos}
-    _seed_from_url(instances)
+    all_runs = catalog.runs(url)
+    all_infos = catalog.instance_infos(url)
     side = st.sidebar
     side.subheader("Filters")
+    _seed_from_url([i.name for i in all_infos])
+    simulated = catalog.simulated_instances(all_infos, all_runs)
+    include_sim = side.toggle(
+        "Include simulated and trial runs",
+        key="f_sim",
+        help="The tuner's replays (instances `tuner-sim`, `tuner-engine`; trial and confirmation runs) are "
+        "not traffic anyone served: they stay out of every figure unless this is on.",
+    )
+    hidden = () if include_sim else tuple(sorted(simulated))
+    infos = [i for i in all_infos if i.name not in hidden]
+    real = [not catalog.is_simulated(i, r) for i, r in zip(all_runs["instance"], all_runs["run_id"], strict=True)]
+    runs = all_runs if include_sim else all_runs[pd.Series(real, index=all_runs.index, dtype=bool)]
+    instances = [i.name for i in infos]
+    described = {i.name: catalog.describe(i) for i in infos}
+    if any(name not in instances for name in st.session_state.get("f_instances", [])):
+        st.session_state["f_instances"] = [n for n in st.session_state["f_instances"] if n in instances]
     chosen = side.multiselect(
         "Instances",
         options=instances,
@@ -117,6 +134,8 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
         help="Engines that push events and scraped targets (vLLM, SGLang, DCGM) by their `instance` label, "
         "with where their data comes from and their target labels; none selected means all of them.",
     )
+    if hidden:
+        side.caption(f"Left out: {', '.join(f'`{n}`' for n in hidden)} (simulated).")
     pool = runs[runs["instance"].isin(chosen)] if chosen else runs
     run_ids = [ALL_RUNS, *dict.fromkeys(pool["run_id"])]
     if st.session_state.get("f_run") not in run_ids:
@@ -126,8 +145,7 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     span = _span(runs, chosen or None, run_id, infos)
 
     if "f_range" not in st.session_state:
-        newest = float(runs["last_seen_ts"].max()) if not runs.empty else None
-        st.session_state["f_range"] = timewin.default_preset(newest, now)
+        st.session_state["f_range"] = timewin.default_preset(_span(runs, None, None, infos), now)
     preset = side.selectbox(
         "Time range",
         options=timewin.PRESETS,
@@ -140,7 +158,7 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     except ValueError as exc:
         side.error(f"{exc}: pick an end after the start.")
         return None
-    _write_url(chosen, run_id, window)
+    _write_url(chosen, run_id, window, include_sim)
     bucket_s = timewin.pick_bucket_s(window.span_s)
     side.caption(f"{window.describe()} · charts in {timewin.fmt_span(bucket_s)} buckets")
 
@@ -151,13 +169,16 @@ def sidebar(url: str, *, now: float | None = None) -> tuple[Filters, timewin.Win
     if side.button("Refresh now", key="f_refresh_now", icon=":material/refresh:"):
         st.cache_data.clear()
     side.caption(f"Database: `{redact(url)}`")
+    shown = tuple(chosen) if chosen else (tuple(instances) if hidden else None)
     filters = Filters(
         db_url=url,
-        instances=tuple(chosen) or None,
+        instances=shown,
         run_id=run_id,
         start=window.start,
         end=window.end,
         bucket_s=bucket_s,
+        picked=bool(chosen),
+        hidden=hidden,
     )
     return filters, window
 

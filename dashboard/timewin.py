@@ -43,7 +43,7 @@ NICE_BUCKETS_S: tuple[float, ...] = (
     43200,
     86400,
 )
-TARGET_POINTS = 240
+TARGET_POINTS = 300
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,17 @@ def pick_bucket_s(span_s: float, target_points: int = TARGET_POINTS) -> float:
     return float(math.ceil(wanted / 86400.0) * 86400.0)
 
 
-def default_preset(newest_ts: float | None, now: float) -> str:
-    """'Last hour' while data is live; 'Whole run' when the newest data is older (a finished run or a demo)."""
-    if newest_ts is not None and now - newest_ts > RELATIVE_PRESETS["Last hour"]:
+def default_preset(data_span: tuple[float, float] | None, now: float) -> str:
+    """A range that fits the data: 'Whole run' when the data began less than an hour ago (a demo, a new
+    engine) or ended more than an hour ago (a finished run); 'Last hour' for an engine serving for longer.
+
+    A fixed hour around a two-minute run averages its rates over 58 idle minutes and draws it as a sliver.
+    """
+    if data_span is None:
+        return "Last hour"
+    first, last = data_span
+    hour = RELATIVE_PRESETS["Last hour"]
+    if now - last > hour or now - first < hour:
         return WHOLE_RUN
     return "Last hour"
 

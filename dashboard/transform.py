@@ -7,12 +7,24 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import yaml
 
 MISSING = object()
+
+
+UNIT_SUFFIXES = (("_tok_s", " (tok/s)"), ("_tps", " (tok/s)"), ("_rps", " (req/s)"), ("_s", " (s)"))
+
+
+def human(name: str) -> str:
+    """A snake_case metric name as a header: `ttft_p99_s` -> `ttft p99 (s)`."""
+    for suffix, unit in UNIT_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)].replace("_", " ") + unit
+    return name.replace("_", " ")
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -207,3 +219,62 @@ def matches(matchers: list[dict[str, Any]], labels: dict[str, str]) -> bool:
     from alerts.silences import SilenceMatcher
 
     return all(SilenceMatcher.model_validate(m).matches(labels) for m in matchers)
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """`series op level` in a rule: the line a chart of that series draws. `alone`: the comparison fires
+    the rule by itself (reached through `or` only); otherwise it is one condition of an `and`."""
+
+    series: str
+    op: str
+    level: float
+    rule: str
+    alone: bool = True
+
+    @property
+    def condition(self) -> str:
+        shown = f"{self.level:.0%}" if self.series in PERCENT_SERIES else f"{self.level:g}"
+        return f"{self.series} {self.op} {shown}" + ("" if self.alone else " and …")
+
+    @property
+    def text(self) -> str:
+        return f"{self.rule} fires at {self.condition}"
+
+
+# Canonical series that are fractions (0..1): thresholds on them read as percentages.
+PERCENT_SERIES = frozenset(
+    {"kv_usage", "kv_cold_usage", "memory_usage", "utilization", "kv_fragmentation", "prefix_hit_rate"}
+)
+
+
+FLIPPED = {">": "<", "<": ">", ">=": "<=", "<=": ">="}
+
+
+def thresholds(rule: str, expr: Any) -> list[Threshold]:
+    """Each `selector OP number` of an alert expression (alerts.expr_ast), as a chart draws it."""
+    from alerts.expr_ast import Binary, NumberLiteral, Paren, VectorSelector
+
+    def bare(node: Any) -> Any:
+        while isinstance(node, Paren):
+            node = node.expr
+        return node
+
+    out: list[Threshold] = []
+    stack = [(expr, True)]
+    while stack:
+        node, alone = stack.pop()
+        node = bare(node)
+        if not isinstance(node, Binary):
+            continue
+        if node.op == "or":
+            stack += [(node.rhs, alone), (node.lhs, alone)]
+        elif node.op in ("and", "unless"):
+            stack.append((node.lhs, False))
+        elif node.op in FLIPPED and not node.return_bool:
+            lhs, rhs, op = bare(node.lhs), bare(node.rhs), node.op
+            if isinstance(lhs, NumberLiteral) and isinstance(rhs, VectorSelector):
+                lhs, rhs, op = rhs, lhs, FLIPPED[op]
+            if isinstance(lhs, VectorSelector) and isinstance(rhs, NumberLiteral):
+                out.append(Threshold(lhs.name, op, rhs.value, rule, alone))
+    return out

@@ -29,6 +29,11 @@ def window_text() -> str:
     return st.session_state.get(WINDOW_KEY, "the selected time range")
 
 
+def page_caption(text: str) -> None:
+    """The line under a page's title; it also says, once per page, how times read."""
+    st.caption(f"{text} All times are UTC, 24-hour.")
+
+
 def empty(what: str, hint: str) -> None:
     """An empty state: what is missing in which window, and the next step to get it."""
     st.info(f"**No {what}** in {window_text()}. {hint}", icon=":material/info:")
@@ -93,12 +98,3 @@ def fmt_num(value: float | None, unit: str = "") -> str:
             return f"{value / limit:.2f}{suffix}{unit}"
     text = f"{value:.2f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
     return f"{text}{unit}"
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for limit, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= limit:
-            return f"{n / limit:.1f} {suffix}"
-    return f"{n:.0f} B"

@@ -54,6 +54,22 @@ def dashboard_command(*, port: int, host: str, headless: bool) -> list[str]:
     ]
 
 
+def check_bind(host: str) -> None:
+    """Refuse a non-loopback address without a write password (DESIGN.md: services bind loopback unless
+    configured otherwise and refuse a non-loopback bind without a token). ValueError says what to set."""
+    from dashboard.auth import is_loopback
+    from dashboard.settings import load
+
+    if is_loopback(host):
+        return
+    if load().password is None:
+        raise ValueError(
+            f"refusing to serve the dashboard on {host or 'every interface'} without a password: set "
+            "KVPILOT_DASHBOARD_PASSWORD (12+ characters; visitors sign in with it), or keep the default "
+            "--host 127.0.0.1 behind an authenticating proxy (KVPILOT_DASHBOARD_TRUST_PROXY_HEADER)"
+        )
+
+
 def _env(db_url: str | None) -> dict[str, str]:
     env = dict(os.environ)
     if db_url:
@@ -77,6 +93,7 @@ def start_dashboard(
     """Start the dashboard in the background (the demo's entry point); output goes to `log_path` or is dropped."""
     if not app_path().is_file():
         raise FileNotFoundError(f"dashboard app not found at {app_path()}")
+    check_bind(host)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     try:
         return subprocess.Popen(
@@ -116,10 +133,17 @@ def dashboard_cmd(
         None, "--db-url", help="database URL (default: KVPILOT_DB_URL or ./kvpilot-data/kvpilot.db)"
     ),
     port: int = typer.Option(8501, help="port to listen on"),
-    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 to share on the network)"),
+    host: str = typer.Option(
+        "127.0.0.1", help="address to listen on; another than loopback needs KVPILOT_DASHBOARD_PASSWORD"
+    ),
     headless: bool = typer.Option(True, "--headless/--open", help="--open also opens a browser tab"),
 ) -> None:
     """Open the dashboard: latency by stage, KV memory, alerts, tuning proposals and scrape targets."""
+    try:
+        check_bind(host)
+    except ValueError as exc:  # pydantic's ValidationError (a bad setting) is one too
+        typer.echo(f"kvpilot dashboard: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"kvpilot dashboard on {dashboard_url(host, port)} (Ctrl-C to stop)")
     proc = subprocess.Popen(dashboard_command(port=port, host=host, headless=headless), env=_env(db_url))
     # A service manager (or a test) stops us with SIGTERM: pass it on, so Streamlit is not left orphaned.

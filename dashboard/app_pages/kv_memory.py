@@ -1,16 +1,18 @@
-"""KV memory: how full each tier is, how much of it is wasted, and the allocation trace that got it there."""
+"""KV memory: how full each tier got, how much of it is wasted, and the allocation trace that got it there."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, ui
-from dashboard.data import catalog, kv, scraped, serving
+from dashboard import charts, timewin, ui
+from dashboard.data import alerting, catalog, kv, scraped, serving
+from dashboard.tables import SCRAPED_ENGINE_TABLE, Col, show
 
 st.title("KV memory")
 f = ui.current_filters()
 sel = catalog.selection(f)
-st.caption(f"KV cache samples, scrapes and allocation events in {ui.window_text()}.")
+ui.page_caption(f"KV cache samples, scrapes and allocation events in {ui.window_text()}.")
+per_bucket = timewin.fmt_span(f.bucket_s)
 
 NO_SAMPLES = (
     "KV gauges come from engine sample events (kvpilot engines send them every telemetry interval) or "
@@ -20,6 +22,21 @@ PUSH_ONLY = (
     "kvpilot's engine push (`telemetry.sink: http`; `telemetry.trace_alloc` for the trace): vLLM and SGLang "
     "expose only their KV usage",
 )
+# What each allocation-trace operation counts, in the words of the engine's KV manager and scheduler.
+OPS = {
+    "alloc": ("Allocations", "KV blocks handed to a request"),
+    "free": ("Frees", "blocks given back by a finished request"),
+    "swap_out": ("Swapped out", "a preempted request's blocks moved to the cold (host) tier"),
+    "swap_in": ("Swapped in", "blocks brought back to the hot tier when the request resumed"),
+    "evict": ("Evicted", "cached (prefix) blocks dropped to make room"),
+    "recycle": ("Recycled", "blocks the recycler reclaimed"),
+    "oom": (
+        "Alloc retries",
+        "allocation attempts that found no free block: the scheduler preempted a running request and "
+        "retried (the `oom` op). The request was not failed; see 'Requests failed'.",
+    ),
+}
+kv_rules = alerting.thresholds_for("kv_usage")
 
 with ui.guarded("KV usage"):
     usage = kv.usage(f)
@@ -28,25 +45,40 @@ with ui.guarded("KV usage"):
             ui.empty("KV samples", NO_SAMPLES)
     else:
         mean = usage.groupby("series")["value"].mean()
+        peak = kv.peaks(f, sel.pushed)
         cols = st.columns(4)
-        for col, name in zip(cols, kv.KV_SERIES.values(), strict=True):
-            peak = usage[usage["series"] == name]["value"].max() if name in mean.index else None
-            col.metric(
-                f"{name.capitalize()} (mean)",
-                ui.fmt_pct(mean.get(name)),
-                help="average of the bucket averages in the window; peak is the highest bucket",
-            )
-            col.caption(f"peak {ui.fmt_pct(peak)}")
-        tiers = usage[usage["series"].isin(["hot tier usage", "cold tier usage"])].copy()
+        hot_peak = peak.get("hot tier usage")
+        over = [t for t in kv_rules if t.op in (">", ">=") and hot_peak is not None and hot_peak > t.level]
+        cols[0].metric(
+            "Hot tier peak",
+            ui.fmt_pct(hot_peak),
+            help="the highest KV usage sampled in the window: what a `kv_usage > threshold` rule sees",
+        )
+        cols[0].caption(
+            f"mean {ui.fmt_pct(mean.get('hot tier usage'))}"
+            + (f" · over {over[0].rule}'s {over[0].level:.0%}" if over else "")
+        )
+        cols[1].metric("Cold tier peak", ui.fmt_pct(peak.get("cold tier usage")), help="host-memory tier")
+        cols[1].caption(f"mean {ui.fmt_pct(mean.get('cold tier usage'))}")
+        for col, name, what in (
+            (cols[2], "internal waste", "allocated slots holding no token"),
+            (cols[3], "external fragmentation", "free memory too scattered for a block"),
+        ):
+            col.metric(f"{name.capitalize()} (mean)", ui.fmt_pct(mean.get(name)), help=what)
+            col.caption(f"peak {ui.fmt_pct(usage[usage['series'] == name]['value'].max())} of bucket means")
+        tiers = serving.gauges(f, ("kv_usage", "kv_cold_usage"), agg="max")
+        tiers = tiers[tiers["instance"].isin(sel.pushed)].copy()
+        tiers["series"] = tiers["series"].map({"kv_usage": "hot tier", "kv_cold_usage": "cold tier"})
         st.altair_chart(
             charts.lines(
                 tiers,
                 y="value",
-                color="instance",
+                color="line",
                 dash="series",
                 y_title="used",
                 percent=True,
-                title="Hot (device) and cold (host) tier usage",
+                title=f"Hot (device) and cold (host) tier usage (peak per {per_bucket})",
+                thresholds=kv_rules,
             ),
             width="stretch",
         )
@@ -62,8 +94,7 @@ with ui.guarded("KV usage"):
                     dash="series",
                     percent=True,
                     y_title="of KV memory",
-                    title="Internal waste (allocated slots holding no token) and external "
-                    "fragmentation (free memory unusable for a block)",
+                    title=f"Internal waste and external fragmentation (mean per {per_bucket})",
                 ),
                 width="stretch",
             )
@@ -87,20 +118,12 @@ if sel.scraped:
                         dash="series",
                         y_title="used",
                         percent=True,
-                        title="KV cache usage per engine (peak per bucket)",
+                        title=f"KV cache usage per engine (peak per {per_bucket})",
+                        thresholds=kv_rules,
                     ),
                     width="stretch",
                 )
-            st.dataframe(
-                engines.drop(columns=["queue depth", "running", "swapped"], errors="ignore"),
-                hide_index=True,
-                width="stretch",
-                column_config={
-                    c: st.column_config.ProgressColumn(min_value=0.0, max_value=1.0, format="percent")
-                    for c in ("KV usage", "cold KV usage", "prefix hit rate", "KV peak")
-                }
-                | {"newest": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")},
-            )
+            show(engines, {k: c for k, c in SCRAPED_ENGINE_TABLE.items() if k not in ("queue depth", "running")})
     if sel.scrape_only:
         ui.needs_events("Internal waste, fragmentation and the KV allocation trace", sel.scrape_only, sources=PUSH_ONLY)
 
@@ -112,22 +135,30 @@ with ui.guarded("Accelerator memory"):
                 memory,
                 y="value",
                 color="line",
-                title="Accelerator memory per GPU (peak per bucket)",
+                title=f"Accelerator memory per GPU (peak per {per_bucket})",
                 y_title="used",
                 percent=True,
-                threshold=(scraped.MEMORY_PRESSURE, "MemoryPressure"),
+                thresholds=alerting.thresholds_for("memory_usage"),
             ),
             width="stretch",
         )
 
 left, right = st.columns(2)
 with left, ui.guarded("Swap rate"):
-    swaps = serving.gauges(f, ("swap_rate",))
+    swaps = serving.gauges(f, ("swap_rate",), agg="max")
     if swaps.empty:
         ui.empty("swap-rate samples", "Swapping starts when the hot tier runs out; none sampled means none seen.")
     else:
         st.altair_chart(
-            charts.lines(swaps, y="value", color="line", title="Swap rate", y_title="swaps/s", y_format=".3~g"),
+            charts.lines(
+                swaps,
+                y="value",
+                color="line",
+                title=f"Swap rate (peak per {per_bucket})",
+                y_title="swaps/s",
+                y_format=".3~g",
+                thresholds=alerting.thresholds_for("swap_rate"),
+            ),
             width="stretch",
         )
 with right, ui.guarded("Prefix-cache hit rate"):
@@ -137,7 +168,12 @@ with right, ui.guarded("Prefix-cache hit rate"):
     else:
         st.altair_chart(
             charts.lines(
-                hits, y="value", color="line", title="Prefix-cache hit rate", y_title="hit rate", percent=True
+                hits,
+                y="value",
+                color="line",
+                title=f"Prefix-cache hit rate (mean per {per_bucket})",
+                y_title="hit rate",
+                percent=True,
             ),
             width="stretch",
         )
@@ -152,16 +188,34 @@ with ui.guarded("Allocation trace"):
             ui.empty("allocation events", "Engines send alloc/free/swap/evict events when telemetry.trace_alloc is on.")
     else:
         totals = ops.groupby("op")[["events", "blocks"]].sum()
-        cols = st.columns(len(totals))
-        for col, (op, row) in zip(cols, totals.iterrows(), strict=True):
-            col.metric(op, f"{int(row['events']):,}", help=f"{int(row['blocks']):,} blocks")
+        shown = [op for op in OPS if op in totals.index]
+        cols = st.columns(len(shown) + 1)
+        for col, op in zip(cols, shown, strict=False):
+            label, what = OPS[op]
+            col.metric(
+                label, f"{int(totals.loc[op, 'events']):,}", help=f"{what}; {int(totals.loc[op, 'blocks']):,} blocks"
+            )
+        t = serving.totals(f)
+        cols[-1].metric(
+            "Requests failed",
+            f"{t['failed']:,}",
+            help="requests that ended with status 'failed' (any cause). kvpilot's engine preempts and retries "
+            "rather than fail a request for lack of KV memory.",
+        )
+        cols[-1].caption(f"of {t['requests']:,} requests")
+        if "oom" in totals.index:
+            st.caption(
+                f"**Alloc retries** ({int(totals.loc['oom', 'events']):,}): attempts to grow a request's KV "
+                "blocks that found the hot tier full; each preempted a running request (swapped out or recomputed "
+                f"later) and retried. {t['failed']:,} of {t['requests']:,} requests failed."
+            )
         st.altair_chart(
             charts.stacked_counts(
                 ops,
                 y="events",
                 color="op",
                 colors=charts.OP_COLORS,
-                title=f"Events per {ui.fmt_s(f.bar_bucket_s)} bucket by operation",
+                title=f"Events per {timewin.fmt_span(f.bar_bucket_s)} by operation",
                 y_title="events",
             ),
             width="stretch",
@@ -178,12 +232,18 @@ with ui.guarded("Allocation trace"):
             charts.alloc_timeline(trace, title="Allocation events (hover for request and blocks)"), width="stretch"
         )
         with st.expander("Event table"):
-            st.dataframe(
-                trace.drop(columns=["ts"]),
-                hide_index=True,
-                width="stretch",
-                column_config={
-                    "usage_after": st.column_config.NumberColumn(format="percent"),
-                    "time": st.column_config.DatetimeColumn(format="HH:mm:ss.SSS"),
+            show(
+                trace,
+                {
+                    "time": Col("Time", "clock"),
+                    "instance": Col("Instance"),
+                    "run_id": Col("Run", width="medium"),
+                    "op": Col("Operation"),
+                    "tier": Col("Tier"),
+                    "request_id": Col("Request", width="medium"),
+                    "blocks": Col("Blocks", "count"),
+                    "block_size": Col("Block size", "count", help="tokens per block"),
+                    "bytes": Col("Bytes", "bytes"),
+                    "usage_after": Col("Usage after", "percent", help="hot-tier usage after the event"),
                 },
             )

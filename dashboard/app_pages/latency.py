@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, ui
+from dashboard import charts, timewin, ui
 from dashboard.data import catalog, latency, scraped
+from dashboard.tables import Col, show
 
 st.title("Latency")
 f = ui.current_filters()
 sel = catalog.selection(f)
-st.caption(
+ui.page_caption(
     f"Finished requests in {ui.window_text()}; percentiles from per-request events are exact (nearest rank), "
     "computed in SQL; those from scraped histograms are precise to a bucket's width."
 )
@@ -20,6 +21,40 @@ NO_REQUESTS = (
     "or clear the instance/run filters."
 )
 PER_REQUEST = "Exact percentiles, the stage breakdown, the latency distributions and the slowest requests"
+
+
+def _stat_label(column: str) -> str:
+    """`mean (s)` -> Mean, `p99 (s)` -> p99: the unit is in every cell."""
+    name = column.removesuffix(" (s)")
+    return name if name.startswith("p") else name.capitalize()
+
+
+def slowest_table(ranked_by: str) -> dict[str, Col]:
+    return {
+        "request_id": Col("Request", width="medium"),
+        ranked_by: Col(ranked_by.removesuffix(" (s)"), "seconds", help="what the list is ranked by"),
+        "instance": Col("Instance"),
+        "finished at": Col("Finished at", "time"),
+        "status": Col("Status"),
+        **{
+            f"{stage}_s": Col(label, "seconds")
+            for stage, label in (
+                ("queue", "Queue"),
+                ("prefill", "Prefill"),
+                ("ttft", "TTFT"),
+                ("decode", "Decode"),
+                ("swap", "Swap"),
+                ("e2e", "E2E"),
+            )
+        },
+        "prompt_tokens": Col("Prompt tokens", "count"),
+        "output_tokens": Col("Output tokens", "count"),
+        "cached_tokens": Col("Cached tokens", "count"),
+        "preemptions": Col("Preemptions", "count"),
+        "swaps": Col("Swaps", "count"),
+        "finish_reason": Col("Finish reason"),
+        "run_id": Col("Run", width="medium"),
+    }
 
 
 def scraped_histograms() -> None:
@@ -34,11 +69,14 @@ def scraped_histograms() -> None:
                 "collector keeps their buckets once it scrapes them.",
             )
             return
-        st.dataframe(
+        show(
             table,
-            hide_index=True,
-            width="stretch",
-            column_config={c: st.column_config.NumberColumn(format="%.4f") for c in table.columns if "(s)" in c},
+            {
+                "instance": Col("Instance", width="medium"),
+                "metric": Col("Metric"),
+                "observations": Col("Observations", "count"),
+                **{c: Col(_stat_label(c), "seconds") for c in table.columns[3:]},
+            },
         )
         shown = [b for b, label in scraped.HISTOGRAMS.items() if label in set(table["metric"])]
         base = (
@@ -60,7 +98,7 @@ def scraped_histograms() -> None:
                     y="seconds",
                     color="instance",
                     dash="quantile",
-                    title=f"{scraped.HISTOGRAMS[base]} p50 / p90 / p99 per {ui.fmt_s(f.bar_bucket_s)} bucket "
+                    title=f"{scraped.HISTOGRAMS[base]} p50 / p90 / p99 per {timewin.fmt_span(f.bar_bucket_s)} "
                     "(from histogram buckets)",
                     y_title="seconds",
                     y_format=".3~g",
@@ -99,11 +137,13 @@ for col, stage in zip(cols[:3], ("TTFT", "TPOT", "End to end"), strict=True):
         )
         col.caption(f"p50 {ui.fmt_s(row['p50 (s)'])} · p90 {ui.fmt_s(row['p90 (s)'])}")
 cols[3].metric("Finished requests", f"{int(by_stage['requests'].max()):,}")
-st.dataframe(
+show(
     summary,
-    hide_index=True,
-    width="stretch",
-    column_config={c: st.column_config.NumberColumn(format="%.4f") for c in summary.columns if c.endswith("(s)")},
+    {
+        "stage": Col("Stage"),
+        "requests": Col("Requests", "count"),
+        **{c: Col(_stat_label(c), "seconds") for c in summary.columns[2:]},
+    },
 )
 
 st.subheader("Percentiles over time")
@@ -130,7 +170,7 @@ with ui.guarded("Percentiles over time"):
                 y="seconds",
                 color="quantile",
                 log=log,
-                title=f"{latency.LATENCY_METRICS[metric]} p50 / p90 / p99 per {ui.fmt_s(f.bucket_s)} bucket",
+                title=f"{latency.LATENCY_METRICS[metric]} p50 / p90 / p99 per {timewin.fmt_span(f.bucket_s)}",
                 y_title="seconds",
                 y_format=".3~g",
             ),
@@ -193,17 +233,7 @@ with ui.guarded("Slowest requests"):
     if slow.empty:
         ui.empty("requests", NO_REQUESTS)
     else:
-        st.dataframe(
-            slow,
-            hide_index=True,
-            width="stretch",
-            column_config={
-                c: st.column_config.NumberColumn(format="%.4f")
-                for c in slow.columns
-                if c.endswith("_s") or c.endswith("(s)")
-            }
-            | {"finished at": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")},
-        )
+        show(slow, slowest_table(latency.LATENCY_METRICS[rank] + " (s)"))
 
 if sel.scraped:
     scraped_histograms()

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, ui
+from dashboard import charts, timewin, ui
 from dashboard.data import alerting, catalog, scraped, serving
+from dashboard.tables import GPU_TABLE, SCRAPED_ENGINE_TABLE, Col, show
 
 st.title("Overview")
 f = ui.current_filters()
 sel = catalog.selection(f)
-st.caption(f"Requests, engine steps, scrapes and gauges in {ui.window_text()}.")
+ui.page_caption(f"Requests, engine steps, scrapes and gauges in {ui.window_text()}.")
 
 with ui.guarded("Headline numbers"):
     cols = st.columns(6)
     if sel.pushed or not sel.scraped:
         t = serving.totals(f)
         cols[0].metric("Requests", f"{t['requests']:,}", help="requests that left the engine in the window")
-        cols[1].metric("Requests/s", f"{t['requests_per_s']:.2f}")
-        cols[2].metric("Output tokens/s", ui.fmt_num(t["output_tokens_per_s"]))
+        cols[1].metric(
+            "Requests/s", f"{t['requests_per_s']:.2f}", help="requests over the time with traffic, not the window"
+        )
+        cols[1].caption(f"over {timewin.fmt_span(t['traffic_s'])} with traffic")
+        cols[2].metric("Output tokens/s", ui.fmt_num(t["output_tokens_per_s"]), help="finished requests' tokens")
         cols[3].metric("TTFT p99", ui.fmt_s(t["ttft_p99"]), help="time to first token, finished requests")
         cols[3].caption(f"p50 {ui.fmt_s(t['ttft_p50'])}")
         cols[4].metric("TPOT p99", ui.fmt_s(t["tpot_p99"]), help="decode time per output token after the first")
@@ -33,7 +37,7 @@ with ui.guarded("Headline numbers"):
     else:
         t = scraped.totals(f)
         cols[0].metric("Requests", f"{t['requests']:,}", help="increase of the scraped requests counters")
-        cols[1].metric("Requests/s", f"{t['requests_per_s']:.2f}")
+        cols[1].metric("Requests/s", f"{t['requests_per_s']:.2f}", help="between each counter's first and last scrape")
         cols[2].metric("Output tokens/s", ui.fmt_num(t["output_tokens_per_s"]))
         cols[3].metric("TTFT p99", ui.fmt_s(t["ttft_p99"]), help="from the scraped histogram buckets")
         cols[3].caption(f"p50 {ui.fmt_s(t['ttft_p50'])}")
@@ -46,12 +50,12 @@ with ui.guarded("Headline numbers"):
         )
     cols[5].metric("Not finished", f"{failed:,}", help="failed, rejected or aborted requests")
     cols[5].caption(f"{failed / t['requests']:.1%} of requests" if t["requests"] else "no requests")
+    if f.hidden:
+        st.caption(f"Simulated and trial runs ({', '.join(f.hidden)}) are left out; the sidebar adds them.")
 
 with ui.guarded("Firing alerts"):
     alerts = alerting.alert_states(f.db_url)
-    active = alerts[alerts["state"].isin(["firing", "pending"])]
-    if f.instances is not None:
-        active = active[active["instance"].isin(f.instances) | (active["instance"] == "")]
+    active = alerts[alerts["state"].isin(["firing", "pending"]) & alerts["instance"].map(f.shows)]
     firing = active[active["state"] == "firing"]
     if firing.empty:
         pending = len(active)
@@ -66,7 +70,29 @@ with ui.guarded("Firing alerts"):
             icon=":material/notifications_active:",
         )
 
-PERCENT = {"min_value": 0.0, "max_value": 1.0, "format": "percent"}
+TRAFFIC_TABLE = {
+    "instance": Col("Instance", width=150),
+    "requests": Col("Requests", "count"),
+    "failed": Col("Not finished", "count", help="failed, rejected or aborted"),
+    "req/s": Col("Requests/s", "number", help="over the time with traffic"),
+    "output tok/s": Col("Output tok/s", "number"),
+    "prompt tok/s": Col("Prompt tok/s", "number"),
+    "preemptions": Col("Preemptions", "count"),
+    "TTFT p50 (s)": Col("TTFT p50", "seconds"),
+    "TTFT p99 (s)": Col("TTFT p99", "seconds"),
+    "e2e p99 (s)": Col("E2E p99", "seconds"),
+}
+NOW_TABLE = {
+    "instance": Col("Instance", width=150),
+    "source": Col("Source", help="push: engine events; scrape: a /metrics target"),
+    "KV usage": Col("KV cache", "bar", width=120, help="newest sample; the fullest engine"),
+    "utilization": Col("Busy", "bar", width=120, help="newest sample; the busiest GPU"),
+    "memory": Col("Memory", "bar", width=120, help="newest sample; the fullest GPU"),
+    "queue depth": Col("Queued", "number"),
+    "running": Col("Running", "number"),
+    "last sample": Col("Newest sample", "time"),
+    "labels": Col("Labels", width="medium"),
+}
 st.subheader("Per instance")
 with ui.guarded("Per instance"):
     summary = serving.instance_summary(f)
@@ -77,23 +103,9 @@ with ui.guarded("Per instance"):
             "widen the time range, or clear the instance/run filters.",
         )
     else:
-        st.dataframe(
-            summary,
-            hide_index=True,
-            width="stretch",
-            column_config={
-                "req/s": st.column_config.NumberColumn(format="%.2f"),
-                "output tok/s": st.column_config.NumberColumn(format="%.1f"),
-                "prompt tok/s": st.column_config.NumberColumn(format="%.1f"),
-                "TTFT p50 (s)": st.column_config.NumberColumn(format="%.4f"),
-                "TTFT p99 (s)": st.column_config.NumberColumn(format="%.4f"),
-                "e2e p99 (s)": st.column_config.NumberColumn(format="%.3f"),
-                "KV usage": st.column_config.ProgressColumn(**PERCENT, help="newest; the fullest engine"),
-                "utilization": st.column_config.ProgressColumn(**PERCENT, help="newest; the busiest GPU"),
-                "memory": st.column_config.ProgressColumn(**PERCENT, help="newest; the fullest GPU"),
-                "last sample": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss"),
-            },
-        )
+        show(summary, TRAFFIC_TABLE)
+        st.markdown("**Now** (the newest sample or scrape of each instance in the window)")
+        show(summary, NOW_TABLE)
         if (summary["source"] == "scrape").any():
             st.caption(
                 "Scraped instances: requests and token rates from counters, TTFT and e2e from histogram "
@@ -104,29 +116,12 @@ with ui.guarded("Per instance"):
 if sel.scraped:
     with ui.guarded("Scraped engines and GPUs"):
         engines, gpus = scraped.label_sets(f, "engine"), scraped.label_sets(f, "gpu")
-        newest = st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
         if not engines.empty:
             st.markdown("**Scraped engines** (one row per label set: engine, model)")
-            st.dataframe(
-                engines,
-                hide_index=True,
-                width="stretch",
-                column_config={
-                    c: st.column_config.ProgressColumn(**PERCENT)
-                    for c in ("KV usage", "cold KV usage", "prefix hit rate", "KV peak")
-                }
-                | {"newest": newest},
-            )
+            show(engines, SCRAPED_ENGINE_TABLE)
         if not gpus.empty:
             st.markdown("**Accelerators** (one row per GPU; peak = the highest value in the window)")
-            st.dataframe(
-                gpus,
-                hide_index=True,
-                width="stretch",
-                column_config={c: st.column_config.ProgressColumn(**PERCENT) for c in ("utilization", "memory")}
-                | {c: st.column_config.NumberColumn(format="%.1f") for c in ("memory used (GiB)", "memory total (GiB)")}
-                | {"memory peak": st.column_config.NumberColumn(format="percent"), "newest": newest},
-            )
+            show(gpus, GPU_TABLE)
 
 left, right = st.columns(2)
 with left, ui.guarded("Throughput"):
@@ -142,19 +137,30 @@ with left, ui.guarded("Throughput"):
         )
         st.altair_chart(
             charts.lines(
-                long, y="tokens/s", color="instance", dash="kind", title="Engine throughput", y_title="tokens/s"
+                long,
+                y="tokens/s",
+                color="instance",
+                dash="kind",
+                title=f"Engine throughput (mean per {timewin.fmt_span(f.bucket_s)})",
+                y_title="tokens/s",
             ),
             width="stretch",
         )
 with right, ui.guarded("Queue and running"):
-    g = serving.gauges(f, ("queue_depth", "running"))
+    g = serving.gauges(f, ("queue_depth", "running"), agg="max")
     if g.empty:
         ui.empty("queue samples", "Engines sample queue depth and running sequences every telemetry interval.")
     else:
         g["series"] = g["series"].str.replace("_", " ")
         st.altair_chart(
             charts.lines(
-                g, y="value", color="line", dash="series", y_title="requests", title="Queue depth and running sequences"
+                g,
+                y="value",
+                color="line",
+                dash="series",
+                y_title="requests",
+                title=f"Queue depth and running sequences (peak per {timewin.fmt_span(f.bucket_s)})",
+                thresholds=alerting.thresholds_for("queue_depth"),
             ),
             width="stretch",
         )
@@ -170,9 +176,10 @@ with left, ui.guarded("KV usage"):
                 kv,
                 y="value",
                 color="line",
-                title="KV cache usage (hot tier, peak per bucket)",
+                title=f"KV cache usage (hot tier, peak per {timewin.fmt_span(f.bucket_s)})",
                 y_title="used",
                 percent=True,
+                thresholds=alerting.thresholds_for("kv_usage"),
             ),
             width="stretch",
         )
@@ -186,10 +193,10 @@ with right, ui.guarded("GPU memory"):
                 memory,
                 y="value",
                 color="line",
-                title="Accelerator memory per GPU (peak per bucket)",
+                title=f"Accelerator memory per GPU (peak per {timewin.fmt_span(f.bucket_s)})",
                 y_title="used",
                 percent=True,
-                threshold=(scraped.MEMORY_PRESSURE, "MemoryPressure"),
+                thresholds=alerting.thresholds_for("memory_usage"),
             ),
             width="stretch",
         )
@@ -201,7 +208,12 @@ with ui.guarded("Utilization"):
     else:
         st.altair_chart(
             charts.lines(
-                util, y="value", color="line", title="Accelerator utilization per GPU", y_title="busy", percent=True
+                util,
+                y="value",
+                color="line",
+                title=f"Accelerator utilization per GPU (mean per {timewin.fmt_span(f.bucket_s)})",
+                y_title="busy",
+                percent=True,
             ),
             width="stretch",
         )

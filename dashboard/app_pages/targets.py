@@ -9,9 +9,11 @@ import streamlit as st
 
 from dashboard import charts, timewin, ui
 from dashboard.data import catalog, serving
+from dashboard.tables import Col, show
 
 st.title("Targets")
 f = ui.current_filters()
+ui.page_caption("Scrape targets as the collector's scraper last saw them; history in " + ui.window_text() + ".")
 now = time.time()
 
 with ui.guarded("Scrape targets"):
@@ -55,30 +57,20 @@ with ui.guarded("Scrape targets"):
         )
 
     targets["last scrape"] = targets["last_scrape_at"].map(lambda ts: timewin.fmt_ago(ts, now))
-    st.dataframe(
-        targets[
-            [
-                "health",
-                "job",
-                "instance",
-                "labels",
-                "url",
-                "last scrape",
-                "scrape_duration_s",
-                "interval_s",
-                "sample_limit",
-                "last_error",
-                "id",
-            ]
-        ],
-        hide_index=True,
-        width="stretch",
-        column_config={
-            "scrape_duration_s": st.column_config.NumberColumn("scrape (s)", format="%.3f"),
-            "interval_s": st.column_config.NumberColumn("interval (s)", format="%.0f"),
-            "labels": st.column_config.TextColumn("labels", help="static target labels, added to every series"),
-            "sample_limit": st.column_config.NumberColumn("sample limit", help="samples a scrape may keep"),
-            "url": st.column_config.LinkColumn("url"),
+    show(
+        targets,
+        {
+            "health": Col("Health"),
+            "job": Col("Job"),
+            "instance": Col("Instance", width="medium"),
+            "labels": Col("Labels", width="medium", help="static target labels, added to every series"),
+            "url": Col("URL", "link", width="large"),
+            "last scrape": Col("Last scrape"),
+            "scrape_duration_s": Col("Took", "seconds", help="the last scrape"),
+            "interval_s": Col("Interval", "seconds"),
+            "sample_limit": Col("Sample limit", "count", help="samples a scrape may keep"),
+            "last_error": Col("Last error", width="large"),
+            "id": Col("Id", "count"),
         },
     )
 

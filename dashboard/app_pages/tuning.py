@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-import os
-
 import pandas as pd
 import streamlit as st
 import yaml
 
-from dashboard import charts, transform, ui
+from dashboard import auth, charts, transform, ui
 from dashboard.data import tuning
+from dashboard.tables import Col, show
 
 st.title("Tuning")
 f = ui.current_filters()
+ui.page_caption("Optuna studies next to this database and the proposals they wrote.")
 
 st.subheader("Studies")
 with ui.guarded("Studies"):
     studies = tuning.studies(f.db_url)
     if studies.empty:
         raise tuning.DataUnavailable(tuning.NO_STUDIES)
-    st.dataframe(
+    show(
         studies,
-        hide_index=True,
-        width="stretch",
-        column_config={"started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")},
+        {
+            "study": Col("Study", width="large"),
+            "directions": Col("Directions", width="medium"),
+            "trials": Col("Trials", "count"),
+            "started": Col("Started", "time"),
+        },
     )
     name = st.selectbox("Study", options=list(studies["study"]), key="study_pick")
     s = tuning.study(f.db_url, name)
@@ -39,11 +42,20 @@ with ui.guarded("Studies"):
     )
     st.caption("Objectives: " + " · ".join(f"**{o}** ({d})" for o, d in zip(s.objectives, s.directions, strict=True)))
 
-    st.dataframe(
+    show(
         trials,
-        hide_index=True,
-        width="stretch",
-        column_config={o: st.column_config.NumberColumn(format="%.5g") for o in s.objectives},
+        {
+            "trial": Col("Trial", "count"),
+            "state": Col("State"),
+            **{o: Col(transform.human(o), "number", sig=5) for o in s.objectives},
+            **{
+                c: Col(transform.human(c.removeprefix("param: ")), help=f"`{c.removeprefix('param: ')}` (a parameter)")
+                for c in trials.columns
+                if c.startswith("param: ")
+            },
+            "duration (s)": Col("Took", "seconds"),
+            "repeat of": Col("Repeat of", "count", help="told that trial's stored result"),
+        },
     )
 
     if complete.empty:
@@ -102,15 +114,15 @@ with ui.guarded("Proposals"):
         )
     counts = props["status"].value_counts()
     st.caption(" · ".join(f"{k}: {v}" for k, v in counts.items()))
-    listing = props[["id", "status", "study_name", "instance", "created_at", "updated_at"]].copy()
-    for c in ("created_at", "updated_at"):
-        listing[c] = pd.to_datetime(listing[c], unit="s", utc=True)
-    st.dataframe(
-        listing,
-        hide_index=True,
-        width="stretch",
-        column_config={
-            c: st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss") for c in ("created_at", "updated_at")
+    show(
+        props,
+        {
+            "id": Col("Proposal", "count"),
+            "status": Col("Status"),
+            "study_name": Col("Study", width="large"),
+            "instance": Col("Instance", width="medium"),
+            "created_at": Col("Created", "time"),
+            "updated_at": Col("Updated", "time"),
         },
     )
     pid = st.selectbox(
@@ -136,24 +148,31 @@ with ui.guarded("Proposals"):
             pd.DataFrame(rows),
             hide_index=True,
             width="stretch",
+            placeholder="",
             column_config={
-                "change %": st.column_config.NumberColumn(format="%+.1f%%"),
-                "change": st.column_config.NumberColumn(format="%+.5g"),
+                "metric": st.column_config.TextColumn("Metric", width="medium"),
+                "before": st.column_config.NumberColumn("Before", format="%.5g"),
+                "after": st.column_config.NumberColumn("After", format="%.5g"),
+                "change %": st.column_config.NumberColumn("Change", format="%+.1f%%"),
+                "change": st.column_config.NumberColumn("Difference", format="%+.5g"),
             },
         )
 
     st.markdown("**Config diff against the running config**")
-    engine_url = st.text_input(
-        "Engine URL (GET /admin/config, token from KVPILOT_ADMIN_TOKEN)",
-        value=tuning.default_engine_url(),
-        key="engine_url",
-        placeholder="http://127.0.0.1:8000",
-    )
     running, source = None, ""
-    if engine_url:
-        with ui.guarded("Running config"):
-            running = tuning.running_config(engine_url, os.environ.get("KVPILOT_ADMIN_TOKEN"))
-            source = f"running engine at {engine_url}"
+    with ui.guarded("Running config"):
+        configured = tuning.engines()
+        if configured:
+            engine_name = st.selectbox(
+                "Engine (GET /admin/config)",
+                options=list(configured),
+                key="engine_pick",
+                format_func=lambda n: f"{n} · {configured[n]}",
+                help="The engines in KVPILOT_DASHBOARD_ENGINES (name=url,...); the admin token from "
+                "KVPILOT_ADMIN_TOKEN is sent to these only.",
+            )
+            running = tuning.running_config(engine_name)
+            source = f"running engine {engine_name}"
     if running is None:
         applied = props[(props["status"] == "applied") & (props["id"] != pid)]
         if not applied.empty:
@@ -162,7 +181,9 @@ with ui.guarded("Proposals"):
             source = f"last applied proposal #{last['id']}"
     if running is None:
         st.info(
-            "Set the engine URL to diff this proposal against the config the engine runs now.", icon=":material/info:"
+            "To diff this proposal against the config an engine runs now, name the engine in "
+            "`KVPILOT_DASHBOARD_ENGINES=name=http://host:port` (and its admin token in `KVPILOT_ADMIN_TOKEN`).",
+            icon=":material/info:",
         )
     else:
         changes = pd.DataFrame(transform.config_changes(running, proposed))
@@ -170,7 +191,14 @@ with ui.guarded("Proposals"):
         if changes.empty:
             st.success("The proposal sets nothing the running config does not already have.")
         else:
-            st.dataframe(changes, hide_index=True, width="stretch")
+            show(
+                changes,
+                {
+                    "setting": Col("Setting", width="large"),
+                    "running": Col("Running", width="medium"),
+                    "proposed": Col("Proposed", width="medium"),
+                },
+            )
             st.code(transform.unified_diff(running, proposed, running_label=source), language="diff")
     with st.expander("Proposal config (apply with `kvpilot engine serve --config proposal.yaml`)"):
         st.code(p["config_yaml"], language="yaml")
@@ -179,26 +207,31 @@ with ui.guarded("Proposals"):
             st.markdown(p["report_md"])
 
     choices = {"pending": ("accepted", "rejected"), "accepted": ("rejected",)}.get(p["status"], ())
+    user = auth.writer()
     if choices:
         cols = st.columns([1, 1, 4])
         decision = None
         if "accepted" in choices and cols[0].button(
-            "Accept", key=f"accept_{pid}", type="primary", icon=":material/check:"
+            "Accept", key=f"accept_{pid}", type="primary", icon=":material/check:", disabled=user is None
         ):
             decision = "accepted"
-        if "rejected" in choices and cols[1].button("Reject", key=f"reject_{pid}", icon=":material/close:"):
+        if "rejected" in choices and cols[1].button(
+            "Reject", key=f"reject_{pid}", icon=":material/close:", disabled=user is None
+        ):
             decision = "rejected"
+        if user is None:
+            auth.need_writer("accept or reject proposals")
         st.caption(
             f"Accepting records the decision; `kvpilot tune apply {pid} --engine-url URL` applies it to a "
             "running engine, or restart one with the config above."
         )
-        if decision:
+        if decision and user is not None:
             try:
-                tuning.set_proposal_status(f.db_url, int(pid), decision)
+                tuning.set_proposal_status(f.db_url, int(pid), decision, user=user)
             except ValueError as exc:
                 st.warning(f"Proposal #{pid} not changed: {exc}")
             else:
-                st.toast(f"Proposal #{pid} {decision}.")
+                st.toast(f"Proposal #{pid} {decision} by {user}.")
                 st.rerun()
     else:
         st.caption(f"This proposal is {p['status']}: that is final.")

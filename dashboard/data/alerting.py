@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -15,7 +17,9 @@ from alerts.silences import expire_silence as expire_stored_silence
 from alerts.state import INACTIVE
 from alerts.store import load_states, notification_bodies
 from collector.db import session_factory, session_scope
-from dashboard.data.base import TTL_S, engine
+from dashboard.data.base import TTL_S, DataUnavailable, engine
+
+log = logging.getLogger("kvpilot.dashboard")
 
 STATE_COLUMNS = [
     "alertname",
@@ -105,7 +109,12 @@ def silences(url: str) -> list[dict[str, Any]]:
 def create_silence(
     url: str, *, matchers: list[str], duration_s: float, created_by: str, comment: str, starts_at: float | None = None
 ) -> str:
-    """Parse amtool-style matchers and store a silence through alerts.silences; ValueError names a bad input."""
+    """Parse amtool-style matchers and store a silence through alerts.silences; ValueError names a bad input.
+
+    `created_by` is the signed-in user (dashboard.auth), not a name the visitor typed.
+    """
+    if not created_by:
+        raise PermissionError("creating a silence needs a signed-in user")
     now = time.time()
     start = now if starts_at is None else starts_at
     parsed = [parse_matcher(m) for m in matchers if m.strip()]
@@ -117,11 +126,66 @@ def create_silence(
     with session_scope(session_factory(engine(url))) as session:
         silence_id = store_silence(session, silence, now=now)
     silences.clear()
+    log.info("silence %s created by %s (dashboard)", silence_id, created_by)
     return silence_id
 
 
-def expire_silence(url: str, silence_id: str) -> bool:
+def expire_silence(url: str, silence_id: str, *, user: str) -> bool:
+    if not user:
+        raise PermissionError("expiring a silence needs a signed-in user")
     with session_scope(session_factory(engine(url))) as session:
         found = expire_stored_silence(session, silence_id, now=time.time())
     silences.clear()
+    if found:
+        log.info("silence %s expired by %s (dashboard)", silence_id, user)
     return found
+
+
+RULE_COLUMNS = ["rule", "group", "expr", "fires when", "for_s", "severity", "summary", "file", "thresholds"]
+
+
+@st.cache_data(ttl=60, show_spinner=False)
+def rules(paths: tuple[str, ...]) -> pd.DataFrame:
+    """The alert rules of the configured rule files (alerts.rules), one row each with its thresholds.
+
+    DataUnavailable says which file is broken and how (the evaluator would refuse it the same way).
+    """
+    from alerts.durations import format_duration
+    from alerts.rules import RuleFileError, load_rule_files
+    from dashboard.transform import thresholds
+
+    try:
+        groups = load_rule_files(list(paths))
+    except RuleFileError as exc:
+        raise DataUnavailable(f"the rule files do not load: {'; '.join(exc.problems[:3])}") from exc
+    rows = []
+    for g in groups:
+        for r in g.rules:
+            found = list(dict.fromkeys(thresholds(r.name, r.expr)))
+            rows.append(
+                {
+                    "rule": r.name,
+                    "group": g.name,
+                    "expr": " ".join(r.expr_text.split()),
+                    "fires when": " or ".join(t.condition for t in found) if found else "",
+                    "for_s": r.for_s,
+                    "for": format_duration(r.for_s) if r.for_s else "at once",
+                    "severity": r.labels.get("severity", ""),
+                    "summary": r.annotations.get("summary", ""),
+                    "file": f"{Path(g.file).name}",
+                    "thresholds": found,
+                }
+            )
+    return pd.DataFrame(rows, columns=[*RULE_COLUMNS, "for"])
+
+
+def thresholds_for(series: str) -> list[Any]:
+    """The thresholds (transform.Threshold) the configured rules put on a canonical series, for its charts."""
+    from dashboard import settings
+
+    try:
+        table = rules(tuple(str(p) for p in settings.load().rule_paths()))
+    except (DataUnavailable, ValueError):
+        return []
+    found = [t for ts in table["thresholds"] for t in ts if t.series == series]
+    return list(dict.fromkeys(found))

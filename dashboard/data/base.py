@@ -27,10 +27,12 @@ class Filters:
     start: float
     end: float
     bucket_s: float
+    picked: bool = False  # the visitor picked `instances` (else: every instance shown)
+    hidden: tuple[str, ...] = ()  # simulated instances left out (catalog.is_simulated), unless asked for
 
     @property
     def bar_bucket_s(self) -> float:
-        """Coarser buckets for bar charts: about 60 bars stay readable where 240 line points do."""
+        """Coarser buckets for bar charts: about 60 bars stay readable where 300 line points do."""
         from dashboard.timewin import pick_bucket_s
 
         return max(self.bucket_s, pick_bucket_s(self.end - self.start, target_points=60))
@@ -38,6 +40,12 @@ class Filters:
     @property
     def instance_list(self) -> list[str] | None:
         return None if self.instances is None else list(self.instances)
+
+    def shows(self, instance: str) -> bool:
+        """Whether rows labelled with `instance` belong in the view ('' is fleet-wide: always)."""
+        if not instance:
+            return True
+        return instance not in self.hidden if self.instances is None else instance in self.instances
 
 
 class DataUnavailable(Exception):

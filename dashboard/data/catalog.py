@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -9,6 +11,34 @@ import streamlit as st
 
 from collector import queries
 from dashboard.data.base import TTL_S, Filters, engine, label_text
+
+# How the tuner names what it stores (tuner/backends.py, tuner/study.py, tuner/nightly.py): its replay
+# backends push as instance `tuner-sim` (the simulator) or `tuner-engine` (an in-process engine), and each
+# trial's events carry the run id `<study>-t<n>-<6 hex>` (`-s<seed>` per extra seed), confirmation re-runs
+# `<study>-confirm-<baseline|best>-s<seed>-<6 hex>`.
+TUNER_INSTANCE_PREFIX = "tuner-"
+TUNER_RUN_ID = re.compile(r"-(?:t\d+-[0-9a-f]{6}(?:-s\d+)?|confirm-[A-Za-z0-9_.]+-s\d+-[0-9a-f]{6})$")
+
+
+def is_simulated(instance: str, run_id: str | None = None) -> bool:
+    """Whether data is the tuner's replay (a simulated or trial run) rather than traffic an engine served.
+
+    The one rule the sidebar, the run list and every serving view use to keep such data out unless asked.
+    """
+    if instance.startswith(TUNER_INSTANCE_PREFIX):
+        return True
+    return run_id is not None and TUNER_RUN_ID.search(run_id) is not None
+
+
+def simulated_instances(infos: Iterable[queries.InstanceInfo], runs: pd.DataFrame) -> set[str]:
+    """Instances with only the tuner's data: a tuner instance, or pushed runs that are all trial runs."""
+    out = set()
+    for info in infos:
+        own = runs[runs["instance"] == info.name]["run_id"]
+        trials_only = not own.empty and all(is_simulated(info.name, r) for r in own)
+        if is_simulated(info.name) or (trials_only and "scrape" not in info.sources):
+            out.add(info.name)
+    return out
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)

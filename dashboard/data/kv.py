@@ -58,3 +58,44 @@ def alloc_trace(f: Filters, limit: int = 2000) -> tuple[int, pd.DataFrame]:
     df = pd.DataFrame(trace.events, columns=cols)
     df["time"] = to_time(df["ts"])
     return trace.total, df
+
+
+PEAK_SERIES = {"kv_usage": "hot tier usage", "kv_cold_usage": "cold tier usage"}
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def peaks(f: Filters, instances: tuple[str, ...]) -> dict[str, float]:
+    """Series label -> the highest sample in the window over `instances` (the pushing engines).
+
+    Without a run filter this is the raw maximum (SQL max over one window-wide bucket); with one, the
+    highest of the run's bucket averages at chart resolution (the collector reads a run's samples as
+    averages only), which is the raw maximum wherever a bucket holds one sample.
+    """
+    if not instances:
+        return {}
+    db = engine(f.db_url)
+    out: dict[str, float] = {}
+    if f.run_id is not None:
+        by_name = queries.run_gauges_over_time(
+            db,
+            names=list(PEAK_SERIES),
+            start=f.start,
+            end=f.end,
+            bucket_s=f.bucket_s,
+            run_id=f.run_id,
+            instances=list(instances),
+        )
+        for name, per_instance in by_name.items():
+            values = [v for points in per_instance.values() for _, v in points]
+            if values:
+                out[PEAK_SERIES[name]] = max(values)
+        return out
+    span = max(f.end - f.start, 1.0)
+    for name, label in PEAK_SERIES.items():
+        found = queries.bucketed(
+            db, name=name, start=f.start, end=f.end, bucket_s=span, instances=list(instances), agg="max"
+        )
+        values = [v for points in found.values() for _, v in points]
+        if values:
+            out[label] = max(values)
+    return out

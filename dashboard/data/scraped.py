@@ -41,7 +41,6 @@ PEAKS = {"kv_usage": "KV peak", "memory_usage": "memory peak"}
 HISTOGRAMS = {"ttft_seconds": "TTFT", "itl_seconds": "ITL", "e2e_seconds": "End to end", "queue_time_seconds": "Queue"}
 HISTOGRAM_QUANTILES = (0.5, 0.9, 0.99)
 GIB = 2**30
-MEMORY_PRESSURE = 0.9  # alerts/rules/builtin.yml: MemoryPressure fires on memory_usage > 0.9
 FAILED = {("status", "failed"), ("status", "rejected"), ("status", "aborted"), ("finished_reason", "abort")}
 
 

@@ -40,24 +40,59 @@ GAUGE_COLUMNS = ["instance", "labels", "line", "ts", "series", "value"]
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
+def traffic_spans(f: Filters) -> dict[str, tuple[float, float]]:
+    """instance -> (first, last) edge of the chart buckets holding its finished requests, inside the window.
+
+    Rates divide by this span, not by the window: a two-minute burst in an hour's window is a two-minute
+    rate, not a sixtieth of it. Precise to one chart bucket (1 s for windows up to five minutes).
+    """
+    db = engine(f.db_url)
+    names = f.instance_list
+    if names is None:
+        names = [r.group for r in queries.request_rates(db, start=f.start, end=f.end, run_id=f.run_id)]
+    out = {}
+    for name in names:
+        buckets = queries.stage_breakdown_over_time(
+            db, start=f.start, end=f.end, bucket_s=f.bucket_s, instances=[name], run_id=f.run_id
+        )
+        if buckets:
+            first, last = max(f.start, buckets[0].ts), min(f.end, buckets[-1].ts + f.bucket_s)
+            out[name] = (first, max(last, first + 1e-3))
+    return out
+
+
+def span_of(spans: dict[str, tuple[float, float]], names: Iterable[str] | None = None) -> float:
+    """Seconds from the first to the last traffic of `names` (all of them by default); 0 without any."""
+    chosen = [spans[n] for n in (spans if names is None else names) if n in spans]
+    if not chosen:
+        return 0.0
+    return max(hi for _, hi in chosen) - min(lo for lo, _ in chosen)
+
+
+def _per_s(amount: float, span_s: float) -> float:
+    return amount / span_s if span_s > 0 else 0.0
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
 def totals(f: Filters) -> dict[str, Any]:
-    """Headline numbers from per-request events: request counts, rates, TTFT/TPOT/e2e exact quantiles."""
+    """Headline numbers from per-request events: request counts, rates over the span with traffic,
+    TTFT/TPOT/e2e exact quantiles."""
     db = engine(f.db_url)
     rates = queries.request_rates(
         db, start=f.start, end=f.end, group_by="all", instances=f.instance_list, run_id=f.run_id
     )
-    out: dict[str, Any] = {
-        "requests": 0,
-        "finished": 0,
-        "failed": 0,
-        "rejected": 0,
-        "aborted": 0,
-        "requests_per_s": 0.0,
-        "output_tokens_per_s": 0.0,
-        "prompt_tokens_per_s": 0.0,
-    }
+    out: dict[str, Any] = {"requests": 0, "finished": 0, "failed": 0, "rejected": 0, "aborted": 0}
+    span_s = span_of(traffic_spans(f)) or f.end - f.start  # no finished request: the window
+    out["traffic_s"] = span_s
     if rates:
-        out.update({k: getattr(rates[0], k) for k in out})
+        r = rates[0]
+        out.update({k: getattr(r, k) for k in ("requests", "finished", "failed", "rejected", "aborted")})
+        # request_rates divides by the window; undo that and divide by the span with traffic instead.
+        out["requests_per_s"] = _per_s(r.requests, span_s)
+        out["output_tokens_per_s"] = _per_s(r.output_tokens_per_s * r.window_s, span_s)
+        out["prompt_tokens_per_s"] = _per_s(r.prompt_tokens_per_s * r.window_s, span_s)
+    else:
+        out.update(requests_per_s=0.0, output_tokens_per_s=0.0, prompt_tokens_per_s=0.0)
     for metric in ("ttft", "tpot", "e2e"):
         stats = queries.latency_percentiles(
             db,
@@ -98,16 +133,18 @@ def instance_summary(f: Filters) -> pd.DataFrame:
     }
     latest = queries.latest_samples(db, **kw)
     labels = instance_labels(f.db_url)
+    spans = traffic_spans(f)
     rows: dict[str, dict[str, Any]] = {}
     for name in sorted(set(rates) | set(latest) | set(ttft)):
         r, s, t, e = rates.get(name), latest.get(name, {}), ttft.get(name), e2e.get(name)
+        span_s = span_of(spans, [name]) or f.end - f.start
         rows[name] = {
             "source": "push",
             "requests": r.requests if r else 0,
             "failed": (r.failed + r.rejected + r.aborted) if r else 0,
-            "req/s": r.requests_per_s if r else 0.0,
-            "output tok/s": r.output_tokens_per_s if r else 0.0,
-            "prompt tok/s": r.prompt_tokens_per_s if r else 0.0,
+            "req/s": _per_s(r.requests, span_s) if r else 0.0,
+            "output tok/s": _per_s(r.output_tokens_per_s * r.window_s, span_s) if r else 0.0,
+            "prompt tok/s": _per_s(r.prompt_tokens_per_s * r.window_s, span_s) if r else 0.0,
             "preemptions": r.preemptions if r else 0,
             "TTFT p50 (s)": t.quantiles[0.5] if t else None,
             "TTFT p99 (s)": t.quantiles[0.99] if t else None,

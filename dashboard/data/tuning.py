@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import os
+import json
+import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ PROPOSAL_COLUMNS = [
     "best_metrics",
 ]
 PROPOSALS_SHOWN = 500
+log = logging.getLogger("kvpilot.dashboard")
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -41,34 +43,80 @@ def proposals(url: str) -> pd.DataFrame:
     return pd.DataFrame([{c: getattr(p, c) for c in PROPOSAL_COLUMNS} for p in rows], columns=PROPOSAL_COLUMNS)
 
 
-def set_proposal_status(url: str, proposal_id: int, status: str) -> None:
+def set_proposal_status(url: str, proposal_id: int, status: str, *, user: str) -> None:
     """Accept or reject a proposal through the tuner's compare-and-set transition (tuner.proposals).
+
+    `user` is the signed-in user (dashboard.auth) the decision is logged under; pages call this only
+    with one.
 
     Raises tuner.proposals.ProposalError (a ValueError) when the transition is not allowed or someone else
     decided first; the page shows its message.
     """
     from tuner.proposals import set_status
 
+    if not user:
+        raise PermissionError("deciding on a proposal needs a signed-in user")
     if status not in ("accepted", "rejected"):
         raise ValueError(f"the dashboard only accepts or rejects proposals, not {status!r}")
     try:
         set_status(engine(url), proposal_id, status)
     finally:
         proposals.clear()
+    log.info("proposal %d %s by %s (dashboard)", proposal_id, status, user)
 
 
-def running_config(engine_url: str, token: str | None) -> dict[str, Any]:
-    """The engine's live config from GET /admin/config (a read); DataUnavailable says why it failed."""
+MAX_CONFIG_BYTES = 1 << 20
+ADMIN_ANSWERS = {
+    401: "the engine refused the admin token: set KVPILOT_ADMIN_TOKEN to its `server.admin_token`",
+    403: "the engine refused the admin token: set KVPILOT_ADMIN_TOKEN to its `server.admin_token`",
+    404: "it has no /admin/config: is it a kvpilot engine?",
+}
+
+
+def engines() -> dict[str, str]:
+    """name -> base URL of the engines the operator configured (dashboard.settings); never a visitor's URL."""
+    from dashboard import settings
+
+    try:
+        return settings.load().engine_map()
+    except ValueError as exc:  # SettingsError, or pydantic's ValidationError for another variable
+        raise DataUnavailable(f"the engine settings are not usable: {exc}") from exc
+
+
+def running_config(name: str) -> dict[str, Any]:
+    """The live config of the configured engine `name` from GET /admin/config (a read).
+
+    The admin token goes only to a URL from the settings, redirects are not followed, and what the
+    engine answers is never shown: a failure says the status and what to check (DESIGN.md: no echo).
+    """
     import httpx
 
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    from dashboard import settings
+
+    url = engines().get(name)
+    if url is None:
+        raise DataUnavailable(f"no engine named {name!r} is configured (KVPILOT_DASHBOARD_ENGINES)")
+    token = settings.load().admin_token
+    headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
     try:
-        response = httpx.get(engine_url.rstrip("/") + "/admin/config", headers=headers, timeout=3.0)
+        with httpx.stream("GET", f"{url}/admin/config", headers=headers, timeout=3.0) as response:
+            if response.status_code != 200:
+                why = ADMIN_ANSWERS.get(response.status_code, "see the engine's log for why")
+                raise DataUnavailable(f"engine {name!r} answered HTTP {response.status_code}: {why}.")
+            body = b""
+            for chunk in response.iter_bytes():
+                body += chunk
+                if len(body) > MAX_CONFIG_BYTES:
+                    raise DataUnavailable(f"engine {name!r} answered with more than 1 MiB: not a config.")
     except httpx.HTTPError as exc:
-        raise DataUnavailable(f"engine at {engine_url} unreachable: {exc}") from exc
-    if response.status_code != 200:
-        raise DataUnavailable(f"GET {engine_url}/admin/config answered {response.status_code}: {response.text[:200]}")
-    return dict(response.json().get("config") or {})
+        raise DataUnavailable(f"engine {name!r} at {url} is unreachable ({type(exc).__name__}).") from exc
+    try:
+        config = json.loads(body).get("config")
+    except (ValueError, AttributeError) as exc:
+        raise DataUnavailable(f"engine {name!r} did not answer with a kvpilot config.") from exc
+    if not isinstance(config, dict):
+        raise DataUnavailable(f"engine {name!r} did not answer with a kvpilot config.")
+    return config
 
 
 def _optuna() -> Any:
@@ -197,7 +245,3 @@ def importances(url: str, name: str, objective_index: int) -> pd.DataFrame:
     return pd.DataFrame(
         [{"parameter": k, "importance": v} for k, v in result.items()], columns=["parameter", "importance"]
     )
-
-
-def default_engine_url() -> str:
-    return os.environ.get("KVPILOT_ENGINE_URL", "")

@@ -6,6 +6,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
@@ -14,6 +15,29 @@ from collector.db import make_engine
 from tests.dashboard.seed import Seed, seed_database
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AppTest has no server: read its bind address as `kvpilot dashboard` sets it (loopback), and start
+    every test without dashboard settings from the environment (read-only, no engines, built-in rules)."""
+    from dashboard import auth
+
+    monkeypatch.setattr(auth, "bind_address", lambda: "127.0.0.1")
+    for name in (
+        "KVPILOT_DASHBOARD_ENGINES",
+        "KVPILOT_DASHBOARD_ENGINE_URL",
+        "KVPILOT_ENGINE_URL",
+        "KVPILOT_DASHBOARD_ADMIN_TOKEN",
+        "KVPILOT_ADMIN_TOKEN",
+        "KVPILOT_DASHBOARD_PASSWORD",
+        "KVPILOT_DASHBOARD_TRUST_PROXY_HEADER",
+        "KVPILOT_DASHBOARD_RULE_FILES",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    auth.FAILURES.clear()
+
+
 PAGE_FILES = {
     "overview": "app_pages/overview.py",
     "latency": "app_pages/latency.py",
@@ -87,3 +111,31 @@ def texts(at: AppTest) -> str:
     parts = [e.value for e in (*at.error, *at.info, *at.success, *at.warning)]
     parts += [m.value for m in at.markdown] + [c.value for c in at.caption]
     return "\n".join(str(p) for p in parts)
+
+
+def table_with(at: AppTest, *columns: str) -> pd.DataFrame:
+    """The first table on the page that shows all of `columns` (tables show only their own columns)."""
+    for frame in at.dataframe:
+        if all(c in frame.value.columns for c in columns):
+            return frame.value
+    raise AssertionError(f"no table with {columns}; tables: {[list(d.value.columns) for d in at.dataframe]}")
+
+
+PASSWORD = "correct-horse-battery"
+
+
+def sign_in(at: AppTest, name: str = "alice", password: str = PASSWORD) -> AppTest:
+    """Sign in through the sidebar form, as a visitor does (KVPILOT_DASHBOARD_PASSWORD must be set)."""
+    at.text_input(key="auth_name").set_value(name)
+    at.text_input(key="auth_password").set_value(password)
+    next(b for b in at.button if b.label == "Sign in").click().run()
+    return at
+
+
+@pytest.fixture
+def mixed(seeded: Seed) -> Seed:
+    """The seed plus the tuner's simulated runs and a KV spike to 100% on e0 (tests/dashboard/seed_sim.py)."""
+    from tests.dashboard.seed_sim import add_simulated_and_spike
+
+    add_simulated_and_spike(seeded.url)
+    return seeded

@@ -20,12 +20,15 @@ import pytest
 from kvpilot.cli_dashboard import dashboard_url, wait_until_healthy
 from tests.dashboard.cdp import chromium_page
 from tests.dashboard.seed import seed_database
+from tests.dashboard.seed_sim import SIM, add_simulated_and_spike
 
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "build" / "screenshots"
-PAGES = ("overview", "latency", "kv-memory", "alerts", "tuning", "targets")
+# Every page by its own URL; "" is the root, which opens the overview too.
+PAGES = ("", "overview", "latency", "kv-memory", "alerts", "tuning", "targets")
 # Text the last section of each page shows: the page ran to its end.
 EXPECTED_TEXT = {
+    "": "Accelerator utilization",
     "overview": "Accelerator utilization",
     "latency": "Slowest requests",
     "kv-memory": "Allocation trace",
@@ -35,11 +38,13 @@ EXPECTED_TEXT = {
 }
 # Numbers and names from the seeded data that a reader must see (tests/dashboard/seed.py); outside tables,
 # which draw on a canvas.
+# The seed has the tuner's simulated runs and a KV spike to 100% too (seed_sim.py): neither may mislead.
 SHOWN = {
-    "overview": ["101", "KvCacheNearlyFull"],
+    "": ["101", "KvCacheNearlyFull", "All times are UTC"],
+    "overview": ["101", "KvCacheNearlyFull", "over 10 min with traffic"],
     "latency": ["3.71 s", "Where the time goes"],
-    "kv-memory": ["32.4%", "peak 59.5%"],
-    "alerts": ["failed: 1 · delivered: 1", "HighTTFT"],
+    "kv-memory": ["100.0%", "Alloc retries"],
+    "alerts": ["failed: 1 · delivered: 1", "HighTTFT", "Resolved", "Rules in"],
     "tuning": ["Objectives: ttft_p99_s (minimize)", "max_num_seqs"],
     "targets": ["connection refused", "vllm-a"],
 }
@@ -78,6 +83,7 @@ def chromium() -> str:
 @pytest.mark.timeout(240)
 def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path: Path) -> None:
     seed_database(sqlite_url)
+    add_simulated_and_spike(sqlite_url)
     port = _free_port()
     base = dashboard_url("127.0.0.1", port)
     log = tmp_path / "dashboard.log"
@@ -100,12 +106,10 @@ def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path
         problems = []
         with chromium_page(chromium, tmp_path / "chromium-profile") as page:
             for name in PAGES:
-                target = SHOTS / f"{name}.png"
+                target = SHOTS / f"{name or 'root'}.png"
                 target.unlink(missing_ok=True)
                 try:
-                    # The default page (Overview) lives at "/": Streamlit ignores its url_path.
-                    path = "" if name == "overview" else name
-                    text = page.load(f"{base}/{path}", expect=EXPECTED_TEXT[name])
+                    text = page.load(f"{base}/{name}", expect=EXPECTED_TEXT[name])
                 except TimeoutError as exc:
                     problems.append(str(exc))
                     continue
@@ -113,6 +117,9 @@ def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path
                 problems += [f"{name}: {want!r} not shown" for want in SHOWN[name] if want not in text]
                 if "Traceback" in text or "Error:" in text or "Page not found" in text:
                     problems.append(f"{name}: the page shows an error: {text[:400]!r}")
+                shown_sim = [line for line in text.splitlines() if SIM in line and "left out" not in line.lower()]
+                if shown_sim:  # only where the page says it is left out
+                    problems.append(f"{name}: the simulator's instance is shown: {shown_sim}")
                 ink = _ink(target)
                 if target.stat().st_size < 20_000 or ink < 0.004:
                     problems.append(f"{name}: screenshot looks blank ({target.stat().st_size} bytes, ink {ink:.4f})")

@@ -11,7 +11,7 @@ from sqlalchemy import inspect, select
 from collector.db import make_engine
 from collector.schema import AlertSilence, Proposal
 from dashboard import ui
-from tests.dashboard.conftest import PAGE_FILES, metrics, no_exception, texts
+from tests.dashboard.conftest import PAGE_FILES, PASSWORD, metrics, no_exception, sign_in, table_with, texts
 from tests.dashboard.seed import OPS, TRIALS, Seed, nearest_rank, pareto_trials, seed_database
 
 
@@ -30,13 +30,14 @@ def test_overview_headline_and_per_instance_numbers(seeded: Seed, open_page) -> 
     assert shown["Not finished"] == str(sum(r["status"] != "finished" for r in seeded.requests))
     assert "KvCacheNearlyFull" in texts(at)  # the firing alert, by name
 
-    table = at.dataframe[0].value.set_index("instance")
+    traffic = table_with(at, "requests", "TTFT p99 (s)").set_index("instance")
+    now = table_with(at, "KV usage", "utilization").set_index("instance")
     for inst in ("e0", "e1"):
-        assert table.loc[inst, "requests"] == sum(r["instance"] == inst for r in seeded.requests)
-        assert table.loc[inst, "TTFT p99 (s)"] == pytest.approx(nearest_rank(_ttfts(seeded, inst), 0.99))
+        assert traffic.loc[inst, "requests"] == sum(r["instance"] == inst for r in seeded.requests)
+        assert traffic.loc[inst, "TTFT p99 (s)"] == pytest.approx(nearest_rank(_ttfts(seeded, inst), 0.99))
         newest = max((s for s in seeded.samples if s["instance"] == inst), key=lambda s: s["ts"])
-        assert table.loc[inst, "KV usage"] == pytest.approx(newest["kv_usage"])
-        assert table.loc[inst, "utilization"] == pytest.approx(newest["utilization"])
+        assert now.loc[inst, "KV usage"] == pytest.approx(newest["kv_usage"])
+        assert now.loc[inst, "utilization"] == pytest.approx(newest["utilization"])
 
 
 def test_instance_and_run_filters_narrow_every_number(seeded: Seed, open_page) -> None:
@@ -45,7 +46,7 @@ def test_instance_and_run_filters_narrow_every_number(seeded: Seed, open_page) -
     no_exception(at)
     assert metrics(at)["Requests"] == str(sum(r["instance"] == "e1" for r in seeded.requests))
     assert metrics(at)["TTFT p99"] == ui.fmt_s(nearest_rank(_ttfts(seeded, "e1"), 0.99))
-    assert list(at.dataframe[0].value["instance"]) == ["e1"]
+    assert list(table_with(at, "requests")["instance"]) == ["e1"]
     # The firing alert is on e0: filtered to e1 the page says nothing fires (one pending on e1).
     assert "No alerts firing (1 pending)" in texts(at)
     assert at.selectbox(key="f_run").options == ["All runs", "r1 · e0, e1 · to 10-09 09:03"]
@@ -116,13 +117,17 @@ def test_kv_memory_page_usage_and_allocation_trace(seeded: Seed, open_page) -> N
     at = open_page(seeded.url, "kv_memory")
     no_exception(at)
     shown = metrics(at)
+    assert shown["Hot tier peak"] == ui.fmt_pct(max(s["kv_usage"] for s in seeded.samples))
     # One sample per instance per bucket: the mean of the bucket averages is the mean of the samples.
-    assert shown["Hot tier usage (mean)"] == ui.fmt_pct(statistics.fmean(s["kv_usage"] for s in seeded.samples))
+    mean = statistics.fmean(s["kv_usage"] for s in seeded.samples)
+    assert f"mean {ui.fmt_pct(mean)}" in texts(at)
     assert shown["External fragmentation (mean)"] == ui.fmt_pct(0.1)
+    labels = {"alloc": "Allocations", "free": "Frees", "swap_out": "Swapped out", "swap_in": "Swapped in"}
     for op in set(OPS):
-        assert shown[op] == f"{sum(a['op'] == op for a in seeded.allocs):,}"
+        assert shown[labels.get(op, "Evicted")] == f"{sum(a['op'] == op for a in seeded.allocs):,}"
+    assert shown["Requests failed"] == str(sum(r["status"] == "failed" for r in seeded.requests))
     assert f"all {len(seeded.allocs)} events in the window" in texts(at)
-    trace = next(d.value for d in at.dataframe if "usage_after" in d.value.columns)
+    trace = table_with(at, "usage_after")
     assert len(trace) == len(seeded.allocs)
     assert list(trace["op"][:3]) == list(OPS[:3])  # time order
 
@@ -135,17 +140,18 @@ def test_alerts_page_state_deliveries_and_silences(seeded: Seed, open_page) -> N
     states = at.dataframe[0].value
     assert list(states["alertname"]) == ["KvCacheNearlyFull", "HighTTFT"]  # firing first
     assert list(states["silenced"]) == [False, True]  # the seeded silence matches HighTTFT
-    history = at.dataframe[1].value
+    history = table_with(at, "notified_at", "receiver")
     assert set(history["receiver"]) == {"team", "pager"} and set(history["alertname"]) == {"KvCacheNearlyFull"}
-    deliveries = at.dataframe[2].value.set_index("id")
+    deliveries = table_with(at, "attempts", "last_error").set_index("id")
     assert deliveries.loc[2, "status"] == "failed" and deliveries.loc[2, "attempts"] == 3
     assert deliveries.loc[2, "last_error"] == "HTTP 500 from receiver"
-    attempts = at.dataframe[3].value  # of the newest delivery, #2
+    attempts = table_with(at, "outcome")  # of the newest delivery, #2
     assert list(attempts["outcome"]) == ["retry", "retry", "failed"]
 
 
-def test_creating_and_expiring_a_silence_writes_through_alerts(seeded: Seed, open_page) -> None:
-    at = open_page(seeded.url, "alerts")
+def test_creating_and_expiring_a_silence_writes_through_alerts(seeded: Seed, open_page, monkeypatch) -> None:
+    monkeypatch.setenv("KVPILOT_DASHBOARD_PASSWORD", PASSWORD)
+    at = sign_in(open_page(seeded.url, "alerts"), "carol")
     at.text_area(key="silence_matchers").set_value('alertname=KvCacheNearlyFull\ninstance=~"e.*"')
     at.text_input(key="silence_comment").set_value("resizing the cache")
     next(b for b in at.button if b.label == "Create silence").click().run()
@@ -156,6 +162,7 @@ def test_creating_and_expiring_a_silence_writes_through_alerts(seeded: Seed, ope
     with engine.connect() as conn:
         created = conn.execute(select(AlertSilence).where(AlertSilence.comment == "resizing the cache")).one()
     assert [m["name"] for m in created.matchers] == ["alertname", "instance"]
+    assert created.created_by == "carol"  # the signed-in user, not a name typed into the form
     assert created.ends_at - created.starts_at == pytest.approx(2 * 3600)
 
     at.selectbox(key="silence_expire_pick").set_value(created.id)
@@ -168,8 +175,9 @@ def test_creating_and_expiring_a_silence_writes_through_alerts(seeded: Seed, ope
     assert row.ends_at <= row.updated_at  # expired now
 
 
-def test_bad_matcher_is_refused_with_the_reason(seeded: Seed, open_page) -> None:
-    at = open_page(seeded.url, "alerts")
+def test_bad_matcher_is_refused_with_the_reason(seeded: Seed, open_page, monkeypatch) -> None:
+    monkeypatch.setenv("KVPILOT_DASHBOARD_PASSWORD", PASSWORD)
+    at = sign_in(open_page(seeded.url, "alerts"))
     at.text_area(key="silence_matchers").set_value("not a matcher")
     next(b for b in at.button if b.label == "Create silence").click().run()
     no_exception(at)
@@ -184,7 +192,7 @@ def test_tuning_page_study_pareto_and_proposal_diff(seeded: Seed, open_page) -> 
     shown = metrics(at)
     assert shown["Trials"] == "8" and shown["Complete"] == "8"
     assert shown["Pareto-optimal"] == str(len(pareto_trials()))
-    trials = at.dataframe[1].value
+    trials = table_with(at, "trial", "ttft_p99_s")
     assert list(trials["ttft_p99_s"]) == pytest.approx([t[2] for t in TRIALS])
     # The newest proposal (#2, pending) against the last applied one (#1).
     assert "Compared with the last applied proposal #1." in texts(at)
@@ -203,8 +211,9 @@ def test_tuning_page_study_pareto_and_proposal_diff(seeded: Seed, open_page) -> 
     assert "Confirmation holds: +20.0% goodput (needed +5.0%)." in texts(at)
 
 
-def test_accepting_then_rejecting_a_proposal_goes_through_the_tuner(seeded: Seed, open_page) -> None:
-    at = open_page(seeded.url, "tuning")
+def test_accepting_then_rejecting_a_proposal_goes_through_the_tuner(seeded: Seed, open_page, monkeypatch) -> None:
+    monkeypatch.setenv("KVPILOT_DASHBOARD_PASSWORD", PASSWORD)
+    at = sign_in(open_page(seeded.url, "tuning"))
     at.button(key="accept_2").click().run()
     no_exception(at)
     assert _status(seeded.url, 2) == "accepted"
@@ -224,11 +233,12 @@ def _status(url: str, proposal_id: int) -> str:
     return status
 
 
-def test_a_proposal_decided_elsewhere_is_not_overwritten(seeded: Seed, open_page) -> None:
+def test_a_proposal_decided_elsewhere_is_not_overwritten(seeded: Seed, open_page, monkeypatch) -> None:
     from dashboard.data import tuning
     from tuner.proposals import set_status
 
-    at = open_page(seeded.url, "tuning")
+    monkeypatch.setenv("KVPILOT_DASHBOARD_PASSWORD", PASSWORD)
+    at = sign_in(open_page(seeded.url, "tuning"))
     # Another reviewer (`kvpilot tune reject`, another dashboard) decides after this page loaded: the cached
     # page still offers Accept, and the compare-and-set refuses it.
     engine = make_engine(seeded.url)
@@ -239,7 +249,7 @@ def test_a_proposal_decided_elsewhere_is_not_overwritten(seeded: Seed, open_page
     assert _status(seeded.url, 2) == "rejected"
     assert "Proposal #2 not changed: proposal 2 is rejected; it cannot become accepted" in texts(at)
     with pytest.raises(ValueError, match="only accepts or rejects"):
-        tuning.set_proposal_status(seeded.url, 1, "applied")
+        tuning.set_proposal_status(seeded.url, 1, "applied", user="alice")
 
 
 def test_targets_page_health(seeded: Seed, open_page) -> None:
@@ -248,7 +258,7 @@ def test_targets_page_health(seeded: Seed, open_page) -> None:
     shown = metrics(at)
     assert (shown["Targets"], shown["Up"], shown["Down"]) == ("3", "2", "1")
     assert "is down: connection refused" in texts(at)
-    table = at.dataframe[0].value.set_index("instance")
+    table = table_with(at, "health").set_index("instance")
     assert table.loc["gpu-b", "health"] == "down" and table.loc["vllm-a", "health"] == "up"
     assert table.loc["dcgm-node1", "labels"] == "node=node-1" and table.loc["dcgm-node1", "sample_limit"] == 5000
 
@@ -385,34 +395,32 @@ def test_alerts_page_follows_the_instance_filter(seeded: Seed, open_page) -> Non
     at.multiselect(key="f_instances").set_value(["e1"]).run()
     no_exception(at)
     assert (metrics(at)["Firing"], metrics(at)["Pending"]) == ("0", "1")
-    assert list(at.dataframe[0].value["alertname"]) == ["HighTTFT"]
+    assert list(at.dataframe[0].value["alertname"]) == ["HighTTFT"]  # firing and pending
 
 
-def test_proposal_diff_against_the_running_engine(seeded: Seed, open_page, monkeypatch) -> None:
+def test_proposal_diff_against_a_configured_engine(seeded: Seed, open_page, monkeypatch) -> None:
     from dashboard.data import tuning
 
-    seen = {}
+    seen = []
 
-    def fake_running_config(url: str, token: str | None) -> dict:
-        seen["url"], seen["token"] = url, token
+    def fake_running_config(name: str) -> dict:
+        seen.append(name)
         return {"scheduler": {"max_num_seqs": 80, "max_num_batched_tokens": 4096}, "cache": {"block_size": 16}}
 
     monkeypatch.setattr(tuning, "running_config", fake_running_config)
-    monkeypatch.setenv("KVPILOT_ADMIN_TOKEN", "s3cret")
+    monkeypatch.setenv("KVPILOT_DASHBOARD_ENGINES", "h200-a=http://10.0.0.9:8000,h200-b=http://10.0.0.10:8000")
     at = open_page(seeded.url, "tuning")
-    at.text_input(key="engine_url").set_value("http://127.0.0.1:8000").run()
     no_exception(at)
-    assert seen == {"url": "http://127.0.0.1:8000", "token": "s3cret"}
-    assert "Compared with the running engine at http://127.0.0.1:8000." in texts(at)
-    changes = next(d.value for d in at.dataframe if "setting" in d.value.columns)
+    assert at.selectbox(key="engine_pick").options == [
+        "h200-a · http://10.0.0.9:8000",
+        "h200-b · http://10.0.0.10:8000",
+    ]
+    assert seen == ["h200-a"]
+    assert "Compared with the running engine h200-a." in texts(at)
+    changes = table_with(at, "setting")
     assert list(changes["setting"]) == ["scheduler.max_num_seqs"]  # block_size 16 already runs
-
-
-def test_unreachable_engine_is_reported_not_raised(seeded: Seed) -> None:
-    from dashboard.data import tuning
-
-    with pytest.raises(tuning.DataUnavailable, match="unreachable"):
-        tuning.running_config("http://127.0.0.1:9", None)
+    at.selectbox(key="engine_pick").set_value("h200-b").run()
+    assert seen[-1] == "h200-b"
 
 
 def test_filters_round_trip_through_the_url(seeded: Seed, open_page, monkeypatch) -> None:

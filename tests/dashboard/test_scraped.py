@@ -19,6 +19,13 @@ INTERVALS = SCRAPES - 1
 NEEDS_EVENTS = "need per-request events"
 
 
+def _per_instance(at):  # type: ignore[no-untyped-def]
+    """The overview's two per-instance tables (traffic and latency; the newest gauges) side by side."""
+    traffic = _table(at, "requests").set_index("instance")
+    now = _table(at, "KV usage").set_index("instance")
+    return traffic.join(now, how="outer")
+
+
 def _table(at, column: str):  # type: ignore[no-untyped-def]
     """The first dataframe on the page with this column."""
     return next(d.value for d in at.dataframe if column in d.value.columns)
@@ -36,7 +43,7 @@ def test_scraped_instances_are_listed_with_their_labels(seeded: Seed, open_page)
 def test_overview_shows_what_a_scrape_gives(seeded: Seed, open_page) -> None:
     at = open_page(seeded.url)
     no_exception(at)
-    table = at.dataframe[0].value.set_index("instance")
+    table = _per_instance(at)
     assert "gpu-b" not in table.index  # a down target with nothing scraped in the window
     vllm = table.loc["vllm-a"]
     assert vllm["source"] == "scrape" and vllm["labels"] == "job=vllm"
@@ -135,7 +142,7 @@ def test_scraped_figures_on_both_backends(db_url: str, open_page) -> None:
     seed_database(db_url, with_study=False)
     at = open_page(db_url)
     no_exception(at)
-    table = at.dataframe[0].value.set_index("instance")
+    table = _per_instance(at)
     assert table.loc["dcgm-node1", "memory"] == pytest.approx(0.95)
     assert table.loc["vllm-a", "TTFT p99 (s)"] == pytest.approx(TTFT_P99)
     assert sorted(_table(at, "memory peak")["memory"]) == pytest.approx([0.75, 0.95])

@@ -12,7 +12,8 @@ from kvpilot.cli_dashboard import app_path, dashboard_command, dashboard_url
 
 
 def test_bucket_width_keeps_charts_under_the_target_and_round() -> None:
-    assert timewin.pick_bucket_s(600) == 5.0
+    assert timewin.pick_bucket_s(300) == 1.0  # five minutes at the engine's 1 s sample interval
+    assert timewin.pick_bucket_s(600) == 2.0
     assert timewin.pick_bucket_s(3600) == 15.0
     assert timewin.pick_bucket_s(7 * 86400) == 3600.0
     assert timewin.pick_bucket_s(400 * 86400) == 2 * 86400.0
@@ -34,10 +35,12 @@ def test_resolve_presets() -> None:
         timewin.resolve("Yesterday", now=now, run_span=None)
 
 
-def test_default_preset_follows_the_data() -> None:
-    assert timewin.default_preset(None, 10_000.0) == "Last hour"
-    assert timewin.default_preset(9_000.0, 10_000.0) == "Last hour"
-    assert timewin.default_preset(1_000.0, 10_000.0) == "Whole run"
+def test_default_preset_fits_the_data() -> None:
+    now = 100_000.0
+    assert timewin.default_preset(None, now) == "Last hour"
+    assert timewin.default_preset((now - 7200, now - 5), now) == "Last hour"  # serving for hours: the last one
+    assert timewin.default_preset((now - 120, now - 5), now) == "Whole run"  # a two-minute demo: all of it
+    assert timewin.default_preset((now - 9000, now - 7000), now) == "Whole run"  # a finished run
 
 
 def test_config_changes_and_diff() -> None:
@@ -116,3 +119,64 @@ def test_kvpilot_dashboard_is_registered() -> None:
 
     result = CliRunner().invoke(app, ["dashboard", "--help"])
     assert result.exit_code == 0 and "--db-url" in result.output and "--port" in result.output
+
+
+def test_simulated_data_is_named_by_one_rule() -> None:
+    from dashboard.data.catalog import is_simulated
+
+    assert is_simulated("tuner-sim") and is_simulated("tuner-engine")
+    for run in (
+        "nightly-20261203T150700-4df6-t11-8c4a8a",  # tuner/study.py: <study>-t<n>-<hex6>
+        "nightly-20261203T150700-4df6-random-t5-4a4d7f",
+        "kv-t3-abcdef-s2",  # one of several seeds
+        "nightly-20261203T150700-4df6-confirm-best-s1001-964437",  # tuner/nightly.py confirmation
+    ):
+        assert is_simulated("e0", run), run
+    for run in ("demo-20261203-150608", "r1", "shift-t2", "prod-t3-XYZXYZ"):
+        assert not is_simulated("demo-engine", run), run
+
+
+def test_rule_thresholds_are_what_a_chart_draws() -> None:
+    from alerts.rules import DEMO_RULES, load_rule_files
+
+    found = {
+        r.name: [t.condition for t in transform.thresholds(r.name, r.expr)]
+        for g in load_rule_files([DEMO_RULES])
+        for r in g.rules
+    }
+    assert found["MemoryPressure"] == ["memory_usage > 90%", "kv_usage > 90%"]
+    assert set(found["SchedulerBlocked"]) == {"queue_depth > 100 and …"}  # one condition of an `and`
+    from alerts.rules import load_rules_text
+
+    (g,) = load_rules_text("groups: [{name: g, rules: [{alert: Low, expr: '0.5 > utilization'}]}]")
+    assert [t.condition for t in transform.thresholds("Low", g.rules[0].expr)] == ["utilization < 50%"]
+
+
+def test_table_cells_read_as_numbers_with_units() -> None:
+    from dashboard import tables
+
+    assert [tables.fmt_seconds(v) for v in (0.000_85, 0.0421, 2.3022730387887904, 600.0)] == [
+        "850 µs",
+        "42.1 ms",
+        "2.3 s",
+        "10 min",
+    ]
+    assert tables.fmt_seconds(None) == tables.fmt_seconds(float("nan")) == ""
+    assert tables.fmt_number(1208.4, "tok/s") == "1,208 tok/s" and tables.fmt_number(7.48) == "7.48"
+    assert tables.fmt_number(0.10169) == "0.102" and tables.fmt_number(13.24) == "13.2"
+    assert tables.fmt_number(150.0) == "150" and tables.fmt_text(0.65) == "0.65" and tables.fmt_text(None) == ""
+
+
+def test_time_axes_read_24_hour_utc() -> None:
+    import pandas as pd
+
+    from dashboard import charts
+
+    minutes = pd.Series(pd.to_datetime([1_800_000_000, 1_800_000_090], unit="s", utc=True))
+    week = pd.Series(pd.to_datetime([1_800_000_000, 1_800_600_000], unit="s", utc=True))
+    assert charts.time_format(minutes) == "%H:%M:%S"
+    assert charts.time_format(week) == "%m-%d %H:%M"
+    df = pd.DataFrame({"time": minutes, "v": [1.0, 2.0], "i": ["a", "a"]})
+    spec = charts.lines(df, y="v", color="i", title="t", y_title="v").to_dict()
+    assert spec["encoding"]["x"]["axis"]["format"] == "%H:%M:%S" and spec["encoding"]["x"]["scale"]["type"] == "utc"
+    assert spec["mark"]["interpolate"] == "step-after"
