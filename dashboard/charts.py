@@ -9,7 +9,7 @@ overshoots the data or dips below zero.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import altair as alt
 import pandas as pd
@@ -60,6 +60,13 @@ OP_COLORS = {
 
 def _time_tooltip() -> alt.Tooltip:
     return alt.Tooltip("time:T", title="time (UTC)", format=TIMESTAMP, formatType="utc")
+
+
+class Level(NamedTuple):
+    """A horizontal line to draw that is not an alert rule's (a detector's threshold): level and its text."""
+
+    level: float
+    text: str
 
 
 def lines(

@@ -44,7 +44,15 @@ def _chart(finding: queries.Finding) -> None:
         threshold, y_title = (level, "behind a long prefill"), "seconds"
     title = " and ".join(sorted(set(df["series"])))
     st.altair_chart(
-        charts.lines(df, y="value", color="series", title=title, y_title=y_title, percent=percent, threshold=threshold),
+        charts.lines(
+            df,
+            y="value",
+            color="series",
+            title=title,
+            y_title=y_title,
+            percent=percent,
+            thresholds=[charts.Level(*threshold)],
+        ),
         width="stretch",
     )
 

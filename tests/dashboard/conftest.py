@@ -42,6 +42,7 @@ PAGE_FILES = {
     "overview": "app_pages/overview.py",
     "latency": "app_pages/latency.py",
     "kv_memory": "app_pages/kv_memory.py",
+    "diagnosis": "app_pages/diagnosis.py",
     "alerts": "app_pages/alerts.py",
     "tuning": "app_pages/tuning.py",
     "targets": "app_pages/targets.py",

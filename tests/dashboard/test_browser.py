@@ -25,13 +25,14 @@ from tests.dashboard.seed_sim import SIM, add_simulated_and_spike
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "build" / "screenshots"
 # Every page by its own URL; "" is the root, which opens the overview too.
-PAGES = ("", "overview", "latency", "kv-memory", "alerts", "tuning", "targets")
+PAGES = ("", "overview", "latency", "kv-memory", "diagnosis", "alerts", "tuning", "targets")
 # Text the last section of each page shows: the page ran to its end.
 EXPECTED_TEXT = {
     "": "Accelerator utilization",
     "overview": "Accelerator utilization",
     "latency": "Slowest requests",
     "kv-memory": "Allocation trace",
+    "diagnosis": "Studies started with these commands",
     "alerts": "New silence",
     "tuning": "Proposal #2",
     "targets": "Scrape history",
@@ -44,6 +45,7 @@ SHOWN = {
     "overview": ["101", "KvCacheNearlyFull", "over 10 min with traffic"],
     "latency": ["3.71 s", "Where the time goes"],
     "kv-memory": ["100.0%", "Alloc retries"],
+    "diagnosis": ["Traps present", "The memory wall", "kvpilot tune study --knob"],
     "alerts": ["failed: 1 · delivered: 1", "HighTTFT", "Resolved", "Rules in"],
     "tuning": ["Objectives: ttft_p99_s (minimize)", "max_num_seqs"],
     "targets": ["connection refused", "vllm-a"],
