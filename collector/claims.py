@@ -103,6 +103,8 @@ class RateWindow:
             now = self.clock()
             events = self._pruned(key, now)
             excess = sum(n for _, n in events) + need - limit
+            if excess <= 0:
+                return 0.0
             for stamp, n in events:
                 excess -= n
                 if excess <= 0:

@@ -28,7 +28,7 @@ import ipaddress
 import json
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_DB_URL = "sqlite:///./kvpilot-data/kvpilot.db"
@@ -110,6 +110,16 @@ class CollectorSettings(BaseSettings):
         if value is not None and value == info.data.get("ingest_token"):
             raise ValueError("KVPILOT_ADMIN_TOKEN must differ from KVPILOT_INGEST_TOKEN (every engine holds that one)")
         return value
+
+    @model_validator(mode="after")
+    def _budget_holds_one_push(self) -> CollectorSettings:
+        """A push at both body limits must fit the byte budget, or it would be refused 429 forever."""
+        if self.max_inflight_bytes < self.max_batch_bytes + self.max_decompressed_bytes:
+            raise ValueError(
+                "max_inflight_bytes must be at least max_batch_bytes + max_decompressed_bytes"
+                f" ({self.max_batch_bytes + self.max_decompressed_bytes})"
+            )
+        return self
 
     @property
     def loopback_only(self) -> bool:

@@ -198,3 +198,26 @@ def test_openapi_documents_the_batch_schema(settings: CollectorSettings) -> None
     assert body == {"$ref": "#/components/schemas/EventBatch"}
     assert {"RequestEvent", "StepEvent", "AllocEvent", "SampleEvent"} <= set(schema["components"]["schemas"])
     json.dumps(schema)
+
+
+def test_a_retry_whose_key_is_stored_is_answered_without_parsing(
+    client: TestClient, settings: CollectorSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from collector.server import ingest_routes
+
+    body = ev.body(ev.mixed(8))
+    assert post(client, body, **AUTH, **{"Idempotency-Key": "r-1"}).status_code == 202
+    assert post(
+        client, gzip.compress(body), **AUTH, **{"Idempotency-Key": "r-2", "Content-Encoding": "gzip"}
+    ).is_success
+
+    def no_parsing(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a stored batch was parsed again")
+
+    monkeypatch.setattr(ingest_routes, "parse_batch", no_parsing)
+    again = post(client, body, **AUTH, **{"Idempotency-Key": "r-1"})
+    assert again.status_code == 200 and again.json()["duplicate"] is True
+    zipped = post(client, gzip.compress(body), **AUTH, **{"Idempotency-Key": "r-2", "Content-Encoding": "gzip"})
+    assert zipped.status_code == 200 and zipped.json()["duplicate"] is True
+    assert post(client, ev.body(ev.mixed(9)), **AUTH, **{"Idempotency-Key": "r-1"}).status_code == 409
+    assert stored(settings)["ingest_batches"] == 2
