@@ -113,11 +113,12 @@ class CollectorSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _budget_holds_one_push(self) -> CollectorSettings:
-        """A push at both body limits must fit the byte budget, or it would be refused 429 forever."""
-        if self.max_inflight_bytes < self.max_batch_bytes + self.max_decompressed_bytes:
+        """A push at both body limits must fit the byte budget, or it would be refused 429 forever (the
+        inflated body counts twice: its parts and their joined copy exist together for a moment)."""
+        need = self.max_batch_bytes + 2 * self.max_decompressed_bytes
+        if self.max_inflight_bytes < need:
             raise ValueError(
-                "max_inflight_bytes must be at least max_batch_bytes + max_decompressed_bytes"
-                f" ({self.max_batch_bytes + self.max_decompressed_bytes})"
+                f"max_inflight_bytes must be at least max_batch_bytes + 2 * max_decompressed_bytes ({need})"
             )
         return self
 

@@ -108,6 +108,12 @@ class Ticket:
             adm.bytes += n
             self.held += n
 
+    def give_back(self, n: int) -> None:
+        with self.admission._lock:
+            n = min(n, self.held)
+            self.admission.bytes -= n
+            self.held -= n
+
 
 class StorageGate:
     """One push at a time, first come first served; a waiter may leave (timeout, client gone) without
@@ -216,5 +222,10 @@ def inflate(data: bytes, *, limit: int, ticket: Ticket, coding: Literal["gzip", 
         raise Rejected(400, reason, f"{coding} body is truncated")
     if inflater.unused_data:
         raise Rejected(400, reason, f"data after the end of the {coding} stream")
-    # The budget counts the inflated size once; joining the parts needs it twice for a moment.
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    if len(parts) == 1:
+        return parts[0]
+    ticket.reserve(size)  # joining the parts needs the inflated size twice, for a moment
+    body = b"".join(parts)
+    parts.clear()
+    ticket.give_back(size)
+    return body
