@@ -55,13 +55,19 @@ class CollectorSettings(BaseSettings):
         None, description="/docs and /openapi.json; default: served only when no token is set"
     )
     max_batch_bytes: int = Field(16 * 2**20, ge=1024, description="compressed (wire) body limit")
-    max_decompressed_bytes: int = Field(64 * 2**20, ge=1024, description="limit after gunzip (zip bombs)")
+    max_decompressed_bytes: int = Field(
+        32 * 2**20, ge=1024, description="limit after gunzip (zip bombs); a 20,000-event batch is about 6 MB"
+    )
     max_batch_events: int = Field(20_000, ge=1, le=100_000)
-    max_inflight_requests: int = Field(32, ge=1, description="pushes admitted at once; 429 beyond")
+    max_inflight_requests: int = Field(16, ge=1, description="pushes admitted at once; 429 beyond")
     max_inflight_bytes: int = Field(
         256 * 2**20, ge=64 * 1024, description="body bytes (wire plus inflated) held by admitted pushes; 429 beyond"
     )
-    storage_wait_s: float = Field(5.0, gt=0, description="an admitted push waits this long for the database; 503")
+    storage_wait_s: float = Field(
+        3.0,
+        gt=0,
+        description="an admitted push waits this long for the database, then 503 (under a sink's 5 s timeout)",
+    )
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429/503 for overload")
     max_instances_per_identity: int = Field(1000, ge=1, description="instances one ingest identity may own")
     max_new_instances_per_minute: int = Field(200, ge=1, description="new instances per ingest identity per minute")
