@@ -69,6 +69,7 @@ class CollectorSettings(BaseSettings):
         description="an admitted push waits this long for the database, then 503 (under a sink's 5 s timeout)",
     )
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429/503 for overload")
+    body_timeout_s: float = Field(10.0, gt=0, description="an admitted push's body must arrive within this (408)")
     max_instances_per_identity: int = Field(1000, ge=1, description="instances one ingest identity may own")
     max_new_instances_per_minute: int = Field(200, ge=1, description="new instances per ingest identity per minute")
     max_new_runs_per_minute: int = Field(100, ge=1, description="new runs per instance per minute")

@@ -43,6 +43,7 @@ class Admission:
         self.max_requests = settings.max_inflight_requests
         self.max_bytes = settings.max_inflight_bytes
         self.storage_wait_s = settings.storage_wait_s
+        self.body_timeout_s = settings.body_timeout_s
         self.retry_after = str(settings.retry_after_s)
         self.requests = 0
         self.bytes = 0
@@ -174,7 +175,8 @@ def client_gone() -> Rejected:
 
 
 async def read_body(request: Request, ticket: Ticket, limit: int) -> bytes:
-    """The body, at most `limit` bytes (413), reserved against the byte budget as it arrives (429)."""
+    """The body, at most `limit` bytes (413), reserved against the byte budget as it arrives (429), within
+    `body_timeout_s` (408: a client trickling its body must not hold a slot for ever)."""
     declared = request.headers.get("content-length")
     reserved = 0
     if declared is not None and declared.isdigit():
@@ -183,16 +185,20 @@ async def read_body(request: Request, ticket: Ticket, limit: int) -> bytes:
         ticket.reserve(int(declared))
         reserved = int(declared)
     buf = bytearray()
+    timeout_s = ticket.admission.body_timeout_s
     try:
-        async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > limit:
-                raise Rejected(413, "too_large", f"body exceeds the limit of {limit} bytes")
-            if len(buf) > reserved:
-                ticket.reserve(len(buf) - reserved)
-                reserved = len(buf)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) > limit:
+                    raise Rejected(413, "too_large", f"body exceeds the limit of {limit} bytes")
+                if len(buf) > reserved:
+                    ticket.reserve(len(buf) - reserved)
+                    reserved = len(buf)
     except ClientDisconnect:
         raise client_gone() from None
+    except TimeoutError:
+        raise Rejected(408, "body_timeout", f"the body did not arrive within {timeout_s:g}s") from None
     return bytes(buf)
 
 

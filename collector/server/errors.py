@@ -45,6 +45,7 @@ class ErrorResponse(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse},
     401: {"model": ErrorResponse},
+    408: {"model": ErrorResponse, "description": "the body did not arrive in time"},
     403: {"model": ErrorResponse},
     409: {"model": ErrorResponse},
     413: {"model": ErrorResponse},

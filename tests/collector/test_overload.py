@@ -269,3 +269,18 @@ def test_refusals_are_logged_once_per_reason_and_interval(caplog: pytest.LogCapt
         ("INFO", "POST /v1/ingest -> 401 unauthorized"),
         ("WARNING", "POST /v1/ingest -> 429 overloaded (and 4 more 'overloaded' refusals since the last line)"),
     ]
+
+
+def test_a_trickling_body_does_not_hold_a_slot(serve) -> None:  # type: ignore[no-untyped-def]
+    handle = serve(max_inflight_requests=1, body_timeout_s=0.5)
+    body = ev.body(ev.mixed(4))
+    head = f"POST /v1/ingest HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", handle.port), timeout=5) as sock:
+        sock.sendall(head.encode() + body[:10])  # and nothing more
+        started = time.monotonic()
+        answer = sock.recv(4096).decode()
+        assert time.monotonic() - started < 3
+    assert answer.startswith("HTTP/1.1 408"), answer
+    ok = httpx.post(f"{handle.url}/v1/ingest", content=body, headers=HEADERS, timeout=10)
+    assert ok.status_code == 202, ok.text
