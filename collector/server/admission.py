@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from collector.settings import CollectorSettings
 
 INFLATE_CHUNK = 1 << 20  # inflated bytes per step: the budget is checked between steps
 POLL_S = 0.2  # how often a queued push asks whether its client is still there
+MAX_RETRY_AFTER_S = 30
 
 
 class Admission:
@@ -44,7 +46,9 @@ class Admission:
         self.max_bytes = settings.max_inflight_bytes
         self.storage_wait_s = settings.storage_wait_s
         self.body_timeout_s = settings.body_timeout_s
-        self.retry_after = str(settings.retry_after_s)
+        self.retry_after_s = settings.retry_after_s
+        self._refusals = (0, 0, 0)  # (second, refusals in it, refusals in the second before)
+        self._refusals_lock = threading.Lock()  # not `_lock`: refusals are made while holding that
         self.requests = 0
         self.bytes = 0
         self._lock = threading.Lock()  # reservations come from the event loop and from worker threads
@@ -56,8 +60,21 @@ class Admission:
             lambda: self.bytes
         )
 
+    def retry_after(self) -> int:
+        """`retry_after_s`, times how many in-flight bounds' worth of pushes were refused in the last second:
+        256 senders told to come back in 1 s would come back together; told in proportion, they spread."""
+        now = int(time.monotonic())
+        with self._refusals_lock:
+            second, current, previous = self._refusals
+            if now != second:
+                current, previous = 0, (current if now == second + 1 else 0)
+            current += 1
+            self._refusals = (now, current, previous)
+        crowd = max(current, previous) // self.max_requests
+        return min(self.retry_after_s * max(1, crowd), MAX_RETRY_AFTER_S)
+
     def overloaded(self, status: int, reason: str, detail: str) -> Rejected:
-        return Rejected(status, reason, detail, headers={"Retry-After": self.retry_after})
+        return Rejected(status, reason, detail, headers={"Retry-After": str(self.retry_after())})
 
     @contextlib.asynccontextmanager
     async def admit(self) -> AsyncIterator[Ticket]:
