@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.ingest import make_events
+from benchmarks.ingest import _cpu_seconds, make_events
 
 LEVELS = (4, 64, 256)
 BATCH_EVENTS = 5000
@@ -198,8 +198,11 @@ def _collector(root: Path, name: str):  # type: ignore[no-untyped-def]
 
 def _run_level(root: Path, senders: int, bodies: list[bytes], duration_s: float) -> dict[str, Any]:
     db_url, proc = _collector(root, f"level-{senders}")
+    cpu0, client0 = _cpu_seconds(proc.proc.pid), time.process_time()
     try:
         stats, drain_s, server = asyncio.run(_drive(proc.url, proc.proc.pid, senders, bodies, duration_s))
+        server["collector_cpu_s"] = _cpu_seconds(proc.proc.pid) - cpu0
+        server["client_cpu_s"] = time.process_time() - client0
     finally:
         proc.stop()
     answered = sum(stats.answers.values())
