@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from fastapi import Request
@@ -36,6 +38,9 @@ from collector.settings import CollectorSettings
 INFLATE_CHUNK = 1 << 20  # inflated bytes per step: the budget is checked between steps
 POLL_S = 0.2  # how often a queued push asks whether its client is still there
 MAX_RETRY_AFTER_S = 30
+# Inflating is CPU work outside the GIL: a thread per push would starve the event loop (and /health) of
+# the CPU itself, so bodies inflate two at a time; the others wait holding only their wire bytes.
+INFLATE_WORKERS = 2
 
 
 class Admission:
@@ -53,6 +58,7 @@ class Admission:
         self.bytes = 0
         self._lock = threading.Lock()  # reservations come from the event loop and from worker threads
         self.gate = StorageGate()
+        self.inflaters = ThreadPoolExecutor(max_workers=INFLATE_WORKERS, thread_name_prefix="kvpilot-inflate")
         Gauge("kvpilot_collector_inflight_requests", "pushes admitted now", registry=registry).set_function(
             lambda: self.requests
         )
@@ -72,6 +78,16 @@ class Admission:
             self._refusals = (now, current, previous)
         crowd = max(current, previous) // self.max_requests
         return min(self.retry_after_s * max(1, crowd), MAX_RETRY_AFTER_S)
+
+    async def inflate(
+        self, data: bytes, *, limit: int, ticket: Ticket, coding: Literal["gzip", "deflate"] = "gzip"
+    ) -> bytes:
+        """`inflate` on one of the inflater threads."""
+        work = functools.partial(inflate, data, limit=limit, ticket=ticket, coding=coding)
+        return await asyncio.get_running_loop().run_in_executor(self.inflaters, work)
+
+    def close(self) -> None:
+        self.inflaters.shutdown(wait=True, cancel_futures=True)
 
     def overloaded(self, status: int, reason: str, detail: str) -> Rejected:
         return Rejected(status, reason, detail, headers={"Retry-After": str(self.retry_after())})
@@ -221,8 +237,8 @@ async def read_body(request: Request, ticket: Ticket, limit: int) -> bytes:
 
 def inflate(data: bytes, *, limit: int, ticket: Ticket, coding: Literal["gzip", "deflate"] = "gzip") -> bytes:
     """Decompress one gzip member (or zlib stream: HTTP's deflate) a chunk at a time, each chunk reserved
-    against the byte budget; stops at `limit` (413: zip bombs) and refuses trailing junk. Run it in a
-    worker thread: inflating tens of MiB would stall the event loop and /health with it."""
+    against the byte budget; stops at `limit` (413: zip bombs) and refuses trailing junk. Run it on
+    `Admission.inflaters`: inflating tens of MiB would stall the event loop and /health with it."""
     inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if coding == "gzip" else zlib.MAX_WBITS)
     reason = f"bad_{coding}"
     parts: list[bytes] = []

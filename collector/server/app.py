@@ -87,6 +87,7 @@ def create_app(
             yield
         finally:
             state.health.stop()
+            state.admission.close()
             if state.scraper:
                 state.scraper.stop()
             if engine is None:

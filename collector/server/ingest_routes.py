@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from collector.claims import Claims
 from collector.ingest import IngestResult, find_duplicate, parse_batch, store_batch
-from collector.server.admission import Ticket, client_gone, inflate, read_body
+from collector.server.admission import Ticket, client_gone, read_body
 from collector.server.deps import CollectorState, IngestIdentity, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, Rejected
 
@@ -52,7 +52,7 @@ async def decode_body(request: Request, raw: bytes, state: CollectorState, ticke
     if await request.is_disconnected():
         raise client_gone()
     limit = state.settings.max_decompressed_bytes
-    return await run_in_threadpool(lambda: inflate(raw, limit=limit, ticket=ticket))
+    return await state.admission.inflate(raw, limit=limit, ticket=ticket)
 
 
 def ingest_sync(state: CollectorState, body: bytes, key: str | None, claims: Claims | None = None) -> IngestResult:

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from collector import otlp
 from collector.claims import Claims
 from collector.ingest import IngestResult, batch_from_events, store_batch
-from collector.server.admission import Ticket, client_gone, inflate, read_body
+from collector.server.admission import Ticket, client_gone, read_body
 from collector.server.deps import CollectorState, IngestIdentity, IngestMetrics, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, Rejected
 
@@ -57,7 +57,7 @@ async def decode_body(request: Request, raw: bytes, state: CollectorState, ticke
     if await request.is_disconnected():
         raise client_gone()
     limit = state.settings.max_decompressed_bytes
-    return await run_in_threadpool(lambda: inflate(raw, limit=limit, ticket=ticket, coding=coding))  # type: ignore[arg-type]
+    return await state.admission.inflate(raw, limit=limit, ticket=ticket, coding=coding)  # type: ignore[arg-type]
 
 
 def status_response(request: Request, exc: Rejected) -> Response:

@@ -174,8 +174,8 @@ def test_a_push_whose_client_left_is_not_processed(serve, shut: Shut, sqlite_url
 
 def test_inflated_bytes_in_flight_are_bounded(serve, shut: Shut, monkeypatch: pytest.MonkeyPatch) -> None:
     """Padded gzip: 1.5 MiB inflated from a few KiB. With a 4.5 MiB budget the second one cannot inflate
-    while the first is held (and joining one's parts needs 3 MiB for a moment); inflation runs in a
-    worker thread, not on the event loop."""
+    while the first is held (and joining one's parts needs 3 MiB for a moment); inflation runs on the
+    inflater threads, not on the event loop."""
     from collector.server import admission
 
     threads: list[str] = []
@@ -185,7 +185,7 @@ def test_inflated_bytes_in_flight_are_bounded(serve, shut: Shut, monkeypatch: py
         threads.append(threading.current_thread().name)
         return real_inflate(*args, **kwargs)
 
-    monkeypatch.setattr(ingest_routes_module, "inflate", spy)
+    monkeypatch.setattr(admission, "inflate", spy)
     handle = serve(max_batch_bytes=64 * 1024, max_decompressed_bytes=2 * 2**20, max_inflight_bytes=9 * 2**19)
     padded = [gzip.compress(ev.body(ev.mixed(4, start=i))[:-2] + b" " * (3 * 2**19) + b"]}") for i in (0, 4)]
     assert all(len(p) < 16 * 1024 for p in padded)
@@ -203,7 +203,7 @@ def test_inflated_bytes_in_flight_are_bounded(serve, shut: Shut, monkeypatch: py
     assert second.status_code == 429 and second.headers["retry-after"] == "1", second.text
     assert metric(handle.url, "kvpilot_collector_ingest_rejected_total", reason="overloaded_bytes") == 1
     assert metric(handle.url, "kvpilot_collector_inflight_bytes") == 0
-    assert threads and "kvpilot-collector" not in threads
+    assert threads and all(name.startswith("kvpilot-inflate") for name in threads)
 
 
 def test_otlp_pushes_share_the_admission_bound(serve, shut: Shut) -> None:
