@@ -79,6 +79,10 @@ class Admission:
         crowd = max(current, previous) // self.max_requests
         return min(self.retry_after_s * max(1, crowd), MAX_RETRY_AFTER_S)
 
+    @property
+    def full(self) -> bool:
+        return self.requests >= self.max_requests
+
     async def inflate(
         self, data: bytes, *, limit: int, ticket: Ticket, coding: Literal["gzip", "deflate"] = "gzip"
     ) -> bytes:

@@ -114,7 +114,37 @@ def create_app(
     app.include_router(otlp_routes.router)
     app.include_router(target_routes.router)
     app.include_router(target_routes.admin_router)
+    app.add_middleware(FastPaths)
     return app
+
+
+class FastPaths:
+    """ASGI middleware for what must stay cheap under overload, ahead of routing, auth and dependencies
+    (which cost about 1 ms of CPU a request): a push while the in-flight bound is reached is refused here
+    (through the one refusal handler: counted, logged, OTLP-shaped on /v1/traces), and a healthy /health
+    answered here. The route's own `admit` stays the authoritative check."""
+
+    PUSHES = frozenset({"/v1/ingest", otlp_routes.TRACES_PATH})
+    OK = b'{"status":"ok"}'
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        state: CollectorState | None = None
+        if scope["type"] == "http":
+            state = getattr(scope["app"].state, "kvpilot", None)
+        if state is not None:
+            path, method = scope["path"], scope["method"]
+            if method == "POST" and path in self.PUSHES and state.admission.full:
+                exc = state.admission.overloaded(429, "overloaded", "pushes in flight at the limit; retry later")
+                response = await _rejected(Request(scope, receive), exc)
+                await response(scope, receive, send)
+                return
+            if method == "GET" and path == "/health" and state.health.status() is None:
+                await Response(self.OK, media_type="application/json")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _openapi_with_batch(app: FastAPI) -> dict[str, Any]:
