@@ -26,6 +26,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from collector import fastdecode
+from collector.claims import Claims
 from collector.db import translate_errors
 from collector.errors import CollectorError, IdempotencyConflictError
 from collector.events import EVENT_TYPES
@@ -223,8 +224,12 @@ def store_batch(
     idempotency_key: str | None,
     content: bytes,
     now: float | None = None,
+    claims: Claims | None = None,
 ) -> IngestResult:
-    """Store `batch` atomically under `idempotency_key` (a server-made key when None: no dedup)."""
+    """Store `batch` atomically under `idempotency_key` (a server-made key when None: no dedup).
+
+    `claims` (pushes over HTTP) checks instance ownership and cardinality inside the transaction, before
+    any row is written: a refused batch leaves nothing behind."""
     key = idempotency_key or batch.idempotency_key or f"server-{uuid.uuid4().hex}"
     if idempotency_key and batch.idempotency_key and idempotency_key != batch.idempotency_key:
         raise BatchValidationError(
@@ -244,6 +249,7 @@ def store_batch(
                 if batch.span_ids is not None:
                     rows = _claim_spans(conn, rows, batch.span_ids, received)
                     instances, runs = _spans(rows)
+                pending = claims.check(conn, rows, received) if claims is not None else None
                 count = sum(len(kind_rows) for kind_rows in rows.values())
                 batch_id = conn.execute(
                     _INSERT_BATCH,
@@ -278,6 +284,8 @@ def store_batch(
             if existing is None:
                 raise
             return _duplicate(existing, key, digest)
+    if claims is not None and pending is not None:
+        claims.record(pending)
     counts = {kind: len(kind_rows) for kind, kind_rows in rows.items()}
     return IngestResult(batch_id=batch_id, idempotency_key=key, events=count, duplicate=False, counts=counts)
 
@@ -303,6 +311,14 @@ def _claim_spans(
         claimed.update((t, s) for t, s in conn.execute(stmt.values(params[start : start + _CLAIM_CHUNK])))
     kept = [row for row, span in zip(rows.get("request", []), span_ids, strict=True) if span in claimed]
     return {**rows, "request": kept} if kept else {kind: r for kind, r in rows.items() if kind != "request"}
+
+
+def find_duplicate(engine: Engine, key: str, content: bytes) -> IngestResult | None:
+    """The stored batch under `key` if there is one (IdempotencyConflictError if its content differs):
+    a retry is answered from this, before its body is parsed."""
+    with translate_errors():
+        existing = _find_batch(engine, key)
+    return None if existing is None else _duplicate(existing, key, hashlib.sha256(content).hexdigest())
 
 
 def _find_batch(engine: Engine, key: str) -> IngestBatch | None:

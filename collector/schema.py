@@ -55,6 +55,17 @@ class Instance(Base):
     last_seen_ts: Mapped[float] = mapped_column(Float)
 
 
+class InstanceOwner(Base):
+    """Who first claimed an instance name (`collector.claims`): a push identity (`token:<fingerprint>` of
+    the ingest token, or `anonymous`) or a scrape target (`target:<id>`). Nobody else may take it over."""
+
+    __tablename__ = "instance_owners"
+
+    instance: Mapped[str] = mapped_column(Name, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    claimed_at: Mapped[float] = mapped_column(Float)
+
+
 class Run(Base):
     __tablename__ = "runs"
     __table_args__ = (UniqueConstraint("instance", "run_id"),)

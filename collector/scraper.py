@@ -41,6 +41,7 @@ from collector.db import translate_errors
 from collector.errors import CollectorError
 from collector.exposition import Point, labels_json, map_samples
 from collector.ingest import upsert_statement
+from collector.netpolicy import AddressPolicy, AddressRefusedError, ResolutionError
 from collector.schema import ScrapeTarget, SeriesPoint
 
 log = logging.getLogger(__name__)
@@ -204,8 +205,11 @@ class Scraper:
         clock: Callable[[], float] = time.time,
         tick_s: float = 0.5,
         max_workers: int = 8,
+        policy: AddressPolicy | None = None,
     ) -> None:
+        """`policy` says which addresses a target may reach (default: no loopback, link-local, metadata...)."""
         self.engine = engine
+        self.policy = policy or AddressPolicy()
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.client = client or httpx.Client(timeout=timeout_s, follow_redirects=False)
@@ -223,7 +227,11 @@ class Scraper:
         """The body, or ScrapeError. The deadline bounds the whole scrape: a target that trickles a byte
         every second never trips a read timeout, but it cannot hold a scrape past its deadline."""
         give_up = time.monotonic() + deadline_s
-        with self.client.stream("GET", url, headers={"Accept": "text/plain;version=0.0.4"}) as resp:
+        # Resolved and checked now, not only when the target was created (DNS rebinding); the connection
+        # goes to the checked address.
+        pinned = self.policy.pin(url, timeout_s=deadline_s)
+        headers = {"Accept": "text/plain;version=0.0.4", **pinned.headers}
+        with self.client.stream("GET", pinned.url, headers=headers, extensions=pinned.extensions) as resp:
             if resp.status_code != 200:
                 raise ScrapeError(f"HTTP {resp.status_code}")
             chunks, size = [], 0
@@ -251,6 +259,10 @@ class Scraper:
         # the socket error's words (which tell a visitor what listens on a port). The log has the detail.
         try:
             points = map_samples(parse_exposition(self._fetch(target.url, self.deadline_s(target))))
+        except AddressRefusedError as exc:
+            error, detail = "address not allowed", str(exc)
+        except ResolutionError as exc:
+            error, detail = "connection failed", str(exc)
         except httpx.TimeoutException as exc:
             error, detail = "timeout", f"{type(exc).__name__}: {exc}"
         except httpx.HTTPError as exc:

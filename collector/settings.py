@@ -6,16 +6,33 @@ and Alembic's env.py, so all three agree on which database they mean.
 
 `KVPILOT_OTLP_INSTANCE_MAP` (JSON, e.g. `{"vllm": "vllm-h200-0"}`) names the instance of OTLP spans by
 their `service.name`; see `collector.otlp` for the whole rule.
+
+Trust (DESIGN.md, Trust boundaries): engines hold `KVPILOT_INGEST_TOKEN` and may push (/v1/ingest,
+/v1/traces) and list targets, nothing else. Target administration (POST/DELETE /v1/targets) needs
+`KVPILOT_ADMIN_TOKEN`; without one it is refused, unless `KVPILOT_DEV_MODE=true` on a loopback-only
+collector. A non-loopback bind without an ingest token, or in dev mode, is refused at startup.
+Scrape targets may not resolve to loopback, link-local, unspecified or multicast addresses unless
+`KVPILOT_SCRAPE_ALLOW_NETS` (comma-separated networks, e.g. `127.0.0.0/8,::1/128`) names them; cloud
+metadata addresses are refused always (`collector.netpolicy`).
+
+Overload (`collector.server.admission`): past `max_inflight_requests` pushes in flight, or
+`max_inflight_bytes` of bodies (wire plus inflated) held, a push is answered 429; one that waited
+`storage_wait_s` for the database 503; both with `Retry-After`. Cardinality (`collector.claims`):
+an ingest identity owns at most `max_instances_per_identity` instances, creates at most
+`max_new_instances_per_minute` of them, and an instance at most `max_new_runs_per_minute` runs.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import ipaddress
+import json
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_DB_URL = "sqlite:///./kvpilot-data/kvpilot.db"
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class CollectorSettings(BaseSettings):
@@ -25,11 +42,41 @@ class CollectorSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
     ingest_token: str | None = Field(
-        None, description="bearer token for /v1/*; required unless the collector listens on loopback only"
+        None, description="bearer token for pushes (/v1/ingest, /v1/traces); required unless bound to loopback"
+    )
+    admin_token: str | None = Field(
+        None, description="bearer token for target administration (POST/DELETE /v1/targets); without it, refused"
+    )
+    dev_mode: bool = Field(
+        False, description="loopback only: target administration without an admin token (the ingest token, if set)"
+    )
+    public_metrics: bool = Field(True, description="/metrics without a token (Prometheus scrapes it)")
+    public_docs: bool | None = Field(
+        None, description="/docs and /openapi.json; default: served only when no token is set"
     )
     max_batch_bytes: int = Field(16 * 2**20, ge=1024, description="compressed (wire) body limit")
-    max_decompressed_bytes: int = Field(64 * 2**20, ge=1024, description="limit after gunzip (zip bombs)")
+    max_decompressed_bytes: int = Field(
+        32 * 2**20, ge=1024, description="limit after gunzip (zip bombs); a 20,000-event batch is about 6 MB"
+    )
     max_batch_events: int = Field(20_000, ge=1, le=100_000)
+    max_inflight_requests: int = Field(16, ge=1, description="pushes admitted at once; 429 beyond")
+    max_inflight_bytes: int = Field(
+        256 * 2**20, ge=64 * 1024, description="body bytes (wire plus inflated) held by admitted pushes; 429 beyond"
+    )
+    storage_wait_s: float = Field(
+        3.0,
+        gt=0,
+        description="an admitted push waits this long for the database, then 503 (under a sink's 5 s timeout)",
+    )
+    retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429/503 for overload")
+    body_timeout_s: float = Field(10.0, gt=0, description="an admitted push's body must arrive within this (408)")
+    max_instances_per_identity: int = Field(1000, ge=1, description="instances one ingest identity may own")
+    max_new_instances_per_minute: int = Field(200, ge=1, description="new instances per ingest identity per minute")
+    max_new_runs_per_minute: int = Field(100, ge=1, description="new runs per instance per minute")
+    scrape_allow_nets: Annotated[tuple[Network, ...], NoDecode] = Field(
+        (), description="networks scrape targets may resolve to although blocked (loopback, link-local...)"
+    )
+    health_probe_interval_s: float = Field(5.0, gt=0, description="how often /health's database check runs")
     sqlite_synchronous: Literal["FULL", "NORMAL", "EXTRA"] = Field(
         "FULL", description="FULL: an acknowledged batch survives power loss, not only a crash"
     )
@@ -52,3 +99,49 @@ class CollectorSettings(BaseSettings):
             if not 1 <= len(instance) <= 200 or "\x00" in instance:
                 raise ValueError(f"instance for service {service!r} must be 1..200 characters without NUL")
         return value
+
+    @field_validator("scrape_allow_nets", mode="before")
+    @classmethod
+    def _networks(cls, value: object) -> object:
+        """`127.0.0.0/8,10.0.0.0/8` (the environment's form) or a JSON list or a sequence; a bare address is a /32."""
+        if isinstance(value, str):
+            text = value.strip()
+            items = json.loads(text) if text.startswith("[") else [p for p in text.split(",") if p.strip()]
+        else:
+            items = list(value)  # type: ignore[call-overload]
+        return tuple(ipaddress.ip_network(str(item).strip(), strict=False) for item in items)
+
+    @field_validator("admin_token")
+    @classmethod
+    def _distinct_tokens(cls, value: str | None, info) -> str | None:  # type: ignore[no-untyped-def]
+        if value is not None and value == info.data.get("ingest_token"):
+            raise ValueError("KVPILOT_ADMIN_TOKEN must differ from KVPILOT_INGEST_TOKEN (every engine holds that one)")
+        return value
+
+    @model_validator(mode="after")
+    def _budget_holds_one_push(self) -> CollectorSettings:
+        """A push at both body limits must fit the byte budget, or it would be refused 429 forever (the
+        inflated body counts twice: its parts and their joined copy exist together for a moment)."""
+        need = self.max_batch_bytes + 2 * self.max_decompressed_bytes
+        if self.max_inflight_bytes < need:
+            raise ValueError(
+                f"max_inflight_bytes must be at least max_batch_bytes + 2 * max_decompressed_bytes ({need})"
+            )
+        return self
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether the collector listens on a loopback address only (nobody else can reach it)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False
+
+    @property
+    def docs_enabled(self) -> bool:
+        """/docs and /openapi.json: as set, else only on a collector without tokens (loopback, development)."""
+        if self.public_docs is not None:
+            return self.public_docs
+        return self.ingest_token is None and self.admin_token is None

@@ -43,8 +43,19 @@ def bench_alerts(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> No
 
 
 @bench_app.command("ingest")
-def bench_ingest(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> None:
+def bench_ingest(
+    quick: bool = QuickOpt,
+    json_path: Path | None = JsonOpt,
+    overload: bool = typer.Option(
+        False, "--overload", help="4, 64 and 256 concurrent senders: accepted events/s, refusals, /health, RSS, losses"
+    ),
+) -> None:
     """HTTP ingest into SQLite (and PostgreSQL if reachable) vs the raw driver ceiling; telemetry overhead."""
+    if overload:
+        from benchmarks.ingest_overload import run_overload_bench
+
+        emit(run_overload_bench(quick=quick), json_path)
+        return
     from benchmarks.ingest import run_ingest_bench
 
     emit(run_ingest_bench(quick=quick), json_path)

@@ -1,11 +1,12 @@
 """`kvpilot collector serve`: the ingest API, target CRUD, /health and /metrics — this is the public surface.
 
-- `app`: `create_app` (lifespan: database, schema check, scraper) and the one handler of refusals, which
-  counts each in `kvpilot_collector_ingest_rejected_total{reason}` and logs a line;
+- `app`: `create_app` (lifespan: database, schema check, health probe, scraper) and the one handler of
+  refusals, which counts each in `kvpilot_collector_ingest_rejected_total{reason}` and logs it (rate-limited);
 - `ingest_routes` (POST /v1/ingest), `otlp_routes` (POST /v1/traces: OTLP/HTTP spans, see `collector.otlp`),
-  `target_routes` (/v1/targets), `health_routes` (/health, /metrics):
-  module-level routers of thin handlers; `/v1/*` depends on the ingest token (`deps.require_token`);
-- `deps`: the state, session and auth dependencies; `errors`: `Rejected` and the documented error shape;
+  `target_routes` (/v1/targets), `health_routes` (/health, /metrics): module-level routers of thin handlers;
+- `deps`: the state, session and the three scopes: ingest token (pushes), admin token (target
+  administration), either (reading); `errors`: `Rejected`, the documented error shape, `RefusalLog`;
+- `admission`: the bounds on pushes in flight (requests, bytes, time waiting for the database);
 - `run`: `serve` (blocking) and `run_in_thread` (demo, tests: `handle = run_in_thread(settings)` ...
   `handle.stop()`); `process`: `start_subprocess(settings)` for a separate process that can be killed.
 """

@@ -1,7 +1,11 @@
-"""The collector's FastAPI app: lifespan (database, schema check, scraper), routers, and one place for refusals.
+"""The collector's FastAPI app: lifespan (database, schema check, health probe, scraper), routers, and one
+place for refusals.
 
 Every refusal, wherever raised, is answered here as `{"detail": ..., "errors": ...}` (on /v1/traces as the
-OTLP spec's google.rpc.Status) and counted in `kvpilot_collector_ingest_rejected_total{reason}` with a log line.
+OTLP spec's google.rpc.Status), counted in `kvpilot_collector_ingest_rejected_total{reason}` and logged,
+at most one line per reason every 10 s (`errors.RefusalLog`).
+
+/docs and /openapi.json are served only when `settings.docs_enabled` (by default: no token set).
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from collector.claims import CardinalityLimits, ClaimWindows
 from collector.db import check_schema_current, make_engine, redact, session_factory
 from collector.errors import CollectorError
 from collector.events import EventBatch
+from collector.netpolicy import AddressPolicy
 from collector.scraper import ScrapeMetrics, Scraper
 from collector.server import health_routes, ingest_routes, otlp_routes, target_routes
-from collector.server.deps import CollectorState, IngestMetrics, get_state
+from collector.server.admission import Admission
+from collector.server.deps import CollectorState, IngestMetrics
 from collector.server.errors import Rejected, as_rejected
 from collector.settings import CollectorSettings
 
@@ -49,32 +56,53 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db = engine or make_engine(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
         check_schema_current(db)
+        # /health's probe has a connection of its own: it must not queue behind ingest for the pool.
+        probe_db = engine or make_engine(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous, pool_size=1)
+        policy = AddressPolicy(settings.scrape_allow_nets)
+        limits = CardinalityLimits(
+            max_instances=settings.max_instances_per_identity,
+            new_instances_per_minute=settings.max_new_instances_per_minute,
+            new_runs_per_minute=settings.max_new_runs_per_minute,
+        )
         state = CollectorState(
             settings=settings,
             engine=db,
             sessions=session_factory(db),
             registry=registry,
             metrics=IngestMetrics(registry),
+            admission=Admission(settings, registry),
+            windows=ClaimWindows(limits),
+            policy=policy,
+            health=health_routes.HealthProbe(probe_db, interval_s=settings.health_probe_interval_s),
         )
+        state.health.start()
         scrape = settings.scrape_enabled if start_scraper is None else start_scraper
         if scrape:
-            state.scraper = Scraper(db, timeout_s=settings.scrape_timeout_s, metrics=ScrapeMetrics(registry))
+            metrics = ScrapeMetrics(registry)
+            state.scraper = Scraper(db, timeout_s=settings.scrape_timeout_s, metrics=metrics, policy=policy)
             state.scraper.start()
         app.state.kvpilot = state
         log.info("collector ready on %s", redact(settings.db_url))
         try:
             yield
         finally:
+            state.health.stop()
+            state.admission.close()
             if state.scraper:
                 state.scraper.stop()
             if engine is None:
                 db.dispose()
+                probe_db.dispose()
 
+    docs = settings.docs_enabled
     app = FastAPI(
         title="kvpilot collector",
         version="1",
         description="Ingest of engine events, OTLP/HTTP traces (vLLM's request spans) and Prometheus scrape targets.",
         lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     app.openapi = lambda: _openapi_with_batch(app)  # type: ignore[method-assign]
     app.add_exception_handler(Rejected, _rejected)
@@ -85,7 +113,38 @@ def create_app(
     app.include_router(ingest_routes.router)
     app.include_router(otlp_routes.router)
     app.include_router(target_routes.router)
+    app.include_router(target_routes.admin_router)
+    app.add_middleware(FastPaths)
     return app
+
+
+class FastPaths:
+    """ASGI middleware for what must stay cheap under overload, ahead of routing, auth and dependencies
+    (which cost about 1 ms of CPU a request): a push while the in-flight bound is reached is refused here
+    (through the one refusal handler: counted, logged, OTLP-shaped on /v1/traces), and a healthy /health
+    answered here. The route's own `admit` stays the authoritative check."""
+
+    PUSHES = frozenset({"/v1/ingest", otlp_routes.TRACES_PATH})
+    OK = b'{"status":"ok"}'
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        state: CollectorState | None = None
+        if scope["type"] == "http":
+            state = getattr(scope["app"].state, "kvpilot", None)
+        if state is not None:
+            path, method = scope["path"], scope["method"]
+            if method == "POST" and path in self.PUSHES and state.admission.full:
+                exc = state.admission.overloaded(429, "overloaded", "pushes in flight at the limit; retry later")
+                response = await _rejected(Request(scope, receive), exc)
+                await response(scope, receive, send)
+                return
+            if method == "GET" and path == "/health" and state.health.status() is None:
+                await Response(self.OK, media_type="application/json")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _openapi_with_batch(app: FastAPI) -> dict[str, Any]:
@@ -105,8 +164,11 @@ def _openapi_with_batch(app: FastAPI) -> dict[str, Any]:
 
 
 async def _rejected(request: Request, exc: Rejected) -> Response:
-    get_state(request).metrics.rejected.labels(exc.reason).inc()
-    log.info("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.reason, exc.detail)
+    state: CollectorState = request.app.state.kvpilot
+    state.metrics.rejected.labels(exc.reason).inc()
+    state.refusal_log(
+        exc.reason, f"{request.method} {request.url.path} -> {exc.status_code} {exc.reason}: {exc.detail}"
+    )
     if request.url.path == otlp_routes.TRACES_PATH:
         return otlp_routes.status_response(request, exc)
     body = {"detail": exc.detail} if exc.errors is None else {"detail": exc.detail, "errors": exc.errors}

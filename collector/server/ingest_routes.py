@@ -1,7 +1,9 @@
 """POST /v1/ingest: one batch of wire events, stored atomically and idempotently.
 
-The handler stays thin (STYLE.md 10): it reads and bounds the body (size, gzip, media type), then hands
-it to `collector.ingest` in a worker thread. A 202 is sent only after the batch's transaction committed:
+The handler stays thin (STYLE.md 10). Under admission control (`admission`: a slot, a byte budget, a
+turn at the storage stage) it reads and bounds the body (size, media type), inflates it in a worker
+thread, answers a retry whose Idempotency-Key is stored straight away (no parsing), and hands the rest
+to `collector.ingest` in a worker thread. A 202 is sent only after the batch's transaction committed:
 acknowledged means durable.
 """
 
@@ -9,18 +11,18 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from collector.ingest import IngestResult, parse_batch, store_batch
-from collector.server.deps import CollectorState, StateDep, require_token
+from collector.claims import Claims
+from collector.ingest import IngestResult, find_duplicate, parse_batch, store_batch
+from collector.server.admission import Ticket, client_gone, read_body
+from collector.server.deps import CollectorState, IngestIdentity, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, Rejected
-from collector.settings import CollectorSettings
 
 log = logging.getLogger("kvpilot.collector")
 
@@ -38,60 +40,33 @@ class IngestResponse(BaseModel):
     duplicate: bool
 
 
-async def read_limited(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise Rejected(413, "too_large", f"body of {declared} bytes exceeds the limit of {limit}")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise Rejected(413, "too_large", f"body exceeds the limit of {limit} bytes")
-    return bytes(buf)
-
-
-def gunzip_limited(data: bytes, limit: int, *, coding: Literal["gzip", "deflate"] = "gzip") -> bytes:
-    """Decompress one gzip member (or zlib stream: HTTP's deflate), refusing output past `limit` (zip bombs)
-    and trailing junk."""
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if coding == "gzip" else zlib.MAX_WBITS)
-    reason = f"bad_{coding}"
-    try:
-        out = inflater.decompress(data, limit + 1)
-    except zlib.error as exc:
-        raise Rejected(400, reason, f"body is not valid {coding}: {exc}") from exc
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise Rejected(413, "too_large", f"decompressed body exceeds the limit of {limit} bytes")
-    if not inflater.eof:
-        raise Rejected(400, reason, f"{coding} body is truncated")
-    if inflater.unused_data:
-        raise Rejected(400, reason, f"data after the end of the {coding} stream")
-    return out
-
-
-def decode_body(request: Request, raw: bytes, settings: CollectorSettings) -> bytes:
+async def decode_body(request: Request, raw: bytes, state: CollectorState, ticket: Ticket) -> bytes:
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise Rejected(415, "unsupported_media", f"content-type must be application/json, got {ctype!r}")
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding == "gzip":
-        return gunzip_limited(raw, settings.max_decompressed_bytes)
     if encoding in ("identity", ""):
         return raw
-    raise Rejected(415, "unsupported_encoding", f"content-encoding must be gzip or identity, got {encoding!r}")
+    if encoding != "gzip":
+        raise Rejected(415, "unsupported_encoding", f"content-encoding must be gzip or identity, got {encoding!r}")
+    if await request.is_disconnected():
+        raise client_gone()
+    limit = state.settings.max_decompressed_bytes
+    return await state.admission.inflate(raw, limit=limit, ticket=ticket)
 
 
-def ingest_sync(state: CollectorState, body: bytes, key: str | None) -> IngestResult:
-    """Validate and store one batch in a worker thread, one batch at a time.
+def ingest_sync(state: CollectorState, body: bytes, key: str | None, claims: Claims | None = None) -> IngestResult:
+    """Validate and store one batch in a worker thread, one batch at a time (the storage gate's turn).
 
     Validation and the inserts both need the GIL. Overlapping them across threads buys nothing: the
     drivers release the GIL around every row they step, then wait for a validator that holds it for
     a whole batch (a lock convoy). Overlapping only the COMMIT's fsync with the next validation was
-    tried and measured no faster on 2 cores, so each batch simply runs under `ingest_lock`; the event
-    loop keeps receiving the next bodies meanwhile.
+    tried and measured no faster on 2 cores, so each batch simply runs alone; the event loop keeps
+    receiving the next bodies meanwhile.
     """
     with state.ingest_lock:
         batch = parse_batch(body, max_events=state.settings.max_batch_events)
-        return store_batch(state.engine, batch, idempotency_key=key, content=body)
+        return store_batch(state.engine, batch, idempotency_key=key, content=body, claims=claims)
 
 
 @router.post(
@@ -106,14 +81,28 @@ def ingest_sync(state: CollectorState, body: bytes, key: str | None) -> IngestRe
         }
     },
 )
-async def ingest(request: Request, state: StateDep, idempotency_key: IdempotencyKey = None) -> JSONResponse:
-    """Store one batch atomically. 202: committed. 200 with duplicate=true: stored before."""
-    raw = await read_limited(request, state.settings.max_batch_bytes)
-    state.metrics.bytes.inc(len(raw))
-    body = decode_body(request, raw, state.settings)
-    started = time.perf_counter()
-    result = await run_in_threadpool(ingest_sync, state, body, idempotency_key)
-    state.metrics.latency.observe(time.perf_counter() - started)
+async def ingest(
+    request: Request, state: StateDep, identity: IngestIdentity, idempotency_key: IdempotencyKey = None
+) -> JSONResponse:
+    """Store one batch atomically. 202: committed. 200 with duplicate=true: stored before.
+    429/503 with Retry-After: overloaded, retry the same batch later."""
+    async with state.admission.admit() as ticket:
+        raw = await read_body(request, ticket, state.settings.max_batch_bytes)
+        state.metrics.bytes.inc(len(raw))
+        body = await decode_body(request, raw, state, ticket)
+        result = None
+        if idempotency_key is not None:
+            result = await run_in_threadpool(find_duplicate, state.engine, idempotency_key, body)
+        if result is None:
+            claims = Claims(identity, state.windows)
+            async with state.admission.storage_turn(request):
+                started = time.perf_counter()
+                result = await run_in_threadpool(ingest_sync, state, body, idempotency_key, claims)
+                state.metrics.latency.observe(time.perf_counter() - started)
+    return _answer(state, result)
+
+
+def _answer(state: CollectorState, result: IngestResult) -> JSONResponse:
     if result.duplicate:
         state.metrics.batches.labels("duplicate").inc()
         log.info("duplicate batch %s (key %s) not stored again", result.batch_id, result.idempotency_key)

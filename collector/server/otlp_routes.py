@@ -1,12 +1,15 @@
 """POST /v1/traces: OTLP/HTTP trace export; vLLM's `llm_request` spans are stored as request rows.
 
-The handler stays thin (STYLE.md 10), as /v1/ingest's: the same ingest token, body limits (wire and
-inflated) and storage path (`collector.otlp` turns spans into request events, `store_batch` stores them
-in a worker thread). Answers follow the OTLP/HTTP spec, in the request's encoding: 200 with an
-ExportTraceServiceResponse (`partial_success` when llm_request spans were rejected); a refusal as a
-google.rpc.Status (`status_response`, which the app's one refusal handler calls for this path): 400 an
-undecodable body, 401/403 the token, 413 too large or too many spans, 415 the media type or content
-coding, 503 with Retry-After when the database is unavailable (the exporter retries those).
+The handler stays thin (STYLE.md 10), as /v1/ingest's: the same ingest token, admission control
+(`admission`), body limits (wire and inflated; inflated in a worker thread), ownership and cardinality
+bounds (`collector.claims`) and storage path (`collector.otlp` turns spans into request events,
+`store_batch` stores them in a worker thread). Answers follow the OTLP/HTTP spec, in the request's
+encoding: 200 with an ExportTraceServiceResponse (`partial_success` when llm_request spans were
+rejected); a refusal as a google.rpc.Status (`status_response`, which the app's one refusal handler
+calls for this path): 400 an undecodable body, 401/403 the token, 409 an instance owned by another
+identity, 413 too large or too many spans, 415 the media type or content coding, 422 past a
+cardinality bound, 429 (overloaded, or a per-minute bound) and 503 (the database unavailable or the
+bottleneck) with Retry-After, which the exporter honours.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from collector import otlp
+from collector.claims import Claims
 from collector.ingest import IngestResult, batch_from_events, store_batch
-from collector.server.deps import CollectorState, IngestMetrics, StateDep, require_token
+from collector.server.admission import Ticket, client_gone, read_body
+from collector.server.deps import CollectorState, IngestIdentity, IngestMetrics, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, Rejected
-from collector.server.ingest_routes import gunzip_limited, read_limited
-from collector.settings import CollectorSettings
 
 log = logging.getLogger("kvpilot.collector")
 
@@ -45,13 +48,16 @@ def request_media(request: Request) -> otlp.Media:
     return media
 
 
-def inflate(request: Request, raw: bytes, settings: CollectorSettings) -> bytes:
+async def decode_body(request: Request, raw: bytes, state: CollectorState, ticket: Ticket) -> bytes:
     coding = request.headers.get("content-encoding", "identity").strip().lower()
-    if coding in ("gzip", "deflate"):
-        return gunzip_limited(raw, settings.max_decompressed_bytes, coding=coding)  # type: ignore[arg-type]
     if coding in ("identity", ""):
         return raw
-    raise Rejected(415, "unsupported_encoding", "content-encoding must be gzip, deflate or identity")
+    if coding not in ("gzip", "deflate"):
+        raise Rejected(415, "unsupported_encoding", "content-encoding must be gzip, deflate or identity")
+    if await request.is_disconnected():
+        raise client_gone()
+    limit = state.settings.max_decompressed_bytes
+    return await state.admission.inflate(raw, limit=limit, ticket=ticket, coding=coding)  # type: ignore[arg-type]
 
 
 def status_response(request: Request, exc: Rejected) -> Response:
@@ -65,8 +71,10 @@ def status_response(request: Request, exc: Rejected) -> Response:
     )
 
 
-def export_sync(state: CollectorState, body: bytes, media: otlp.Media) -> tuple[otlp.SpanBatch, IngestResult | None]:
-    """Decode, convert and store one export in a worker thread, under the ingest lock like a pushed batch."""
+def export_sync(
+    state: CollectorState, body: bytes, media: otlp.Media, claims: Claims | None = None
+) -> tuple[otlp.SpanBatch, IngestResult | None]:
+    """Decode, convert and store one export in a worker thread, one at a time like a pushed batch."""
     settings = state.settings
     with state.ingest_lock:
         request = otlp.parse_request(body, media)
@@ -74,7 +82,10 @@ def export_sync(state: CollectorState, body: bytes, media: otlp.Media) -> tuple[
         if not spans.events:
             return spans, None
         batch = batch_from_events(spans.events, max_events=settings.otlp_max_spans, span_ids=spans.span_ids)
-        return spans, store_batch(state.engine, batch, idempotency_key=spans.idempotency_key, content=spans.identity)
+        result = store_batch(
+            state.engine, batch, idempotency_key=spans.idempotency_key, content=spans.identity, claims=claims
+        )
+        return spans, result
 
 
 @router.post(
@@ -97,15 +108,18 @@ def export_sync(state: CollectorState, body: bytes, media: otlp.Media) -> tuple[
         }
     },
 )
-async def export_traces(request: Request, state: StateDep) -> Response:
+async def export_traces(request: Request, state: StateDep, identity: IngestIdentity) -> Response:
     """OTLP/HTTP ExportTraceServiceRequest (protobuf or JSON, gzip/deflate); llm_request spans become requests."""
     media = request_media(request)
-    raw = await read_limited(request, state.settings.max_batch_bytes)
-    state.metrics.bytes.inc(len(raw))
-    body = inflate(request, raw, state.settings)
-    started = time.perf_counter()
-    spans, result = await run_in_threadpool(export_sync, state, body, media)
-    state.metrics.latency.observe(time.perf_counter() - started)
+    async with state.admission.admit() as ticket:
+        raw = await read_body(request, ticket, state.settings.max_batch_bytes)
+        state.metrics.bytes.inc(len(raw))
+        body = await decode_body(request, raw, state, ticket)
+        claims = Claims(identity, state.windows)
+        async with state.admission.storage_turn(request):
+            started = time.perf_counter()
+            spans, result = await run_in_threadpool(export_sync, state, body, media, claims)
+            state.metrics.latency.observe(time.perf_counter() - started)
     _count(state.metrics, spans, result)
     if spans.rejected:
         log.info("OTLP export: %s", spans.error_message())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -54,10 +55,14 @@ def start_subprocess(
     """Run a collector in a child process on settings.port (0: a free port); returns once /health answers."""
     port = settings.port or free_port(settings.host)
     env = {**os.environ}
-    for name, value in settings.model_dump().items():
+    for name, value in settings.model_dump(mode="json").items():
         key = f"KVPILOT_{name.upper()}"
         if value is None:
             env.pop(key, None)
+        elif isinstance(value, list):
+            env[key] = ",".join(str(v) for v in value)  # KVPILOT_SCRAPE_ALLOW_NETS' form
+        elif isinstance(value, dict):
+            env[key] = json.dumps(value)
         else:
             env[key] = str(value)
     env["KVPILOT_PORT"] = str(port)

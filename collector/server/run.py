@@ -1,5 +1,6 @@
 """Serving the collector in this process: `serve` (blocking, what `kvpilot collector serve` runs) and
-`run_in_thread` (demo, tests). Both refuse a non-loopback bind without a token and an unmigrated database."""
+`run_in_thread` (demo, tests). Both refuse an unmigrated database, and a non-loopback bind without an
+ingest token or in dev mode (`check_bind_safety`)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,19 @@ from collector.settings import CollectorSettings
 
 log = logging.getLogger("kvpilot.collector")
 
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-
 
 def check_bind_safety(settings: CollectorSettings) -> None:
-    if settings.ingest_token is None and settings.host not in LOOPBACK:
+    """Off loopback, pushes need the ingest token and dev mode (admin without a token) is not allowed.
+    Without an admin token target administration is refused anyway, so it is not required to start."""
+    if settings.loopback_only:
+        return
+    if settings.ingest_token is None:
         raise CollectorError(
             f"refusing to listen on {settings.host} without KVPILOT_INGEST_TOKEN; set a token or bind to 127.0.0.1"
+        )
+    if settings.dev_mode:
+        raise CollectorError(
+            f"refusing to listen on {settings.host} with KVPILOT_DEV_MODE=true; dev mode is for loopback only"
         )
 
 
@@ -41,7 +48,9 @@ def serve(settings: CollectorSettings) -> None:
     check_bind_safety(settings)
     _check_database(settings)
     if settings.ingest_token is None:
-        log.warning("no KVPILOT_INGEST_TOKEN: /v1/* accepts unauthenticated requests on %s", settings.host)
+        log.warning("no KVPILOT_INGEST_TOKEN: pushes are accepted unauthenticated on %s", settings.host)
+    if settings.admin_token is None and not settings.dev_mode:
+        log.warning("no KVPILOT_ADMIN_TOKEN: target administration (POST/DELETE /v1/targets) is refused")
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
 

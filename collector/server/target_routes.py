@@ -1,4 +1,10 @@
-"""/v1/targets: the Prometheus endpoints the scraper polls (create, list, get, delete), behind the ingest token."""
+"""/v1/targets: the Prometheus endpoints the scraper polls.
+
+Listing (GET) takes either token; creating and deleting take the admin token (`deps.require_admin`).
+A target's URL must not reach loopback, link-local, metadata, unspecified or multicast addresses unless
+KVPILOT_SCRAPE_ALLOW_NETS allows them (`collector.netpolicy`; checked here and again before each scrape),
+and its instance must not belong to someone else (`collector.claims`): 422 and 409, naming the field.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, HttpUrl, UrlConstraints, fiel
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
+from collector.claims import claim_for_target, release_target
+from collector.netpolicy import AddressRefusedError, ResolutionError
 from collector.queries import parse_labels
 from collector.schema import ScrapeTarget
 from collector.scraper import (
@@ -20,10 +28,11 @@ from collector.scraper import (
     TargetLabelsError,
     validate_target_labels,
 )
-from collector.server.deps import SessionDep, StateDep, require_token
+from collector.server.deps import SessionDep, StateDep, require_admin, require_reader
 from collector.server.errors import ERROR_RESPONSES, ErrorResponse, Rejected
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)])
+admin_router = APIRouter(prefix="/v1", dependencies=[Depends(require_admin)])
 
 TargetId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 Url = Annotated[HttpUrl, UrlConstraints(max_length=2000)]
@@ -79,10 +88,15 @@ class TargetOut(BaseModel):
         return dict(parse_labels(labels)) if isinstance(labels, str) else labels
 
 
-@router.post("/targets", status_code=201, response_model=TargetOut, responses=ERROR_RESPONSES)
+@admin_router.post("/targets", status_code=201, response_model=TargetOut, responses=ERROR_RESPONSES)
 def create_target(body: TargetIn, state: StateDep, session: SessionDep) -> ScrapeTarget:
     url = str(body.url)
     parts = urlsplit(url)
+    try:
+        state.policy.check_url(url, timeout_s=state.settings.scrape_timeout_s)
+    except (AddressRefusedError, ResolutionError) as exc:
+        kind = "address_refused" if isinstance(exc, AddressRefusedError) else "unresolved"
+        raise Rejected(422, kind, f"url: {exc}", errors=[{"loc": "url", "msg": str(exc), "type": kind}]) from exc
     target = ScrapeTarget(
         url=url,
         job=body.job,
@@ -97,7 +111,16 @@ def create_target(body: TargetIn, state: StateDep, session: SessionDep) -> Scrap
     try:
         session.flush()
     except IntegrityError as exc:
-        raise Rejected(409, "conflict", f"a target with url {url} already exists") from exc
+        message = f"a target with url {url} already exists"
+        errors = [{"loc": "url", "msg": message, "type": "conflict"}]
+        raise Rejected(409, "conflict", f"url: {message}", errors=errors) from exc
+    claim_for_target(
+        session.connection(),
+        instance=target.instance,
+        target_id=target.id,
+        ingest_identity=state.ingest_identity,
+        now=target.created_at,
+    )
     return target
 
 
@@ -114,9 +137,11 @@ def get_target(target_id: TargetId, session: SessionDep) -> ScrapeTarget:
     return target
 
 
-@router.delete("/targets/{target_id}", status_code=204, responses={**NOT_FOUND, **ERROR_RESPONSES})
+@admin_router.delete("/targets/{target_id}", status_code=204, responses={**NOT_FOUND, **ERROR_RESPONSES})
 def delete_target(target_id: TargetId, session: SessionDep) -> Response:
+    """Delete a target; its instance is free to claim again (its stored points stay)."""
     deleted = session.execute(delete(ScrapeTarget).where(ScrapeTarget.id == target_id)).rowcount
     if not deleted:
         raise HTTPException(404, f"no target {target_id}")
+    release_target(session.connection(), target_id)
     return Response(status_code=204)

@@ -21,6 +21,7 @@ from alerts.runner import AlertEvaluator
 from alerts.sql_source import SqlSource
 from collector.db import session_factory
 from collector.exposition import labels_json
+from collector.netpolicy import LOOPBACK_NETS, AddressPolicy
 from collector.schema import ScrapeTarget
 from collector.scraper import Scraper
 from tests.alerts.conftest import FakeClock
@@ -97,7 +98,7 @@ def test_memory_pressure_per_gpu_and_scheduler_blocked_across_targets(db_engine,
             ],
         )
     clock = FakeClock(T)
-    scraper = Scraper(db_engine, clock=lambda: clock.now)
+    scraper = Scraper(db_engine, clock=lambda: clock.now, policy=AddressPolicy(LOOPBACK_NETS))  # exporters on loopback
     source = SqlSource(db_engine, clock=clock)
     ev = AlertEvaluator(
         session_factory(db_engine),

@@ -1,4 +1,4 @@
-"""POST /v1/ingest and the target API through the real ASGI app (SQLite); bad input stores nothing."""
+"""POST /v1/ingest through the real ASGI app (SQLite); bad input stores nothing. Targets: test_target_api.py."""
 
 from __future__ import annotations
 
@@ -185,45 +185,39 @@ def test_metrics_and_health(client: TestClient) -> None:
     assert "kvpilot_collector_ingest_batch_seconds_count 1.0" in text
 
 
-def test_target_crud(client: TestClient) -> None:
-    created = client.post("/v1/targets", json={"url": "http://127.0.0.1:9400/metrics", "job": "dcgm"}, headers=AUTH)
-    assert created.status_code == 201, created.text
-    target = created.json()
-    assert target["instance"] == "127.0.0.1:9400" and target["interval_s"] == 15.0 and target["up"] is None
-    dup = client.post("/v1/targets", json={"url": "http://127.0.0.1:9400/metrics"}, headers=AUTH)
-    assert dup.status_code == 409
-    assert client.post("/v1/targets", json={"url": "ftp://x/metrics"}, headers=AUTH).status_code == 422
-    assert [t["id"] for t in client.get("/v1/targets", headers=AUTH).json()] == [target["id"]]
-    assert client.get(f"/v1/targets/{target['id']}", headers=AUTH).json()["job"] == "dcgm"
-    assert client.delete(f"/v1/targets/{target['id']}", headers=AUTH).status_code == 204
-    assert client.delete(f"/v1/targets/{target['id']}", headers=AUTH).status_code == 404
-    assert client.get("/v1/targets/99", headers=AUTH).status_code == 404
-
-
-def test_target_labels_and_sample_limit(client: TestClient) -> None:
-    body = {"url": "http://127.0.0.1:9400/metrics", "labels": {"node": "gpu-1"}, "sample_limit": 500}
-    created = client.post("/v1/targets", json=body, headers=AUTH)
-    assert created.status_code == 201, created.text
-    assert created.json()["labels"] == {"node": "gpu-1"} and created.json()["sample_limit"] == 500
-    listed = client.get("/v1/targets", headers=AUTH).json()
-    assert listed[0]["labels"] == {"node": "gpu-1"}
-    for bad in ({"__meta": "x"}, {"instance": "x"}, {"node": "x" * 300}, {str(i): "v" for i in range(40)}):
-        refused = client.post("/v1/targets", json={"url": "http://127.0.0.1:9401/m", "labels": bad}, headers=AUTH)
-        assert refused.status_code == 422, bad
-        assert "labels" in refused.text
-    too_many = {"url": "http://127.0.0.1:9401/m", "sample_limit": 0}
-    assert client.post("/v1/targets", json=too_many, headers=AUTH).status_code == 422
-
-
 def test_unmigrated_database_refuses_to_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
     settings = CollectorSettings(db_url=f"sqlite:///{tmp_path / 'new.db'}", scrape_enabled=False)
     with pytest.raises(Exception, match="kvpilot db upgrade"), TestClient(create_app(settings)):
         pass
 
 
-def test_openapi_documents_the_batch_schema(client: TestClient) -> None:
-    schema = client.get("/openapi.json").json()
+def test_openapi_documents_the_batch_schema(settings: CollectorSettings) -> None:
+    with TestClient(create_app(settings.model_copy(update={"public_docs": True}))) as client:
+        schema = client.get("/openapi.json").json()
     body = schema["paths"]["/v1/ingest"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/EventBatch"}
     assert {"RequestEvent", "StepEvent", "AllocEvent", "SampleEvent"} <= set(schema["components"]["schemas"])
     json.dumps(schema)
+
+
+def test_a_retry_whose_key_is_stored_is_answered_without_parsing(
+    client: TestClient, settings: CollectorSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from collector.server import ingest_routes
+
+    body = ev.body(ev.mixed(8))
+    assert post(client, body, **AUTH, **{"Idempotency-Key": "r-1"}).status_code == 202
+    assert post(
+        client, gzip.compress(body), **AUTH, **{"Idempotency-Key": "r-2", "Content-Encoding": "gzip"}
+    ).is_success
+
+    def no_parsing(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a stored batch was parsed again")
+
+    monkeypatch.setattr(ingest_routes, "parse_batch", no_parsing)
+    again = post(client, body, **AUTH, **{"Idempotency-Key": "r-1"})
+    assert again.status_code == 200 and again.json()["duplicate"] is True
+    zipped = post(client, gzip.compress(body), **AUTH, **{"Idempotency-Key": "r-2", "Content-Encoding": "gzip"})
+    assert zipped.status_code == 200 and zipped.json()["duplicate"] is True
+    assert post(client, ev.body(ev.mixed(9)), **AUTH, **{"Idempotency-Key": "r-1"}).status_code == 409
+    assert stored(settings)["ingest_batches"] == 2

@@ -72,3 +72,36 @@ def test_swap_seconds_revision_gives_existing_requests_zero(db_url: str) -> None
     finally:
         upgrade(db_url)
         engine.dispose()
+
+
+def test_instance_owners_revision_gives_existing_targets_their_instances(db_url: str) -> None:
+    """Targets stored before `instance_owners` existed own their instances after the upgrade (the oldest)."""
+    command.downgrade(alembic_config(db_url), "b5f2a9d03c41")
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            for url, instance, created in (
+                ("http://a/m", "gpu-0", 1.0),
+                ("http://b/m", "gpu-0", 2.0),
+                ("http://c/m", "gpu-1", 3.0),
+            ):
+                conn.execute(
+                    text(
+                        "INSERT INTO scrape_targets (url, job, instance, interval_s, enabled, created_at)"
+                        " VALUES (:url, 'x', :instance, 15.0, true, :created)"
+                    ),
+                    {"url": url, "instance": instance, "created": created},
+                )
+            ids = dict(conn.execute(text("SELECT url, id FROM scrape_targets")).all())
+        upgrade(db_url)
+        with engine.connect() as conn:
+            owners = conn.execute(
+                text("SELECT instance, owner, claimed_at FROM instance_owners ORDER BY instance")
+            ).all()
+        assert [tuple(row) for row in owners] == [
+            ("gpu-0", f"target:{ids['http://a/m']}", 1.0),
+            ("gpu-1", f"target:{ids['http://c/m']}", 3.0),
+        ]
+    finally:
+        upgrade(db_url)
+        engine.dispose()

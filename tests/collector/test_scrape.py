@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine, insert, select
 
 from collector.exposition import Point, labels_json
+from collector.netpolicy import LOOPBACK_NETS, AddressPolicy
 from collector.schema import Instance, ScrapeTarget, SeriesPoint
 from collector.scraper import (
     MAX_LABEL_VALUE_CHARS,
@@ -32,6 +33,9 @@ from collector.scraper import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# The exporters below listen on loopback, which the scraper refuses unless allowed (SSRF), as a deployment
+# that scrapes its own host sets KVPILOT_SCRAPE_ALLOW_NETS=127.0.0.0/8.
+LOOPBACK = AddressPolicy(LOOPBACK_NETS)
 NOW = 1_760_000_000.0
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -132,7 +136,7 @@ def test_scraper_stores_labelled_series_and_health(db_engine: Engine, exporter: 
         {"url": f"{exporter}/err", "instance": "err"},
         {"url": f"http://127.0.0.1:{free_port()}/metrics", "instance": "dead"},
     )
-    scraper = Scraper(db_engine, timeout_s=2.0, clock=lambda: NOW)
+    scraper = Scraper(db_engine, policy=LOOPBACK, timeout_s=2.0, clock=lambda: NOW)
     try:
         outcomes = {o.url.rsplit("/", 1)[-1]: o for o in scraper.run_once()}
         assert scraper.due_targets(NOW + 5) == []  # interval not elapsed
@@ -198,7 +202,7 @@ def test_scraper_stores_labelled_series_and_health(db_engine: Engine, exporter: 
 def test_counter_resets_are_stored_as_scraped(db_engine: Engine, exporter: str) -> None:
     add_targets(db_engine, {"url": f"{exporter}/vllm", "instance": "vllm-0", "interval_s": 15.0})
     clock = iter([NOW, NOW + 15])
-    scraper = Scraper(db_engine, timeout_s=2.0, clock=lambda: next(clock))
+    scraper = Scraper(db_engine, policy=LOOPBACK, timeout_s=2.0, clock=lambda: next(clock))
     try:
         scraper.run_once(now=NOW)
         _Exporter.pages["/vllm"] = page("vllm_dp2_restarted.prom")  # the server restarted in between
@@ -222,7 +226,7 @@ def test_sample_limit_keeps_whole_histograms_counts_and_logs(
 ) -> None:
     add_targets(db_engine, {"url": f"{exporter}/vllm", "instance": "vllm-0", "sample_limit": 100})
     registry = CollectorRegistry()
-    scraper = Scraper(db_engine, timeout_s=2.0, clock=lambda: NOW, metrics=ScrapeMetrics(registry))
+    scraper = Scraper(db_engine, policy=LOOPBACK, timeout_s=2.0, clock=lambda: NOW, metrics=ScrapeMetrics(registry))
     try:
         with caplog.at_level(logging.WARNING, logger="collector.scraper"):
             (outcome,) = scraper.run_once()
@@ -304,7 +308,7 @@ def test_a_trickling_target_neither_outlives_its_deadline_nor_delays_others(db_e
         {"url": f"{exporter}/trickle", "instance": "slow", "interval_s": 1.0},
         {"url": f"{exporter}/dcgm", "instance": "fast", "interval_s": 1.0},
     )
-    scraper = Scraper(db_engine, timeout_s=1.0, tick_s=0.1)
+    scraper = Scraper(db_engine, policy=LOOPBACK, timeout_s=1.0, tick_s=0.1)
     scraper.start()
     try:
         time.sleep(3.5)

@@ -1,0 +1,274 @@
+"""Admission control of pushes (/v1/ingest, /v1/traces): bounded work, fast refusals, nothing for the departed.
+
+Each process stores one batch at a time (parse and insert both need the GIL, so overlapping them buys
+nothing), which makes the storage stage the queue. Without a bound, every sender's body waits in memory
+for it, senders time out and retry while their abandoned requests are still processed, and /health
+queues behind them. So:
+- at most `max_inflight_requests` pushes are admitted at once; the next is answered 429 at once;
+- admitted pushes hold at most `max_inflight_bytes` of bodies, counted as they arrive and as they
+  inflate (in a worker thread, a chunk at a time, stopping at the per-request limit: 413, or at the
+  budget: 429), so 30 padded gzip bodies cannot take the process to gigabytes;
+- an admitted push waits at most `storage_wait_s` for the storage stage (first come, first served):
+  503, the database is the bottleneck; a push whose client disconnected leaves the queue unprocessed;
+- every refusal carries `Retry-After`, is counted in `kvpilot_collector_ingest_rejected_total{reason}`
+  and logged at most once per reason every few seconds (`errors.RefusalLog`).
+`kvpilot_collector_inflight_requests` and `kvpilot_collector_inflight_bytes` show the two budgets in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+from fastapi import Request
+from prometheus_client import CollectorRegistry, Gauge
+from starlette.requests import ClientDisconnect
+
+from collector.server.errors import Rejected
+from collector.settings import CollectorSettings
+
+INFLATE_CHUNK = 1 << 20  # inflated bytes per step: the budget is checked between steps
+POLL_S = 0.2  # how often a queued push asks whether its client is still there
+MAX_RETRY_AFTER_S = 30
+# Inflating is CPU work outside the GIL: a thread per push would starve the event loop (and /health) of
+# the CPU itself, so bodies inflate two at a time; the others wait holding only their wire bytes.
+INFLATE_WORKERS = 2
+
+
+class Admission:
+    """The two budgets of one collector process and its storage queue; shared by all pushes."""
+
+    def __init__(self, settings: CollectorSettings, registry: CollectorRegistry) -> None:
+        self.max_requests = settings.max_inflight_requests
+        self.max_bytes = settings.max_inflight_bytes
+        self.storage_wait_s = settings.storage_wait_s
+        self.body_timeout_s = settings.body_timeout_s
+        self.retry_after_s = settings.retry_after_s
+        self._refusals = (0, 0, 0)  # (second, refusals in it, refusals in the second before)
+        self._refusals_lock = threading.Lock()  # not `_lock`: refusals are made while holding that
+        self.requests = 0
+        self.bytes = 0
+        self._lock = threading.Lock()  # reservations come from the event loop and from worker threads
+        self.gate = StorageGate()
+        self.inflaters = ThreadPoolExecutor(max_workers=INFLATE_WORKERS, thread_name_prefix="kvpilot-inflate")
+        Gauge("kvpilot_collector_inflight_requests", "pushes admitted now", registry=registry).set_function(
+            lambda: self.requests
+        )
+        Gauge("kvpilot_collector_inflight_bytes", "body bytes held by admitted pushes", registry=registry).set_function(
+            lambda: self.bytes
+        )
+
+    def retry_after(self) -> int:
+        """`retry_after_s`, times how many in-flight bounds' worth of pushes were refused in the last second:
+        256 senders told to come back in 1 s would come back together; told in proportion, they spread."""
+        now = int(time.monotonic())
+        with self._refusals_lock:
+            second, current, previous = self._refusals
+            if now != second:
+                current, previous = 0, (current if now == second + 1 else 0)
+            current += 1
+            self._refusals = (now, current, previous)
+        crowd = max(current, previous) // self.max_requests
+        return min(self.retry_after_s * max(1, crowd), MAX_RETRY_AFTER_S)
+
+    @property
+    def full(self) -> bool:
+        return self.requests >= self.max_requests
+
+    async def inflate(
+        self, data: bytes, *, limit: int, ticket: Ticket, coding: Literal["gzip", "deflate"] = "gzip"
+    ) -> bytes:
+        """`inflate` on one of the inflater threads."""
+        work = functools.partial(inflate, data, limit=limit, ticket=ticket, coding=coding)
+        return await asyncio.get_running_loop().run_in_executor(self.inflaters, work)
+
+    def close(self) -> None:
+        self.inflaters.shutdown(wait=True, cancel_futures=True)
+
+    def overloaded(self, status: int, reason: str, detail: str) -> Rejected:
+        return Rejected(status, reason, detail, headers={"Retry-After": str(self.retry_after())})
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[Ticket]:
+        """A slot for one push, or 429 now; the bytes it reserved are given back when it ends."""
+        with self._lock:
+            if self.requests >= self.max_requests:
+                raise self.overloaded(429, "overloaded", f"{self.requests} pushes in flight, the limit; retry later")
+            self.requests += 1
+        ticket = Ticket(self)
+        try:
+            yield ticket
+        finally:
+            with self._lock:
+                self.bytes -= ticket.held
+                self.requests -= 1
+            ticket.held = 0
+
+    @contextlib.asynccontextmanager
+    async def storage_turn(self, request: Request) -> AsyncIterator[None]:
+        """Wait for the storage stage: 503 past `storage_wait_s`; a client that left is not served."""
+        outcome = await self.gate.acquire(timeout_s=self.storage_wait_s, gone=request.is_disconnected)
+        if outcome == "busy":
+            raise self.overloaded(
+                503, "storage_busy", f"the database did not take the batch within {self.storage_wait_s:g}s; retry later"
+            )
+        if outcome == "gone":
+            raise client_gone()
+        try:
+            if await request.is_disconnected():
+                raise client_gone()
+            yield
+        finally:
+            self.gate.release()
+
+
+class Ticket:
+    """The bytes one admitted push holds; `reserve` is called from the event loop and worker threads."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.held = 0
+
+    def reserve(self, n: int) -> None:
+        adm = self.admission
+        with adm._lock:
+            if adm.bytes + n > adm.max_bytes:
+                detail = f"{adm.bytes} body bytes in flight, the limit is {adm.max_bytes}; retry later"
+                raise adm.overloaded(429, "overloaded_bytes", detail)
+            adm.bytes += n
+            self.held += n
+
+    def give_back(self, n: int) -> None:
+        with self.admission._lock:
+            n = min(n, self.held)
+            self.admission.bytes -= n
+            self.held -= n
+
+
+class StorageGate:
+    """One push at a time, first come first served; a waiter may leave (timeout, client gone) without
+    ever holding it. Event-loop only. No `wait_for` on a lock: a cancellation racing a grant could leak it."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, *, timeout_s: float, gone) -> Literal["acquired", "busy", "gone"]:  # type: ignore[no-untyped-def]
+        if not self._held and not self._waiters:
+            self._held = True
+            return "acquired"
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(turn)
+        deadline = loop.time() + timeout_s
+        outcome: Literal["acquired", "busy", "gone"] = "acquired"
+        try:
+            while not turn.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    outcome = "busy"
+                    break
+                await asyncio.wait([turn], timeout=min(POLL_S, remaining))  # never cancels `turn`
+                if not turn.done() and await gone():
+                    outcome = "gone"
+                    break
+        except BaseException:
+            self._leave(turn)
+            raise
+        if outcome != "acquired":
+            self._leave(turn)
+        return outcome
+
+    def _leave(self, turn: asyncio.Future[None]) -> None:
+        if turn.done():  # handed over meanwhile: pass it on
+            self.release()
+        else:
+            self._waiters.remove(turn)
+            turn.cancel()
+
+    def release(self) -> None:
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)  # stays held, by the next in line
+                return
+        self._held = False
+
+
+def client_gone() -> Rejected:
+    return Rejected(499, "client_disconnected", "the client disconnected; the push was not processed")
+
+
+async def read_body(request: Request, ticket: Ticket, limit: int) -> bytes:
+    """The body, at most `limit` bytes (413), reserved against the byte budget as it arrives (429), within
+    `body_timeout_s` (408: a client trickling its body must not hold a slot for ever)."""
+    declared = request.headers.get("content-length")
+    reserved = 0
+    if declared is not None and declared.isdigit():
+        if int(declared) > limit:
+            raise Rejected(413, "too_large", f"body of {declared} bytes exceeds the limit of {limit}")
+        ticket.reserve(int(declared))
+        reserved = int(declared)
+    buf = bytearray()
+    timeout_s = ticket.admission.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) > limit:
+                    raise Rejected(413, "too_large", f"body exceeds the limit of {limit} bytes")
+                if len(buf) > reserved:
+                    ticket.reserve(len(buf) - reserved)
+                    reserved = len(buf)
+    except ClientDisconnect:
+        raise client_gone() from None
+    except TimeoutError:
+        raise Rejected(408, "body_timeout", f"the body did not arrive within {timeout_s:g}s") from None
+    return bytes(buf)
+
+
+def inflate(data: bytes, *, limit: int, ticket: Ticket, coding: Literal["gzip", "deflate"] = "gzip") -> bytes:
+    """Decompress one gzip member (or zlib stream: HTTP's deflate) a chunk at a time, each chunk reserved
+    against the byte budget; stops at `limit` (413: zip bombs) and refuses trailing junk. Run it on
+    `Admission.inflaters`: inflating tens of MiB would stall the event loop and /health with it."""
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if coding == "gzip" else zlib.MAX_WBITS)
+    reason = f"bad_{coding}"
+    parts: list[bytes] = []
+    size = 0
+    pending = data
+    try:
+        while not inflater.eof:
+            part = inflater.decompress(pending, INFLATE_CHUNK)
+            pending = inflater.unconsumed_tail
+            if not part and not pending:
+                break
+            size += len(part)
+            if size > limit:
+                raise Rejected(413, "too_large", f"decompressed body exceeds the limit of {limit} bytes")
+            ticket.reserve(len(part))
+            parts.append(part)
+    except zlib.error as exc:
+        raise Rejected(400, reason, f"body is not valid {coding}: {exc}") from exc
+    if not inflater.eof:
+        raise Rejected(400, reason, f"{coding} body is truncated")
+    if inflater.unused_data:
+        raise Rejected(400, reason, f"data after the end of the {coding} stream")
+    if len(parts) == 1:
+        return parts[0]
+    ticket.reserve(size)  # joining the parts needs the inflated size twice, for a moment
+    body = b"".join(parts)
+    parts.clear()
+    ticket.give_back(size)
+    return body
