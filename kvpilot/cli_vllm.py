@@ -48,6 +48,9 @@ def serve_cmd(
         "http://127.0.0.1:8100", "--collector", envvar="KVPILOT_COLLECTOR_URL", help=COLLECTOR_HELP
     ),
     ingest_token: str | None = typer.Option(None, "--ingest-token", envvar="KVPILOT_INGEST_TOKEN", help=TOKEN_HELP),
+    admin_token: str | None = typer.Option(
+        None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN", help="the collector's admin token, to register /metrics"
+    ),
     instance: str | None = typer.Option(None, "--instance", help="instance name of its telemetry (default host:port)"),
     run_id: str | None = typer.Option(None, "--run-id", help="run id of its telemetry (default: a new one)"),
     label: list[str] = typer.Option(None, "--label", help="static label of its scraped series, NAME=VALUE (repeat)"),
@@ -69,6 +72,7 @@ def serve_cmd(
             python=find_vllm_python(vllm_python),
             collector_url=collector_url,
             ingest_token=ingest_token or None,
+            admin_token=admin_token or None,
             instance=instance,
             run_id=run_id,
             labels=labels,

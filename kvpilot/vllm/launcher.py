@@ -60,6 +60,7 @@ class LaunchOptions:
     python: str
     collector_url: str
     ingest_token: str | None = None
+    admin_token: str | None = None  # the collector's admin token: registering a scrape target is administration
     instance: str | None = None  # default: <hostname>:<port>
     run_id: str | None = None  # default: a fresh one per launch
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -246,13 +247,20 @@ class VllmLauncher:
         return False
 
     def _register(self, client: httpx.Client) -> None:
+        if not self.options.admin_token:
+            log.warning(
+                "no collector admin token (--admin-token / KVPILOT_ADMIN_TOKEN): %s/metrics is not registered as a "
+                "scrape target; KV usage, queue and preemptions of this vLLM will not be stored",
+                self.url,
+            )
+            return
         delay, warned = 0.5, False
         while not self._stopping.is_set():
             try:
                 self.target = register_target(
                     client,
                     self.collector_url,
-                    token=self.options.ingest_token,
+                    token=self.options.admin_token,
                     metrics_url=f"{self.url}/metrics",
                     instance=self.instance,
                     labels=self.options.labels,

@@ -153,8 +153,18 @@ def register_target(
     if resp.status_code in (408, 425, 429) or resp.status_code >= 500:
         resp.raise_for_status()
     raise TargetRegistrationError(
-        f"collector refused the scrape target {metrics_url} (HTTP {resp.status_code}): {resp.text[:300]}"
+        f"collector refused the scrape target {metrics_url} (HTTP {resp.status_code}): {_detail(resp)}"
     )
+
+
+def _detail(resp: httpx.Response) -> str:
+    """The collector's own error message (it names the field), bounded; not arbitrary upstream text."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return "no JSON error body"
+    detail = body.get("detail") if isinstance(body, dict) else None
+    return str(detail)[:300] if detail is not None else "no error detail"
 
 
 def read_kv_capacity(client: httpx.Client, metrics_url: str) -> tuple[int | None, int | None]:

@@ -40,6 +40,7 @@ REQUIRE_ENV = "KVPILOT_REQUIRE_VLLM"
 MODEL = "tiny-llama"
 INSTANCE = "vllm-test"
 TOKEN = "vllm-peer-token"
+ADMIN_TOKEN = "vllm-peer-admin-token"
 LABELS = {"node": "ci-node"}
 KV_CACHE_BYTES = 16 * 2**20
 STARTUP_TIMEOUT_S = 420.0  # ~40 s with vLLM's compile cache warm, ~70 s cold, on 2 cores
@@ -148,8 +149,15 @@ def start_peer(tmp: Path, sqlite_template: Path) -> VllmPeer:
     assert made.exit_code == 0, made.output
     db = tmp / "kvpilot.db"
     shutil.copyfile(sqlite_template, db)
+    # Registering vLLM's /metrics is administration (the admin token); a loopback target must be allowed.
     settings = CollectorSettings(
-        db_url=f"sqlite:///{db}", ingest_token=TOKEN, port=free_port(), log_level="warning", scrape_timeout_s=2.0
+        db_url=f"sqlite:///{db}",
+        ingest_token=TOKEN,
+        admin_token=ADMIN_TOKEN,
+        scrape_allow_nets="127.0.0.0/8",
+        port=free_port(),
+        log_level="warning",
+        scrape_timeout_s=2.0,
     )
     vllm_log, kvpilot_log = tmp / "vllm.log", tmp / "kvpilot.log"
     peer_collector = start_subprocess(settings, log_path=tmp / "collector.log")
@@ -159,7 +167,8 @@ def start_peer(tmp: Path, sqlite_template: Path) -> VllmPeer:
     labels = [arg for name, value in LABELS.items() for arg in ("--label", f"{name}={value}")]
     command = [
         sys.executable, "-m", "kvpilot.cli", "vllm", "serve",
-        "--collector", f"http://127.0.0.1:{settings.port}", "--ingest-token", TOKEN, "--instance", INSTANCE,
+        "--collector", f"http://127.0.0.1:{settings.port}", "--ingest-token", TOKEN, "--admin-token", ADMIN_TOKEN,
+        "--instance", INSTANCE,
         "--run-id", "vllm-session", *labels, "--scrape-interval", "1", "--vllm-python", python,
         "--spool-dir", str(tmp / "spool"), "--log-file", str(vllm_log),
         "--",
