@@ -368,6 +368,7 @@ def proposals_list(
     limit: int = typer.Option(50, "--limit"),
     db_url: str | None = DbOpt,
 ) -> None:
+    """Proposals, newest first: id, status, confirmed goodput gain, study."""
     with _errors():
         from tuner.jobs import open_db
         from tuner.proposals import list_proposals
@@ -385,7 +386,8 @@ def proposals_list(
 
 
 @proposals_app.command("show")
-def proposals_show(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+def proposals_show(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+    """A proposal's report (markdown) and its config (YAML, for `kvpilot engine serve --config`)."""
     with _errors():
         from tuner.jobs import open_db
         from tuner.proposals import get_proposal
@@ -400,12 +402,14 @@ def proposals_show(proposal_id: int = typer.Argument(...), db_url: str | None = 
 
 
 @proposals_app.command("accept")
-def proposals_accept(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+def proposals_accept(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+    """Mark a pending proposal accepted (reviewed; `kvpilot tune apply ID` applies it)."""
     _review(proposal_id, "accepted", db_url)
 
 
 @proposals_app.command("reject")
-def proposals_reject(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+def proposals_reject(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+    """Mark a pending or accepted proposal rejected (final)."""
     _review(proposal_id, "rejected", db_url)
 
 
@@ -456,7 +460,12 @@ def profiles_cmd() -> None:
 def sim_run_cmd(
     profile: str = ProfileOpt,
     config: Path | None = ConfigOpt,
-    set_: list[str] = typer.Option([], "--set", help="override a tunable: section.field=value (repeatable)"),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="override any cache/scheduler/recycler/... field, e.g. cache.hot_bytes=268435456 (repeatable; "
+        "the profile sets the model)",
+    ),
     workload: str = WorkloadOpt,
     requests: int = RequestsOpt,
     scale: float = ScaleOpt,
@@ -494,7 +503,8 @@ def sim_run_cmd(
                 raise ValueError(f"--set: expected section.field=value, got {item!r}")
             section, field = key.split(".", 1)
             patch.setdefault(section, {})[field] = yaml.safe_load(raw)
-        cfg = base.with_tunable(patch) if patch else base
+        frozen = {"model": f"the simulator runs the profile's model ({prof.model.name}); pick another --profile"}
+        cfg = base.with_overrides(patch, frozen=frozen) if patch else base
         slo = _slo(ttft_slo, tpot_slo, None, 1.0, 10**9)
         opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
         with tempfile.TemporaryDirectory() as tmp:
