@@ -286,6 +286,9 @@ def nightly_cmd(
     confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="new workload seeds for the confirmation"),
     seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
     min_gain: float = typer.Option(0.02, "--min-gain", help="propose only above this relative goodput gain"),
+    min_effect: float = typer.Option(
+        0.01, "--min-effect", help="drop a change whose revert costs less goodput than this (the noise)"
+    ),
     seed: int = typer.Option(0, "--seed"),
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL"),
@@ -317,6 +320,7 @@ def nightly_cmd(
             confirm_seeds=confirm_seeds,
             seeds_per_trial=seeds_per_trial,
             min_gain=min_gain,
+            min_effect=min_effect,
             instance=instance,
             storage_url=storage,
             live=live,
