@@ -203,23 +203,56 @@ class EngineConfig(_Strict):
         return {section: {k: full[section][k] for k in keys} for section, keys in TUNABLE_FIELDS.items()}
 
     def with_tunable(self, patch: dict[str, Any]) -> EngineConfig:
-        """A new config with `patch` (nested {section: {field: value}}) applied; only tunables."""
+        """A new config with `patch` (nested {section: {field: value}}) applied; only tunables.
+
+        A key the schema does not have is "unknown" (a typo, named with the closest key); a real key
+        outside the tunable subset is "not hot-reloadable" (it sizes tensors: restart to change it)."""
+        return self._patched(patch, tunable_only=True)
+
+    def with_overrides(self, patch: dict[str, Any], *, frozen: dict[str, str] | None = None) -> EngineConfig:
+        """A new config with any field of `patch` set (what-ifs at start-up: pool sizes too), except the
+        sections of `frozen` (section -> why not); unknown keys are refused as in `with_tunable`."""
+        return self._patched(patch, tunable_only=False, frozen=frozen or {})
+
+    def _patched(
+        self, patch: dict[str, Any], *, tunable_only: bool, frozen: dict[str, str] | None = None
+    ) -> EngineConfig:
         if not isinstance(patch, dict):
             raise ConfigError("config patch must be a mapping of sections", "body")
         merged = self.model_dump(mode="json")
         for section, fields in patch.items():
-            if section not in TUNABLE_FIELDS:
+            sections = type(self).model_fields
+            if section not in sections:
+                known = [s for s in sections if isinstance(merged.get(s), dict)]
+                raise ConfigError(f"{section}: unknown key{_closest(section, known)}", str(section))
+            if not isinstance(merged[section], dict):
+                raise ConfigError(f"{section}: a top-level setting, not a section; restart to change it", section)
+            if tunable_only and section not in TUNABLE_FIELDS:
                 tunable = sorted(TUNABLE_FIELDS)
                 raise ConfigError(f"{section}: not a hot-reloadable section (tunable: {tunable})", section)
+            if frozen and section in frozen:
+                raise ConfigError(f"{section}: {frozen[section]}", section)
             if not isinstance(fields, dict):
                 raise ConfigError(f"{section}: must be a mapping of fields", section)
             for name, value in fields.items():
-                if name not in TUNABLE_FIELDS[section]:
+                if name not in merged[section]:
+                    raise ConfigError(
+                        f"{section}.{name}: unknown key{_closest(name, list(merged[section]))}", f"{section}.{name}"
+                    )
+                if tunable_only and name not in TUNABLE_FIELDS[section]:
                     raise ConfigError(
                         f"{section}.{name}: not hot-reloadable; restart the engine to change it", f"{section}.{name}"
                     )
                 merged[section][name] = value
         return EngineConfig.from_dict(merged, source="config patch")
+
+
+def _closest(name: object, known: list[str]) -> str:
+    """`; did you mean X?` for a misspelt key, else the list of keys."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), known, n=1)
+    return f"; did you mean {close[0]}?" if close else f"; known: {', '.join(known)}"
 
 
 TUNABLE_FIELDS: dict[str, tuple[str, ...]] = {

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.async_engine import AsyncEngine, RequestHandle
 from engine.body_limit import BodyLimitMiddleware
-from engine.config import PRIORITY_CLASSES, ConfigError
+from engine.config import PRIORITY_CLASSES, ConfigError, ModelConfig
 from engine.llm_engine import InvalidRequestError, LLMEngine, QueueFullError
 from engine.sequence import SamplingParams
 
@@ -77,12 +77,25 @@ class CompletionRequest(BaseModel):
     user: str | None = None
 
 
+def weights_note(model: ModelConfig) -> dict[str, str]:
+    """What the weights are, said on /health and in every /generate answer: without `model.checkpoint`
+    the weights are random, so the text is noise however well the engine serves it."""
+    if model.checkpoint:
+        return {"weights": "checkpoint", "checkpoint": model.checkpoint}
+    return {
+        "weights": "random",
+        "note": f"random weights (seed {model.seed}): the text is noise; "
+        "set model.checkpoint: DIR to load a Hugging Face Llama checkpoint",
+    }
+
+
 class ServerState:
     def __init__(self, engine: LLMEngine, registry: CollectorRegistry, model_name: str) -> None:
         self.engine = engine
         self.loop = AsyncEngine(engine)
         self.registry = registry
         self.model_name = model_name
+        self.weights = weights_note(engine.model_cfg)
         self.started = time.time()
 
 
@@ -227,6 +240,7 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
             "status": "ok" if state.loop.alive else "down",
             "device": state.engine.executor.device,
             "model": state.model_name,
+            **state.weights,
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "swapped": len(sched.swapped),
@@ -296,6 +310,8 @@ def _generate_result(state: ServerState, seq: Any, text: str | None) -> dict:
     rec = state.engine.request_record(seq, "finished")
     body = {
         "request_id": seq.request_id,
+        "model": state.model_name,
+        "weights": state.weights["weights"],
         "prompt_tokens": seq.num_prompt_tokens,
         "output_tokens": seq.num_output_tokens,
         "finish_reason": seq.finish_reason,

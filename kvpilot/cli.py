@@ -28,6 +28,23 @@ app.command("loadtest")(loadtest_cmd)
 app.command("dashboard")(dashboard_cmd)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from kvpilot import __version__
+
+        typer.echo(f"kvpilot {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and exit"
+    ),
+) -> None:
+    """kvpilot: observe and tune LLM serving."""
+
+
 @app.command()
 def demo(
     duration_s: float = typer.Option(30.0, "--duration", help="seconds of load (mixed, with a burst)"),

@@ -16,12 +16,14 @@ import typer
 alerts_app = typer.Typer(no_args_is_help=True)
 
 RulesOpt = typer.Option(None, "--rules", help="rule files (default: the built-in rules)")
-DbOpt = typer.Option(None, "--db", help="database URL (default: the collector's setting)")
+DbOpt = typer.Option(None, "--db-url", help="database URL (default: KVPILOT_DB_URL or ./kvpilot-data/kvpilot.db)")
+# `--db` was this option's name before every command took `--db-url`; still accepted, not shown.
+DbAliasOpt = typer.Option(None, "--db", hidden=True)
 
 
-def _db_url(db: str | None) -> str:
-    if db:
-        return db
+def _db_url(db_url: str | None, db: str | None = None) -> str:
+    if db_url or db:
+        return db_url or db  # type: ignore[return-value]
     from collector.settings import CollectorSettings
 
     return CollectorSettings().db_url
@@ -89,7 +91,8 @@ def export_cmd(
 @alerts_app.command("run")
 def run_cmd(
     rules: list[Path] = RulesOpt,
-    db: str | None = DbOpt,
+    db_url: str | None = DbOpt,
+    db: str | None = DbAliasOpt,
     webhook: list[str] = typer.Option(None, "--webhook", help="webhook receiver URL (repeatable)"),
     alertmanager: list[str] = typer.Option(None, "--alertmanager", help="also forward to this Alertmanager"),
     config: Path | None = typer.Option(None, "--config", help="notifier YAML (receivers, route)"),
@@ -143,7 +146,7 @@ def run_cmd(
         raise typer.Exit(2)
     try:
         handle = start_evaluator(
-            _db_url(db),
+            _db_url(db_url, db),
             rule_files=list(rules or []) or None,
             webhook_urls=urls,
             alertmanager_urls=list(alertmanager or []),
@@ -179,20 +182,22 @@ silence_app = typer.Typer(no_args_is_help=True, help="Alertmanager-style silence
 alerts_app.add_typer(silence_app, name="silence")
 
 
-def _factory(db: str | None):  # type: ignore[no-untyped-def]
+def _factory(db_url: str | None, db: str | None):  # type: ignore[no-untyped-def]
     from collector.db import make_engine, session_factory
 
-    return session_factory(make_engine(_db_url(db)))
+    return session_factory(make_engine(_db_url(db_url, db)))
 
 
 @silence_app.command("add")
 def silence_add(
     matchers: list[str] = typer.Argument(..., help="e.g. alertname=MemoryPressure instance=~'gpu.*'"),
-    duration: str = typer.Option("2h", help="how long"),
-    comment: str = typer.Option(""),
-    author: str = typer.Option("cli", "--author"),
-    db: str | None = DbOpt,
+    duration: str = typer.Option("2h", help="how long (e.g. 30m, 2h)"),
+    comment: str = typer.Option("", help="why (shown with the silence)"),
+    author: str = typer.Option("cli", "--author", help="who silenced it"),
+    db_url: str | None = DbOpt,
+    db: str | None = DbAliasOpt,
 ) -> None:
+    """Silence alerts matching every matcher (`name=value`, `!=`, `=~`, `!~`) for a while; prints its id."""
     from pydantic import ValidationError
 
     from alerts.durations import DurationError, parse_duration
@@ -210,7 +215,7 @@ def silence_add(
             createdBy=author,
             comment=comment,
         )
-        with session_scope(_factory(db)) as session:
+        with session_scope(_factory(db_url, db)) as session:
             silence_id = create_silence(
                 session,
                 silence,
@@ -225,20 +230,30 @@ def silence_add(
 
 
 @silence_app.command("list")
-def silence_list(expired: bool = typer.Option(False, "--expired"), db: str | None = DbOpt) -> None:
+def silence_list(
+    expired: bool = typer.Option(False, "--expired", help="also list expired silences"),
+    db_url: str | None = DbOpt,
+    db: str | None = DbAliasOpt,
+) -> None:
+    """The silences in force (JSON, as Alertmanager's API lists them)."""
     from alerts.silences import list_silences
     from collector.db import session_scope
 
-    with session_scope(_factory(db)) as session:
+    with session_scope(_factory(db_url, db)) as session:
         typer.echo(json.dumps(list_silences(session, now=time.time(), include_expired=expired), indent=2))
 
 
 @silence_app.command("expire")
-def silence_expire(silence_id: str, db: str | None = DbOpt) -> None:
+def silence_expire(
+    silence_id: str = typer.Argument(..., help="the id `silence add` printed"),
+    db_url: str | None = DbOpt,
+    db: str | None = DbAliasOpt,
+) -> None:
+    """End a silence now; its alerts notify again from the next evaluation."""
     from alerts.silences import expire_silence
     from collector.db import session_scope
 
-    with session_scope(_factory(db)) as session:
+    with session_scope(_factory(db_url, db)) as session:
         if not expire_silence(session, silence_id, now=time.time()):
             typer.echo(f"no silence {silence_id}", err=True)
             raise typer.Exit(1)
@@ -247,12 +262,15 @@ def silence_expire(silence_id: str, db: str | None = DbOpt) -> None:
 
 @alerts_app.command("deliveries")
 def deliveries_cmd(
-    limit: int = typer.Option(20), status: str | None = typer.Option(None), db: str | None = DbOpt
+    limit: int = typer.Option(20, help="how many"),
+    status: str | None = typer.Option(None, help="only this delivery status"),
+    db_url: str | None = DbOpt,
+    db: str | None = DbAliasOpt,
 ) -> None:
     """Outbox notifications with their attempts (newest first)."""
     from alerts.delivery import list_notifications
     from collector.db import session_scope
 
-    with session_scope(_factory(db)) as session:
+    with session_scope(_factory(db_url, db)) as session:
         json.dump(list_notifications(session, limit=limit, status=status), sys.stdout, indent=2)
     typer.echo("")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import typer
@@ -30,7 +31,7 @@ def _settings(db_url: str | None) -> CollectorSettings:
 
 
 def _fail(exc: Exception) -> typer.Exit:
-    typer.echo(f"kvpilot: {exc}", err=True)
+    typer.echo(f"kvpilot: {' '.join(str(exc).split())}", err=True)  # one line, whatever the driver wrote
     return typer.Exit(1)
 
 
@@ -127,10 +128,51 @@ def _line_loc(loc: str, first_line: int) -> str:
     return loc
 
 
+SUPPORTED_URLS = "sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+
+
+def check_db_url(url: str) -> str | None:
+    """Why kvpilot cannot use `url` (one line naming it), or None. A SQLite file's directory is made
+    as the collector makes it; one that cannot be made is named with the reason."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return f"not a database URL: {url!r} (expected {SUPPORTED_URLS})"
+    shown = redact(url)
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        return f"unsupported database URL {shown}: kvpilot stores to {SUPPORTED_URLS}"
+    try:
+        parsed.get_dialect().import_dbapi()
+    except (ImportError, NoSuchModuleError) as exc:
+        missing = getattr(exc, "name", None) or parsed.drivername
+        return f"unsupported database URL {shown}: its driver ({missing}) is not installed; use {SUPPORTED_URLS}"
+    database = parsed.database
+    if parsed.get_backend_name() == "sqlite" and database and database != ":memory:":
+        if database.startswith("file:"):
+            return None
+        parent = Path(database).expanduser().parent
+        if not parent.is_dir():
+            try:
+                parent.mkdir(parents=True)
+            except OSError as exc:
+                return f"the directory {parent} for {shown} does not exist and cannot be made: {exc.strerror or exc}"
+            typer.echo(f"kvpilot: made the directory {parent} for {shown}", err=True)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"the directory {parent} for {shown} is not writable"
+    return None
+
+
 @db_app.command("upgrade")
 def upgrade_cmd(db_url: str = DbUrl, revision: str = typer.Option("head")) -> None:
     """Migrate the database to the code's schema (creates it if needed)."""
     settings = _settings(db_url)
+    problem = check_db_url(settings.db_url)
+    if problem:
+        typer.echo(f"kvpilot: {problem}", err=True)
+        raise typer.Exit(2)
     try:
         upgrade(settings.db_url, revision)
     except CollectorError as exc:

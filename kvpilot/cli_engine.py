@@ -8,12 +8,14 @@ from pathlib import Path
 import typer
 
 from engine.config import ConfigError, EngineConfig
+from engine.preflight import check_engine_config
 
 engine_app = typer.Typer(no_args_is_help=True)
 
 
 def load_config(path: Path | None, overrides: dict | None = None) -> EngineConfig:
-    """The config from `path` (or defaults) with CLI overrides; a ConfigError becomes exit code 2."""
+    """The config from `path` (or defaults) with CLI overrides, through the same checks for `engine config`
+    and `engine serve` (pool sizes against the model's shape); a ConfigError becomes one line and exit 2."""
     try:
         cfg = EngineConfig.from_yaml(path) if path is not None else EngineConfig()
         if overrides:
@@ -21,6 +23,7 @@ def load_config(path: Path | None, overrides: dict | None = None) -> EngineConfi
             for section, values in overrides.items():
                 merged[section].update({k: v for k, v in values.items() if v is not None})
             cfg = EngineConfig.from_dict(merged, source="command line")
+        check_engine_config(cfg)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -46,7 +49,11 @@ def serve(
         {"server": {"host": host, "port": port, "admin_token": admin_token}, "warmup": {"requests": warmup}},
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(cfg)
+    try:
+        app = build_app(cfg)
+    except Exception as exc:  # whatever stops the start (no CUDA, bad tensors): one line, no traceback
+        typer.echo(f"error: the engine did not start: {exc}", err=True)
+        raise typer.Exit(1) from None
     uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=log_level)
 
 

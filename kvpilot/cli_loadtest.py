@@ -141,6 +141,14 @@ def loadtest_cmd(
     except typer.BadParameter as exc:
         raise _fail(exc.param_hint or "option", exc.message) from None  # type: ignore[arg-type]
     spec = spec.quick_defaults(_explicit_spec_fields(explicit))
+    if spec.target is not None:
+        from kvpilot.loadtest.runner import TargetUnreachableError, check_target
+
+        try:
+            check_target(spec.target)
+        except TargetUnreachableError as exc:
+            typer.echo(f"kvpilot loadtest: --target: {exc}", err=True)
+            raise typer.Exit(1) from None
     try:
         if fault is not None:
             from kvpilot.loadtest.faults import run_fault

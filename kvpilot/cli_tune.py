@@ -301,6 +301,9 @@ def nightly_cmd(
     confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="new workload seeds for the confirmation"),
     seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
     min_gain: float = typer.Option(0.02, "--min-gain", help="propose only above this relative goodput gain"),
+    min_effect: float = typer.Option(
+        0.01, "--min-effect", help="drop a change whose revert costs less goodput than this (the noise)"
+    ),
     seed: int = typer.Option(0, "--seed"),
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL"),
@@ -332,6 +335,7 @@ def nightly_cmd(
             confirm_seeds=confirm_seeds,
             seeds_per_trial=seeds_per_trial,
             min_gain=min_gain,
+            min_effect=min_effect,
             instance=instance,
             storage_url=storage,
             live=live,
@@ -383,6 +387,7 @@ def proposals_list(
     limit: int = typer.Option(50, "--limit"),
     db_url: str | None = DbOpt,
 ) -> None:
+    """Proposals, newest first: id, status, confirmed goodput gain, study."""
     with _errors():
         from tuner.jobs import open_db
         from tuner.proposals import list_proposals
@@ -400,7 +405,8 @@ def proposals_list(
 
 
 @proposals_app.command("show")
-def proposals_show(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+def proposals_show(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+    """A proposal's report (markdown) and its config (YAML, for `kvpilot engine serve --config`)."""
     with _errors():
         from tuner.jobs import open_db
         from tuner.proposals import get_proposal
@@ -415,12 +421,14 @@ def proposals_show(proposal_id: int = typer.Argument(...), db_url: str | None = 
 
 
 @proposals_app.command("accept")
-def proposals_accept(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+def proposals_accept(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+    """Mark a pending proposal accepted (reviewed; `kvpilot tune apply ID` applies it)."""
     _review(proposal_id, "accepted", db_url)
 
 
 @proposals_app.command("reject")
-def proposals_reject(proposal_id: int = typer.Argument(...), db_url: str | None = DbOpt) -> None:
+def proposals_reject(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+    """Mark a pending or accepted proposal rejected (final)."""
     _review(proposal_id, "rejected", db_url)
 
 
@@ -471,7 +479,12 @@ def profiles_cmd() -> None:
 def sim_run_cmd(
     profile: str = ProfileOpt,
     config: Path | None = ConfigOpt,
-    set_: list[str] = typer.Option([], "--set", help="override a tunable: section.field=value (repeatable)"),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="override any cache/scheduler/recycler/... field, e.g. cache.hot_bytes=268435456 (repeatable; "
+        "the profile sets the model)",
+    ),
     workload: str = WorkloadOpt,
     requests: int = RequestsOpt,
     scale: float = ScaleOpt,
@@ -509,7 +522,8 @@ def sim_run_cmd(
                 raise ValueError(f"--set: expected section.field=value, got {item!r}")
             section, field = key.split(".", 1)
             patch.setdefault(section, {})[field] = yaml.safe_load(raw)
-        cfg = base.with_tunable(patch) if patch else base
+        frozen = {"model": f"the simulator runs the profile's model ({prof.model.name}); pick another --profile"}
+        cfg = base.with_overrides(patch, frozen=frozen) if patch else base
         slo = _slo(ttft_slo, tpot_slo, None, 1.0, 10**9)
         opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
         with tempfile.TemporaryDirectory() as tmp:

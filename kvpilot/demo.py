@@ -1,8 +1,10 @@
 """`kvpilot demo`: the whole loop on embedded defaults, in one process tree, with one command.
 
 collector (SQLite) <- engine (HTTP sink) <- load (mixed, then a burst); the alert evaluator watches the
-stored metrics and pages a local webhook sink when the burst pushes KV memory over 90%; a short tuning
-job on the simulator writes a proposal; the dashboard serves it all. Ctrl-C stops everything cleanly.
+stored metrics and pages a local webhook sink when the burst pushes KV memory over 90%. The burst lasts
+until that page arrived (bounded), and the summary says why when it did not fire or resolve. A short
+tuning job on the simulator studies the engine's own config and proposes only the changes that matter;
+the dashboard serves it all (not started with --exit). Ctrl-C stops everything cleanly.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import typer
@@ -29,11 +31,14 @@ def _say(msg: str) -> None:
 
 
 def demo_engine_config(collector_url: str, port: int, run_id: str) -> dict:
-    """A small model and a small hot KV pool, so a burst on 2 CPU cores really fills memory."""
+    """The simulator's model (so the tuning step studies this very config) and a small hot KV pool:
+    3,072 tokens, which a burst on 2 CPU cores really fills."""
+    from kvpilot.demo_tune import profile_model
+
     return {
         "device": "cpu",
-        "model": {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256, "max_position": 2048},
-        "cache": {"hot_bytes": 4 * 2**20, "cold_bytes": 24 * 2**20, "block_size": 32},
+        "model": profile_model(),
+        "cache": {"hot_bytes": 6 * 2**20, "cold_bytes": 48 * 2**20, "block_size": 32},
         "scheduler": {"max_num_seqs": 32, "queue_limit": 400, "preemption_mode": "swap"},
         "warmup": {"requests": 4, "prompt_tokens": 32, "max_tokens": 4},
         "server": {"host": "127.0.0.1", "port": port, "admin_token": "demo-admin"},
@@ -58,9 +63,10 @@ class _Stack:
     def push(self, name: str, stop: object) -> None:
         self._stops.append((name, stop))
 
-    def close(self) -> None:
-        while self._stops:
-            name, stop = self._stops.pop()
+    def close(self, only: str | None = None) -> None:
+        """Stop everything (newest first), or only the thing named `only`."""
+        for name, stop in [s for s in reversed(self._stops) if only in (None, s[0])]:
+            self._stops.remove((name, stop))
             try:
                 stop()  # type: ignore[operator]
             except Exception as exc:  # a failing stop must not keep the others running
@@ -110,42 +116,6 @@ def _serve_engine(cfg: dict, stack: _Stack) -> str:
     return f"http://127.0.0.1:{cfg['server']['port']}"
 
 
-def _tune(db_url: str) -> None:
-    """A short nightly job on the simulator, on the workload the collector just stored."""
-    import yaml
-
-    from tuner.nightly import run_nightly
-    from tuner.workloads import WorkloadOptions
-
-    current = DATA_DIR / "current-config.yaml"
-    # The tuner's CPU profile is calibrated for its own model; the current settings under study are the
-    # engine defaults with a deliberately tight batch, as a hand-tuned config left over from a small GPU.
-    current.write_text(
-        yaml.safe_dump({"scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 512, "prefill_chunk_tokens": 256}})
-    )
-    # The stored traffic at the rate it arrived: the shipped CPU profile is calibrated on this machine class, and
-    # sped up on top of the demo's own burst no config meets the SLOs (the study then has nothing to propose).
-    _say("tuning: 12 trials on the simulator, the last hour of requests replayed as they arrived, then a confirmation")
-    result = run_nightly(
-        db_url=db_url,
-        out_dir=DATA_DIR / "proposals",
-        trials=12,
-        workload="collector",
-        options=WorkloadOptions(hours=1, requests=150, time_scale=1.0),
-        instance="demo-engine",
-        confirm_seeds=2,
-        config_path=current,
-        progress=False,
-    )
-    if result.proposal is None:
-        typer.echo(f"  tuning: no proposal ({result.decision})")
-    else:
-        typer.echo(
-            f"  tuning: proposal {result.proposal.id} ({result.decision}); "
-            f"files: {', '.join(str(p) for p in result.files.values())}"
-        )
-
-
 def _start_dashboard(db_url: str, engine_url: str, port: int, stack: _Stack) -> str | None:
     """Streamlit in a child process, so its reruns never compete with the engine loop for the GIL."""
     import os
@@ -180,7 +150,10 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
     from collector.db import upgrade
     from collector.server import free_port, run_in_thread
     from collector.settings import CollectorSettings
+    from kvpilot import demo_alerts as DA
     from kvpilot.demo_load import drive_demo_load
+    from kvpilot.demo_report import dashboard_line, print_summary, wait_for_stored
+    from kvpilot.demo_tune import run_demo_tuning
 
     DATA_DIR.mkdir(exist_ok=True)
     db_path = (DATA_DIR / "kvpilot.db").resolve()
@@ -202,23 +175,35 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
             )
             stack.push("alert evaluator", evaluator.stop)
             _say(f"alert evaluator on {DEMO_RULES.name}, paging the webhook sink at {sink.url}")
-            engine_url = _serve_engine(demo_engine_config(collector.url, free_port(), run_id), stack)
-            _say(f"engine on {engine_url} (run {run_id})")
-            dash_url = _start_dashboard(db_url, engine_url, dashboard_port, stack)
-            report = asyncio.run(drive_demo_load(engine_url, duration_s=duration_s, stop=stop, say=_say))
-            _say("waiting for alerts to resolve")
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not stop.is_set():
-                statuses = {(a["labels"]["alertname"], a["status"]) for n in sink.received for a in n.payload["alerts"]}
-                fired = {name for name, status in statuses if status == "firing"}
-                resolved = {name for name, status in statuses if status == "resolved"}
-                if fired and fired <= resolved:
-                    break
-                time.sleep(0.5)
-            _print_summary(report, [n.payload for n in sink.received], db_url, run_id)
+            engine_cfg = demo_engine_config(collector.url, free_port(), run_id)
+            engine_url = _serve_engine(engine_cfg, stack)
+            _say(f"engine on {engine_url} (run {run_id}; random weights: the text is noise, the serving is real)")
+            # With --exit the dashboard would be stopped before anyone could open it: it is not started.
+            dash_url = _start_dashboard(db_url, engine_url, dashboard_port, stack) if keep else None
+            started = time.time()
+
+            def payloads() -> list[dict]:
+                return [n.payload for n in list(sink.received)]
+
+            report = asyncio.run(
+                drive_demo_load(
+                    engine_url,
+                    duration_s=duration_s,
+                    stop=stop,
+                    say=_say,
+                    burst_done=lambda: DA.fired(payloads()),
+                )
+            )
+            alert_lines = _alert_outcome(db_url, payloads, started, stop)
+            counts = wait_for_stored(
+                db_url, run_id=run_id, since=started, expect=report["answered"] + report["refused"]
+            )
+            print_summary(report, counts, run_id, alert_lines)
+            if not keep:  # the tuner's simulated trials land in the same database: no pages about them
+                stack.close(only="alert evaluator")
             if not stop.is_set():
-                _tune(db_url)
-            typer.echo(f"  dashboard: {dash_url or 'did not start (see kvpilot-data/dashboard.log)'}")
+                run_demo_tuning(db_url, engine_cfg, data_dir=DATA_DIR, since=started, say=_say)
+            typer.echo(dashboard_line(dash_url, keep_running=keep, db_url=db_url))
             if keep and not stop.is_set():
                 _say(f"everything keeps running; dashboard at {dash_url}. Ctrl-C stops.")
                 while not stop.is_set():
@@ -228,32 +213,21 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
     return 0
 
 
-def _print_summary(report: dict, notifications: list[dict], db_url: str, run_id: str) -> None:
-    from sqlalchemy import func, select
+def _alert_outcome(db_url: str, payloads: Callable[[], list[dict]], started: float, stop: threading.Event) -> list[str]:
+    """Wait (bounded) for MemoryPressure to resolve; lines saying what it did, and why not when it did not."""
+    from alerts.rules import DEMO_RULES, load_rule_files
+    from kvpilot import demo_alerts as DA
 
-    from collector.db import make_engine
-    from collector.schema import RequestRow, StepRow
-
-    engine = make_engine(db_url)
-    with engine.connect() as conn:
-        stored_requests = conn.execute(
-            select(func.count()).select_from(RequestRow).where(RequestRow.run_id == run_id)
-        ).scalar_one()
-        stored_steps = conn.execute(
-            select(func.count()).select_from(StepRow).where(StepRow.run_id == run_id)
-        ).scalar_one()
-    engine.dispose()
-    typer.echo("")
-    typer.echo("kvpilot demo summary")
-    typer.echo(
-        f"  requests sent / answered / refused (429): {report['sent']} / {report['answered']} / {report['refused']}"
-    )
-    typer.echo(f"  output tokens: {report['output_tokens']}  throughput: {report['tokens_per_s']:.0f} tokens/s")
-    typer.echo(f"  e2e p50 / p99: {report['p50_s']:.3f} s / {report['p99_s']:.3f} s")
-    typer.echo(f"  ttft p50: {report['ttft_p50_s']:.3f} s")
-    typer.echo(f"  stored in SQL (run {run_id}): {stored_requests} requests, {stored_steps} steps")
-    for n in notifications:
-        for a in n["alerts"]:
-            typer.echo(f"  alert {a['labels']['alertname']:<16} {a['status']:<8} startsAt {a['startsAt']}")
-    if not notifications:
-        typer.echo("  alerts: none arrived at the webhook sink")
+    rule = next(r for g in load_rule_files([DEMO_RULES]) for r in g.rules if r.name == DA.ALERT)
+    if DA.fired(payloads()):
+        _say(f"waiting for {DA.ALERT} to resolve (at most 30 s)")
+        DA.wait_until(lambda: DA.resolved(payloads()), timeout_s=30, stop=stop.is_set)
+    lines = [f"alert {DA.history(payloads())}"]
+    if DA.resolved(payloads()):
+        return lines
+    stretches = DA.read_stretches(db_url, instance=DA.INSTANCE, start=started, end=time.time() + 1)
+    if DA.fired(payloads()):
+        why = DA.why_not_resolved(stretches, threshold=DA.THRESHOLD)
+        return [*lines, f"alert {DA.ALERT} did not resolve within 30 s: {why}"]
+    why = DA.why_not_fired(stretches, threshold=DA.THRESHOLD, for_s=rule.for_s)
+    return [f"alert {DA.ALERT} did not fire: {why}"]

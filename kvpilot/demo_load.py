@@ -1,4 +1,9 @@
-"""The demo's traffic: open-loop mixed load on the engine's /generate with a +500% burst in the middle."""
+"""The demo's traffic: open-loop mixed load on the engine's /generate with a +500% burst in the middle.
+
+The burst lasts until the alert it is there to show has fired (`BurstGate`), not a fixed two seconds:
+KV memory must stay over 90% for the rule's `for`, and how long the burst needs for that depends on the
+machine. A bound keeps a machine that never gets there from bursting forever; the demo then says why.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,14 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import httpx
 
 from engine import workload as W
+
+BURST_FACTOR = 6.0  # +500%
 
 
 def _text(tokens: int, rng: random.Random) -> str:
@@ -19,22 +27,73 @@ def _text(tokens: int, rng: random.Random) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(max(1, tokens - 1)))
 
 
+@dataclass
+class BurstGate:
+    """Whether the burst is on at load time `t`: from `start_s` until `done()` says its purpose is met
+    (checked once `min_s` have passed), and never longer than `max_s`."""
+
+    start_s: float
+    min_s: float
+    max_s: float
+    done: Callable[[], bool]
+    ended_s: float | None = None
+    outcome: str = "not started"
+
+    def active(self, t: float) -> bool:
+        if t < self.start_s or self.ended_s is not None:
+            return False
+        held = t - self.start_s
+        if held >= self.min_s and self.done():
+            self.ended_s, self.outcome = t, "the alert fired"
+        elif held >= self.max_s:
+            self.ended_s, self.outcome = t, f"its bound of {self.max_s:g} s passed without the alert firing"
+        else:
+            self.outcome = "on"
+        return self.ended_s is None
+
+    @property
+    def length_s(self) -> float | None:
+        return None if self.ended_s is None else self.ended_s - self.start_s
+
+
+def arrivals(
+    gate: BurstGate, *, duration_s: float, base_rate: float, seed: int = 7, now: Callable[[], float]
+) -> Iterator[tuple[float, W.WorkloadRequest]]:
+    """(arrival offset, request shape) pairs: Poisson at `base_rate`, at `BURST_FACTOR` times that while
+    the gate is open. Arrivals stop at `duration_s`, or when the burst ends if it is still on then.
+    `now()` is the load's clock: the gate is asked at the time of asking, not at a planned time."""
+    rng = random.Random(seed + 1)
+    # Prompts at 1/6 of the seed's mix and outputs of 64-256 tokens: sequences that grow while they run keep
+    # KV memory full under a queue; long prompts at the head of the queue would make it dip below 90% while
+    # they wait for room, and the rule's `for` starts over at every dip.
+    shapes = W.mixed(4096, seed=seed, scale=6, output_range=(64, 256))
+    t = 0.0
+    for i in range(len(shapes)):
+        bursting = gate.active(max(t, now()))
+        t += rng.expovariate(base_rate * (BURST_FACTOR if bursting else 1.0))
+        if t >= duration_s and not gate.active(max(t, now())):
+            return
+        yield t, shapes[i]
+
+
 async def drive_demo_load(
-    url: str, *, duration_s: float, stop: threading.Event, say: Callable[[str], None], base_rate: float = 5.0
+    url: str,
+    *,
+    duration_s: float,
+    stop: threading.Event,
+    say: Callable[[str], None],
+    base_rate: float = 2.0,
+    burst_done: Callable[[], bool] = lambda: False,
+    burst_max_s: float = 60.0,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> dict:
-    burst_at = duration_s * 0.35
-    plan = W.burst(
-        duration_s,
-        base_rate=base_rate,
-        burst_at_s=burst_at,
-        burst_len_s=2.0,
-        factor=6.0,
-        seed=7,
-        scale=3,
-        output_range=(64, 256),
-    )
+    """Send the load, burst until `burst_done()` (at most `burst_max_s`); the figures of what was answered."""
+    gate = BurstGate(start_s=duration_s * 0.35, min_s=2.0, max_s=burst_max_s, done=burst_done)
     rng = random.Random(3)
-    say(f"load: {len(plan)} requests over {duration_s:.0f} s, burst of +500% at t={burst_at:.0f} s")
+    say(
+        f"load: {base_rate:g} requests/s for {duration_s:.0f} s; a +500% burst from t={gate.start_s:.0f} s "
+        f"until MemoryPressure fires (at most {burst_max_s:g} s)"
+    )
     results: list[dict] = []
     refused = 0
     errors = 0
@@ -61,19 +120,28 @@ async def drive_demo_load(
 
     t0 = time.monotonic()
     last_report = 0.0
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=512)) as client:
+    burst_said = False
+    limits = httpx.Limits(max_connections=512)
+    async with httpx.AsyncClient(limits=limits, transport=transport) as client:
         tasks = []
-        for req in plan:
+        for arrival_s, req in arrivals(
+            gate, duration_s=duration_s, base_rate=base_rate, now=lambda: time.monotonic() - t0
+        ):
             if stop.is_set():
                 break
-            delay = req.arrival_s - (time.monotonic() - t0)
+            delay = arrival_s - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(client, req)))
             now = time.monotonic() - t0
+            if gate.ended_s is not None and not burst_said:
+                burst_said = True
+                say(f"load: burst ended at t={gate.ended_s:.1f} s after {gate.length_s:.1f} s: {gate.outcome}")
             if now - last_report >= 5:
                 last_report = now
                 say(f"load: t={now:4.0f} s sent {len(tasks)} answered {len(results)} refused {refused}")
+        if gate.ended_s is not None and not burst_said:
+            say(f"load: burst ended at t={gate.ended_s:.1f} s after {gate.length_s:.1f} s: {gate.outcome}")
         pending = [t for t in tasks if not t.done()]
         if pending:
             say(f"load: waiting for {len(pending)} requests in flight")
@@ -92,4 +160,9 @@ async def drive_demo_load(
         "p50_s": statistics.median(e2e),
         "p99_s": e2e[min(len(e2e) - 1, round(0.99 * (len(e2e) - 1)))],
         "ttft_p50_s": statistics.median(ttft),
+        "burst_start_s": gate.start_s,
+        "burst_s": gate.length_s,
+        "burst_outcome": gate.outcome,
+        "weights": results[0].get("weights") if results else None,
+        "wall_s": wall,
     }

@@ -13,6 +13,7 @@ import datetime as dt
 import logging
 import statistics
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from tuner.metrics import SLO
 from tuner.profile import load_profile
 from tuner.proposals import ProposalView, create_proposal
 from tuner.report import pareto_png, render_markdown, search_summary
-from tuner.space import load_space
+from tuner.space import SearchSpace, load_space
 from tuner.storage import open_storage
 from tuner.study import StudyResult, run_study
 
@@ -40,6 +41,7 @@ class NightlyResult:
     confirmation: dict[str, Any] | None
     files: dict[str, Path] = field(default_factory=dict)
     report_md: str = ""
+    pruning: dict[str, Any] | None = None  # the changes kept and dropped (effect inside the noise)
 
 
 def confirm(
@@ -72,6 +74,40 @@ def confirm(
     }
 
 
+def drop_noise_knobs(
+    current: dict[str, Any],
+    best: dict[str, Any],
+    measure: Callable[[dict[str, Any]], list[tuple[float, bool]]],
+    *,
+    min_effect: float,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`best` with every change whose effect is inside the noise put back to its `current` value.
+
+    A study's best trial changes every knob the sampler happened to move, most of them for nothing.
+    One changed knob at a time, the candidate is measured with that knob back at its current value
+    (`measure(params)` -> [(goodput, feasible)] on fixed workload seeds): the change stays only when
+    reverting it costs goodput on every seed and at least `min_effect` of it on average, or makes a
+    seed miss the SLOs. Otherwise it is dropped and the next knob is judged against the smaller
+    candidate. Returns the params kept and one record per changed knob."""
+    candidate = dict(best)
+    ref = measure(candidate)
+    records: list[dict[str, Any]] = []
+    for knob in [k for k, v in best.items() if current.get(k) != v]:
+        trial = {**candidate, knob: current[knob]}
+        runs = measure(trial)
+        before, after = [g for g, _ in ref], [g for g, _ in runs]
+        mean_ref = statistics.fmean(before)
+        effect = 1.0 - statistics.fmean(after) / mean_ref if mean_ref > 0 else 0.0
+        slo = all(f for _, f in ref) and not all(f for _, f in runs)
+        keep = slo or (effect >= min_effect and all(a < b for a, b in zip(after, before, strict=True)))
+        records.append(
+            {"knob": knob, "current": current[knob], "proposed": best[knob], "effect": effect, "slo": slo, "kept": keep}
+        )
+        if not keep:
+            candidate, ref = trial, runs
+    return candidate, records
+
+
 def run_nightly(
     *,
     db_url: str,
@@ -88,12 +124,17 @@ def run_nightly(
     confirm_seeds: int = 3,
     seeds_per_trial: int = 1,
     min_gain: float = 0.02,
+    min_effect: float = 0.01,
     instance: str | None = None,
     storage_url: str | None = None,
     live: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> NightlyResult:
-    """The whole nightly job; returns the proposal (None when the gain did not hold)."""
+    """The whole nightly job; returns the proposal (None when the gain did not hold).
+
+    The proposal changes only the knobs that measurably matter: each change of the best trial whose
+    removal costs less than `min_effect` of goodput (1%: the noise floor) is dropped
+    (`drop_noise_knobs`, on workload seeds of its own), and the confirmation runs what is left."""
     slo = (slo or SLO()).validate()
     opts = (options or WL.WorkloadOptions()).validate()
     if confirm_seeds < 1:
@@ -124,7 +165,8 @@ def run_nightly(
             progress=progress,
         )
         best, current = result.best, result.baseline
-        confirmation = None
+        confirmation = pruning = None
+        kept: dict[str, Any] = {}
         if best is None:
             decision = "no proposal: no trial met the constraints"
         elif current is None:
@@ -132,14 +174,21 @@ def run_nightly(
         elif best.number == current.number:
             decision = "no proposal: the current config is already the best found"
         else:
-            best_cfg = space.apply(base, best.params)
-            seeds = [seed + 1000 + k for k in range(confirm_seeds)]
-            confirmation = confirm(be, base, best_cfg, slo=slo, seeds=seeds, name=name, min_gain=min_gain)
-            decision = (
-                f"propose: {confirmation['gain']:+.1%} goodput, held on {len(seeds)} new seeds"
-                if confirmation["holds"]
-                else f"no proposal: the gain did not hold on new seeds ({confirmation['gain']:+.1%})"
-            )
+            prune_seeds = [seed + 2000 + k for k in range(confirm_seeds)]
+            measure = _measurer(be, space, base, slo=slo, name=name, seeds=prune_seeds)
+            kept, knobs = drop_noise_knobs(current.params, best.params, measure, min_effect=min_effect)
+            pruning = {"seeds": prune_seeds, "min_effect": min_effect, "knobs": knobs}
+            if kept == current.params:
+                decision = "no proposal: no change of the best trial had an effect above the noise"
+            else:
+                best_cfg = space.apply(base, kept)
+                seeds = [seed + 1000 + k for k in range(confirm_seeds)]
+                confirmation = confirm(be, base, best_cfg, slo=slo, seeds=seeds, name=name, min_gain=min_gain)
+                decision = (
+                    f"propose: {confirmation['gain']:+.1%} goodput, held on {len(seeds)} new seeds"
+                    if confirmation["holds"]
+                    else f"no proposal: the gain did not hold on new seeds ({confirmation['gain']:+.1%})"
+                )
         log.info("nightly %s: %s", name, decision)
         png = pareto_png(result)
         propose = confirmation is not None and confirmation["holds"]
@@ -152,19 +201,21 @@ def run_nightly(
             confirmation=confirmation,
             decision=decision,
             plot_name=plot_name,
+            pruning=pruning,
         )
         if not propose:
             path = _write_atomic(out / f"report-{name}.md", md.encode())
             if png:
                 _write_atomic(out / plot_name, png)
-            return NightlyResult(result, decision, None, confirmation, {"report": path}, md)
-        best_cfg = space.apply(base, best.params)
+            return NightlyResult(result, decision, None, confirmation, {"report": path}, md, pruning)
+        best_cfg = space.apply(base, kept)
         cfg_yaml = best_cfg.to_yaml()
         metrics_base = {"trial": current.metrics, "confirmation": confirmation["baseline"], "params": current.params}
         metrics_best = {
             "trial": best.metrics,
-            "params": best.params,
-            "patch": space.to_patch(best.params),
+            "params": kept,
+            "patch": space.to_patch({k: v for k, v in kept.items() if current.params.get(k) != v}),
+            "pruning": pruning,
             "search": search_summary(result),
             "workload": wdesc,
             "backend": backend,
@@ -185,9 +236,23 @@ def run_nightly(
             result,
             decision,
             confirmation,
+            pruning,
         )
     finally:
         db.dispose()
+
+
+def _measurer(
+    backend: Backend, space: SearchSpace, base: EngineConfig, *, slo: SLO, name: str, seeds: list[int]
+) -> Callable[[dict[str, Any]], list[tuple[float, bool]]]:
+    """The measuring side of `drop_noise_knobs`: params -> (goodput, feasible) on each of `seeds`."""
+
+    def measure(params: dict[str, Any]) -> list[tuple[float, bool]]:
+        cfg = space.apply(base, params)
+        runs = [backend.evaluate(cfg, run_id=f"{name}-prune-s{s}-{uuid.uuid4().hex[:6]}", seed=s) for s in seeds]
+        return [(m.goodput_tps, m.feasible(slo)) for m in runs]
+
+    return measure
 
 
 def _publish(
@@ -204,6 +269,7 @@ def _publish(
     result: StudyResult,
     decision: str,
     confirmation: dict,
+    pruning: dict | None = None,
 ) -> NightlyResult:
     out.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex[:8]
@@ -238,7 +304,7 @@ def _publish(
         tmp_png.replace(files["plot"])
     _write_atomic(files["report"], md.encode())
     log.info("proposal %d written: %s", row.id, ", ".join(str(p) for p in files.values()))
-    return NightlyResult(result, decision, row, confirmation, files, md)
+    return NightlyResult(result, decision, row, confirmation, files, md, pruning)
 
 
 def _write_atomic(path: Path, data: bytes) -> Path:

@@ -62,6 +62,7 @@ def render_markdown(
     confirmation: dict[str, Any] | None,
     decision: str,
     plot_name: str | None,
+    pruning: dict[str, Any] | None = None,
 ) -> str:
     s = search_summary(result)
     base, best = result.baseline, result.best
@@ -83,7 +84,9 @@ def render_markdown(
             + (f"; {result.sampler} is {s['best_over_random']:+.1%} against it" if "best_over_random" in s else "")
         )
     lines += [f"- {n}" for n in result.notes]
-    if base and best:
+    if base and best and pruning:
+        lines += pruning_lines(pruning)
+    elif base and best:
         lines += ["", "## What changed", "", "| knob | current | proposed |", "|---|---|---|"]
         diff = changes(base.params, best.params)
         lines += [f"| `{k}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in diff] or ["| (none) | | |"]
@@ -117,6 +120,31 @@ def render_markdown(
     if plot_name:
         lines += ["", "## Trade-off", "", f"![throughput vs p99]({plot_name})"]
     return "\n".join(lines) + "\n"
+
+
+def pruning_lines(pruning: dict[str, Any]) -> list[str]:
+    """The best trial's changes, each with what reverting it cost: kept when it mattered, dropped when not."""
+    knobs = pruning["knobs"]
+    kept = [k for k in knobs if k["kept"]]
+    lines = [
+        "",
+        "## What changed",
+        "",
+        f"Each change of the best trial was reverted alone on seeds {pruning['seeds']}; a change stays only when "
+        f"reverting it costs goodput on every seed and at least {pruning['min_effect']:.1%} on average, or breaks "
+        "an SLO. The others are inside the noise and dropped.",
+        "",
+        "| knob | current | best trial | proposed | goodput lost when reverted |",
+        "|---|---|---|---|---|",
+    ]
+    for k in knobs:
+        proposed = _fmt(k["proposed"]) if k["kept"] else f"{_fmt(k['current'])} (dropped)"
+        cost = f"{k['effect']:+.1%}" + (" and misses an SLO" if k["slo"] else "")
+        lines.append(f"| `{k['knob']}` | {_fmt(k['current'])} | {_fmt(k['proposed'])} | {proposed} | {cost} |")
+    if not knobs:
+        lines.append("| (none) | | | | |")
+    lines += ["", f"{len(kept)} of {len(knobs)} changes kept."]
+    return lines
 
 
 def pareto_png(result: StudyResult) -> bytes | None:

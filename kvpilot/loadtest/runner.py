@@ -61,6 +61,31 @@ class RunResult:
     actions: list[dict] = field(default_factory=list)
 
 
+class TargetUnreachableError(RuntimeError):
+    """Nothing answers at the target: the run would only count failures."""
+
+
+def check_target(base_url: str, *, timeout_s: float = 5.0) -> None:
+    """Fail at once with the cause when the target cannot be reached (any HTTP answer will do), rather
+    than sending a whole run of requests that all fail the same way."""
+    url = base_url.rstrip("/")
+    try:
+        httpx.get(f"{url}/health", timeout=timeout_s)
+    except httpx.TimeoutException:
+        raise TargetUnreachableError(f"no answer from {url} within {timeout_s:g} s") from None
+    except httpx.HTTPError as exc:
+        raise TargetUnreachableError(f"cannot connect to {url}: {_root_cause(exc)}") from None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The OS's words for the innermost error (`connection refused`, `Name or service not known`)."""
+    while (inner := exc.__cause__ or exc.__context__) is not None:
+        exc = inner
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower() if isinstance(exc, ConnectionError) else exc.strerror
+    return str(exc) or type(exc).__name__
+
+
 def _is_slow(index: int, share: float) -> bool:
     """Deterministic: every 1/share-th request reads slowly."""
     if share <= 0:

@@ -108,7 +108,7 @@ def test_sim_run_what_if_at_gpu_scale(tmp_path) -> None:  # type: ignore[no-unty
     assert data["metrics"]["finished"] == 60 and data["patch"] == {"scheduler": {"max_num_seqs": 128}}
     assert data["workload"]["capacity_rps"] > 10  # an H200 serves an 8B model far faster than a CPU
     bad = runner.invoke(app, ["sim", "run", "--set", "model.dim=8"])
-    assert bad.exit_code == 2 and "model: not a hot-reloadable section" in bad.output
+    assert bad.exit_code == 2 and "model: the simulator runs the profile's model" in bad.output
     bad = runner.invoke(app, ["sim", "run", "--set", "scheduler.max_num_seqs"])
     assert bad.exit_code == 2 and "expected section.field=value" in bad.output
 

@@ -1,0 +1,79 @@
+"""The demo's tuning step: a short nightly job on the simulator whose baseline is the config the demo's
+engine really ran, over the requests this run stored.
+
+The simulator runs the cost profile's model, so the demo's engine runs that same model (`DEMO_PROFILE`):
+then the study's current config is the demo engine's, KV sizes included, not a stand-in of another size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+
+DEMO_PROFILE = "cpu-2core"
+SECTIONS = ("device", "model", "cache", "scheduler", "recycler", "warmup")  # not ports, tokens, run ids
+
+
+def profile_model() -> dict[str, Any]:
+    """The model section of the profile the simulator costs steps with."""
+    from tuner.profile import load_profile
+
+    return load_profile(DEMO_PROFILE).model.config.model_dump(mode="json")
+
+
+def tuning_config(engine_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The demo engine's config as the tuner's current config: what shapes serving, without the
+    server and telemetry sections (ports, the admin token and the run id belong to this run only)."""
+    return {k: v for k, v in engine_cfg.items() if k in SECTIONS}
+
+
+def run_demo_tuning(
+    db_url: str, engine_cfg: dict[str, Any], *, data_dir: Path, since: float, say: Callable[[str], None]
+) -> None:
+    from tuner.nightly import run_nightly
+    from tuner.workloads import WorkloadOptions
+
+    current = data_dir / "current-config.yaml"
+    current.write_text(
+        "# the config the demo engine ran (kvpilot demo): the tuning study's baseline\n"
+        + yaml.safe_dump(tuning_config(engine_cfg), sort_keys=False)
+    )
+    hours = (time.time() - since + 60) / 3600  # this run's requests, not an earlier demo's
+    say(
+        f"tuning: 12 trials on the simulator from the demo engine's own config ({current}), over this run's "
+        "requests at their average arrival rate; each change of the best trial is then checked alone, then confirmed"
+    )
+    result = run_nightly(
+        db_url=db_url,
+        out_dir=data_dir / "proposals",
+        trials=12,
+        profile=DEMO_PROFILE,
+        workload="collector",
+        options=WorkloadOptions(hours=hours, requests=300, time_scale=1.0),
+        instance="demo-engine",
+        confirm_seeds=2,
+        config_path=current,
+        progress=False,
+    )
+    for line in tuning_lines(result.decision, result.pruning, result.files, result.proposal):
+        typer.echo(line)
+
+
+def tuning_lines(decision: str, pruning: dict | None, files: dict[str, Path], proposal: Any) -> list[str]:
+    lines = [f"  tuning: {decision}"]
+    for knob in (pruning or {}).get("knobs", []):
+        verdict = "kept" if knob["kept"] else "dropped (inside the noise)"
+        lines.append(
+            f"    {knob['knob']}: {knob['current']} -> {knob['proposed']}, reverting it costs "
+            f"{knob['effect']:+.1%} goodput: {verdict}"
+        )
+    if proposal is not None:
+        lines.append(f"    proposal {proposal.id}: {', '.join(str(p) for p in files.values())}")
+    elif files.get("report"):
+        lines.append(f"    report: {files['report']}")
+    return lines
