@@ -48,9 +48,11 @@ class SqlSource:
         # collector windows are half-open [start, end); the evaluator's are closed.
         stop = math.nextafter(end, math.inf)
         if name == "ttft_p99_seconds":
-            return {(("instance", inst),): pts for inst, pts in self._ttft_p99(start, stop, instances).items()}
+            p99 = self._ttft_p99(start, stop, instances)
+            return {(("instance", inst),): pts for inst, pts in p99.items() if not queries.is_simulated_instance(inst)}
         series = queries.series_points(self.engine, name=name, start=start, end=stop, instances=instances)
-        return {sid.all_labels(): pts for sid, pts in series.items()}
+        # The tuner's replays are stored beside real traffic with current timestamps: never page for them.
+        return {sid.all_labels(): pts for sid, pts in series.items() if not queries.is_simulated_instance(sid.instance)}
 
     # --- ttft_p99_seconds -----------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ def _say(msg: str) -> None:
     typer.echo(f"[demo] {msg}", err=True)
 
 
-def demo_engine_config(collector_url: str, port: int, run_id: str) -> dict:
+def demo_engine_config(collector_url: str, port: int, run_id: str, admin_token: str) -> dict:
     """The simulator's model (so the tuning step studies this very config) and a small hot KV pool:
     3,072 tokens, which a burst on 2 CPU cores really fills."""
     from kvpilot.demo_tune import profile_model
@@ -41,7 +41,7 @@ def demo_engine_config(collector_url: str, port: int, run_id: str) -> dict:
         "cache": {"hot_bytes": 6 * 2**20, "cold_bytes": 48 * 2**20, "block_size": 32},
         "scheduler": {"max_num_seqs": 32, "queue_limit": 400, "preemption_mode": "swap"},
         "warmup": {"requests": 4, "prompt_tokens": 32, "max_tokens": 4},
-        "server": {"host": "127.0.0.1", "port": port, "admin_token": "demo-admin"},
+        "server": {"host": "127.0.0.1", "port": port, "admin_token": admin_token},
         "telemetry": {
             "instance": "demo-engine",
             "run_id": run_id,
@@ -116,7 +116,22 @@ def _serve_engine(cfg: dict, stack: _Stack) -> str:
     return f"http://127.0.0.1:{cfg['server']['port']}"
 
 
-def _start_dashboard(db_url: str, engine_url: str, port: int, stack: _Stack) -> str | None:
+def _fresh_admin_token() -> str:
+    """A new admin token each run (never a well-known one), kept in kvpilot-data/admin-token (mode 0600) so
+    `kvpilot tune apply --admin-token "$(cat kvpilot-data/admin-token)"` can reach this run's engine."""
+    import os
+    import secrets
+
+    token = secrets.token_urlsafe(24)
+    path = DATA_DIR / "admin-token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    os.chmod(path, 0o600)
+    return token
+
+
+def _start_dashboard(db_url: str, engine_url: str, admin_token: str, port: int, stack: _Stack) -> str | None:
     """Streamlit in a child process, so its reruns never compete with the engine loop for the GIL."""
     import os
     import socket
@@ -127,8 +142,13 @@ def _start_dashboard(db_url: str, engine_url: str, port: int, stack: _Stack) -> 
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:  # taken: take any free port instead
             port = free_port()
-    os.environ.setdefault("KVPILOT_ENGINE_URL", engine_url)
-    os.environ.setdefault("KVPILOT_ADMIN_TOKEN", "demo-admin")
+    from alerts.rules import DEMO_RULES
+
+    # The dashboard child reads these: this run's engine and its admin token (a fresh one per run), and the
+    # demo's rules, so its charts draw the lines the demo's alerts fire at.
+    os.environ["KVPILOT_ENGINE_URL"] = engine_url
+    os.environ["KVPILOT_ADMIN_TOKEN"] = admin_token
+    os.environ.setdefault("KVPILOT_DASHBOARD_RULE_FILES", str(DEMO_RULES))
     proc = start_dashboard(db_url, port=port, log_path=DATA_DIR / "dashboard.log")
 
     stack.push("dashboard", lambda: stop_process(proc))
@@ -175,11 +195,12 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
             )
             stack.push("alert evaluator", evaluator.stop)
             _say(f"alert evaluator on {DEMO_RULES.name}, paging the webhook sink at {sink.url}")
-            engine_cfg = demo_engine_config(collector.url, free_port(), run_id)
+            admin_token = _fresh_admin_token()
+            engine_cfg = demo_engine_config(collector.url, free_port(), run_id, admin_token)
             engine_url = _serve_engine(engine_cfg, stack)
             _say(f"engine on {engine_url} (run {run_id}; random weights: the text is noise, the serving is real)")
             # With --exit the dashboard would be stopped before anyone could open it: it is not started.
-            dash_url = _start_dashboard(db_url, engine_url, dashboard_port, stack) if keep else None
+            dash_url = _start_dashboard(db_url, engine_url, admin_token, dashboard_port, stack) if keep else None
             started = time.time()
 
             def payloads() -> list[dict]:

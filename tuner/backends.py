@@ -15,6 +15,7 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
+from collector.queries import SIMULATED_INSTANCE_PREFIX
 from engine import workload as W
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -78,7 +79,7 @@ class SimBackend(_Base):
         db: Engine,
         slo: SLO,
         *,
-        instance: str = "tuner-sim",
+        instance: str = f"{SIMULATED_INSTANCE_PREFIX}sim",
         keep_steps: bool = False,
     ) -> None:
         super().__init__(workload, db, slo, instance=instance)
@@ -113,7 +114,13 @@ class EngineBackend(_Base):
     name = "engine"
 
     def __init__(
-        self, workload: WorkloadFactory, db: Engine, slo: SLO, *, instance: str = "tuner-engine", warmup: int = 4
+        self,
+        workload: WorkloadFactory,
+        db: Engine,
+        slo: SLO,
+        *,
+        instance: str = f"{SIMULATED_INSTANCE_PREFIX}engine",
+        warmup: int = 4,
     ) -> None:
         super().__init__(workload, db, slo, instance=instance)
         self.warmup = warmup

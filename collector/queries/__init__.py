@@ -10,9 +10,11 @@ the points in it.
 
 from collector.queries._base import DEFAULT_QUANTILES, Db, GroupBy, LatencyMetric, Points, bucket_expr
 from collector.queries.catalog import (
+    SIMULATED_INSTANCE_PREFIX,
     InstanceInfo,
     RunInfo,
     TargetHealth,
+    is_simulated_instance,
     list_instances,
     list_runs,
     list_series_names,
@@ -78,6 +80,7 @@ __all__ = [
     "DETECTORS",
     "EVENT_COUNTERS",
     "KNOBS",
+    "SIMULATED_INSTANCE_PREFIX",
     "TRAPS",
     "AllocOpBucket",
     "AllocTrace",
@@ -121,6 +124,7 @@ __all__ = [
     "histogram_quantiles",
     "histogram_quantiles_over_time",
     "increase_of",
+    "is_simulated_instance",
     "kv_over_time",
     "latency_histogram",
     "latency_percentiles",

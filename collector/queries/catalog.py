@@ -16,6 +16,14 @@ from collector.schema import (
 )
 from collector.series import list_series_names as _list_series_names
 
+# Instances the tuner stores its replays under (`tuner-sim` for the simulator, `tuner-engine` for an in-process
+# engine): traffic no user sent. Serving views leave them out unless asked, and rules never page for them.
+SIMULATED_INSTANCE_PREFIX = "tuner-"
+
+
+def is_simulated_instance(name: str) -> bool:
+    return name.startswith(SIMULATED_INSTANCE_PREFIX)
+
 
 def list_series_names() -> list[str]:
     """Every canonical series name `series_points` answers for."""

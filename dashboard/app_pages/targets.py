@@ -21,9 +21,11 @@ with ui.guarded("Scrape targets"):
     if targets.empty:
         st.info(
             "**No scrape targets.** Engines that push events need none. To scrape vLLM, SGLang, a DCGM "
-            "exporter or a kvpilot engine's /metrics, register it with the collector:\n\n"
-            "`curl -X POST http://127.0.0.1:8100/v1/targets -H 'content-type: application/json' "
-            '-d \'{"url": "http://HOST:8000/metrics", "job": "vllm"}\'`',
+            "exporter or a kvpilot engine's /metrics, register it with the collector (administration: its admin "
+            "token; a target on this host also needs `KVPILOT_SCRAPE_ALLOW_NETS` on the collector):\n\n"
+            '`curl -X POST http://127.0.0.1:8100/v1/targets -H "Authorization: Bearer $KVPILOT_ADMIN_TOKEN" '
+            "-H 'content-type: application/json' "
+            '-d \'{"url": "http://HOST:8000/metrics", "job": "vllm", "labels": {"node": "HOST"}}\'`',
             icon=":material/info:",
         )
         st.stop()

@@ -16,7 +16,6 @@ from dashboard.data.base import TTL_S, Filters, engine, label_text
 # backends push as instance `tuner-sim` (the simulator) or `tuner-engine` (an in-process engine), and each
 # trial's events carry the run id `<study>-t<n>-<6 hex>` (`-s<seed>` per extra seed), confirmation re-runs
 # `<study>-confirm-<baseline|best>-s<seed>-<6 hex>`.
-TUNER_INSTANCE_PREFIX = "tuner-"
 TUNER_RUN_ID = re.compile(r"-(?:t\d+-[0-9a-f]{6}(?:-s\d+)?|confirm-[A-Za-z0-9_.]+-s\d+-[0-9a-f]{6})$")
 
 
@@ -25,7 +24,7 @@ def is_simulated(instance: str, run_id: str | None = None) -> bool:
 
     The one rule the sidebar, the run list and every serving view use to keep such data out unless asked.
     """
-    if instance.startswith(TUNER_INSTANCE_PREFIX):
+    if queries.is_simulated_instance(instance):
         return True
     return run_id is not None and TUNER_RUN_ID.search(run_id) is not None
 

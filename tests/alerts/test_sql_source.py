@@ -211,3 +211,14 @@ def test_sql_source_agrees_with_memory_source(db_engine, name):
     _ingest(db_engine, events)
     sql = SqlSource(db_engine)
     assert sql.points(name, T + 30, T + 120) == memory.points(name, T + 30, T + 120)  # closed at both ends
+
+
+def test_the_tuners_replays_never_reach_the_rules(db_engine):
+    """Simulated telemetry (instance tuner-sim) is stored beside real traffic with current timestamps."""
+    events = [_at(evfactory.sample, T + 15.0 * k, instance="tuner-sim", kv_usage=1.0) for k in range(4)]
+    events += [_at(evfactory.sample, T + 15.0 * k, instance="e0", kv_usage=0.5) for k in range(4)]
+    events += [_at(evfactory.request, T + 10.0, instance="tuner-sim", request_id="sim-1", ttft_s=9.0)]
+    _ingest(db_engine, events)
+    source = SqlSource(db_engine, clock=FakeClock(T + 120))
+    assert set(source.points("kv_usage", T, T + 60)) == {(("instance", "e0"),)}
+    assert source.points("ttft_p99_seconds", T, T + 120) == {}

@@ -179,7 +179,7 @@ def test_the_summary_never_shows_a_stopped_dashboard_and_says_the_weights_are_ra
 
 
 def test_the_tuning_baseline_is_the_config_the_demo_engine_ran() -> None:
-    engine_cfg = demo_engine_config("http://127.0.0.1:1", 1234, "demo-x")
+    engine_cfg = demo_engine_config("http://127.0.0.1:1", 1234, "demo-x", "t0k3n")
     check_engine_config(EngineConfig.from_dict(engine_cfg))  # it serves
     current = tuning_config(engine_cfg)
     assert "server" not in current and "telemetry" not in current  # ports, token and run id are this run's
@@ -200,3 +200,13 @@ def test_tuning_lines_list_kept_and_dropped_changes() -> None:
     lines = tuning_lines("propose: +8.0% goodput", pruning, {}, None)
     assert "scheduler.max_num_seqs: 32 -> 64" in lines[1] and lines[1].endswith("kept")
     assert lines[2].endswith("dropped (inside the noise)")
+
+
+def test_each_demo_run_gets_its_own_admin_token(tmp_path, monkeypatch) -> None:
+    import kvpilot.demo as demo
+
+    monkeypatch.setattr(demo, "DATA_DIR", tmp_path)
+    first, second = demo._fresh_admin_token(), demo._fresh_admin_token()
+    assert first != second and len(first) >= 24 and "demo-admin" not in (first, second)
+    stored = tmp_path / "admin-token"
+    assert stored.read_text().strip() == second and (stored.stat().st_mode & 0o777) == 0o600
