@@ -10,12 +10,12 @@ import streamlit as st
 
 from collector import queries
 from collector.queries import diagnosis_base as rules
-from dashboard import charts, ui
+from dashboard import charts, tables, ui
 from dashboard.data import diagnosis
 
 st.title("Diagnosis")
 f = ui.current_filters()
-st.caption(
+ui.page_caption(
     f"Five traps that waste a serving fleet, checked against the data stored for {ui.window_text()}. Each check "
     "names its rule, shows the series and requests behind its verdict, estimates what it costs and points at "
     "the config knob that addresses it, with the command of a tuning study over exactly that knob."
@@ -79,7 +79,8 @@ def _present(finding: queries.Finding) -> None:
         _chart(finding)
         if finding.requests:
             with st.expander(f"The requests that show it ({len(finding.requests)}, worst first)"):
-                st.dataframe(diagnosis.requests(finding), hide_index=True, width="stretch")
+                shown = diagnosis.requests(finding)
+                tables.show(shown, diagnosis.request_columns(shown), keep_empty=True)
         with st.expander("Figures"):
             st.json(finding.evidence, expanded=True)
         _knob(finding)
@@ -100,12 +101,7 @@ with ui.guarded("Diagnosis"):
     cols[0].metric("Traps present", len(present), help="(trap, instance) pairs whose rule held in the window")
     cols[1].metric("Not seen", sum(x.status == "absent" for x in found))
     cols[2].metric("Not enough data", len(unknown), help="checks the stored data cannot decide")
-    st.dataframe(
-        diagnosis.table(found),
-        hide_index=True,
-        width="stretch",
-        column_config={"cost (estimated)": st.column_config.TextColumn(width="medium")},
-    )
+    tables.show(diagnosis.table(found), diagnosis.FINDINGS_TABLE, keep_empty=True)
 
     for key, trap in queries.TRAPS.items():
         st.subheader(trap.title)

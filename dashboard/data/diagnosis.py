@@ -8,6 +8,7 @@ import streamlit as st
 
 from collector import queries
 from dashboard.data.base import TTL_S, Filters, engine, to_time
+from dashboard.tables import Col
 
 STATUS_TEXT = {"present": "present", "absent": "not seen", "no_data": "not enough data"}
 
@@ -57,6 +58,27 @@ def series(finding: queries.Finding) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=["series", "ts", "value"])
     df["time"] = to_time(df["ts"])
     return df
+
+
+FINDINGS_TABLE = {
+    "trap": Col("Trap", width="medium"),
+    "instance": Col("Instance"),
+    "status": Col("Status"),
+    "severity": Col("Severity"),
+    "cost (estimated)": Col("Cost (estimated)", width="medium"),
+    "knob": Col("Knob", width="medium"),
+}
+
+
+def request_columns(df: pd.DataFrame) -> dict[str, Col]:
+    """Human headers for whatever request fields a detector kept: times as times, numbers as numbers."""
+
+    def kind(column: str) -> str:
+        if pd.api.types.is_datetime64_any_dtype(df[column]):
+            return "time"
+        return "number" if pd.api.types.is_numeric_dtype(df[column]) else "text"
+
+    return {c: Col(c.replace("_", " ").capitalize(), kind(c)) for c in df.columns}  # type: ignore[arg-type]
 
 
 def requests(finding: queries.Finding) -> pd.DataFrame:
