@@ -46,6 +46,10 @@ class ExportError(ValueError):
 
 def _renames() -> dict[str, str]:
     names: dict[str, str] = {"up": "up", "scrape_duration_seconds": "scrape_duration_seconds"}
+    # The engine's own count of what its sink lost (per reason, summed over kinds). Not a scraper mapping:
+    # the collector reads this series from the sinks' gap records, and a scraped copy would be a second
+    # series of it.
+    names["events_lost_total"] = "kvpilot_telemetry_events_dropped_total"
     for mapping in MAPPINGS:
         if mapping.source == "kvpilot" and mapping.scale == 1.0:
             names.setdefault(mapping.canonical, mapping.external)

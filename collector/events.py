@@ -5,7 +5,10 @@ objects, the collector validates and stores them. Every event carries `instance`
 epoch timestamp in UTC seconds so events from many engines can be merged and ordered.
 
 Version policy: `v` is the schema version of one event type. A reader accepts only versions it knows,
-so an engine newer than its collector gets a clear 422 instead of silently dropped fields.
+so an engine newer than its collector gets a clear 422 instead of silently dropped fields. A new event
+type starts at version 1 and leaves the others' versions alone; a collector older than the type refuses
+a batch that holds one (422, the unknown `type` named), so senders put a new type in batches of its own
+(the HTTP sink sends `gap` records that way: an old collector loses the record, never the data).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ SCHEMA_VERSION = 1
 RequestStatus = Literal["finished", "failed", "rejected", "aborted"]
 AllocOp = Literal["alloc", "free", "swap_out", "swap_in", "evict", "recycle", "oom"]
 Tier = Literal["hot", "cold"]
+LostKind = Literal["request", "step", "alloc", "sample", "unknown"]  # unknown: an unreadable spool file
+LossReason = Literal["queue_full", "spool_full", "unauthorized", "rejected", "shutdown"]
 
 NonNegFloat = Annotated[float, Field(ge=0.0)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -110,12 +115,31 @@ class SampleEvent(_Event):
     source: str = "engine"
 
 
-Event = Annotated[RequestEvent | StepEvent | AllocEvent | SampleEvent, Field(discriminator="type")]
+class GapEvent(_Event):
+    """Events of one type a sink lost for one reason, so the collector can show the hole they leave.
+
+    One record sums `events` losses whose own timestamps span `first_ts`..`last_ts`; `ts` is when the sink
+    cut the record (after the last of them). Reasons: `queue_full` (the engine outpaced the sink),
+    `spool_full` (the collector was unreachable longer than the spool holds), `unauthorized` (the
+    collector refused the ingest token, so the spool filled), `rejected` (the collector refused the batch
+    for good), `shutdown` (unsent at exit without a spool directory).
+    """
+
+    type: Literal["gap"] = "gap"
+    kind: LostKind
+    reason: LossReason
+    events: Annotated[int, Field(ge=1)]
+    first_ts: NonNegFloat
+    last_ts: NonNegFloat
+
+
+Event = Annotated[RequestEvent | StepEvent | AllocEvent | SampleEvent | GapEvent, Field(discriminator="type")]
 EVENT_TYPES: dict[str, type[_Event]] = {
     "request": RequestEvent,
     "step": StepEvent,
     "alloc": AllocEvent,
     "sample": SampleEvent,
+    "gap": GapEvent,
 }
 
 
@@ -136,6 +160,6 @@ def event_to_json(event: _Event) -> dict:
     return event.model_dump(mode="json")
 
 
-def parse_event(data: dict) -> RequestEvent | StepEvent | AllocEvent | SampleEvent:
+def parse_event(data: dict) -> RequestEvent | StepEvent | AllocEvent | SampleEvent | GapEvent:
     """Validate one event dict; raises pydantic.ValidationError naming the field."""
     return event_adapter.validate_python(data)

@@ -24,6 +24,7 @@ from collector.queries import bucket_expr
 from collector.schema import (
     AllocRow,
     DownsampledPoint,
+    GapRow,
     IngestBatch,
     OtlpSpan,
     RequestRow,
@@ -105,7 +106,7 @@ def prune(
         )
         written += max(conn.execute(insert(d).from_select(cols, src)).rowcount or 0, 0)
 
-        for model in (RequestRow, StepRow, AllocRow, SampleRow, SeriesPoint):
+        for model in (RequestRow, StepRow, AllocRow, SampleRow, GapRow, SeriesPoint):
             t = model.__table__
             deleted[t.name] = conn.execute(delete(t).where(t.c.ts < raw_cutoff)).rowcount or 0
         for batch_table in (IngestBatch.__table__, OtlpSpan.__table__):

@@ -3,7 +3,7 @@
 Times are epoch seconds (UTC) as floats, exactly as they arrive on the wire: one representation on
 SQLite and PostgreSQL alike, cheap to bucket in SQL, and never ambiguous about time zones.
 
-Raw event tables (`requests`, `steps`, `alloc_events`, `samples`, `series_points`) are written only by
+Raw event tables (`requests`, `steps`, `alloc_events`, `samples`, `gaps`, `series_points`) are written only by
 the ingest fast path and the scraper with Core `insert()`; the ORM classes exist for typed reads and for
 the small tables (targets, proposals).
 """
@@ -196,6 +196,22 @@ class SampleRow(_EventColumns, Base):
     source: Mapped[str] = mapped_column(String(64))
 
 
+class GapRow(_EventColumns, Base):
+    """Events a sink lost (a `gap` wire record): what type, why, how many, and the time span they covered.
+
+    Read as the canonical counter `events_lost_total{kind, reason}` and by the dashboard's loss notice.
+    """
+
+    __tablename__ = "gaps"
+    __table_args__ = (Index("ix_gaps_instance_ts", "instance", "ts"),)
+
+    kind: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(String(16))
+    events: Mapped[int] = mapped_column(BigInteger)
+    first_ts: Mapped[float] = mapped_column(Float)
+    last_ts: Mapped[float] = mapped_column(Float)
+
+
 class ScrapeTarget(Base):
     """A Prometheus text endpoint the scraper polls, with its current health."""
 
@@ -284,8 +300,9 @@ EVENT_TABLES = {
     "step": StepRow.__table__,
     "alloc": AllocRow.__table__,
     "sample": SampleRow.__table__,
+    "gap": GapRow.__table__,
 }
-RAW_TABLES = (RequestRow, StepRow, AllocRow, SampleRow, SeriesPoint)
+RAW_TABLES = (RequestRow, StepRow, AllocRow, SampleRow, GapRow, SeriesPoint)
 
 
 # --- alerts (owned by the alerts package; revision d4a1e7c2b9f0) -----------------------------------------

@@ -77,6 +77,7 @@ CANONICAL: dict[str, Canonical] = {
         _c("requests_total", "counter", "requests", "requests that left the engine (label status)"),
         _c("requests_rejected_total", "counter", "requests", "requests refused at admission"),
         _c("oom_total", "counter", "events", "KV allocations that failed"),
+        _c("events_lost_total", "counter", "events", "telemetry events a sink lost (labels kind, reason)"),
         _c("prompt_tokens_total", "counter", "tokens", "prompt tokens processed"),
         _c("generation_tokens_total", "counter", "tokens", "tokens generated"),
         _c("prefix_cache_queries_total", "counter", "tokens", "prefix cache lookups"),

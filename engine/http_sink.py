@@ -5,20 +5,28 @@ counted). A background thread cuts batches by size (`batch_size`) or time (`flus
 serializes them in pydantic-core and POSTs them with an `Idempotency-Key` that stays the same on every
 retry, so the collector stores a retried batch once.
 
-While the collector is unreachable (connection error, timeout, 408/429/5xx, 401/403) batches go to a
-spool, a directory of one file per batch, bounded by `spool_max_bytes`. When the spool is full the
-OLDEST batches are dropped (and counted): for live monitoring the newest data matters most, and an
-engine that has been cut off long enough to fill the spool has already lost the history's value.
-Once a send succeeds again the spool drains oldest first, before any newer batch is sent, so events
-arrive in order. The spool survives a restart: a new sink on the same directory drains what is left.
-Batches the collector refuses for good (413/422/409) are dropped with a log line and counted as
-`rejected`. Without a spool directory the spool is kept in memory, with the same bound.
+While the collector is unreachable (connection error, timeout, 408/425/5xx) batches go to the spool
+(`engine.spool`: a directory of one file per batch, bounded by `spool_max_bytes`). When it is full the
+OLDEST batches are dropped: for live monitoring the newest data matters most. Once a send succeeds again
+the spool drains oldest first, before any newer batch, so events arrive in order; it survives a restart.
+Retries back off (capped at `backoff_max_s`), but while the collector is unreachable the sink also asks
+its /health every `probe_interval_s` and drains as soon as it answers. A 429/503 with `Retry-After` is
+obeyed instead: the collector is up and said when to come back.
+
+401/403 (a wrong ingest token) is not an outage: after `auth_max_tries` refusals in a row the sink stops
+sending, says so in an ERROR log line and `kvpilot_telemetry_unauthorized`, and keeps spooling (bounded)
+for a restart with the right token. Batches the collector refuses for good (413/422/409) are dropped with
+a log line. Without a spool directory the spool is kept in memory, with the same bound.
+
+Every loss is counted by event type and reason (`queue_full`, `spool_full`, `unauthorized`, `rejected`,
+`shutdown`) in `engine.gaps.GapLedger`, and the collector is told: `gap` records go in a batch of their
+own ahead of the spool, one per (type, reason), kept (counts accumulating) until the collector stored
+them, and saved in the spool directory at close.
 """
 
 from __future__ import annotations
 
 import collections
-import fcntl
 import gzip
 import logging
 import os
@@ -26,203 +34,32 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
+from collections.abc import Sequence
 
 import httpx
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import TypeAdapter
 
-from collector.events import Event
+from collector.events import Event, GapEvent
+from engine.gaps import GapLedger
+from engine.sink_metrics import SinkMetrics
 from engine.sinks import AnyEvent
+from engine.spool import (  # noqa: F401 - re-exported: engine.http_sink was their home
+    DiskSpool,
+    MemorySpool,
+    Spool,
+    SpooledBatch,
+    SpoolLockedError,
+    spool_dir_for,
+)
 
 log = logging.getLogger(__name__)
 
 _events_adapter: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
 
-RETRYABLE_STATUS = frozenset({401, 403, 408, 425, 429, 500, 502, 503, 504})
-
-
-class SpoolLockedError(RuntimeError):
-    """Another live sink owns this spool directory."""
-
-
-@dataclass(frozen=True)
-class SpooledBatch:
-    ident: str
-    key: str
-    events: int
-    body: bytes
-
-
-class Spool(Protocol):
-    def push(self, batch: SpooledBatch) -> list[SpooledBatch]:
-        """Store a batch; returns the batches evicted (oldest first) to stay within the bound."""
-
-    def peek(self) -> SpooledBatch | None: ...
-
-    def remove(self, batch: SpooledBatch) -> None: ...
-
-    def __len__(self) -> int: ...
-
-    @property
-    def bytes(self) -> int: ...
-
-
-class MemorySpool:
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._batches: collections.deque[SpooledBatch] = collections.deque()
-        self._bytes = 0
-
-    def push(self, batch: SpooledBatch) -> list[SpooledBatch]:
-        evicted = []
-        while self._batches and self._bytes + len(batch.body) > self.max_bytes:
-            old = self._batches.popleft()
-            self._bytes -= len(old.body)
-            evicted.append(old)
-        if len(batch.body) > self.max_bytes:
-            return [*evicted, batch]
-        self._batches.append(batch)
-        self._bytes += len(batch.body)
-        return evicted
-
-    def peek(self) -> SpooledBatch | None:
-        return self._batches[0] if self._batches else None
-
-    def remove(self, batch: SpooledBatch) -> None:
-        if self._batches and self._batches[0].ident == batch.ident:
-            self._batches.popleft()
-            self._bytes -= len(batch.body)
-
-    def __len__(self) -> int:
-        return len(self._batches)
-
-    @property
-    def bytes(self) -> int:
-        return self._bytes
-
-
-class DiskSpool:
-    """One file per batch, `<seq>-<events>-<key>.batch`; written to a temp name, fsynced, renamed."""
-
-    SUFFIX = ".batch"
-
-    def __init__(self, directory: str | os.PathLike, max_bytes: int) -> None:
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        # One sink per directory: two draining one spool would race on its files.
-        self._lock_fh = (self.dir / ".lock").open("a")
-        try:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_fh.close()
-            raise SpoolLockedError(
-                f"spool {self.dir} is in use by another sink; give each engine its own telemetry.spool_dir"
-            ) from None
-        for tmp in self.dir.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)
-        self._files: collections.deque[tuple[Path, int, str, int]] = collections.deque()
-        for path in sorted(self.dir.glob(f"*{self.SUFFIX}")):
-            parsed = self._parse(path)
-            if parsed is None:
-                log.warning("ignoring unexpected spool file %s", path)
-                continue
-            self._files.append(parsed)
-        self._bytes = sum(f[3] for f in self._files)
-        self._seq = max((int(f[0].name.split("-", 1)[0]) for f in self._files), default=0)
-
-    @classmethod
-    def _parse(cls, path: Path) -> tuple[Path, int, str, int] | None:
-        parts = path.name[: -len(cls.SUFFIX)].split("-", 2)
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-            return None
-        return path, int(parts[1]), parts[2], path.stat().st_size
-
-    def push(self, batch: SpooledBatch) -> list[SpooledBatch]:
-        evicted = []
-        size = len(batch.body)
-        while self._files and self._bytes + size > self.max_bytes:
-            path, events, key, fsize = self._files.popleft()
-            self._bytes -= fsize
-            path.unlink(missing_ok=True)
-            evicted.append(SpooledBatch(path.name, key, events, b""))
-        if size > self.max_bytes:
-            return [*evicted, batch]
-        self._seq += 1
-        path = self.dir / f"{self._seq:016d}-{batch.events}-{batch.key}{self.SUFFIX}"
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("wb") as fh:
-            fh.write(batch.body)
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.rename(path)
-        self._files.append((path, batch.events, batch.key, size))
-        self._bytes += size
-        return evicted
-
-    def close(self) -> None:
-        """Release the directory (files stay for the next sink on it)."""
-        if not self._lock_fh.closed:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
-            self._lock_fh.close()
-
-    def peek(self) -> SpooledBatch | None:
-        while self._files:
-            path, events, key, _size = self._files[0]
-            try:
-                return SpooledBatch(path.name, key, events, path.read_bytes())
-            except FileNotFoundError:
-                self._files.popleft()
-        return None
-
-    def remove(self, batch: SpooledBatch) -> None:
-        if self._files and self._files[0][0].name == batch.ident:
-            path, _events, _key, size = self._files.popleft()
-            self._bytes -= size
-            path.unlink(missing_ok=True)
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    @property
-    def bytes(self) -> int:
-        return self._bytes
-
-
-def _safe_name(name: str) -> str:
-    """An instance label as a directory name (each engine spools into its own subdirectory)."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "engine"
-
-
-def spool_dir_for(root: str | os.PathLike, instance: str) -> Path:
-    """The spool directory of one instance under `root` (a sink per directory: see DiskSpool)."""
-    return Path(root) / _safe_name(instance)
-
-
-class _SinkCollector:
-    """Exposes the sink's plain counters to a prometheus registry (no double bookkeeping)."""
-
-    def __init__(self, sink: HttpSink) -> None:
-        self.sink = sink
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        s = self.sink
-        yield CounterMetricFamily("kvpilot_telemetry_events_sent", "events acknowledged by the collector", s.sent)
-        yield CounterMetricFamily("kvpilot_telemetry_events_spooled", "events written to the spool", s.spooled)
-        dropped = CounterMetricFamily(
-            "kvpilot_telemetry_events_dropped", "events lost before the collector stored them", labels=["reason"]
-        )
-        for reason, n in s.dropped_by_reason().items():
-            dropped.add_metric([reason], n)
-        yield dropped
-        yield CounterMetricFamily("kvpilot_telemetry_send_retries", "batch sends that were retries", s.retries)
-        yield GaugeMetricFamily("kvpilot_telemetry_queue_events", "events waiting in memory", s.queued)
-        yield GaugeMetricFamily("kvpilot_telemetry_spool_bytes", "bytes waiting in the spool", s.spool_bytes)
+RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+AUTH_STATUS = frozenset({401, 403})
+GAP_FILE = "gaps.json"
 
 
 class HttpSink:
@@ -240,18 +77,26 @@ class HttpSink:
         compress: bool = True,
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 10.0,
+        probe_interval_s: float = 1.0,
+        retry_after_max_s: float = 60.0,
+        auth_max_tries: int = 3,
         registry: CollectorRegistry | None = None,
         client: httpx.Client | None = None,
     ) -> None:
-        if batch_size < 1 or queue_size < 1:
-            raise ValueError("batch_size and queue_size must be positive")
-        self.endpoint = url.rstrip("/") + "/v1/ingest"
+        if batch_size < 1 or queue_size < 1 or auth_max_tries < 1:
+            raise ValueError("batch_size, queue_size and auth_max_tries must be positive")
+        self.url = url.rstrip("/")
+        self.endpoint = self.url + "/v1/ingest"
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
         self.queue_size = queue_size
         self.compress = compress
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.probe_interval_s = probe_interval_s
+        self.retry_after_max_s = retry_after_max_s
+        self.auth_max_tries = auth_max_tries
+        self.timeout_s = timeout_s
         self._headers = {"Content-Type": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -259,14 +104,19 @@ class HttpSink:
             self._headers["Content-Encoding"] = "gzip"
         self._client = client or httpx.Client(timeout=timeout_s)
         self.spool: Spool = DiskSpool(spool_dir, spool_max_bytes) if spool_dir else MemorySpool(spool_max_bytes)
+        self.ledger = GapLedger()
+        if isinstance(self.spool, DiskSpool):
+            self.ledger.load(self.spool.dir / GAP_FILE)
 
         self.sent = 0
         self.spooled = 0
         self.retries = 0
-        self.rejected = 0
-        self._dropped_queue_full = 0
-        self._dropped_spool_full = 0
-        self._dropped_shutdown = 0
+        self.auth_failures = 0
+        self.gaps_sent = 0
+        self.stopped = False  # the collector refused the token auth_max_tries times in a row
+        self._auth_streak = 0
+        self._gap_batch: tuple[SpooledBatch, list[GapEvent]] | None = None  # sent, not yet acknowledged
+        self._maybe_stored = False  # the last failed send may have been stored (a timeout after connecting)
 
         self._queue: collections.deque[AnyEvent] = collections.deque()
         self._wake = threading.Event()
@@ -275,11 +125,12 @@ class HttpSink:
         self._stop = threading.Event()
         self._closed = False
         self._next_attempt = 0.0
+        self._next_probe: float | None = None  # set while the collector is unreachable
         self._backoff = backoff_initial_s
         self._thread = threading.Thread(target=self._run, name="kvpilot-http-sink", daemon=True)
         self._thread.start()
         if registry is not None:
-            registry.register(_SinkCollector(self))  # type: ignore[arg-type]
+            registry.register(SinkMetrics(self))  # type: ignore[arg-type]
 
     @classmethod
     def from_config(cls, telemetry, registry: CollectorRegistry | None = None) -> HttpSink:  # type: ignore[no-untyped-def]
@@ -302,7 +153,7 @@ class HttpSink:
         if self._closed:
             return
         if len(self._queue) >= self.queue_size:
-            self._dropped_queue_full += 1
+            self.ledger.record_event("queue_full", event.type, event.ts, event.instance, event.run_id)
             return
         self._queue.append(event)
         if len(self._queue) >= self.batch_size:
@@ -319,10 +170,10 @@ class HttpSink:
             self._idle.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
 
     def wait_drained(self, timeout_s: float = 30.0) -> bool:
-        """Wait until the queue and the spool are both empty (tests, orderly shutdown)."""
+        """Wait until the queue, the spool and the loss records are all delivered (tests, orderly shutdown)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self._queue and not len(self.spool) and self._idle.is_set():
+            if not self._queue and not len(self.spool) and not self.gaps_pending and self._idle.is_set():
                 return True
             self._wake.set()
             time.sleep(0.02)
@@ -340,10 +191,14 @@ class HttpSink:
             lost = 0
             while (batch := self.spool.peek()) is not None:
                 lost += batch.events
+                self.ledger.record_body("shutdown", batch.body, batch.events, time.time())
                 self.spool.remove(batch)
-            self._dropped_shutdown += lost
             log.warning("telemetry: %d unsent events lost at close (no spool_dir configured)", lost)
+        if self._gap_batch is not None:
+            self.ledger.put_back(self._gap_batch[1])
+            self._gap_batch = None
         if isinstance(self.spool, DiskSpool):
+            self.ledger.save(self.spool.dir / GAP_FILE)  # the next sink on this spool reports them
             self.spool.close()
         self._client.close()
 
@@ -351,15 +206,19 @@ class HttpSink:
 
     @property
     def dropped(self) -> int:
-        return self._dropped_queue_full + self._dropped_spool_full + self._dropped_shutdown + self.rejected
+        return sum(self.ledger.by_reason().values())
+
+    @property
+    def rejected(self) -> int:
+        return self.ledger.by_reason()["rejected"]
 
     def dropped_by_reason(self) -> dict[str, int]:
-        return {
-            "queue_full": self._dropped_queue_full,
-            "spool_full": self._dropped_spool_full,
-            "rejected": self.rejected,
-            "shutdown": self._dropped_shutdown,
-        }
+        by_reason = self.ledger.by_reason()
+        return {r: by_reason[r] for r in ("queue_full", "spool_full", "unauthorized", "rejected", "shutdown")}
+
+    @property
+    def gaps_pending(self) -> bool:
+        return self._gap_batch is not None or self.ledger.pending
 
     @property
     def queued(self) -> int:
@@ -373,11 +232,13 @@ class HttpSink:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(timeout=self.flush_interval_s)
+            self._wake.wait(timeout=self._wait_s())
             self._wake.clear()
             stopping = self._stop.is_set()
             try:
-                self._drain_spool()
+                self._probe()
+                if self._send_gaps():
+                    self._drain_spool()
                 while self._queue:
                     self._idle.clear()
                     self._ship(self._cut_batch())
@@ -388,6 +249,17 @@ class HttpSink:
             if stopping:
                 return
 
+    def _wait_s(self) -> float:
+        """Until the next batch is due, or sooner: the next health probe or retry while data waits."""
+        wait = self.flush_interval_s
+        if self.stopped or not (len(self.spool) or self.gaps_pending):
+            return wait
+        now = time.monotonic()
+        for due in (self._next_probe, self._next_attempt):
+            if due is not None and due > now:
+                wait = min(wait, due - now)
+        return max(wait, 0.005)
+
     def _cut_batch(self) -> list[AnyEvent]:
         batch = []
         queue = self._queue
@@ -395,14 +267,17 @@ class HttpSink:
             batch.append(queue.popleft())
         return batch
 
-    def _encode(self, key: str, events: list[AnyEvent]) -> bytes:
+    def _encode(self, key: str, events: Sequence[AnyEvent | GapEvent]) -> bytes:
         body = b'{"idempotency_key":"' + key.encode() + b'","events":' + _events_adapter.dump_json(events) + b"}"
         return gzip.compress(body, compresslevel=1) if self.compress else body
+
+    def _may_send(self) -> bool:
+        return not self.stopped and time.monotonic() >= self._next_attempt
 
     def _ship(self, events: list[AnyEvent]) -> None:
         key = uuid.uuid4().hex
         batch = SpooledBatch(ident=key, key=key, events=len(events), body=self._encode(key, events))
-        if len(self.spool) or time.monotonic() < self._next_attempt:
+        if len(self.spool) or not self._may_send():
             self._to_spool(batch)  # keep order: older spooled batches go first
             return
         outcome = self._send(batch)
@@ -412,13 +287,39 @@ class HttpSink:
     def _to_spool(self, batch: SpooledBatch) -> None:
         evicted = self.spool.push(batch)
         self.spooled += batch.events
+        reason = "unauthorized" if self._auth_streak else "spool_full"
+        now = time.time()
         for old in evicted:
-            self._dropped_spool_full += old.events
+            self.ledger.record_body(reason, old.body, old.events, now)
         if evicted:
-            log.warning("telemetry spool full: dropped %d oldest batches", len(evicted))
+            log.warning("telemetry spool full: dropped %d oldest batches (%s)", len(evicted), reason)
+
+    def _send_gaps(self) -> bool:
+        """Deliver the loss records first (a batch of their own, the same key until stored); False: wait."""
+        if not self.gaps_pending:
+            return True
+        if not self._may_send():
+            return False
+        if self._gap_batch is None:
+            gaps = self.ledger.cut(time.time())
+            if not gaps:
+                return True
+            key = uuid.uuid4().hex
+            self._gap_batch = (SpooledBatch(key, key, len(gaps), self._encode(key, gaps)), gaps)
+        batch, gaps = self._gap_batch
+        outcome = self._send(batch, gap=True)
+        if outcome == "retry":
+            if not self._maybe_stored:  # surely not stored: back into the open entries, one record each
+                self.ledger.put_back(gaps)
+                self._gap_batch = None
+            return False
+        if outcome == "ok":
+            self.gaps_sent += len(gaps)
+        self._gap_batch = None
+        return True
 
     def _drain_spool(self) -> None:
-        while len(self.spool) and time.monotonic() >= self._next_attempt:
+        while len(self.spool) and self._may_send():
             batch = self.spool.peek()
             if batch is None:
                 return
@@ -428,32 +329,98 @@ class HttpSink:
                 return
             self.spool.remove(batch)
 
-    def _send(self, batch: SpooledBatch) -> str:
-        """POST one batch: 'ok', 'rejected' (permanent) or 'retry' (and schedule the backoff)."""
+    def _send(self, batch: SpooledBatch, *, gap: bool = False) -> str:
+        """POST one batch: 'ok', 'rejected' (permanent) or 'retry' (and schedule the next attempt)."""
         headers = {**self._headers, "Idempotency-Key": batch.key}
+        self._maybe_stored = False
         try:
             resp = self._client.post(self.endpoint, content=batch.body, headers=headers)
         except httpx.HTTPError as exc:
-            return self._failed(f"{type(exc).__name__}: {exc}")
-        if resp.status_code < 300:
-            self.sent += batch.events
+            # Past the connect, the collector may have stored it: only the same key may retry it then.
+            self._maybe_stored = not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
+            return self._failed(f"{type(exc).__name__}: {exc}", probe=True)
+        status = resp.status_code
+        if status < 300:
+            if not gap:
+                self.sent += batch.events
             self._backoff = self.backoff_initial_s
             self._next_attempt = 0.0
+            self._next_probe = None
+            self._auth_streak = 0
             return "ok"
-        if resp.status_code in RETRYABLE_STATUS:
-            return self._failed(f"HTTP {resp.status_code}: {resp.text[:200]}")
-        self.rejected += batch.events
+        if status in AUTH_STATUS:
+            return self._unauthorized(status)
+        if status in RETRYABLE_STATUS:
+            wait = _retry_after(resp) if status in (429, 503) else None
+            if wait is not None:
+                return self._told_to_wait(status, min(wait, self.retry_after_max_s))
+            return self._failed(f"HTTP {status}: {resp.text[:200]}", probe=status in (502, 503, 504))
+        if gap:  # a collector older than the `gap` record; the data still goes
+            log.error("collector %s refused the gap records (HTTP %d): losses are on /metrics only", self.url, status)
+            return "rejected"
+        self.ledger.record_body("rejected", batch.body, batch.events, time.time())
         log.error(
-            "collector refused a batch of %d events for good (HTTP %d): %s",
-            batch.events,
-            resp.status_code,
-            resp.text[:500],
+            "collector refused a batch of %d events for good (HTTP %d): %s", batch.events, status, resp.text[:500]
         )
         return "rejected"
 
-    def _failed(self, why: str) -> str:
+    def _failed(self, why: str, *, probe: bool) -> str:
         delay = self._backoff * (0.5 + random.random())
-        self._next_attempt = time.monotonic() + delay
+        now = time.monotonic()
+        self._next_attempt = now + delay
         self._backoff = min(self._backoff * 2, self.backoff_max_s)
+        if probe and self._next_probe is None:
+            self._next_probe = now + self.probe_interval_s
         log.warning("collector unreachable (%s); spooling, next try in %.2fs", why, delay)
         return "retry"
+
+    def _told_to_wait(self, status: int, wait_s: float) -> str:
+        self._next_attempt = time.monotonic() + wait_s
+        self._next_probe = None  # it is up: no probe may cut the wait short
+        log.warning("collector overloaded (HTTP %d); spooling, retrying after %.1fs as it asked", status, wait_s)
+        return "retry"
+
+    def _unauthorized(self, status: int) -> str:
+        self.auth_failures += 1
+        self._auth_streak += 1
+        self._next_probe = None  # /health cannot tell whether a token is right
+        if self._auth_streak >= self.auth_max_tries:
+            self.stopped = True
+            log.error(
+                "collector %s refused the ingest token (HTTP %d) %d times in a row: telemetry sending STOPPED."
+                " Events stay in the spool (bounded: the oldest are dropped as 'unauthorized') until the engine"
+                " restarts with the right telemetry.collector_token",
+                self.url,
+                status,
+                self._auth_streak,
+            )
+            return "retry"
+        return self._failed(f"HTTP {status}: the collector refused the ingest token", probe=False)
+
+    def _probe(self) -> None:
+        """While the collector is unreachable: ask its /health; when it answers, retry at once."""
+        now = time.monotonic()
+        if self._next_probe is None or now < self._next_probe or self.stopped:
+            return
+        if not (len(self.spool) or self.gaps_pending):
+            self._next_probe = None  # nothing waits: the next batch finds out by itself
+            return
+        try:
+            ok = self._client.get(self.url + "/health", timeout=min(self.timeout_s, 2.0)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            self._next_attempt = 0.0
+            self._backoff = self.backoff_initial_s
+            self._next_probe = None
+        else:
+            self._next_probe = time.monotonic() + self.probe_interval_s
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    """Seconds from a `Retry-After: <seconds>` header (the collector's form), None without a usable one."""
+    try:
+        value = float(resp.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return value if value >= 0 else None

@@ -42,6 +42,7 @@ from collector.queries.histogram_stats import (
     histogram_quantiles,
     histogram_quantiles_over_time,
 )
+from collector.queries.losses import LostEvents, lost_events
 from collector.queries.request_rates import (
     Goodput,
     RequestRates,
@@ -96,6 +97,7 @@ __all__ = [
     "Labels",
     "LatencyMetric",
     "LatencyStats",
+    "LostEvents",
     "Points",
     "QuantileBucket",
     "RequestRates",
@@ -133,6 +135,7 @@ __all__ = [
     "list_instances",
     "list_runs",
     "list_series_names",
+    "lost_events",
     "memory_wall",
     "mixed_lengths",
     "parse_labels",

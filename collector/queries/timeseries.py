@@ -1,7 +1,8 @@
 """Canonical series over time, one per label set, from whichever table holds them.
 
 A series is (canonical name, instance, label set) — `SeriesId(instance, labels)`. Engine-pushed gauges
-(samples, steps, event counters) have no labels; scraped series keep the identifying labels of their
+(samples, steps, event counters) have no labels, but for `events_lost_total{kind, reason}` (gap records);
+scraped series keep the identifying labels of their
 source (model, engine, GPU, MIG instance, host, target labels such as `node`). Nothing here combines
 label sets: where an average or a sum over GPUs is meant, the caller says so (the rules with
 `avg by (...)`, the dashboard with its own grouping), so one full GPU is never hidden by an empty one.
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Float, Select, Text, cast, func, literal, select, union_all
 
 from collector.queries._base import Db, _bound, _dialect, bucket_expr
-from collector.schema import AllocRow, DownsampledPoint, RequestRow, SampleRow, SeriesPoint, StepRow
+from collector.schema import AllocRow, DownsampledPoint, GapRow, RequestRow, SampleRow, SeriesPoint, StepRow
 from collector.series import CANONICAL, SAMPLE_COLUMNS, STEP_COLUMNS, list_series_names
 
 Labels = tuple[tuple[str, str], ...]
@@ -75,6 +76,8 @@ def _engine_sources(name: str, start: float, end: float, instances: Sequence[str
         )
     if name in EVENT_COUNTERS:
         selects.append(_event_counter(name, start, end))
+    if name == LOST_COUNTER:
+        selects.extend(_lost_counter(start, end))
     if instances is not None:
         selects = [s.where(s.selected_columns[0].in_(instances)) for s in selects]
     return selects
@@ -129,6 +132,55 @@ def _event_counter(name: str, start: float, end: float) -> Select:
     return select(smp.c.instance, no_labels, smp.c.ts, cast(count, Float).label("value")).where(
         smp.c.ts >= start, smp.c.ts < end
     )
+
+
+# Telemetry a sink lost, from the `gaps` table, per (kind, reason): counted from the window's start like the
+# EVENT_COUNTERS, stamped at each sample of the instance and on both sides of each gap record (a point a
+# millisecond before it without it, one at it with it), so increase() sees every record's step even when
+# the samples around it were lost too.
+LOST_COUNTER = "events_lost_total"
+_JUST_BEFORE_S = 1e-3
+
+
+def _lost_labels(kind: Any, reason: Any) -> Any:
+    # kind and reason are closed vocabularies (collector.events), so plain concatenation is valid JSON.
+    return (literal('{"kind":"', Text) + kind + '","reason":"' + reason + '"}').label("labels")
+
+
+def _lost_upto(key: Any, start: float, upto: Any) -> Any:
+    """Events lost by `key`'s (instance, kind, reason) from `start` through the gap records `upto` selects."""
+    other = GapRow.__table__.alias("other")
+    total = select(func.coalesce(func.sum(other.c.events), 0)).where(
+        other.c.instance == key.c.instance,
+        other.c.kind == key.c.kind,
+        other.c.reason == key.c.reason,
+        other.c.ts >= start,
+        upto(other.c.ts),
+    )
+    return cast(total.scalar_subquery(), Float).label("value")
+
+
+def _lost_counter(start: float, end: float) -> list[Select]:
+    gap = GapRow.__table__
+    in_window = (gap.c.ts >= start, gap.c.ts < end)
+    labels = _lost_labels(gap.c.kind, gap.c.reason)
+    before = select(
+        gap.c.instance, labels, (gap.c.ts - _JUST_BEFORE_S).label("ts"), _lost_upto(gap, start, lambda t: t < gap.c.ts)
+    ).where(*in_window, gap.c.ts - _JUST_BEFORE_S >= start)
+    at = select(gap.c.instance, labels, gap.c.ts, _lost_upto(gap, start, lambda t: t <= gap.c.ts)).where(*in_window)
+    keys = select(gap.c.instance, gap.c.kind, gap.c.reason).where(*in_window).distinct().subquery("lost")
+    smp = SampleRow.__table__
+    grid = (
+        select(
+            smp.c.instance,
+            _lost_labels(keys.c.kind, keys.c.reason),
+            smp.c.ts,
+            _lost_upto(keys, start, lambda t: t <= smp.c.ts),
+        )
+        .join_from(smp, keys, keys.c.instance == smp.c.instance)
+        .where(smp.c.ts >= start, smp.c.ts < end)
+    )
+    return [before, at, grid]
 
 
 def _matches(labels: Labels, wanted: dict[str, str] | None) -> bool:

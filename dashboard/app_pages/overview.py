@@ -53,6 +53,20 @@ with ui.guarded("Headline numbers"):
     if f.hidden:
         st.caption(f"Simulated and trial runs ({', '.join(f.hidden)}) are left out; the sidebar adds them.")
 
+with ui.guarded("Telemetry lost"):
+    lost = serving.telemetry_lost(f)
+    if not lost.empty:
+        lines = [
+            f"`{r.instance}`: {r.events:,} {r.kind} events ({r.reason.replace('_', ' ')}) "
+            f"from {timewin.fmt_ts(r.first_ts)} to {timewin.fmt_ts(r.last_ts)}"
+            for r in lost.itertuples()
+        ]
+        st.warning(
+            f"**Telemetry lost: {lost['events'].sum():,} events** never reached the collector; the numbers in "
+            "this window are short by them.\n\n- " + "\n- ".join(lines),
+            icon=":material/report:",
+        )
+
 with ui.guarded("Firing alerts"):
     alerts = alerting.alert_states(f.db_url)
     active = alerts[alerts["state"].isin(["firing", "pending"]) & alerts["instance"].map(f.shows)]

@@ -109,6 +109,17 @@ def totals(f: Filters) -> dict[str, Any]:
     return out
 
 
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def telemetry_lost(f: Filters) -> pd.DataFrame:
+    """Events the engines' sinks lost in the window (their gap records), one row per instance, type and
+    reason: the numbers on this page are short by these."""
+    rows = queries.lost_events(engine(f.db_url), start=f.start, end=f.end, instances=f.instance_list, run_id=f.run_id)
+    return pd.DataFrame(
+        [r.__dict__ for r in rows if f.shows(r.instance)],
+        columns=["instance", "kind", "reason", "events", "first_ts", "last_ts"],
+    )
+
+
 def _memory_fraction(sample: dict[str, Any]) -> float | None:
     used, total = sample.get("memory_used_bytes"), sample.get("memory_total_bytes")
     return used / total if used is not None and total else None

@@ -95,3 +95,19 @@ def body(events: list[dict[str, Any]], key: str | None = None) -> bytes:
     if key is not None:
         payload["idempotency_key"] = key
     return json.dumps(payload).encode()
+
+
+def gap(i: int = 0, **kw: Any) -> dict[str, Any]:
+    ev = {
+        "type": "gap",
+        "instance": "e0",
+        "run_id": "r1",
+        "ts": T0 + i,
+        "kind": "request",
+        "reason": "spool_full",
+        "events": 10,
+        "first_ts": T0 + i - 60,
+        "last_ts": T0 + i - 1,
+    }
+    ev.update(kw)
+    return ev

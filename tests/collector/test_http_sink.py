@@ -28,13 +28,17 @@ class FakeCollector:
         self.status = 202
         self.bodies: list[tuple[str, bytes]] = []
         self.attempts = 0
+        self.probes = 0
         self.lock = threading.Lock()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         with self.lock:
-            self.attempts += 1
             if not self.up:
                 raise httpx.ConnectError("connection refused", request=request)
+            if request.url.path == "/health":
+                self.probes += 1
+                return httpx.Response(200, json={"status": "ok"})
+            self.attempts += 1
             if self.status < 300:
                 self.bodies.append((request.headers["idempotency-key"], request.content))
             return httpx.Response(self.status, json={"detail": "x"})
@@ -46,7 +50,7 @@ class FakeCollector:
         out = []
         for _, body in self.bodies:
             data = json.loads(gzip.decompress(body))
-            out.extend(e["queue_depth"] for e in data["events"])
+            out.extend(e["queue_depth"] for e in data["events"] if e["type"] != "gap")
         return out
 
 
@@ -181,7 +185,8 @@ def test_permanent_rejection_is_counted_not_retried(fake: FakeCollector) -> None
         s.emit(sample(i))
     s.flush()
     s.close()
-    assert s.rejected == 20 and s.dropped_by_reason()["rejected"] == 20 and fake.attempts == 1
+    # one attempt at the batch, one at the gap record saying it was lost (refused too: never retried)
+    assert s.rejected == 20 and s.dropped_by_reason()["rejected"] == 20 and fake.attempts == 2
 
 
 def test_counters_on_a_registry(fake: FakeCollector) -> None:

@@ -440,3 +440,26 @@ def test_filters_round_trip_through_the_url(seeded: Seed, open_page, monkeypatch
     assert (f.instances, f.start, f.end) == (("e1",), int(lo), int(lo) + 120)
     at.selectbox(key="f_range").set_value("Whole run").run()
     assert dict(at.query_params) == {"range": "Whole run", "instance": "e1"}
+
+
+def test_overview_says_how_much_telemetry_was_lost(seeded: Seed, open_page) -> None:
+    from collector.ingest import parse_batch, store_batch
+    from tests.collector import evfactory as ev
+
+    gap = ev.gap(100, instance="e0", events=3176, first_ts=ev.T0 + 10, last_ts=ev.T0 + 90)
+    raw = ev.body([gap, ev.gap(100, instance="e0", kind="sample", reason="unauthorized", events=5)])
+    engine = make_engine(seeded.url)
+    store_batch(engine, parse_batch(raw, max_events=10), idempotency_key="gaps", content=raw)
+    engine.dispose()
+    at = open_page(seeded.url)
+    no_exception(at)
+    (notice,) = [w.value for w in at.warning if "Telemetry lost" in w.value]
+    assert "**Telemetry lost: 3,181 events**" in notice
+    assert "`e0`: 3,176 request events (spool full)" in notice and "5 sample events (unauthorized)" in notice
+    at.multiselect(key="f_instances").set_value(["e1"]).run()
+    assert not [w for w in at.warning if "Telemetry lost" in w.value]
+
+
+def test_overview_without_losses_has_no_loss_notice(seeded: Seed, open_page) -> None:
+    at = open_page(seeded.url)
+    assert not [w for w in at.warning if "Telemetry lost" in w.value]
