@@ -102,16 +102,27 @@ def snapshot(
 
 @dataclass(frozen=True)
 class StageSums:
-    """How far queue + prefill + decode is from e2e over request rows: relative (max, median), absolute max."""
+    """|queue + prefill + decode - e2e| of request rows: relative to e2e (sorted), and the largest in seconds."""
 
-    rows: int
-    max_error: float | None
-    median_error: float | None
-    max_gap_s: float | None
+    rows: int = 0
+    errors: tuple[float, ...] = ()
+    max_gap_s: float | None = None
+
+    def __add__(self, other: StageSums) -> StageSums:
+        gaps = [g for g in (self.max_gap_s, other.max_gap_s) if g is not None]
+        return StageSums(self.rows + other.rows, tuple(sorted(self.errors + other.errors)), max(gaps, default=None))
+
+    @property
+    def max_error(self) -> float | None:
+        return self.errors[-1] if self.errors else None
+
+    @property
+    def median_error(self) -> float | None:
+        return self.errors[len(self.errors) // 2] if self.errors else None
 
 
 def stage_sums(w: Wired, *, since: float, limit: int) -> StageSums:
-    """|queue + prefill + decode - e2e| (/ e2e) over the request rows ending after `since`."""
+    """The stage sums of the request rows ending after `since`."""
     rows = slowest_requests(
         w.db, start=since, end=time.time() + FAR, limit=limit, instances=[w.instance], run_id=w.run_id
     )
@@ -120,10 +131,8 @@ def stage_sums(w: Wired, *, since: float, limit: int) -> StageSums:
         for r in rows
         if r["e2e_s"]
     ]
-    if not gaps:
-        return StageSums(len(rows), None, None, None)
-    errors = sorted(gap / e2e for gap, e2e in gaps)
-    return StageSums(len(rows), errors[-1], errors[len(errors) // 2], max(gap for gap, _ in gaps))
+    errors = tuple(sorted(gap / e2e for gap, e2e in gaps))
+    return StageSums(len(rows), errors, max((gap for gap, _ in gaps), default=None))
 
 
 def series_labels(w: Wired, *, since: float) -> dict[str, list[dict[str, str]]]:
