@@ -49,7 +49,7 @@ def bench_vllm(
     quick: bool = QuickOpt, json_path: Path | None = JsonOpt, vllm_python: str | None = VllmPythonOpt
 ) -> None:
     """A real vLLM launched by kvpilot under a mixed load: what the collector stored against what was sent and
-    what vLLM counted, and the telemetry's cost in vLLM throughput (--quick: about 5 min on 2 cores)."""
+    what vLLM counted, and the telemetry's cost in vLLM throughput (--quick: 2 rounds, ~8 min on 2 cores)."""
     from benchmarks.vllm_bench import run_vllm_bench
 
     try:
