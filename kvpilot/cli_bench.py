@@ -21,19 +21,21 @@ def emit(result: dict, json_path: Path | None) -> None:
     typer.echo(text)
 
 
+QuickVllmOpt = typer.Option(False, "--quick", help="a smaller run (vLLM's start-ups make it minutes, see above)")
 VllmPythonOpt = typer.Option(None, "--vllm-python", help="Python with vLLM (KVPILOT_VLLM_PYTHON, ./.venv-vllm)")
 
 
 @bench_app.command("engine")
 def bench_engine(
-    quick: bool = QuickOpt,
+    quick: bool = QuickVllmOpt,
     json_path: Path | None = JsonOpt,
     vllm: bool = typer.Option(
         True, "--vllm/--no-vllm", help="also serve the checkpoint with vLLM (left out, with the reason, if not found)"
     ),
     vllm_python: str | None = VllmPythonOpt,
 ) -> None:
-    """kvpilot's engine vs Hugging Face generate (static batching) and vLLM, one checkpoint, the mixed workload."""
+    """kvpilot's engine vs Hugging Face generate (static batching) and vLLM, one checkpoint, the mixed workload
+    (--quick: ~7 min on 2 cores, vLLM's start-up included)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -46,7 +48,7 @@ def bench_engine(
 
 @bench_app.command("vllm")
 def bench_vllm(
-    quick: bool = QuickOpt, json_path: Path | None = JsonOpt, vllm_python: str | None = VllmPythonOpt
+    quick: bool = QuickVllmOpt, json_path: Path | None = JsonOpt, vllm_python: str | None = VllmPythonOpt
 ) -> None:
     """A real vLLM launched by kvpilot under a mixed load: what the collector stored against what was sent and
     what vLLM counted, and the telemetry's cost in vLLM throughput (--quick: 2 rounds, ~8 min on 2 cores)."""
