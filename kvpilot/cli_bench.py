@@ -21,9 +21,21 @@ def emit(result: dict, json_path: Path | None) -> None:
     typer.echo(text)
 
 
+QuickVllmOpt = typer.Option(False, "--quick", help="a smaller run (vLLM's start-ups make it minutes, see above)")
+VllmPythonOpt = typer.Option(None, "--vllm-python", help="Python with vLLM (KVPILOT_VLLM_PYTHON, ./.venv-vllm)")
+
+
 @bench_app.command("engine")
-def bench_engine(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> None:
-    """kvpilot's engine vs Hugging Face generate (static batching) on the mixed workload."""
+def bench_engine(
+    quick: bool = QuickVllmOpt,
+    json_path: Path | None = JsonOpt,
+    vllm: bool = typer.Option(
+        True, "--vllm/--no-vllm", help="also serve the checkpoint with vLLM (left out, with the reason, if not found)"
+    ),
+    vllm_python: str | None = VllmPythonOpt,
+) -> None:
+    """kvpilot's engine vs Hugging Face generate (static batching) and vLLM, one checkpoint, the mixed workload
+    (--quick: ~7 min on 2 cores, vLLM's start-up included)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -31,7 +43,22 @@ def bench_engine(quick: bool = QuickOpt, json_path: Path | None = JsonOpt) -> No
         raise typer.Exit(2) from None
     from benchmarks.engine_bench import run_engine_bench
 
-    emit(run_engine_bench(quick=quick), json_path)
+    emit(run_engine_bench(quick=quick, vllm=vllm, vllm_python=vllm_python), json_path)
+
+
+@bench_app.command("vllm")
+def bench_vllm(
+    quick: bool = QuickVllmOpt, json_path: Path | None = JsonOpt, vllm_python: str | None = VllmPythonOpt
+) -> None:
+    """A real vLLM launched by kvpilot under a mixed load: what the collector stored against what was sent and
+    what vLLM counted, and the telemetry's cost in vLLM throughput (--quick: 2 rounds, ~8 min on 2 cores)."""
+    from benchmarks.vllm_bench import run_vllm_bench
+
+    try:
+        emit(run_vllm_bench(quick=quick, vllm_python=vllm_python), json_path)
+    except RuntimeError as exc:
+        typer.echo(f"kvpilot bench vllm: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @bench_app.command("alerts")

@@ -1,15 +1,21 @@
 """From a run's raw results and scrapes to the report: latency summaries, windows, the pass criteria.
 
-Criteria (the seed's three, plus one that no load tester omits):
-- `no_oom`: the target's `kvpilot_oom_total` did not increase during the run.
+Criteria (the seed's three, plus one that no load tester omits). The target's figures are its /metrics read
+through the collector's mapping (`scrape.py`), so they are the same for kvpilot's engine and for vLLM:
+- `no_oom`: the target's `oom_total` (kvpilot_oom_total) did not increase during the run. A target with no OOM
+  counter but a preemption counter (vLLM: `vllm:num_preemptions_total`) is judged on preemptions: vLLM
+  preempts (and later recomputes) a running request when its KV cache is exhausted, and has no other
+  KV-exhaustion signal; the criterion's `basis` and detail say so.
 - `p99_stable`: |P99(last window) - P99(first window)| / P99(first window) <= 0.20, on the answered
   requests' latency metric, windows by arrival time. The default metric is TPOT (time per output token
   after the first): with the seed's 30/60/10 length mix a window's end-to-end P99 is mostly decided by
   which long request happened to land in it, whereas TPOT moves with the load and the engine's health.
   `--p99-metric e2e|ttft` selects the others.
 - `util_stable`: the coefficient of variation (population std / mean) of per-window utilization is < 0.15;
-  a window's utilization is the mean of the target's `kvpilot_utilization` gauge over the scrapes in it that
-  saw the engine step (an idle engine's gauge only repeats its last step).
+  a window's utilization is the mean of the target's `utilization` gauge (kvpilot_utilization) over the
+  scrapes in it that saw the engine step (an idle engine's gauge only repeats its last step). vLLM exposes
+  no utilization gauge: its activity signal is the number of requests running (`vllm:num_requests_running`,
+  summed over its label sets), over the scrapes that saw its iteration count move; `util_signal` says which.
 - `no_errors`: every request was answered or cleanly refused with 429 (no other status, no broken stream,
   no timeout).
 A criterion whose input the target does not expose is reported `passed: false` with the reason.
@@ -24,15 +30,20 @@ from collections.abc import Sequence
 
 from kvpilot.loadtest.client import RequestResult
 from kvpilot.loadtest.runner import RunResult
-from kvpilot.loadtest.scrape import MetricsSample
+from kvpilot.loadtest.scrape import MetricsSample, external_names
 
 P99_DRIFT_LIMIT = 0.20
 UTIL_FLUCTUATION_LIMIT = 0.15
 UTIL_METHOD = "cv"
 UTIL_METHOD_TEXT = (
     "coefficient of variation (population std / mean) of the per-window mean of the target's "
-    "kvpilot_utilization gauge, over scrapes that saw the engine step"
+    "{signal}, over scrapes that saw the engine step"
 )
+# activity signals in order of preference: canonical key -> what the report calls it
+UTIL_SIGNALS = {
+    "utilization": "utilization gauge",
+    "running": "requests running (no utilization gauge exposed; summed over label sets)",
+}
 LATENCY_METRICS = ("e2e", "ttft", "tpot")
 MIN_WINDOW_REQUESTS = 5
 
@@ -81,12 +92,19 @@ def _in(t: float, bounds: tuple[float, float], last: bool) -> bool:
     return bounds[0] <= t < bounds[1] or (last and t >= bounds[1])
 
 
-def util_windows(samples: Sequence[MetricsSample], bounds: list[tuple[float, float]]) -> list[float | None]:
-    """Mean `utilization` per window over the scrapes whose step counter moved since the previous scrape."""
+def util_signal(samples: Sequence[MetricsSample]) -> str | None:
+    """The first activity signal of UTIL_SIGNALS that the target exposes."""
+    return next((key for key in UTIL_SIGNALS if any(key in s.values for s in samples)), None)
+
+
+def util_windows(
+    samples: Sequence[MetricsSample], bounds: list[tuple[float, float]], signal: str = "utilization"
+) -> list[float | None]:
+    """Mean `signal` per window over the scrapes whose step counter moved since the previous scrape."""
     active: list[tuple[float, float]] = []
     prev_steps = None
     for s in samples:
-        steps, util = s.values.get("steps_total"), s.values.get("utilization")
+        steps, util = s.values.get("steps_total"), s.values.get(signal)
         if steps is not None and util is not None and prev_steps is not None and steps > prev_steps:
             active.append((s.t, util))
         if steps is not None:
@@ -118,8 +136,34 @@ def counter_increase(samples: Sequence[MetricsSample], key: str) -> float | None
     return total
 
 
-def _criterion(passed: bool, value: object, threshold: object, detail: str) -> dict:
-    return {"passed": passed, "value": value, "threshold": threshold, "detail": detail}
+def _criterion(passed: bool, value: object, threshold: object, detail: str, basis: str | None = None) -> dict:
+    crit = {"passed": passed, "value": value, "threshold": threshold, "detail": detail}
+    if basis is not None:
+        crit["basis"] = basis
+    return crit
+
+
+def _names(samples: Sequence[MetricsSample], canonical: str) -> str:
+    sources = frozenset().union(*(s.sources for s in samples)) if samples else frozenset()
+    return ", ".join(external_names(canonical, sources)) or canonical
+
+
+def oom_criterion(samples: Sequence[MetricsSample]) -> dict:
+    oom = counter_increase(samples, "oom_total")
+    if oom is not None:
+        return _criterion(oom == 0, int(oom), 0, f"increase of {_names(samples, 'oom_total')}", "oom_total")
+    preempted = counter_increase(samples, "preemptions_total")
+    if preempted is not None:
+        return _criterion(
+            preempted == 0,
+            int(preempted),
+            0,
+            f"no OOM counter exposed; judged on the increase of {_names(samples, 'preemptions_total')}: the engine "
+            "preempts (and later recomputes) a running request when its KV cache is exhausted, its only "
+            "KV-exhaustion signal, so every preemption counts as one here",
+            "preemptions_total",
+        )
+    return _criterion(False, None, 0, "kvpilot_oom_total not exposed (nor a preemption counter)")
 
 
 def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "tpot") -> dict:
@@ -146,7 +190,8 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
                 "n_latency": len(vals),
             }
         )
-    utils = util_windows(run.samples, bounds)
+    signal = util_signal(run.samples)
+    utils = util_windows(run.samples, bounds, signal or "utilization")
     for row, u in zip(win_rows, utils, strict=True):
         row["utilization"] = _r(u, 4)
 
@@ -169,21 +214,19 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
     )
     measured = [u for u in utils if u is not None]
     fluct = fluctuation(measured)
+    signal_text = f"{UTIL_SIGNALS[signal]} ({_names(run.samples, signal)})" if signal else None
     util_crit = _criterion(
         fluct is not None and fluct < UTIL_FLUCTUATION_LIMIT,
         _r(fluct, 4),
         UTIL_FLUCTUATION_LIMIT,
-        f"{len(measured)} windows with utilization samples"
+        f"{len(measured)} windows with samples of the {signal_text}"
         if fluct is not None
-        else "kvpilot_utilization not exposed or fewer than 2 windows with engine steps",
+        else "neither kvpilot_utilization nor a running-requests gauge exposed"
+        if signal is None
+        else f"fewer than 2 windows with engine steps and samples of the {signal_text}",
+        signal,
     )
-    oom = counter_increase(run.samples, "oom_total")
-    oom_crit = _criterion(
-        oom == 0,
-        None if oom is None else int(oom),
-        0,
-        "increase of kvpilot_oom_total" if oom is not None else "kvpilot_oom_total not exposed",
-    )
+    oom_crit = oom_criterion(run.samples)
     bad = len(failed) + len(timed_out)
     err_crit = _criterion(
         bad == 0,
@@ -206,7 +249,8 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
         "p99_drift": _r(drift, 4),
         "util_fluctuation": _r(fluct, 4),
         "util_fluctuation_method": UTIL_METHOD,
-        "util_fluctuation_method_detail": UTIL_METHOD_TEXT,
+        "util_fluctuation_method_detail": UTIL_METHOD_TEXT.format(signal=signal_text or "utilization gauge"),
+        "util_signal": signal,
         "utilization_mean": _r(statistics.fmean(measured), 4) if measured else None,
         "requests_sent": len(results),
         "requests_answered": len(ok),

@@ -27,7 +27,7 @@ def test_bench_engine_reports_every_key(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(engine_bench, "bench_config", small_config)
     monkeypatch.setattr(engine_bench, "bench_workload", lambda quick: W.mixed(6, seed=2, scale=32, output_range=(2, 8)))
-    result = engine_bench.run_engine_bench(quick=True, progress=lambda msg: None)
+    result = engine_bench.run_engine_bench(quick=True, progress=lambda msg: None, vllm=False)
     for key in ("kvpilot_tokens_per_s", "hf_tokens_per_s", "ratio", "p50_s", "p99_s", "waste", "outside_forward_share"):
         assert key in result, key
     assert set(result["waste"]) == {"fixed-16", "fixed-32", "fixed-64", "dynamic"}
@@ -35,3 +35,6 @@ def test_bench_engine_reports_every_key(monkeypatch: pytest.MonkeyPatch) -> None
     assert result["waste"]["fixed-16"] <= result["waste"]["fixed-64"]
     assert result["ratio"] == pytest.approx(result["kvpilot_tokens_per_s"] / result["hf_tokens_per_s"], rel=1e-2)
     assert 0.0 <= result["outside_forward_share"] < 1.0 and result["p99_s"] >= result["p50_s"] > 0
+    # all three engines load one checkpoint (vLLM left out here, and the JSON says why)
+    assert result["checkpoint"]["loaded_by"] == ["kvpilot", "hf"]
+    assert (result["vllm_tokens_per_s"], result["ratio_vs_vllm"], result["vllm_skipped"]) == (None, None, "--no-vllm")

@@ -9,7 +9,7 @@ from kvpilot.loadtest.analysis import analyze, counter_increase, fluctuation, pe
 from kvpilot.loadtest.client import ClientOptions, RequestResult
 from kvpilot.loadtest.plan import PlannedRequest
 from kvpilot.loadtest.runner import RunOptions, RunResult, run_load
-from kvpilot.loadtest.scrape import MetricsSample, parse_metrics
+from kvpilot.loadtest.scrape import MetricsSample, parse_metrics, read_metrics
 
 
 def _plan(n: int, spacing: float = 0.01) -> list[PlannedRequest]:
@@ -125,3 +125,66 @@ def test_helpers() -> None:
         "# TYPE kvpilot_oom counter\nkvpilot_oom_total 4.0\n# TYPE kvpilot_utilization gauge\nkvpilot_utilization 0.5\n"
     )
     assert parse_metrics(text) == {"oom_total": 4.0, "utilization": 0.5}
+
+
+# Two data-parallel engines, as vLLM 0.32 labels them (engine, model_name), plus what the mapping skips.
+VLLM_METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.4
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.2
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
+vllm:num_preemptions_total{engine="1",model_name="m"} 0.0
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="m"} 30.0
+vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="m"} 40.0
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 40.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 900.0
+vllm:iteration_tokens_total_count{engine="1",model_name="m"} 30.0
+vllm:iteration_tokens_total_sum{engine="1",model_name="m"} 500.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0
+"""
+
+
+def test_a_vllm_exposition_reads_through_the_collectors_mapping() -> None:
+    reading = read_metrics(VLLM_METRICS)
+    # counts summed over the engines, ratios averaged; steps are the iteration histogram's count
+    assert reading.values == pytest.approx(
+        {"running": 5.0, "queue_depth": 1.0, "kv_usage": 0.3, "preemptions_total": 2.0, "steps_total": 70.0}
+    )
+    assert reading.sources == {"vllm"}
+
+
+def _vllm_samples(running: list[float], preempted: list[float]) -> list[MetricsSample]:
+    return [
+        MetricsSample(i, {"running": r, "steps_total": 10.0 * i, "preemptions_total": p}, frozenset({"vllm"}))
+        for i, (r, p) in enumerate(zip(running, preempted, strict=True))
+    ]
+
+
+def test_a_vllm_target_is_judged_on_preemptions_and_running_requests_and_says_so() -> None:
+    results = [_result(i, i * 0.1, 0.1) for i in range(100)]
+    samples = _vllm_samples([4.0, 4.1, 3.9, 4.0, 4.0, 4.1, 3.9, 4.0, 4.0, 4.0, 4.0], [0.0] * 11)
+    report = analyze(RunResult(results, samples, 0.0, 10.0, 10.0), span_s=10.0, windows=2)
+    oom, util = report["criteria"]["no_oom"], report["criteria"]["util_stable"]
+    assert (oom["passed"], oom["value"], oom["basis"]) == (True, 0, "preemptions_total")
+    assert "no OOM counter" in oom["detail"] and "vllm:num_preemptions_total" in oom["detail"]
+    assert (util["passed"], util["basis"], report["util_signal"]) == (True, "running", "running")
+    assert "vllm:num_requests_running" in util["detail"]
+    assert "requests running" in report["util_fluctuation_method_detail"]
+    preempting = _vllm_samples([4.0] * 11, [0.0] * 5 + [3.0] * 6)
+    report = analyze(RunResult(results, preempting, 0.0, 10.0, 10.0), span_s=10.0, windows=2)
+    assert (report["criteria"]["no_oom"]["passed"], report["criteria"]["no_oom"]["value"]) == (False, 3)
+
+
+def test_a_kvpilot_target_keeps_its_own_names() -> None:
+    results = [_result(i, i * 0.1, 0.1) for i in range(100)]
+    report = analyze(RunResult(results, _samples([0.8] * 11), 0.0, 10.0, 10.0), span_s=10.0)
+    assert report["criteria"]["no_oom"]["basis"] == "oom_total"
+    assert report["criteria"]["util_stable"]["basis"] == "utilization" == report["util_signal"]
