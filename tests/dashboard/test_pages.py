@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,18 @@ def test_a_proposal_decided_elsewhere_is_not_overwritten(seeded: Seed, open_page
 
 
 def test_targets_page_health(seeded: Seed, open_page) -> None:
+    # The seed is made once per session: minutes later its healthy targets' last scrapes read as stale
+    # (> 3 intervals old). Scrape them "now", as a running scraper would have.
+    from sqlalchemy import update
+
+    from collector.db import make_engine
+    from collector.schema import ScrapeTarget
+
+    t = ScrapeTarget.__table__
+    db = make_engine(seeded.url)
+    with db.begin() as conn:
+        conn.execute(update(t).where(t.c.up.is_(True)).values(last_scrape_at=time.time()))
+    db.dispose()
     at = open_page(seeded.url, "targets")
     no_exception(at)
     shown = metrics(at)
