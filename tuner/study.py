@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from collector.errors import StorageError
 from engine.config import ConfigError, EngineConfig
-from tuner.backends import Backend
+from tuner.backends import Backend, InfeasibleTrialError
 from tuner.metrics import SLO, TrialMetrics, combine
 from tuner.replay import ReplayError
 from tuner.space import SearchSpace
@@ -54,6 +54,7 @@ class TrialRecord:
     run_id: str | None = None
     baseline: bool = False
     duplicate_of: int | None = None  # told the stored result of that trial (same config, same seeds)
+    infeasible: str | None = None  # why the engine could not run the config (refused, crashed, out of memory)
 
     @property
     def goodput(self) -> float:
@@ -156,6 +157,7 @@ def _record(ft: optuna.trial.FrozenTrial) -> TrialRecord:
         run_id=ft.user_attrs.get("run_id"),
         baseline=bool(ft.user_attrs.get("baseline")),
         duplicate_of=ft.user_attrs.get("duplicate_of"),
+        infeasible=ft.user_attrs.get("infeasible"),
     )
 
 
@@ -319,7 +321,7 @@ def _run_one(
             trial.set_user_attr("config_key", config_key)
             stored = _stored_measurement(so_far, config_key)
             if stored is not None:
-                for attr in ("metrics", "run_id"):
+                for attr in ("metrics", "run_id", "infeasible"):
                     trial.set_user_attr(attr, stored.user_attrs.get(attr))
                 trial.set_user_attr("duplicate_of", stored.number)
                 for ckey, value in stored.constraints.items():
@@ -337,6 +339,16 @@ def _run_one(
                     for s in seeds
                 ]
                 metrics = combine(runs)
+            except InfeasibleTrialError as exc:
+                # the config's own fault: a measured, infeasible trial (the sampler learns to avoid it)
+                log.warning(
+                    "trial %d (%s) infeasible on backend %s: %s", trial.number, run_id, backend.name, exc.reason
+                )
+                trial.set_user_attr("infeasible", exc.reason[:2000])
+                trial.set_constraint("infeasible", 1.0)
+                study.tell(trial, [0.0, 1e9] if multi else [0.0])
+                bar.update(1)
+                continue
             except (ReplayError, StorageError, ConfigError, RuntimeError, OSError) as exc:
                 log.error("trial %d (%s) failed on backend %s: %s", trial.number, run_id, backend.name, exc)
                 study.tell(trial, state=TrialState.FAIL)
