@@ -79,6 +79,7 @@ def test_a_proposal_file_is_read_by_vllms_own_config_loader(python: str, tmp_pat
     }
 
 
+@pytest.mark.timeout(600)  # one vLLM start: 40-100 s on 2 busy cores (plus the session vLLM's, if first)
 def test_a_tiny_study_on_real_vllm(vllm_peer, python: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Trial 0 runs on the session's vLLM (its config is the base config); trial 1 restarts vLLM with 64-token
     blocks and 16 sequences; both are measured from the spans the collector stored under each trial's run id."""

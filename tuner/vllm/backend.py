@@ -156,7 +156,7 @@ class VllmBackend:
         return self._metrics(server.launch.run_id, result)
 
     def _metrics(self, run_id: str, result: ClientResult) -> TrialMetrics:
-        start, end = result.wall_start, result.wall_end + 0.5
+        start, end = result.wall_start, result.wall_end + 0.05  # a row's ts is vLLM's own end of the request
         deadline = time.monotonic() + self.ingest_timeout_s
         stored = 0
         while time.monotonic() < deadline:  # vLLM exports spans in batches; the collector stores them
@@ -232,6 +232,11 @@ class VllmBackend:
                 launcher.stop(timeout_s=10.0)
             self._forget_target(launcher)
             raise InfeasibleTrialError(f"vLLM refused or failed to start: {launch.error}") from exc
+        except BaseException:  # interrupted while vLLM starts: it runs in its own session, so stop it here
+            launch.error = "interrupted while starting"
+            with contextlib.suppress(Exception):
+                launcher.stop(timeout_s=10.0)
+            raise
         launch.ready_s = time.perf_counter() - t
         log.info("run %s: vLLM ready in %.1f s (%s)", run_id, launch.ready_s, " ".join(config.to_args()))
         return _Server(launcher, launch, model, launcher.url)
