@@ -51,7 +51,14 @@ class ProposalView:
     def gain(self) -> float | None:
         return (self.best_metrics or {}).get("confirmation", {}).get("gain")
 
+    @property
+    def engine(self) -> str:
+        """Whose config `config_yaml` is: `kvpilot` (an EngineConfig) or `vllm` (vLLM's `--config` file)."""
+        return (self.best_metrics or {}).get("engine", "kvpilot")
+
     def config(self) -> EngineConfig:
+        if self.engine != "kvpilot":
+            raise ProposalError(f"proposal {self.id} is a {self.engine} config, not a kvpilot EngineConfig")
         return EngineConfig.from_dict(yaml.safe_load(self.config_yaml) or {}, source=f"proposal {self.id}")
 
 
@@ -79,8 +86,19 @@ def create_proposal(
     instance: str | None,
     baseline_metrics: dict[str, Any],
     best_metrics: dict[str, Any],
+    engine: str = "kvpilot",
 ) -> ProposalView:
-    EngineConfig.from_dict(yaml.safe_load(config_yaml) or {}, source="proposal config")
+    """A pending proposal; `config_yaml` must be a valid config of `engine` (kvpilot's EngineConfig, or vLLM's
+    `--config` file, whose kind is kept in `best_metrics["engine"]`)."""
+    if engine == "kvpilot":
+        EngineConfig.from_dict(yaml.safe_load(config_yaml) or {}, source="proposal config")
+    elif engine == "vllm":
+        from tuner.vllm.config import VllmConfig
+
+        VllmConfig.from_config_text(config_yaml, source="proposal config")
+        best_metrics = {**best_metrics, "engine": "vllm"}
+    else:
+        raise ProposalError(f"engine must be kvpilot or vllm, got {engine!r}")
     now = time.time()
     with session_scope(session_factory(db)) as s:
         row = Proposal(
@@ -155,6 +173,11 @@ def apply_proposal(
     proposal = get_proposal(db, proposal_id)
     if proposal.status not in ("pending", "accepted"):
         raise ProposalError(f"proposal {proposal_id} is {proposal.status}; only pending or accepted ones apply")
+    if proposal.engine != "kvpilot":
+        raise ProposalError(
+            f"proposal {proposal_id} is a {proposal.engine} config: vLLM has no hot reload; restart it with "
+            f"`--config proposal-{proposal_id}.yaml` (then mark it applied)"
+        )
     try:
         patch = proposal.config().tunable()
     except ConfigError as exc:

@@ -117,6 +117,8 @@ class VllmBackend:
         base_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the trial's --kv-cache-memory-bytes
         self.env = {**base_env, **SPAN_EXPORT_ENV}
         self._servers: OrderedDict[tuple[str, ...], _Server] = OrderedDict()
+        self._pinned: set[tuple[str, ...]] = set()
+        self.evaluations: list[dict] = []  # one per replay: run id, config, seed, window (for fidelity checks)
         self._workloads: dict[int, tuple[list[W.WorkloadRequest], list[list[int]]]] = {}
         self.launches: list[Launch] = []  # every vLLM this backend started
         self.attached = 0
@@ -153,7 +155,23 @@ class VllmBackend:
         server.launch.evaluations += 1
         if result.ok == 0:
             raise InfeasibleTrialError(f"vLLM answered none of {result.sent} requests: {'; '.join(result.errors)}")
-        return self._metrics(server.launch.run_id, result)
+        metrics = self._metrics(server.launch.run_id, result)
+        self.evaluations.append(
+            {
+                "run_id": server.launch.run_id,
+                "config": config,
+                "seed": seed,
+                "start": result.wall_start,
+                "end": result.wall_end + 0.05,
+                "metrics": metrics,
+            }
+        )
+        return metrics
+
+    def pin(self, config: VllmConfig) -> None:
+        """Keep the server of `config` up (not counted in `keep`, never evicted) until `close()`: the running
+        config stays available for comparisons while trials restart vLLM with other configs."""
+        self._pinned.add(tuple(config.to_args()))
 
     def _metrics(self, run_id: str, result: ClientResult) -> TrialMetrics:
         start, end = result.wall_start, result.wall_end + 0.05  # a row's ts is vLLM's own end of the request
@@ -195,9 +213,9 @@ class VllmBackend:
                 self._servers.move_to_end(key)
                 return server
             self._stop(self._servers.pop(key))
-        while len(self._servers) >= self.keep:
-            _, oldest = self._servers.popitem(last=False)
-            self._stop(oldest)
+        while sum(k not in self._pinned for k in self._servers) >= self.keep:
+            oldest = next(k for k in self._servers if k not in self._pinned)
+            self._stop(self._servers.pop(oldest))
         server = self._start(config, run_id)
         self._servers[key] = server
         return server

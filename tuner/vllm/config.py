@@ -119,11 +119,19 @@ class VllmConfig(BaseModel):
         """Read a `--config` file (dashed or underscored keys); unknown keys go to `extra_args`."""
         path = Path(path)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
+            text = path.read_text()
+        except OSError as exc:
             raise VllmConfigError(f"{path}: cannot read a vLLM config: {exc}") from exc
+        return cls.from_config_text(text, source=str(path))
+
+    @classmethod
+    def from_config_text(cls, text: str, *, source: str = "vLLM config") -> VllmConfig:
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise VllmConfigError(f"{source}: not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
-            raise VllmConfigError(f"{path}: top level must be a mapping of vLLM arguments")
+            raise VllmConfigError(f"{source}: top level must be a mapping of vLLM arguments")
         known = {**TUNABLE_ARGS, **SERVE_ARGS}
         fields: dict[str, Any] = {}
         extra: list[str] = []
@@ -135,7 +143,7 @@ class VllmConfig(BaseModel):
                 extra.append(f"--{str(key).replace('_', '-')}" if value else f"--no-{str(key).replace('_', '-')}")
             else:
                 extra += [f"--{str(key).replace('_', '-')}", str(value)]
-        return cls.from_dict({**fields, "extra_args": tuple(extra)}, source=str(path))
+        return cls.from_dict({**fields, "extra_args": tuple(extra)}, source=source)
 
     # ------------------------------------------------------------------ views
     def tunable(self) -> dict[str, dict[str, Any]]:
