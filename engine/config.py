@@ -115,7 +115,9 @@ class SchedulerConfig(_Strict):
     # vLLM V1's scheduling, for the tuner's simulator of a vLLM (tuner/vllm/sim.py); kvpilot's own engine keeps
     # the defaults.
     enable_chunked_prefill: bool = Field(
-        True, description="False: a waiting prompt is admitted only when all of it fits the step's remaining budget"
+        True,
+        description="False: a waiting prompt is admitted only when all of it (up to prefill_chunk_tokens) fits the "
+        "step's remaining budget",
     )
     chunk_lone_prefill: bool = Field(
         True,

@@ -8,8 +8,9 @@ come back, then waiting ones are admitted (prefix-cache hits skip their cached t
 a `SchedulerOutput` the executor runs and `update` consumes — state flows forward, never back (STYLE.md 2).
 
 Two options make it schedule as vLLM V1 does (the tuner's simulator of a vLLM): `enable_chunked_prefill=False`
-admits a prompt only when all of it fits the step's remaining budget, and `chunk_lone_prefill=False` applies
-`prefill_chunk_tokens` only while more than one request is running or waiting.
+admits a prompt only when all of it (or all of its first `prefill_chunk_tokens`, vLLM's long-prefill threshold
+still applies) fits the step's remaining budget, and `chunk_lone_prefill=False` applies `prefill_chunk_tokens`
+only while more than one request is running or waiting.
 """
 
 from __future__ import annotations
@@ -199,9 +200,9 @@ class Scheduler:
             alloc = self.kv.allocate(seq.seq_id, seq.request_id, seq.token_ids, min(chunk, budget))
             if alloc is None:
                 break  # head of line waits for memory; admitting smaller ones would starve it
-            whole = len(seq.token_ids) - alloc.cached_tokens
-            if not self.cfg.enable_chunked_prefill and alloc.num_new_tokens < whole:
-                self.kv.free(seq.seq_id)  # the whole prompt must fit this step's budget; it waits for a step
+            wanted = min(len(seq.token_ids) - alloc.cached_tokens, chunk)
+            if not self.cfg.enable_chunked_prefill and alloc.num_new_tokens < wanted:
+                self.kv.free(seq.seq_id)  # its prompt (or chunk) must fit this step's budget whole: it waits
                 break
             self.waiting.pop(now)
             seq.run_priority = self.waiting.effective_priority(seq, now)

@@ -143,6 +143,14 @@ def _objective_values(m: TrialMetrics, multi: bool) -> list[float]:
     return [m.goodput_tps]
 
 
+def _advance(bar: tqdm, total: int, best: float) -> None:
+    """One more measurement: the bar stops at its total (failed trials count, as in the budget) and shows the
+    best feasible goodput so far."""
+    bar.n = min(bar.n + 1, total)
+    bar.set_postfix_str(f"best {best:.1f} tok/s" if best > float("-inf") else "best —", refresh=False)
+    bar.refresh()
+
+
 def _record(ft: optuna.trial.FrozenTrial) -> TrialRecord:
     constraints = dict(ft.constraints)
     return TrialRecord(
@@ -284,6 +292,7 @@ def _run_one(
         study.set_user_attr("base_config", base.tunable())
         study.enqueue_trial(space.from_config(base), user_attrs={"baseline": True}, skip_if_exists=True)
     failed = duplicates_in_a_row = 0
+    best = float("-inf")  # best feasible goodput measured by this worker (the bar's postfix)
     notes: list[str] = []
     initial = _measured_count(study.get_trials(deepcopy=False))
     with tqdm(
@@ -314,7 +323,7 @@ def _run_one(
                 log.error("trial %d: params %s make no valid config: %s", trial.number, values, exc)
                 study.tell(trial, state=TrialState.FAIL)
                 failed += 1
-                bar.update(1)
+                _advance(bar, trials, best)
                 continue
             config_key = _config_key(config, seeds)
             trial.set_user_attr("patch", space.to_patch(values))
@@ -347,13 +356,13 @@ def _run_one(
                 trial.set_user_attr("infeasible", exc.reason[:2000])
                 trial.set_constraint("infeasible", 1.0)
                 study.tell(trial, [0.0, 1e9] if multi else [0.0])
-                bar.update(1)
+                _advance(bar, trials, best)
                 continue
             except (ReplayError, StorageError, ConfigError, RuntimeError, OSError) as exc:
                 log.error("trial %d (%s) failed on backend %s: %s", trial.number, run_id, backend.name, exc)
                 study.tell(trial, state=TrialState.FAIL)
                 failed += 1
-                bar.update(1)
+                _advance(bar, trials, best)
                 continue
             trial.set_user_attr("metrics", metrics.as_dict())
             if metrics.run_id != run_id:  # the simulator's cache: the events are stored under the first run
@@ -361,8 +370,9 @@ def _run_one(
             for key, value in metrics.constraints(slo).items():
                 trial.set_constraint(key, value)
             study.tell(trial, _objective_values(metrics, multi))
-            bar.update(1)
-            bar.set_postfix(goodput=f"{metrics.goodput_tps:.1f}", feasible=metrics.feasible(slo))
+            if metrics.feasible(slo) and not multi:
+                best = max(best, metrics.goodput_tps)
+            _advance(bar, trials, best)
     records = [_record(t) for t in study.get_trials(deepcopy=False)]
     if failed:
         log.warning("study %s: %d trial(s) failed (see errors above)", name, failed)

@@ -50,6 +50,11 @@ def test_without_chunked_prefill_a_prompt_waits_until_it_fits_the_budget_whole()
     assert _step(chunked, 0.01) == {0: 200, 1: 100}  # the second prompt starts with what is left
     assert _step(whole, 0.01) == {0: 200}  # ... or waits for a step it fits in whole
     assert _step(whole, 0.02) == {0: 1, 1: 200}
+    # vLLM's long-prefill threshold still cuts prompts without chunked prefill: the piece must fit whole
+    capped = _scheduler(max_num_batched_tokens=300, prefill_chunk_tokens=64, enable_chunked_prefill=False)
+    capped.add(_seq(0, 200))
+    capped.add(_seq(1, 200, at=0.001))
+    assert _step(capped, 0.01) == {0: 64, 1: 64}
 
 
 def test_long_prefill_threshold_applies_only_while_another_request_is_there() -> None:
