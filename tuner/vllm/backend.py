@@ -137,6 +137,24 @@ class VllmBackend:
     # ------------------------------------------------------------------ the trial
     def evaluate(self, config: VllmConfig, *, run_id: str, seed: int) -> TrialMetrics:
         reqs, prompts = self.requests(seed)
+        result, server = self.replay(config, reqs, prompts, run_id=run_id)
+        metrics = self._metrics(server.launch.run_id, result)
+        self.evaluations.append(
+            {
+                "run_id": server.launch.run_id,
+                "config": config,
+                "seed": seed,
+                "start": result.wall_start,
+                "end": result.wall_end + 0.05,
+                "metrics": metrics,
+            }
+        )
+        return metrics
+
+    def replay(
+        self, config: VllmConfig, reqs: list[W.WorkloadRequest], prompts: list[list[int]], *, run_id: str
+    ) -> tuple[ClientResult, _Server]:
+        """Replay `reqs` on the server of `config` (started if needed); the client's counts, not yet the metrics."""
         server = self._server(config, run_id)
         url = server.url
         try:
@@ -155,18 +173,18 @@ class VllmBackend:
         server.launch.evaluations += 1
         if result.ok == 0:
             raise InfeasibleTrialError(f"vLLM answered none of {result.sent} requests: {'; '.join(result.errors)}")
-        metrics = self._metrics(server.launch.run_id, result)
-        self.evaluations.append(
-            {
-                "run_id": server.launch.run_id,
-                "config": config,
-                "seed": seed,
-                "start": result.wall_start,
-                "end": result.wall_end + 0.05,
-                "metrics": metrics,
-            }
-        )
-        return metrics
+        return result, server
+
+    def capacity_rps(
+        self, config: VllmConfig, reqs: list[W.WorkloadRequest], *, run_id: str, seed: int = 7919
+    ) -> float:
+        """Requests/s `config` sustains: `reqs` all at once (the scenario mix offline, as `tuner.jobs` measures a
+        kvpilot config's capacity), answered requests over the time to the last answer."""
+        offline = [
+            W.WorkloadRequest(0.0, r.prompt_tokens, r.output_tokens, r.priority, r.prefix_group, r.kind) for r in reqs
+        ]
+        result, _ = self.replay(config, offline, prepare_prompts(offline, seed), run_id=run_id)
+        return result.ok / result.duration_s
 
     def pin(self, config: VllmConfig) -> None:
         """Keep the server of `config` up (not counted in `keep`, never evicted) until `close()`: the running
