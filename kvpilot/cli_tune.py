@@ -380,9 +380,12 @@ def apply_cmd(
     proposal_id: int = typer.Argument(..., help="proposal id"),
     engine_url: str = typer.Option("http://127.0.0.1:8000", "--engine-url"),
     admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
+    force: bool = typer.Option(
+        False, "--force", help="apply even if the engine is another instance than the proposal's"
+    ),
     db_url: str | None = DbOpt,
 ) -> None:
-    """Apply a proposal's tunables to a running engine through /admin/config."""
+    """Apply a proposal's tunables to a running engine through /admin/config (it must be the proposal's instance)."""
     _setup_logging(False)
     with _errors():
         from tuner.jobs import open_db
@@ -390,10 +393,16 @@ def apply_cmd(
 
         db = open_db(_db_url(db_url))
         try:
-            view = apply_proposal(db, proposal_id, engine_url=engine_url, admin_token=admin_token)
+            view = apply_proposal(db, proposal_id, engine_url=engine_url, admin_token=admin_token, force=force)
         finally:
             db.dispose()
-        typer.echo(f"proposal {view.id} applied to {engine_url}")
+        applied = (view.best_metrics or {}).get("apply", {})
+        typer.echo(f"proposal {view.id} applied to {engine_url} (instance {applied.get('instance') or '?'})")
+        diff = applied.get("diff") or []
+        for key, was, now in diff:
+            typer.echo(f"  {key}: {was} -> {now}")
+        if not diff:
+            typer.echo("  no tunable changed: the engine already ran the proposal's values")
 
 
 def _review(proposal_id: int, status: str, db_url: str | None) -> None:

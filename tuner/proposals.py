@@ -168,8 +168,13 @@ def apply_proposal(
     admin_token: str | None,
     timeout_s: float = 10.0,
     client: httpx.Client | None = None,
+    force: bool = False,
 ) -> ProposalView:
-    """PUT the proposal's tunables to the engine's /admin/config, then mark it applied."""
+    """PUT the proposal's tunables to the engine's /admin/config, then mark it applied.
+
+    The engine must be the instance the proposal was made for (its `telemetry.instance`), unless `force`; what
+    changes (tunable by tunable, the engine's value before and the proposal's) is kept under
+    `best_metrics.apply.diff` and returned with the view."""
     proposal = get_proposal(db, proposal_id)
     if proposal.status not in ("pending", "accepted"):
         raise ProposalError(f"proposal {proposal_id} is {proposal.status}; only pending or accepted ones apply")
@@ -187,6 +192,13 @@ def apply_proposal(
     http = client or httpx.Client(base_url=engine_url, timeout=timeout_s)
     try:
         before = _call(http, "GET", "/admin/config", headers)
+        running = (before.get("config") or {}).get("telemetry", {}).get("instance")
+        if proposal.instance and running and running != proposal.instance and not force:
+            raise ProposalError(
+                f"proposal {proposal_id} was made for instance {proposal.instance!r}, but the engine at {engine_url} "
+                f"is {running!r}; nothing applied (force to apply anyway)"
+            )
+        diff = tunable_diff(before.get("tunable") or {}, patch)
         differs = _non_tunable_differences(before.get("config", {}), proposal.config())
         if differs:
             log.warning(
@@ -200,8 +212,26 @@ def apply_proposal(
             http.close()
     if after.get("tunable") != patch:
         raise ApplyError(f"engine at {engine_url} answered with tunables that differ from the proposal: {after}")
-    info = {"apply": {"engine_url": engine_url, "at": time.time(), "previous_tunable": before.get("tunable")}}
+    info = {
+        "apply": {
+            "engine_url": engine_url,
+            "instance": running,
+            "at": time.time(),
+            "previous_tunable": before.get("tunable"),
+            "diff": [list(d) for d in diff],
+        }
+    }
     return set_status(db, proposal_id, "applied", extra=info)
+
+
+def tunable_diff(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(section.field, engine's value, proposal's value) for every tunable the proposal changes."""
+    return [
+        (f"{section}.{name}", (before.get(section) or {}).get(name), value)
+        for section, fields in after.items()
+        for name, value in fields.items()
+        if (before.get(section) or {}).get(name) != value
+    ]
 
 
 def _call(http: httpx.Client, method: str, path: str, headers: dict, json: Any = None) -> dict:

@@ -68,3 +68,38 @@ def test_a_vllm_proposal_is_a_vllm_config_and_is_not_applied_over_http(sqlite_ur
     res = runner.invoke(app, ["tune", "proposals", "list", "--db-url", sqlite_url])
     assert res.exit_code == 0 and f"{p.id}" in res.output and "+10.0%" in res.output
     db.dispose()
+
+
+def test_apply_checks_the_instance_and_keeps_the_diff(sqlite_url: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from tuner.proposals import get_proposal
+
+    from .test_cli_apply import _engine_app
+
+    app_, cfg = _engine_app()  # telemetry.instance: engine-0
+    proposed = cfg.with_tunable({"scheduler": {"max_num_seqs": 7}})
+    db = make_engine(sqlite_url)
+
+    def propose(instance: str) -> int:
+        return create_proposal(
+            db,
+            config_yaml=proposed.to_yaml(),
+            report_md="",
+            study_name="s",
+            instance=instance,
+            baseline_metrics={},
+            best_metrics={},
+        ).id
+
+    other, ours = propose("engine-9"), propose("engine-0")
+    with TestClient(app_) as client:
+        with pytest.raises(
+            ProposalError, match="made for instance 'engine-9', but the engine at http://test is 'engine-0'"
+        ):
+            apply_proposal(db, other, engine_url="http://test", admin_token="secret", client=client)
+        assert get_proposal(db, other).status == "pending"
+        done = apply_proposal(db, ours, engine_url="http://test", admin_token="secret", client=client)
+    assert done.best_metrics["apply"]["diff"] == [["scheduler.max_num_seqs", 32, 7]]
+    assert done.best_metrics["apply"]["instance"] == "engine-0"
+    db.dispose()
