@@ -316,6 +316,7 @@ def _run(
                 "live_goodput": m.goodput,
                 "feasible": m.feasible,
                 "infeasible": m.infeasible,
+                "put_back": m.reverted,
             }
             for m in (screened.baseline, *screened.confirmed)
         ],

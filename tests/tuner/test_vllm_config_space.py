@@ -112,3 +112,17 @@ def test_an_infeasible_config_is_a_trial_with_its_reason_not_the_end_of_the_stud
     assert infeasible and all(t.params == {"max_num_seqs": 16} and not t.feasible for t in infeasible)
     assert "out of memory" in infeasible[0].infeasible and infeasible[0].state == "COMPLETE"
     assert result.best.params == {"max_num_seqs": 32} and result.baseline.params == {"max_num_seqs": 8}
+
+
+def test_prune_puts_back_the_knobs_whose_change_does_not_matter() -> None:
+    from tuner.vllm.screen import paired_gain, prune
+
+    base = VllmConfig(model="/m", max_num_seqs=8)
+    space = load_vllm_space(base=base)
+    found = {**space.from_config(base), "max_num_seqs": 32, "block_size": 64, "scheduling_policy": "priority"}
+    params, reverted = prune(_FakeVllm(), space, base, found, seeds=[0], slo=SLO())
+    assert reverted == ["block_size", "scheduling_policy"]  # the fake scores max_num_seqs only
+    assert base.changed(space.apply(base, params)) == [("max_num_seqs", 8, 32)]
+    gain, low = paired_gain([100.0, 100.0, 100.0], [110.0, 112.0, 108.0])
+    assert gain == pytest.approx(0.10) and 0.05 < low < gain
+    assert paired_gain([100.0, 100.0], [130.0, 90.0])[1] < 0  # a spread this wide bounds nothing

@@ -2,9 +2,10 @@
 and keep only what holds live on new workload seeds.
 
 1. `screen`: an Optuna study on the simulator (`VllmSimBackend`, calibrated from the running config's stored
-   steps) over the vLLM space; the `top_k` best feasible, distinct configs (the running one aside) are measured
-   live on the same seeds (`VllmBackend`, one restart each). The search's best is the best feasible live
-   measurement, the running config's included: a config the simulator liked but vLLM did not is never proposed.
+   steps) over the vLLM space; the `top_k` best feasible, distinct configs (the running one aside), each pruned
+   to the knobs whose change matters in the simulator (`prune`), are measured live on the same seeds
+   (`VllmBackend`, one restart each). The search's best is the best feasible live measurement, the running
+   config's included: a config the simulator liked but vLLM did not is never proposed.
 2. `held_out`: the running config and the best one on new seeds, alternating seed by seed (and which goes first)
    with both servers kept up, so both see the machine at the same speed; the gain is the mean paired relative gain
    and `gain_low` its one-sided 90% lower bound (Student's t over the paired runs).
@@ -40,6 +41,7 @@ class LiveMeasurement:
     feasible: bool
     sim_goodput: float | None = None
     infeasible: str | None = None
+    reverted: list[str] = field(default_factory=list)  # knobs the simulator found did not matter, put back
 
     @property
     def goodput(self) -> float:
@@ -117,15 +119,56 @@ def screen(
     for trial in ranked:
         if len(result.confirmed) >= top_k:
             break
-        config = space.apply(base, trial.params)
+        params, reverted = prune(sim_backend, space, base, trial.params, seeds=seeds, slo=slo, name=f"{name}-prune")
+        config = space.apply(base, params)
         if tuple(config.to_args()) in seen:
             continue
         seen.add(tuple(config.to_args()))
-        log.info("confirming live: sim goodput %.1f, %s", trial.goodput, base.changed(config))
-        m = live_measurement(live_backend, config, trial.params, seeds=seeds, slo=slo, name=f"{name}-confirm")
-        m.sim_goodput = trial.goodput
+        sim_goodput = measure(sim_backend, config, seeds=seeds, slo=slo, name=f"{name}-pruned").goodput_tps
+        log.info("confirming live: sim goodput %.1f, %s (put back: %s)", sim_goodput, base.changed(config), reverted)
+        m = live_measurement(live_backend, config, params, seeds=seeds, slo=slo, name=f"{name}-confirm")
+        m.sim_goodput = sim_goodput
+        m.reverted = reverted
         result.confirmed.append(m)
     return result
+
+
+def prune(
+    backend: Backend,
+    space: Any,
+    base: Any,
+    params: dict[str, Any],
+    *,
+    seeds: Sequence[int],
+    slo: SLO,
+    tolerance: float = 0.01,
+    name: str = "prune",
+) -> tuple[dict[str, Any], list[str]]:
+    """Keep only the knobs whose change matters: each changed knob in turn is put back to the running value, and
+    stays back if the (simulated) goodput loses less than `tolerance` and the config stays feasible. Returns the
+    pruned params and the knobs put back. Works for any space/config pair (`apply`, `from_config`)."""
+    current = dict(params)
+    running = space.from_config(base)
+
+    def score(values: dict[str, Any]) -> tuple[float, bool]:
+        m = measure(backend, space.apply(base, values), seeds=seeds, slo=slo, name=name)
+        return m.goodput_tps, m.feasible(slo)
+
+    reference, feasible = score(current)  # the candidate as the screen found it
+    reverted: list[str] = []
+    for knob in [k for k, v in params.items() if running.get(k) != v]:
+        trial = {**current, knob: running[knob]}
+        try:
+            goodput, ok = score(trial)
+        except (ValueError, InfeasibleTrialError):
+            continue
+        if not ok or (feasible and goodput < reference * (1.0 - tolerance)):
+            continue  # this change matters: it stays
+        if not feasible:
+            reference = goodput  # the first feasible config sets the bar
+        current, feasible = trial, True
+        reverted.append(knob)
+    return current, reverted
 
 
 def paired_gain(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
