@@ -336,7 +336,9 @@ def nightly_cmd(
     seed: int = typer.Option(0, "--seed"),
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL"),
-    engine_url: str | None = typer.Option(None, "--engine-url", help="live: the engine's base URL"),
+    engine_url: str | None = typer.Option(
+        None, "--engine-url", help="the running engine: its tunables are the baseline (live: trials run there)"
+    ),
     admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
     window: float = typer.Option(30.0, "--window", help="live: seconds observed per trial"),
     settle: float = typer.Option(5.0, "--settle", help="live: seconds after a change before observing"),
@@ -367,6 +369,8 @@ def nightly_cmd(
             instance=instance,
             storage_url=storage,
             live=live,
+            engine_url=engine_url,
+            admin_token=admin_token,
         )
         typer.echo(result.decision)
         for kind, path in result.files.items():

@@ -23,7 +23,8 @@ from tuner.backends import Backend
 from tuner.jobs import base_config, make_backend, open_db, workload_factory
 from tuner.metrics import SLO
 from tuner.profile import load_profile
-from tuner.proposals import ProposalView, create_proposal
+from tuner.proposals import ProposalView, create_proposal, running_tunables
+from tuner.prune import prune
 from tuner.report import pareto_png, render_markdown, search_summary
 from tuner.space import load_space
 from tuner.storage import open_storage
@@ -92,8 +93,15 @@ def run_nightly(
     storage_url: str | None = None,
     live: dict[str, Any] | None = None,
     progress: bool = True,
+    engine_url: str | None = None,
+    admin_token: str | None = None,
 ) -> NightlyResult:
-    """The whole nightly job; returns the proposal (None when the gain did not hold)."""
+    """The whole nightly job; returns the proposal (None when the gain did not hold).
+
+    With `engine_url` (or a live backend) the baseline is the config the engine actually runs (its tunables from
+    GET /admin/config on top of the config file), so the proposal is measured against what it would replace. On
+    the simulator the best config is pruned to the knobs whose change matters (`tuner.prune`) before it is
+    confirmed."""
     slo = (slo or SLO()).validate()
     opts = (options or WL.WorkloadOptions()).validate()
     if confirm_seeds < 1:
@@ -101,6 +109,12 @@ def run_nightly(
     out = Path(out_dir)
     prof = load_profile(profile)
     base = base_config(config_path, prof, backend)
+    engine_url = engine_url or (live or {}).get("engine_url")
+    running_note = None
+    if engine_url:
+        tunable, running_instance = running_tunables(engine_url, admin_token or (live or {}).get("admin_token"))
+        base = base.with_tunable(tunable)
+        running_note = f"baseline: the tunables running on {engine_url} (instance {running_instance})"
     space = load_space(space_path, base=base)
     db = open_db(db_url)
     try:
@@ -124,6 +138,9 @@ def run_nightly(
             progress=progress,
         )
         best, current = result.best, result.baseline
+        if running_note:
+            result.notes.append(running_note)
+        proposed = dict(best.params) if best is not None else {}
         confirmation = None
         if best is None:
             decision = "no proposal: no trial met the constraints"
@@ -132,7 +149,13 @@ def run_nightly(
         elif best.number == current.number:
             decision = "no proposal: the current config is already the best found"
         else:
-            best_cfg = space.apply(base, best.params)
+            if backend == "sim":
+                proposed, reverted = prune(
+                    be, space, base, best.params, seeds=list(range(seed, seed + seeds_per_trial)), slo=slo
+                )
+                if reverted:
+                    result.notes.append(f"put back (no effect in the simulator): {', '.join(reverted)}")
+            best_cfg = space.apply(base, proposed)
             seeds = [seed + 1000 + k for k in range(confirm_seeds)]
             confirmation = confirm(be, base, best_cfg, slo=slo, seeds=seeds, name=name, min_gain=min_gain)
             decision = (
@@ -152,19 +175,20 @@ def run_nightly(
             confirmation=confirmation,
             decision=decision,
             plot_name=plot_name,
+            proposed_params=proposed if confirmation is not None else None,
         )
         if not propose:
             path = _write_atomic(out / f"report-{name}.md", md.encode())
             if png:
                 _write_atomic(out / plot_name, png)
             return NightlyResult(result, decision, None, confirmation, {"report": path}, md)
-        best_cfg = space.apply(base, best.params)
+        best_cfg = space.apply(base, proposed)
         cfg_yaml = best_cfg.to_yaml()
         metrics_base = {"trial": current.metrics, "confirmation": confirmation["baseline"], "params": current.params}
         metrics_best = {
             "trial": best.metrics,
-            "params": best.params,
-            "patch": space.to_patch(best.params),
+            "params": proposed,
+            "patch": space.to_patch(proposed),
             "search": search_summary(result),
             "workload": wdesc,
             "backend": backend,

@@ -224,6 +224,14 @@ def apply_proposal(
     return set_status(db, proposal_id, "applied", extra=info)
 
 
+def running_tunables(engine_url: str, admin_token: str | None, *, timeout_s: float = 10.0) -> tuple[dict, str | None]:
+    """(tunables, instance) of the config a running engine actually runs (GET /admin/config)."""
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    with httpx.Client(base_url=engine_url, timeout=timeout_s) as http:
+        body = _call(http, "GET", "/admin/config", headers)
+    return body.get("tunable") or {}, (body.get("config") or {}).get("telemetry", {}).get("instance")
+
+
 def tunable_diff(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(section.field, engine's value, proposal's value) for every tunable the proposal changes."""
     return [

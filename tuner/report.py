@@ -62,7 +62,9 @@ def render_markdown(
     confirmation: dict[str, Any] | None,
     decision: str,
     plot_name: str | None,
+    proposed_params: dict[str, Any] | None = None,
 ) -> str:
+    """`proposed_params`: what is proposed, when it is not the best trial's params as found (pruned)."""
     s = search_summary(result)
     base, best = result.baseline, result.best
     lines = [f"# {title}", "", f"**Decision:** {decision}", ""]
@@ -85,7 +87,7 @@ def render_markdown(
     lines += [f"- {n}" for n in result.notes]
     if base and best:
         lines += ["", "## What changed", "", "| knob | current | proposed |", "|---|---|---|"]
-        diff = changes(base.params, best.params)
+        diff = changes(base.params, proposed_params if proposed_params is not None else best.params)
         lines += [f"| `{k}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in diff] or ["| (none) | | |"]
     if confirmation:
         lines += [

@@ -115,7 +115,8 @@ def test_an_infeasible_config_is_a_trial_with_its_reason_not_the_end_of_the_stud
 
 
 def test_prune_puts_back_the_knobs_whose_change_does_not_matter() -> None:
-    from tuner.vllm.screen import paired_gain, prune
+    from tuner.prune import prune
+    from tuner.vllm.screen import paired_gain
 
     base = VllmConfig(model="/m", max_num_seqs=8)
     space = load_vllm_space(base=base)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tuner.backends import Backend, InfeasibleTrialError
-from tuner.metrics import SLO, TrialMetrics, combine
+from tuner.metrics import SLO
+from tuner.prune import measure, prune
 from tuner.study import StudyResult, run_study
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import VllmSpace
@@ -67,11 +68,6 @@ class ScreenResult:
     def best(self) -> LiveMeasurement:
         feasible = [m for m in (self.baseline, *self.confirmed) if m.feasible]
         return max(feasible, key=lambda m: m.goodput) if feasible else self.baseline
-
-
-def measure(backend: Backend, config: VllmConfig, *, seeds: Sequence[int], slo: SLO, name: str) -> TrialMetrics:
-    runs = [backend.evaluate(config, run_id=f"{name}-s{s}-{uuid.uuid4().hex[:6]}", seed=s) for s in seeds]
-    return combine(runs)
 
 
 def live_measurement(
@@ -131,44 +127,6 @@ def screen(
         m.reverted = reverted
         result.confirmed.append(m)
     return result
-
-
-def prune(
-    backend: Backend,
-    space: Any,
-    base: Any,
-    params: dict[str, Any],
-    *,
-    seeds: Sequence[int],
-    slo: SLO,
-    tolerance: float = 0.01,
-    name: str = "prune",
-) -> tuple[dict[str, Any], list[str]]:
-    """Keep only the knobs whose change matters: each changed knob in turn is put back to the running value, and
-    stays back if the (simulated) goodput loses less than `tolerance` and the config stays feasible. Returns the
-    pruned params and the knobs put back. Works for any space/config pair (`apply`, `from_config`)."""
-    current = dict(params)
-    running = space.from_config(base)
-
-    def score(values: dict[str, Any]) -> tuple[float, bool]:
-        m = measure(backend, space.apply(base, values), seeds=seeds, slo=slo, name=name)
-        return m.goodput_tps, m.feasible(slo)
-
-    reference, feasible = score(current)  # the candidate as the screen found it
-    reverted: list[str] = []
-    for knob in [k for k, v in params.items() if running.get(k) != v]:
-        trial = {**current, knob: running[knob]}
-        try:
-            goodput, ok = score(trial)
-        except (ValueError, InfeasibleTrialError):
-            continue
-        if not ok or (feasible and goodput < reference * (1.0 - tolerance)):
-            continue  # this change matters: it stays
-        if not feasible:
-            reference = goodput  # the first feasible config sets the bar
-        current, feasible = trial, True
-        reverted.append(knob)
-    return current, reverted
 
 
 def paired_gain(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
