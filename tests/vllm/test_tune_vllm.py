@@ -98,7 +98,7 @@ def test_a_tiny_study_on_real_vllm(vllm_peer, python: str, tmp_path) -> None:  #
         python=python,
         collector_url=vllm_peer.collector_url,
         ingest_token=TOKEN,
-        instance="tune-vllm-test",
+        instance="tuner-vllm-test",
         warmup=2,
         log_dir=tmp_path,
     )

@@ -98,7 +98,7 @@ class VllmBackend:
         python: str,
         collector_url: str,
         ingest_token: str | None = None,
-        instance: str = "tune-vllm",
+        instance: str = "tuner-vllm",  # "tuner-" instances are the tuner's replays: rules never page for them
         warmup: int = 4,
         keep: int = 1,
         startup_timeout_s: float = 420.0,
