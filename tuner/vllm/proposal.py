@@ -101,6 +101,12 @@ def render_report(
             f"Gain {heldout['gain']:+.1%} (paired by seed); one-sided 90% lower bound {heldout['gain_low']:+.1%}; "
             f"proposed config feasible on every run: {heldout['best_feasible_all']}.",
         ]
+        for label, other in (heldout.get("others") or {}).items():
+            g = other["goodput"]
+            lines.append(
+                f"On the same runs, `{label}`: {g['mean']:.1f} ± {g['sd']:.1f} goodput tokens/s "
+                f"({other['gain']:+.1%} over the running config, lower bound {other['gain_low']:+.1%})."
+            )
     lines += ["", "## Apply", "", "vLLM reloads nothing at run time: restart it with the proposal file,", ""]
     lines += ["```bash", "vllm serve --config proposal-ID.yaml  # or: kvpilot vllm serve -- --config proposal-ID.yaml"]
     lines += ["```"]

@@ -150,17 +150,18 @@ def held_out(
     slo: SLO,
     name: str,
     repeats: int = 1,
+    others: dict[str, VllmConfig] | None = None,
 ) -> dict[str, Any]:
-    """Both configs on every held-out seed, alternating which runs first; the figures with their spread."""
-    runs: dict[str, list[dict]] = {"baseline": [], "best": []}
+    """Every config on every held-out seed, the order rotating from seed to seed; the figures with their spread.
+    `others` (label -> config, e.g. another search's best) run alongside and are compared the same way."""
+    configs = [("baseline", base), ("best", best), *(others or {}).items()]
+    runs: dict[str, list[dict]] = {label: [] for label, _ in configs}
     order = 0
     for rep in range(repeats):
         for s in seeds:
-            pair = [("baseline", base), ("best", best)]
-            if order % 2:
-                pair.reverse()
+            turn = configs[order % len(configs) :] + configs[: order % len(configs)]
             order += 1
-            for label, cfg in pair:
+            for label, cfg in turn:
                 try:
                     m = backend.evaluate(
                         cfg, run_id=f"{name}-heldout-{label}-s{s}-r{rep}-{uuid.uuid4().hex[:4]}", seed=s
@@ -171,18 +172,23 @@ def held_out(
     before = [r["goodput_tps"] for r in runs["baseline"]]
     after = [r["goodput_tps"] for r in runs["best"]]
     gain, gain_low = paired_gain(before, after)
-    return {
+    out = {
         "seeds": list(seeds),
         "repeats": repeats,
-        "baseline": runs["baseline"],
-        "best": runs["best"],
+        **runs,
         "default_goodput": _spread(before),
         "proposal_goodput": _spread(after),
         "gain": gain,
         "gain_low": gain_low,
         "best_feasible_all": all(r["feasible"] for r in runs["best"]),
         "holds": gain_low > 0 and all(r["feasible"] for r in runs["best"]),
+        "others": {},
     }
+    for label in others or {}:
+        values = [r["goodput_tps"] for r in runs[label]]
+        g, low = paired_gain(before, values)
+        out["others"][label] = {"goodput": _spread(values), "gain": g, "gain_low": low}
+    return out
 
 
 def _spread(values: Sequence[float]) -> dict[str, float]:
