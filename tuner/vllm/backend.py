@@ -183,7 +183,8 @@ class VllmBackend:
         offline = [
             W.WorkloadRequest(0.0, r.prompt_tokens, r.output_tokens, r.priority, r.prefix_group, r.kind) for r in reqs
         ]
-        result, _ = self.replay(config, offline, prepare_prompts(offline, seed), run_id=run_id)
+        result, server = self.replay(config, offline, prepare_prompts(offline, seed), run_id=run_id)
+        self._metrics(server.launch.run_id, result)  # waits until the collector stored it: ingest is CPU too
         return result.ok / result.duration_s
 
     def pin(self, config: VllmConfig) -> None:
