@@ -127,3 +127,49 @@ def test_prune_puts_back_the_knobs_whose_change_does_not_matter() -> None:
     gain, low = paired_gain([100.0, 100.0, 100.0], [110.0, 112.0, 108.0])
     assert gain == pytest.approx(0.10) and 0.05 < low < gain
     assert paired_gain([100.0, 100.0], [130.0, 90.0])[1] < 0  # a spread this wide bounds nothing
+
+
+def test_a_vllm_proposal_is_published_as_config_file_report_and_row(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from collector.db import make_engine
+    from tuner.proposals import get_proposal
+    from tuner.study import StudyResult
+    from tuner.vllm.proposal import publish, render_report
+    from tuner.vllm.screen import LiveMeasurement, ScreenResult
+
+    base = VllmConfig(model="/m")
+    best = base.replace(block_size=32, kv_cache_memory_bytes=64 * 2**20)
+    metrics = {"goodput_tps": 1000.0, "throughput_tps": 1100.0, "ttft_p99_s": 0.5, "tpot_p99_s": 0.02}
+    runs = [{**metrics, "e2e_p99_s": 2.0, "rejection_rate": 0.0, "seed": s, "feasible": True} for s in (1, 2)]
+    screened = ScreenResult(
+        sim=StudyResult(name="s", sampler="tpe", multi_objective=False, trials=[]),
+        baseline=LiveMeasurement(base, {}, metrics, True, sim_goodput=990.0),
+        confirmed=[LiveMeasurement(best, {}, {**metrics, "goodput_tps": 1300.0}, True, sim_goodput=1310.0)],
+    )
+    heldout = {
+        "seeds": [1, 2],
+        "repeats": 1,
+        "baseline": runs,
+        "best": [{**r, "goodput_tps": 1250.0} for r in runs],
+        "gain": 0.25,
+        "gain_low": 0.2,
+        "best_feasible_all": True,
+        "others": {},
+    }
+    report = render_report(
+        title="t", decision="propose", workload={"scenario": "sustained"}, slo=SLO(), base=base, screened=screened,
+        heldout=heldout,
+    )  # fmt: skip
+    assert "| `--block-size` | 128 | 32 |" in report and "| `--kv-cache-memory-bytes` |" in report
+    assert "| goodput tokens/s | 1000.0 ± 0.0" in report and "Gain +25.0%" in report
+    db = make_engine(sqlite_url)
+    p = publish(
+        db, tmp_path, name="s", instance="tuner-vllm", base=base, best=best, report_md=report,
+        baseline_metrics={"heldout": runs}, best_metrics={"confirmation": {"gain": 0.25}},
+    )  # fmt: skip
+    assert p.config_path.name == f"proposal-{p.row.id}.yaml" and VllmConfig.from_config_yaml(p.config_path) == best
+    assert f"--config proposal-{p.row.id}.yaml" in p.report_path.read_text()
+    row = get_proposal(db, p.row.id)
+    assert row.engine == "vllm" and row.status == "pending" and row.gain == 0.25
+    assert row.best_metrics["changed"] == {"block_size": 32, "kv_cache_memory_bytes": 64 * 2**20}
+    assert not list(tmp_path.glob(".*.tmp"))
+    db.dispose()
