@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,10 +44,9 @@ from tuner.vllm.config import VllmConfig
 log = logging.getLogger("kvpilot.tuner.vllm.backend")
 
 WorkloadFactory = Callable[[int], list[W.WorkloadRequest]]
-SPAN_EXPORT_ENV = {
-    "OTEL_BSP_SCHEDULE_DELAY": "200",
-    "VLLM_SERVER_DEV_MODE": "1",
-}  # spans every 0.2 s; /reset_prefix_cache
+# A trial's vLLM (loopback only): spans exported every 0.2 s instead of 5 s, and the dev endpoints for
+# /reset_prefix_cache between replays.
+TRIAL_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200", "VLLM_SERVER_DEV_MODE": "1"}
 
 
 @dataclass
@@ -62,16 +60,6 @@ class Launch:
     stop_s: float | None = None
     evaluations: int = 0
     error: str | None = None
-
-    def as_dict(self) -> dict:
-        return {
-            "run_id": self.run_id,
-            "changed": {k: b for k, _a, b in VllmConfig(model=self.config.model).changed(self.config)},
-            "ready_s": self.ready_s,
-            "stop_s": self.stop_s,
-            "evaluations": self.evaluations,
-            "error": self.error,
-        }
 
 
 @dataclass
@@ -115,7 +103,7 @@ class VllmBackend:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         base_env = dict(os.environ if env is None else env)
         base_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the trial's --kv-cache-memory-bytes
-        self.env = {**base_env, **SPAN_EXPORT_ENV}
+        self.env = {**base_env, **TRIAL_ENV}
         self._servers: OrderedDict[tuple[str, ...], _Server] = OrderedDict()
         self._pinned: set[tuple[str, ...]] = set()
         self.evaluations: list[dict] = []  # one per replay: run id, config, seed, window (for fidelity checks)
@@ -364,7 +352,3 @@ def _reason(text: str, limit: int = 1500) -> str:
     picked = (errors[-3:] if errors else []) + lines[-3:]
     out = " | ".join(dict.fromkeys(ln.strip() for ln in picked))
     return out[:limit] if out else text[:limit]
-
-
-def new_run_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
