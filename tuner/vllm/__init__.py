@@ -6,7 +6,10 @@ trial, a simulator in vLLM's scheduling mode calibrated from vLLM's own iteratio
 - `argcheck`: the space checked against the installed vLLM's own argument parser and config validation;
 - `client`: replays a workload through vLLM's OpenAI API at the recorded arrival times;
 - `backend`: `VllmBackend`, one vLLM start per trial (through `kvpilot.vllm.VllmLauncher`);
+- `steps`: the stored step rows a calibration reads;
 - `calibrate`: the cost model fitted to the steps the collector stored from vLLM's iteration lines;
 - `sim`: the kvpilot scheduler and KV cache manager in vLLM V1's mode, on that cost model;
-- `screen`: simulation-screened search, live confirmation, held-out check, the proposal.
+- `fidelity`: every live replay re-run in the simulator and compared;
+- `screen`: simulation-screened search, live confirmation, the held-out check;
+- `proposal`: vLLM's `--config` file, the markdown report and the proposals row.
 """
