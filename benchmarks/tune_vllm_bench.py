@@ -12,9 +12,9 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 3. A live-only Optuna (TPE) study on vLLM, `live_only_trials` trials from the same running config (its trial 0
    is the measurement of step 1, not re-run).
 4. Held-out: the running config against the screened best on new seeds, both servers kept up, alternating;
-   `default_goodput` / `proposal_goodput` with spread, `gain` and `gain_low` (paired, one-sided 90% bound). The
-   live-only search's best runs alongside on the same seeds (`heldout_live_only_best`): one tuning-seed
-   measurement per trial is too noisy on a shared machine to say which search found more.
+   `default_goodput` / `proposal_goodput` with spread, `gain` and `gain_low` (paired, one-sided 90% bound). Without
+   --quick the live-only search's best runs alongside on the same seeds (`heldout_live_only_best`): one
+   tuning-seed measurement per trial is too noisy on a shared machine to say which search found more.
 5. A proposal (vLLM `--config` YAML, markdown report, DB row) only if the gain holds (`gain_low` > 0).
 6. Fidelity: every live replay re-run in the simulator (throughput, busy time, p99), errors relative to real.
 """
@@ -70,6 +70,7 @@ BUDGETS = {
         "live_only_trials": 6,
         "heldout_seeds": [1000, 1001, 1002],
         "repeats": 1,
+        "heldout_live_only_best": False,  # one more start and 3 replays: over the 15 minutes on a busy day
     },
     False: {
         "tuning_seeds": [0, 1],
@@ -78,6 +79,7 @@ BUDGETS = {
         "live_only_trials": 9,
         "heldout_seeds": [1000, 1001, 1002, 1003],
         "repeats": 2,
+        "heldout_live_only_best": True,
     },
 }
 
@@ -228,7 +230,7 @@ def _run(
         t = time.time()
         best = screened.best
         others = {}
-        if lo_best is not None:  # the two searches' bests compared on the same held-out runs, not on one noisy seed
+        if lo_best is not None and the_plan["heldout_live_only_best"]:  # both searches' bests on the same runs
             lo_cfg = space.apply(base, lo_best.params)
             if lo_cfg.to_args() not in (base.to_args(), best.config.to_args()):
                 others["live_only_best"] = lo_cfg
