@@ -316,8 +316,11 @@ def _run(
         "targets": {
             "gain_low_positive": heldout["gain_low"] > 0,
             "screened_at_least_live_only": best.goodput >= lo_best_goodput,
-            "screened_at_least_live_only_heldout": heldout["proposal_goodput"]["mean"]
-            >= heldout["others"].get("live_only_best", {}).get("goodput", {}).get("mean", 0.0),
+            "screened_at_least_live_only_heldout": (
+                heldout["proposal_goodput"]["mean"] >= heldout["others"]["live_only_best"]["goodput"]["mean"]
+                if "live_only_best" in heldout["others"]
+                else None  # not measured (quick), or the two bests are one config
+            ),
             "live_trials_at_most_a_third": screened.live_trials * 3 <= live_only.measured,
         },
         "decision": decision,
