@@ -112,6 +112,18 @@ class SchedulerConfig(_Strict):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     queue_limit: int = Field(256, ge=1)
     aging_s: float = Field(5.0, gt=0, description="seconds of waiting that raise a request one class")
+    # vLLM V1's scheduling, for the tuner's simulator of a vLLM (tuner/vllm/sim.py); kvpilot's own engine keeps
+    # the defaults.
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="False: a waiting prompt is admitted only when all of it (up to prefill_chunk_tokens) fits the "
+        "step's remaining budget",
+    )
+    chunk_lone_prefill: bool = Field(
+        True,
+        description="False: prefill_chunk_tokens applies only while another request runs or waits (a lone "
+        "request's prefill may take the whole budget, as vLLM's long_prefill_token_threshold does)",
+    )
 
 
 class RecyclerConfig(_Strict):

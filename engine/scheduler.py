@@ -6,6 +6,11 @@ grow, the worst running sequence is preempted (`recompute`: blocks freed, back t
 blocks moved to the host tier) until it fits; (3) only if nothing was preempted, swapped sequences
 come back, then waiting ones are admitted (prefix-cache hits skip their cached tokens). The result is
 a `SchedulerOutput` the executor runs and `update` consumes — state flows forward, never back (STYLE.md 2).
+
+Two options make it schedule as vLLM V1 does (the tuner's simulator of a vLLM): `enable_chunked_prefill=False`
+admits a prompt only when all of it (or all of its first `prefill_chunk_tokens`, vLLM's long-prefill threshold
+still applies) fits the step's remaining budget, and `chunk_lone_prefill=False` applies `prefill_chunk_tokens`
+only while more than one request is running or waiting.
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ class Scheduler:
         self._swap_out_idle(recycled, out)
         budget = self.cfg.max_num_batched_tokens
         chunk = self.cfg.prefill_chunk_tokens
+        if not self.cfg.chunk_lone_prefill and self.num_unfinished <= 1:
+            chunk = budget
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
         running = self.running
@@ -133,7 +140,7 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             budget = self._resume_swapped(out, budget, decodes, prefills)
-            self._admit_waiting(now, out, budget, decodes, prefills)
+            self._admit_waiting(now, out, budget, decodes, prefills, chunk)
         out.scheduled = decodes + prefills
         return out
 
@@ -184,16 +191,19 @@ class Scheduler:
         budget: int,
         decodes: list[ScheduledSeq],
         prefills: list[ScheduledSeq],
+        chunk: int,
     ) -> None:
         while budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting.peek(now)
             if seq is None:
                 break
-            alloc = self.kv.allocate(
-                seq.seq_id, seq.request_id, seq.token_ids, min(self.cfg.prefill_chunk_tokens, budget)
-            )
+            alloc = self.kv.allocate(seq.seq_id, seq.request_id, seq.token_ids, min(chunk, budget))
             if alloc is None:
                 break  # head of line waits for memory; admitting smaller ones would starve it
+            wanted = min(len(seq.token_ids) - alloc.cached_tokens, chunk)
+            if not self.cfg.enable_chunked_prefill and alloc.num_new_tokens < wanted:
+                self.kv.free(seq.seq_id)  # its prompt (or chunk) must fit this step's budget whole: it waits
+                break
             self.waiting.pop(now)
             seq.run_priority = self.waiting.effective_priority(seq, now)
             seq.num_computed_tokens = alloc.cached_tokens

@@ -117,3 +117,16 @@ def bench_tuner(
     from benchmarks.tuner_bench import run_tuner_bench
 
     emit(run_tuner_bench(quick=quick, profile=profile), json_path)
+
+
+@bench_app.command("tune-vllm")
+def bench_tune_vllm(
+    quick: bool = typer.Option(False, "--quick", help="smaller budgets (within 15 minutes on 2 cores)"),
+    json_path: Path | None = JsonOpt,
+    vllm_python: str | None = typer.Option(None, "--vllm-python", help="vLLM's interpreter (default: as `vllm serve`)"),
+    out_dir: Path | None = typer.Option(None, "--out-dir", help="where the run's DB, logs and proposal go"),
+) -> None:
+    """Tune a real vLLM: simulation-screened search vs a live-only search; gain held out on new seeds."""
+    from benchmarks.tune_vllm_bench import run_tune_vllm_bench
+
+    emit(run_tune_vllm_bench(quick=quick, json_path=json_path, python=vllm_python, out_dir=out_dir), json_path)

@@ -113,6 +113,45 @@ def _emit(data: Any, json_path: Path | None) -> None:
     typer.echo(text)
 
 
+def _report(lines: list[str], data: Any, json_path: Path | None) -> None:
+    """A human summary on stdout; the JSON only with --json (written to that file)."""
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        lines = [*lines, f"JSON written to {json_path}"]
+    typer.echo("\n".join(lines))
+
+
+def _num(value: Any, unit: str = "", digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return (f"{value:,.1f}" if abs(value) >= 100 else f"{value:.{digits}g}") + unit
+    return f"{value}{unit}"
+
+
+def _study_lines(summary: dict[str, Any]) -> list[str]:
+    s = summary
+    head = (
+        f"study {s['study']} ({s['sampler']}, backend {s['backend']}): {s['trials']} trials measured, "
+        f"{s['feasible']} feasible, {s['failed']} failed, {s['duplicates']} repeats told a stored result"
+    )
+    base, best = s.get("baseline_goodput_tps"), s.get("best_goodput_tps")
+    lines = [head, f"  running config: {_num(base, ' goodput tokens/s')}"]
+    if best is None:
+        lines.append("  best: no trial met the constraints")
+    else:
+        gain = f" ({best / base - 1:+.1%})" if base else ""
+        lines.append(f"  best: {_num(best, ' goodput tokens/s')}{gain}, trial {s['best_trial']}")
+        changed = s.get("best_changes") or {}
+        lines.append("  changes: " + (", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()) or "none"))
+    if s.get("random_trials"):
+        vs = f" ({s['best_over_random']:+.1%} for {s['sampler']})" if "best_over_random" in s else ""
+        lines.append(f"  random search, same budget: {_num(s.get('random_best_goodput_tps'), ' goodput tokens/s')}{vs}")
+    lines += [f"  note: {n}" for n in s.get("notes", [])]
+    return lines
+
+
 # Shared options
 DbOpt = typer.Option(None, "--db-url", envvar="KVPILOT_DB_URL", help="kvpilot database (default: collector settings)")
 ProfileOpt = typer.Option("cpu-2core", "--profile", help="cost profile: a shipped name or a JSON file")
@@ -205,10 +244,10 @@ def study_cmd(
     admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
     window: float = typer.Option(30.0, "--window", help="live: seconds observed per trial"),
     settle: float = typer.Option(5.0, "--settle", help="live: seconds after a change before observing"),
-    json_path: Path | None = typer.Option(None, "--json", help="write the summary as JSON"),
+    json_path: Path | None = typer.Option(None, "--json", help="also write the summary as JSON to this file"),
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Run (or join) an Optuna study on the simulator, the engine or a live engine."""
+    """Run (or join) an Optuna study on the simulator, the engine or a live engine; prints a summary."""
     _setup_logging(verbose)
     with _errors():
         import uuid
@@ -259,20 +298,28 @@ def study_cmd(
         finally:
             db.dispose()
         best = result.best
+        base_params = result.baseline.params if result.baseline else {}
         summary = {
             **search_summary(result),
             "workload": wdesc,
             "backend": backend,
             "best_params": best.params if best else None,
+            "best_changes": {k: (base_params.get(k), v) for k, v in best.params.items() if base_params.get(k) != v}
+            if best
+            else None,
             "best_metrics": best.metrics if best else None,
             "baseline_metrics": result.baseline.metrics if result.baseline else None,
+            "notes": result.notes,
         }
         if multi_objective:
             summary["pareto"] = [
                 {"trial": t.number, "throughput_tps": t.values[0], "e2e_p99_s": t.values[1], "params": t.params}
                 for t in result.pareto
             ]
-        _emit(summary, json_path)
+        lines = _study_lines(summary)
+        if multi_objective:
+            lines.append(f"  Pareto front: {len(summary['pareto'])} configs (throughput vs p99 end-to-end)")
+        _report(lines, summary, json_path)
 
 
 @tune_app.command("nightly")
@@ -307,7 +354,9 @@ def nightly_cmd(
     seed: int = typer.Option(0, "--seed"),
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL"),
-    engine_url: str | None = typer.Option(None, "--engine-url", help="live: the engine's base URL"),
+    engine_url: str | None = typer.Option(
+        None, "--engine-url", help="the running engine: its tunables are the baseline (live: trials run there)"
+    ),
     admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
     window: float = typer.Option(30.0, "--window", help="live: seconds observed per trial"),
     settle: float = typer.Option(5.0, "--settle", help="live: seconds after a change before observing"),
@@ -339,6 +388,8 @@ def nightly_cmd(
             instance=instance,
             storage_url=storage,
             live=live,
+            engine_url=engine_url,
+            admin_token=admin_token,
         )
         typer.echo(result.decision)
         for kind, path in result.files.items():
@@ -352,9 +403,12 @@ def apply_cmd(
     proposal_id: int = typer.Argument(..., help="proposal id"),
     engine_url: str = typer.Option("http://127.0.0.1:8000", "--engine-url"),
     admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
+    force: bool = typer.Option(
+        False, "--force", help="apply even if the engine is another instance than the proposal's"
+    ),
     db_url: str | None = DbOpt,
 ) -> None:
-    """Apply a proposal's tunables to a running engine through /admin/config."""
+    """Apply a proposal's tunables to a running engine through /admin/config (it must be the proposal's instance)."""
     _setup_logging(False)
     with _errors():
         from tuner.jobs import open_db
@@ -362,10 +416,16 @@ def apply_cmd(
 
         db = open_db(_db_url(db_url))
         try:
-            view = apply_proposal(db, proposal_id, engine_url=engine_url, admin_token=admin_token)
+            view = apply_proposal(db, proposal_id, engine_url=engine_url, admin_token=admin_token, force=force)
         finally:
             db.dispose()
-        typer.echo(f"proposal {view.id} applied to {engine_url}")
+        applied = (view.best_metrics or {}).get("apply", {})
+        typer.echo(f"proposal {view.id} applied to {engine_url} (instance {applied.get('instance') or '?'})")
+        diff = applied.get("diff") or []
+        for key, was, now in diff:
+            typer.echo(f"  {key}: {was} -> {now}")
+        if not diff:
+            typer.echo("  no tunable changed: the engine already ran the proposal's values")
 
 
 def _review(proposal_id: int, status: str, db_url: str | None) -> None:
@@ -498,7 +558,7 @@ def sim_run_cmd(
     tpot_slo: float = TpotOpt,
     seed: int = typer.Option(0, "--seed"),
     db_url: str | None = typer.Option(None, "--db-url", help="store the run here (default: a temporary database)"),
-    json_path: Path | None = typer.Option(None, "--json"),
+    json_path: Path | None = typer.Option(None, "--json", help="also write the figures as JSON to this file"),
     verbose: bool = VerboseOpt,
 ) -> None:
     """What-if: one config on the simulator (e.g. `--profile h200-llama3-8b --set scheduler.max_num_seqs=128`)."""
@@ -538,18 +598,32 @@ def sim_run_cmd(
             finally:
                 db.dispose()
         rep = backend.last_replay
-        _emit(
-            {
-                "profile": prof.name,
-                "workload": wdesc,
-                "patch": patch,
-                "metrics": metrics.as_dict(),
-                "simulated_s": rep.duration_s if rep else None,
-                "steps": rep.steps if rep else None,
-                "wall_s": round(backend.sim_seconds, 3),
-            },
-            json_path,
-        )
+        data = {
+            "profile": prof.name,
+            "workload": wdesc,
+            "patch": patch,
+            "metrics": metrics.as_dict(),
+            "simulated_s": rep.duration_s if rep else None,
+            "steps": rep.steps if rep else None,
+            "wall_s": round(backend.sim_seconds, 3),
+        }
+        m = metrics
+        speed = f", {rep.duration_s / backend.sim_seconds:.0f}x real time" if rep and backend.sim_seconds > 0 else ""
+        lines = [
+            f"sim run on {prof.name}, workload {wdesc.get('kind')}"
+            + (
+                ", changed " + ", ".join(f"{sec}.{k}={v}" for sec, kv in patch.items() for k, v in kv.items())
+                if patch
+                else ", the profile's config"
+            ),
+            f"  {m.finished}/{m.requests} requests finished, {m.rejected} refused, {m.preemptions} preemptions",
+            f"  throughput {_num(m.throughput_tps, ' tokens/s')}, goodput {_num(m.goodput_tps, ' tokens/s')} "
+            f"({m.good_fraction:.0%} of requests within TTFT {ttft_slo:g} s and TPOT {tpot_slo:g} s)",
+            f"  TTFT p50 {_num(m.ttft_p50_s, ' s')}, p99 {_num(m.ttft_p99_s, ' s')}; "
+            f"TPOT p99 {_num(m.tpot_p99_s, ' s')}; end-to-end p99 {_num(m.e2e_p99_s, ' s')}",
+            f"  simulated {_num(rep.duration_s if rep else None, ' s')} in {backend.sim_seconds:.3g} s{speed}",
+        ]
+        _report(lines, data, json_path)
 
 
 tune_app.command("run", help="Alias of `tune study`.")(study_cmd)

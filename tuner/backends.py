@@ -1,5 +1,6 @@
 """Where a trial runs: `sim` (the simulator, default), `engine` (in-process replay on the torch engine).
-The `live` backend (a running engine through /admin/config) is in `tuner.live`.
+The `live` backend (a running engine through /admin/config) is in `tuner.live`; the `vllm` backend (a vLLM
+restarted per trial) in `tuner.vllm.backend`.
 
 Every backend measures the same way: the trial's events are stored in the kvpilot database under the
 trial's run id and the metrics are read back with the collector's queries (`tuner.metrics`).
@@ -27,6 +28,15 @@ from tuner.sim import sim_engine
 log = logging.getLogger("kvpilot.tuner.backends")
 
 WorkloadFactory = Callable[[int], list[W.WorkloadRequest]]
+
+
+class InfeasibleTrialError(RuntimeError):
+    """The config could not be measured because of itself: the engine refused it, crashed or ran out of memory
+    on it. The study records an infeasible trial with this reason (never the end of the study)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Backend(Protocol):

@@ -24,7 +24,7 @@ from tuner.backends import Backend
 from tuner.jobs import base_config, make_backend, open_db, workload_factory
 from tuner.metrics import SLO
 from tuner.profile import load_profile
-from tuner.proposals import ProposalView, create_proposal
+from tuner.proposals import ProposalView, create_proposal, running_tunables
 from tuner.report import pareto_png, render_markdown, search_summary
 from tuner.space import SearchSpace, load_space
 from tuner.storage import open_storage
@@ -129,12 +129,16 @@ def run_nightly(
     storage_url: str | None = None,
     live: dict[str, Any] | None = None,
     progress: bool = True,
+    engine_url: str | None = None,
+    admin_token: str | None = None,
 ) -> NightlyResult:
     """The whole nightly job; returns the proposal (None when the gain did not hold).
 
     The proposal changes only the knobs that measurably matter: each change of the best trial whose
     removal costs less than `min_effect` of goodput (1%: the noise floor) is dropped
-    (`drop_noise_knobs`, on workload seeds of its own), and the confirmation runs what is left."""
+    (`drop_noise_knobs`, on workload seeds of its own), and the confirmation runs what is left. With
+    `engine_url` (or a live backend) the baseline is the config the engine actually runs (its tunables from
+    GET /admin/config on top of the config file), so the proposal is measured against what it would replace."""
     slo = (slo or SLO()).validate()
     opts = (options or WL.WorkloadOptions()).validate()
     if confirm_seeds < 1:
@@ -142,6 +146,12 @@ def run_nightly(
     out = Path(out_dir)
     prof = load_profile(profile)
     base = base_config(config_path, prof, backend)
+    engine_url = engine_url or (live or {}).get("engine_url")
+    running_note = None
+    if engine_url:
+        tunable, running_instance = running_tunables(engine_url, admin_token or (live or {}).get("admin_token"))
+        base = base.with_tunable(tunable)
+        running_note = f"baseline: the tunables running on {engine_url} (instance {running_instance})"
     space = load_space(space_path, base=base)
     db = open_db(db_url)
     try:
@@ -165,6 +175,8 @@ def run_nightly(
             progress=progress,
         )
         best, current = result.best, result.baseline
+        if running_note:
+            result.notes.append(running_note)
         confirmation = pruning = None
         kept: dict[str, Any] = {}
         if best is None:

@@ -137,6 +137,23 @@ class LinearCost(_Strict):
     rows_upto_2: float = Field(0.0, ge=0)
     rows_upto_8: float = Field(0.0, ge=0)
 
+    def predict(self, s: StepShape) -> float:
+        return (
+            self.c0_s
+            + self.prefill_tokens * s.prefill_tokens
+            + self.prefill_seqs * s.prefill_seqs
+            + self.decode_seqs * s.decode_seqs
+            + self.decode_ctx_tokens * s.decode_ctx_tokens
+            + self.decode_attn_tokens * s.decode_attn_tokens
+            + self.decode_groups * s.decode_groups
+            + self.decode_blocks * s.decode_blocks
+            + self.attn_pairs * s.attn_pairs
+            + self.prefill_ctx_tokens * s.prefill_ctx_tokens
+            + self.swap_tokens * s.swap_tokens
+            + self.rows_upto_2 * s.rows_upto_2
+            + self.rows_upto_8 * s.rows_upto_8
+        )
+
 
 class RooflineCost(_Strict):
     """t = max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + overheads + swap copies."""
@@ -205,22 +222,7 @@ class CostProfile(_Strict):
     def predict(self, s: StepShape) -> float:
         """Seconds the engine spends on a step of this shape (schedule + forward + postprocess)."""
         if self.kind == "linear":
-            c = self.linear
-            return (
-                c.c0_s
-                + c.prefill_tokens * s.prefill_tokens
-                + c.prefill_seqs * s.prefill_seqs
-                + c.decode_seqs * s.decode_seqs
-                + c.decode_ctx_tokens * s.decode_ctx_tokens
-                + c.decode_attn_tokens * s.decode_attn_tokens
-                + c.decode_groups * s.decode_groups
-                + c.decode_blocks * s.decode_blocks
-                + c.attn_pairs * s.attn_pairs
-                + c.prefill_ctx_tokens * s.prefill_ctx_tokens
-                + c.swap_tokens * s.swap_tokens
-                + c.rows_upto_2 * s.rows_upto_2
-                + c.rows_upto_8 * s.rows_upto_8
-            )
+            return self.linear.predict(s)
         hw, m, r = self.hardware, self.model, self.roofline
         cfg = m.config
         tokens = s.prefill_tokens + s.decode_seqs

@@ -51,7 +51,14 @@ class ProposalView:
     def gain(self) -> float | None:
         return (self.best_metrics or {}).get("confirmation", {}).get("gain")
 
+    @property
+    def engine(self) -> str:
+        """Whose config `config_yaml` is: `kvpilot` (an EngineConfig) or `vllm` (vLLM's `--config` file)."""
+        return (self.best_metrics or {}).get("engine", "kvpilot")
+
     def config(self) -> EngineConfig:
+        if self.engine != "kvpilot":
+            raise ProposalError(f"proposal {self.id} is a {self.engine} config, not a kvpilot EngineConfig")
         return EngineConfig.from_dict(yaml.safe_load(self.config_yaml) or {}, source=f"proposal {self.id}")
 
 
@@ -79,8 +86,19 @@ def create_proposal(
     instance: str | None,
     baseline_metrics: dict[str, Any],
     best_metrics: dict[str, Any],
+    engine: str = "kvpilot",
 ) -> ProposalView:
-    EngineConfig.from_dict(yaml.safe_load(config_yaml) or {}, source="proposal config")
+    """A pending proposal; `config_yaml` must be a valid config of `engine` (kvpilot's EngineConfig, or vLLM's
+    `--config` file, whose kind is kept in `best_metrics["engine"]`)."""
+    if engine == "kvpilot":
+        EngineConfig.from_dict(yaml.safe_load(config_yaml) or {}, source="proposal config")
+    elif engine == "vllm":
+        from tuner.vllm.config import VllmConfig
+
+        VllmConfig.from_config_text(config_yaml, source="proposal config")
+        best_metrics = {**best_metrics, "engine": "vllm"}
+    else:
+        raise ProposalError(f"engine must be kvpilot or vllm, got {engine!r}")
     now = time.time()
     with session_scope(session_factory(db)) as s:
         row = Proposal(
@@ -150,11 +168,21 @@ def apply_proposal(
     admin_token: str | None,
     timeout_s: float = 10.0,
     client: httpx.Client | None = None,
+    force: bool = False,
 ) -> ProposalView:
-    """PUT the proposal's tunables to the engine's /admin/config, then mark it applied."""
+    """PUT the proposal's tunables to the engine's /admin/config, then mark it applied.
+
+    The engine must be the instance the proposal was made for (its `telemetry.instance`), unless `force`; what
+    changes (tunable by tunable, the engine's value before and the proposal's) is kept under
+    `best_metrics.apply.diff` and returned with the view."""
     proposal = get_proposal(db, proposal_id)
     if proposal.status not in ("pending", "accepted"):
         raise ProposalError(f"proposal {proposal_id} is {proposal.status}; only pending or accepted ones apply")
+    if proposal.engine != "kvpilot":
+        raise ProposalError(
+            f"proposal {proposal_id} is a {proposal.engine} config: vLLM has no hot reload; restart it with "
+            f"`--config proposal-{proposal_id}.yaml` (then mark it applied)"
+        )
     try:
         patch = proposal.config().tunable()
     except ConfigError as exc:
@@ -164,6 +192,13 @@ def apply_proposal(
     http = client or httpx.Client(base_url=engine_url, timeout=timeout_s)
     try:
         before = _call(http, "GET", "/admin/config", headers)
+        running = (before.get("config") or {}).get("telemetry", {}).get("instance")
+        if proposal.instance and running and running != proposal.instance and not force:
+            raise ProposalError(
+                f"proposal {proposal_id} was made for instance {proposal.instance!r}, but the engine at {engine_url} "
+                f"is {running!r}; nothing applied (force to apply anyway)"
+            )
+        diff = tunable_diff(before.get("tunable") or {}, patch)
         differs = _non_tunable_differences(before.get("config", {}), proposal.config())
         if differs:
             log.warning(
@@ -177,8 +212,34 @@ def apply_proposal(
             http.close()
     if after.get("tunable") != patch:
         raise ApplyError(f"engine at {engine_url} answered with tunables that differ from the proposal: {after}")
-    info = {"apply": {"engine_url": engine_url, "at": time.time(), "previous_tunable": before.get("tunable")}}
+    info = {
+        "apply": {
+            "engine_url": engine_url,
+            "instance": running,
+            "at": time.time(),
+            "previous_tunable": before.get("tunable"),
+            "diff": [list(d) for d in diff],
+        }
+    }
     return set_status(db, proposal_id, "applied", extra=info)
+
+
+def running_tunables(engine_url: str, admin_token: str | None, *, timeout_s: float = 10.0) -> tuple[dict, str | None]:
+    """(tunables, instance) of the config a running engine actually runs (GET /admin/config)."""
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    with httpx.Client(base_url=engine_url, timeout=timeout_s) as http:
+        body = _call(http, "GET", "/admin/config", headers)
+    return body.get("tunable") or {}, (body.get("config") or {}).get("telemetry", {}).get("instance")
+
+
+def tunable_diff(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(section.field, engine's value, proposal's value) for every tunable the proposal changes."""
+    return [
+        (f"{section}.{name}", (before.get(section) or {}).get(name), value)
+        for section, fields in after.items()
+        for name, value in fields.items()
+        if (before.get(section) or {}).get(name) != value
+    ]
 
 
 def _call(http: httpx.Client, method: str, path: str, headers: dict, json: Any = None) -> dict:

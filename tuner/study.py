@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from collector.errors import StorageError
 from engine.config import ConfigError, EngineConfig
-from tuner.backends import Backend
+from tuner.backends import Backend, InfeasibleTrialError
 from tuner.metrics import SLO, TrialMetrics, combine
 from tuner.replay import ReplayError
 from tuner.space import SearchSpace
@@ -54,6 +54,7 @@ class TrialRecord:
     run_id: str | None = None
     baseline: bool = False
     duplicate_of: int | None = None  # told the stored result of that trial (same config, same seeds)
+    infeasible: str | None = None  # why the engine could not run the config (refused, crashed, out of memory)
 
     @property
     def goodput(self) -> float:
@@ -142,6 +143,14 @@ def _objective_values(m: TrialMetrics, multi: bool) -> list[float]:
     return [m.goodput_tps]
 
 
+def _advance(bar: tqdm, total: int, best: float) -> None:
+    """One more measurement: the bar stops at its total (failed trials count, as in the budget) and shows the
+    best feasible goodput so far."""
+    bar.n = min(bar.n + 1, total)
+    bar.set_postfix_str(f"best {best:.1f} tok/s" if best > float("-inf") else "best —", refresh=False)
+    bar.refresh()
+
+
 def _record(ft: optuna.trial.FrozenTrial) -> TrialRecord:
     constraints = dict(ft.constraints)
     return TrialRecord(
@@ -156,6 +165,7 @@ def _record(ft: optuna.trial.FrozenTrial) -> TrialRecord:
         run_id=ft.user_attrs.get("run_id"),
         baseline=bool(ft.user_attrs.get("baseline")),
         duplicate_of=ft.user_attrs.get("duplicate_of"),
+        infeasible=ft.user_attrs.get("infeasible"),
     )
 
 
@@ -282,6 +292,7 @@ def _run_one(
         study.set_user_attr("base_config", base.tunable())
         study.enqueue_trial(space.from_config(base), user_attrs={"baseline": True}, skip_if_exists=True)
     failed = duplicates_in_a_row = 0
+    best = float("-inf")  # best feasible goodput measured by this worker (the bar's postfix)
     notes: list[str] = []
     initial = _measured_count(study.get_trials(deepcopy=False))
     with tqdm(
@@ -312,14 +323,14 @@ def _run_one(
                 log.error("trial %d: params %s make no valid config: %s", trial.number, values, exc)
                 study.tell(trial, state=TrialState.FAIL)
                 failed += 1
-                bar.update(1)
+                _advance(bar, trials, best)
                 continue
             config_key = _config_key(config, seeds)
             trial.set_user_attr("patch", space.to_patch(values))
             trial.set_user_attr("config_key", config_key)
             stored = _stored_measurement(so_far, config_key)
             if stored is not None:
-                for attr in ("metrics", "run_id"):
+                for attr in ("metrics", "run_id", "infeasible"):
                     trial.set_user_attr(attr, stored.user_attrs.get(attr))
                 trial.set_user_attr("duplicate_of", stored.number)
                 for ckey, value in stored.constraints.items():
@@ -337,11 +348,21 @@ def _run_one(
                     for s in seeds
                 ]
                 metrics = combine(runs)
+            except InfeasibleTrialError as exc:
+                # the config's own fault: a measured, infeasible trial (the sampler learns to avoid it)
+                log.warning(
+                    "trial %d (%s) infeasible on backend %s: %s", trial.number, run_id, backend.name, exc.reason
+                )
+                trial.set_user_attr("infeasible", exc.reason[:2000])
+                trial.set_constraint("infeasible", 1.0)
+                study.tell(trial, [0.0, 1e9] if multi else [0.0])
+                _advance(bar, trials, best)
+                continue
             except (ReplayError, StorageError, ConfigError, RuntimeError, OSError) as exc:
                 log.error("trial %d (%s) failed on backend %s: %s", trial.number, run_id, backend.name, exc)
                 study.tell(trial, state=TrialState.FAIL)
                 failed += 1
-                bar.update(1)
+                _advance(bar, trials, best)
                 continue
             trial.set_user_attr("metrics", metrics.as_dict())
             if metrics.run_id != run_id:  # the simulator's cache: the events are stored under the first run
@@ -349,8 +370,9 @@ def _run_one(
             for key, value in metrics.constraints(slo).items():
                 trial.set_constraint(key, value)
             study.tell(trial, _objective_values(metrics, multi))
-            bar.update(1)
-            bar.set_postfix(goodput=f"{metrics.goodput_tps:.1f}", feasible=metrics.feasible(slo))
+            if metrics.feasible(slo) and not multi:
+                best = max(best, metrics.goodput_tps)
+            _advance(bar, trials, best)
     records = [_record(t) for t in study.get_trials(deepcopy=False)]
     if failed:
         log.warning("study %s: %d trial(s) failed (see errors above)", name, failed)

@@ -6,7 +6,8 @@ Scenarios are sized relative to the measured capacity of the default config on t
 - `burst`: 0.5 x capacity, rising by +500% (6x) for 2 s in the middle;
 - `sustained`: 0.8 x capacity for `duration_s`.
 `trace:FILE` replays an Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens);
-`collector` fits arrival rates and the (prompt, output) length mix of the last N hours of stored requests.
+`collector` fits arrival rates and the (prompt, output) length mix of the last N hours of stored requests;
+`stored` replays those requests themselves (arrival = ts - e2e, their token counts), whatever engine served them.
 """
 
 from __future__ import annotations
@@ -230,6 +231,56 @@ def fit_from_collector(
         raise WorkloadError("hours", "no finished requests in the window to take lengths from")
     shapes.sort()
     return FittedWorkload(first, end, bucket_s, [c / bucket_s for c in counts], shapes, len(rows))
+
+
+# --- the stored traffic itself ----------------------------------------------------------------------
+
+
+def stored_traffic(
+    db: Engine,
+    opts: WorkloadOptions,
+    *,
+    instances: list[str] | None = None,
+    run_id: str | None = None,
+    start: float | None = None,
+    end: float | None = None,
+) -> list[W.WorkloadRequest]:
+    """The requests the collector stored (kvpilot request events or vLLM `llm_request` span rows alike), replayed
+    as they came: arrival = ts - e2e relative to the first, prompt and completion tokens as stored (divided by
+    `length_scale`, clipped to `max_total_tokens`), time compressed by `time_scale`; finished requests of the
+    last `hours` (or `start`..`end`), the first `requests` of them. Refused and failed requests left no lengths."""
+    from collector.queries import request_rates, slowest_requests
+
+    opts.validate()
+    end = time.time() if end is None else end
+    start = end - opts.hours * 3600.0 if start is None else start
+    rates = request_rates(db, start=start, end=end, group_by="all", instances=instances, run_id=run_id)
+    total = min(sum(r.requests for r in rates), opts.max_rows)
+    rows = slowest_requests(db, start=start, end=end, metric="e2e", limit=total, instances=instances, run_id=run_id)
+    done = sorted(
+        (
+            (float(r["ts"]) - float(r["e2e_s"]), int(r["prompt_tokens"]), int(r["output_tokens"]), int(r["priority"]))
+            for r in rows
+            if r["status"] == "finished" and int(r["output_tokens"]) > 0 and int(r["prompt_tokens"]) > 0
+        ),
+    )
+    if not done:
+        raise WorkloadError("hours", f"the collector holds no finished requests between {start:.0f} and {end:.0f}")
+    if len(done) < len(rows):
+        log.info(
+            "stored traffic: %d of %d requests were not finished and are left out", len(rows) - len(done), len(rows)
+        )
+    t0 = done[0][0]
+    out: list[W.WorkloadRequest] = []
+    for arrival, prompt, output, prio in done[: opts.requests]:
+        at = (arrival - t0) / opts.time_scale
+        if opts.duration_s is not None and at >= opts.duration_s:
+            break
+        p = max(2, round(prompt / opts.length_scale))
+        o = max(1, round(output / opts.length_scale))
+        p, o = _clip(p, o, opts.max_total_tokens)
+        out.append(W.WorkloadRequest(at, p, o, prio, None, _kind(prompt)))
+    return out
 
 
 def describe(reqs: list[W.WorkloadRequest]) -> dict:

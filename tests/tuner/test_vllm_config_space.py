@@ -1,0 +1,175 @@
+"""vLLM's tuned arguments (`tuner.vllm.config`), their search space, and infeasible trials in a study.
+
+No vLLM needed: the check against vLLM's own parser is tests/vllm/test_tune_vllm.py (marker vllm)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.backends import InfeasibleTrialError
+from tuner.metrics import SLO, TrialMetrics
+from tuner.space import SpaceError
+from tuner.study import run_study
+from tuner.vllm.argcheck import probes
+from tuner.vllm.config import VllmConfig, VllmConfigError
+from tuner.vllm.space import load_vllm_space, vllm_space_from_dict
+
+
+def test_config_renders_vllm_arguments_and_its_config_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = VllmConfig(model="/m", max_num_seqs=32, enable_prefix_caching=False, extra_args=("--seed", "3", "--x-flag"))
+    args = cfg.to_args()
+    assert args[:6] == ["--model", "/m", "--dtype", "float32", "--max-model-len", "512"]
+    assert args[args.index("--max-num-seqs") : args.index("--max-num-seqs") + 2] == ["--max-num-seqs", "32"]
+    assert "--no-enable-prefix-caching" in args and "--enable-chunked-prefill" in args
+    assert "--gpu-memory-utilization" not in args and "--max-num-partial-prefills" not in args  # None: not passed
+    assert args[-3:] == ["--seed", "3", "--x-flag"]
+    text = cfg.to_config_yaml()
+    assert text.startswith("# vLLM engine arguments") and "max-num-seqs: 32\n" in text
+    assert "enable-prefix-caching: false\n" in text and "seed: '3'\n" in text and "x-flag: true\n" in text
+    path = tmp_path / "proposal.yaml"
+    path.write_text(text)
+    back = VllmConfig.from_config_yaml(path)
+    assert back.tunable() == cfg.tunable() and back.model == "/m"
+    assert set(back.extra_args) == {"--seed", "3", "--x-flag"}
+    assert cfg.changed(back) == [] and VllmConfig().changed(cfg) == [
+        ("max_num_seqs", 128, 32),
+        ("enable_prefix_caching", True, False),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"max_num_seqs": 256, "max_num_batched_tokens": 128}, "must be >= max_num_seqs"),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 256}, "without chunked prefill"),
+        ({"long_prefill_token_threshold": 1024}, "must be <= max_model_len"),
+        ({"extra_args": ("--port", "1")}, "set by the tuner"),
+        ({"extra_args": ("--disable-log-stats",)}, "would stop its telemetry"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ],
+)
+def test_config_refuses_what_vllm_would_refuse(changes: dict, message: str) -> None:
+    with pytest.raises(VllmConfigError, match=message):
+        VllmConfig.from_dict({"model": "/m", **changes})
+
+
+def test_shipped_space_loads_and_resolves_the_budget_without_chunked_prefill() -> None:
+    base = VllmConfig(model="/m")
+    space = load_vllm_space(base=base)
+    assert set(space.names) >= {"max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"}
+    assert "max_num_partial_prefills" not in space.names
+    cfg = space.apply(base, {"enable_chunked_prefill": False, "max_num_batched_tokens": 256})
+    assert cfg.max_num_batched_tokens == 512  # raised to max_model_len, as vLLM does for its own default
+    assert space.apply(base, {"max_num_batched_tokens": 256}).max_num_batched_tokens == 256
+    assert space.from_config(base)["block_size"] == 128
+    odd = base.replace(max_num_seqs=48)
+    assert 48 in next(p for p in space.including(odd).params if p.name == "max_num_seqs").choices
+    planned = probes(space, base)
+    assert planned[0]["label"] == "base" and len(planned) == 1 + sum(len(p.choices) for p in space.params)
+    assert all(p["args"] for p in planned)
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"params": {"max_num_partial_prefill": {"choices": [1, 2]}}}, "params.max_num_partial_prefill"),
+        ({"params": {"max_num_seqs": {"choices": []}}}, "params.max_num_seqs.choices"),
+        ({"params": {"max_num_seqs": {"low": 64, "high": 8}}}, "params.max_num_seqs"),
+        ({"params": {"long_prefill_token_threshold": {"choices": [0, 4096]}}}, "params.long_prefill_token_threshold"),
+        ({"params": {"max_num_seqs": {"choices": [8]}}, "fixed": {"max_num_seqs": 8}}, "fixed.max_num_seqs"),
+        ({"params": {"block_size": {"choices": [32]}}, "extra": 1}, "extra"),
+    ],
+)
+def test_bad_spaces_name_the_field(data: dict, field: str) -> None:
+    with pytest.raises(SpaceError) as err:
+        vllm_space_from_dict(data, base=VllmConfig(model="/m"))
+    assert err.value.field == field
+
+
+class _FakeVllm:
+    """A backend whose engine refuses 8-token blocks and scores configs by max_num_seqs."""
+
+    name = "fake-vllm"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def evaluate(self, config: VllmConfig, *, run_id: str, seed: int) -> TrialMetrics:
+        self.calls += 1
+        if config.max_num_seqs == 16:
+            raise InfeasibleTrialError("vLLM exited with -9 during the replay: Killed (out of memory)")
+        good = float(config.max_num_seqs)
+        return TrialMetrics(run_id, 1.0, 10, 10, 0, 0, good, good, 1.0, 1.0, 0.0, 0.1, 0.2, 0.01, 0.5, 0.9, 0, 0)
+
+
+def test_an_infeasible_config_is_a_trial_with_its_reason_not_the_end_of_the_study() -> None:
+    base = VllmConfig(model="/m", max_num_seqs=8)
+    space = vllm_space_from_dict({"params": {"max_num_seqs": {"choices": [8, 16, 32]}}}, base=base)
+    backend = _FakeVllm()
+    result = run_study(backend, space, base, name="t", trials=6, slo=SLO(), random_baseline=False, progress=False)
+    assert result.measured == 3 and backend.calls == 3  # the space is exhausted: repeats are told stored results
+    infeasible = [t for t in result.trials if t.infeasible]
+    assert infeasible and all(t.params == {"max_num_seqs": 16} and not t.feasible for t in infeasible)
+    assert "out of memory" in infeasible[0].infeasible and infeasible[0].state == "COMPLETE"
+    assert result.best.params == {"max_num_seqs": 32} and result.baseline.params == {"max_num_seqs": 8}
+
+
+def test_prune_puts_back_the_knobs_whose_change_does_not_matter() -> None:
+    from tuner.prune import prune
+    from tuner.vllm.screen import paired_gain
+
+    base = VllmConfig(model="/m", max_num_seqs=8)
+    space = load_vllm_space(base=base)
+    found = {**space.from_config(base), "max_num_seqs": 32, "block_size": 64, "scheduling_policy": "priority"}
+    params, reverted = prune(_FakeVllm(), space, base, found, seeds=[0], slo=SLO())
+    assert reverted == ["block_size", "scheduling_policy"]  # the fake scores max_num_seqs only
+    assert base.changed(space.apply(base, params)) == [("max_num_seqs", 8, 32)]
+    gain, low = paired_gain([100.0, 100.0, 100.0], [110.0, 112.0, 108.0])
+    assert gain == pytest.approx(0.10) and 0.05 < low < gain
+    assert paired_gain([100.0, 100.0], [130.0, 90.0])[1] < 0  # a spread this wide bounds nothing
+
+
+def test_a_vllm_proposal_is_published_as_config_file_report_and_row(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from collector.db import make_engine
+    from tuner.proposals import get_proposal
+    from tuner.study import StudyResult
+    from tuner.vllm.proposal import publish, render_report
+    from tuner.vllm.screen import LiveMeasurement, ScreenResult
+
+    base = VllmConfig(model="/m")
+    best = base.replace(block_size=32, kv_cache_memory_bytes=64 * 2**20)
+    metrics = {"goodput_tps": 1000.0, "throughput_tps": 1100.0, "ttft_p99_s": 0.5, "tpot_p99_s": 0.02}
+    runs = [{**metrics, "e2e_p99_s": 2.0, "rejection_rate": 0.0, "seed": s, "feasible": True} for s in (1, 2)]
+    screened = ScreenResult(
+        sim=StudyResult(name="s", sampler="tpe", multi_objective=False, trials=[]),
+        baseline=LiveMeasurement(base, {}, metrics, True, sim_goodput=990.0),
+        confirmed=[LiveMeasurement(best, {}, {**metrics, "goodput_tps": 1300.0}, True, sim_goodput=1310.0)],
+    )
+    heldout = {
+        "seeds": [1, 2],
+        "repeats": 1,
+        "baseline": runs,
+        "best": [{**r, "goodput_tps": 1250.0} for r in runs],
+        "gain": 0.25,
+        "gain_low": 0.2,
+        "best_feasible_all": True,
+        "others": {},
+    }
+    report = render_report(
+        title="t", decision="propose", workload={"scenario": "sustained"}, slo=SLO(), base=base, screened=screened,
+        heldout=heldout,
+    )  # fmt: skip
+    assert "| `--block-size` | 128 | 32 |" in report and "| `--kv-cache-memory-bytes` |" in report
+    assert "| goodput tokens/s | 1000.0 ± 0.0" in report and "Gain +25.0%" in report
+    db = make_engine(sqlite_url)
+    p = publish(
+        db, tmp_path, name="s", instance="tuner-vllm", base=base, best=best, report_md=report,
+        baseline_metrics={"heldout": runs}, best_metrics={"confirmation": {"gain": 0.25}},
+    )  # fmt: skip
+    assert p.config_path.name == f"proposal-{p.row.id}.yaml" and VllmConfig.from_config_yaml(p.config_path) == best
+    assert f"--config proposal-{p.row.id}.yaml" in p.report_path.read_text()
+    row = get_proposal(db, p.row.id)
+    assert row.engine == "vllm" and row.status == "pending" and row.gain == 0.25
+    assert row.best_metrics["changed"] == {"block_size": 32, "kv_cache_memory_bytes": 64 * 2**20}
+    assert not list(tmp_path.glob(".*.tmp"))
+    db.dispose()

@@ -1,0 +1,354 @@
+"""The `vllm` backend: each trial starts vLLM with the trial's engine arguments and replays the workload on it.
+
+A trial: start vLLM through the launcher (`kvpilot.vllm.VllmLauncher`, the trial's run id on its iteration lines
+and OTLP spans), wait for /health, warm up, reset the prefix cache, replay the workload through the OpenAI API at
+its arrival times (`tuner.vllm.client`), wait until the collector holds a request row for every answer, read the
+metrics back with `tuner.metrics.trial_metrics` (the dashboard's queries, the trial's run id and window), and
+stop vLLM (SIGTERM to its process group). vLLM has no hot reload, so every new config is a restart: its cost
+(start to /health, and the stop) is kept per launch in `launches`.
+
+A server is kept while the next evaluation asks for the same config (the study runs each trial on several seeds
+one after the other) and up to `keep` servers stay up at once, so a before/after comparison can alternate
+between two configs seed by seed without restarting either; the least recently used one is stopped first.
+
+A config vLLM refuses at start-up, a vLLM that dies during the replay (a crash, the kernel's OOM killer) or that
+answers nothing raises `InfeasibleTrialError` with vLLM's own last lines: the study records an infeasible trial
+with that reason and goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from sqlalchemy import Engine
+
+from collector.queries import request_rates
+from engine import workload as W
+from kvpilot.vllm import LaunchOptions, VllmExitedError, VllmLauncher
+from kvpilot.vllm.wiring import VllmSetupError
+from tuner.backends import InfeasibleTrialError
+from tuner.metrics import SLO, TrialMetrics, trial_metrics
+from tuner.replay import prepare_prompts
+from tuner.vllm.client import ClientResult, replay_openai, warm_up
+from tuner.vllm.config import VllmConfig
+
+log = logging.getLogger("kvpilot.tuner.vllm.backend")
+
+WorkloadFactory = Callable[[int], list[W.WorkloadRequest]]
+# A trial's vLLM (loopback only): spans exported every 0.2 s instead of 5 s, and the dev endpoints for
+# /reset_prefix_cache between replays.
+TRIAL_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200", "VLLM_SERVER_DEV_MODE": "1"}
+
+
+@dataclass
+class Launch:
+    """One vLLM start: what it ran, how long it took to serve and to stop (the restart cost), how it ended."""
+
+    run_id: str
+    config: VllmConfig
+    started_at: float
+    ready_s: float | None = None  # start -> /health answered
+    stop_s: float | None = None
+    evaluations: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Server:
+    launcher: VllmLauncher | None  # None: attached, not ours to stop
+    launch: Launch
+    model: str
+    url: str
+    warmed: bool = False
+
+    def alive(self) -> bool:
+        return self.launcher is None or (self.launcher.proc is not None and self.launcher.proc.poll() is None)
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(
+        self,
+        *,
+        workload: WorkloadFactory,
+        db: Engine,
+        slo: SLO,
+        python: str,
+        collector_url: str,
+        ingest_token: str | None = None,
+        instance: str = "tuner-vllm",  # "tuner-" instances are the tuner's replays: rules never page for them
+        warmup: int = 4,
+        keep: int = 1,
+        startup_timeout_s: float = 420.0,
+        ingest_timeout_s: float = 30.0,
+        log_dir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep: must be >= 1, got {keep}")
+        self.workload, self.db, self.slo = workload, db, slo.validate()
+        self.python, self.collector_url, self.ingest_token = python, collector_url.rstrip("/"), ingest_token
+        self.instance, self.warmup, self.keep = instance, warmup, keep
+        self.startup_timeout_s, self.ingest_timeout_s = startup_timeout_s, ingest_timeout_s
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        base_env = dict(os.environ if env is None else env)
+        base_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the trial's --kv-cache-memory-bytes
+        self.env = {**base_env, **TRIAL_ENV}
+        self._servers: OrderedDict[tuple[str, ...], _Server] = OrderedDict()
+        self._pinned: set[tuple[str, ...]] = set()
+        self.evaluations: list[dict] = []  # one per replay: run id, config, seed, window (for fidelity checks)
+        self._workloads: dict[int, tuple[list[W.WorkloadRequest], list[list[int]]]] = {}
+        self.launches: list[Launch] = []  # every vLLM this backend started
+        self.attached = 0
+        self.last_client: ClientResult | None = None
+        self.replay_s = 0.0
+
+    # ------------------------------------------------------------------ workload
+    def requests(self, seed: int) -> tuple[list[W.WorkloadRequest], list[list[int]]]:
+        if seed not in self._workloads:
+            reqs = self.workload(seed)
+            if not reqs:
+                raise ValueError(f"workload for seed {seed} has no requests")
+            self._workloads[seed] = (reqs, prepare_prompts(reqs, seed))
+        return self._workloads[seed]
+
+    # ------------------------------------------------------------------ the trial
+    def evaluate(self, config: VllmConfig, *, run_id: str, seed: int) -> TrialMetrics:
+        reqs, prompts = self.requests(seed)
+        result, server = self.replay(config, reqs, prompts, run_id=run_id)
+        metrics = self._metrics(server.launch.run_id, result)
+        self.evaluations.append(
+            {
+                "run_id": server.launch.run_id,
+                "config": config,
+                "seed": seed,
+                "start": result.wall_start,
+                "end": result.wall_end + 0.05,
+                "metrics": metrics,
+            }
+        )
+        return metrics
+
+    def replay(
+        self, config: VllmConfig, reqs: list[W.WorkloadRequest], prompts: list[list[int]], *, run_id: str
+    ) -> tuple[ClientResult, _Server]:
+        """Replay `reqs` on the server of `config` (started if needed); the client's counts, not yet the metrics."""
+        server = self._server(config, run_id)
+        url = server.url
+        try:
+            if not server.warmed:
+                warm_up(url, server.model, requests=self.warmup)
+                server.warmed = True
+            self._reset_prefix_cache(url)
+            t = time.perf_counter()
+            result = replay_openai(url, server.model, reqs, prompts, priorities=config.scheduling_policy == "priority")
+            self.replay_s += time.perf_counter() - t
+        except (RuntimeError, httpx.HTTPError) as exc:
+            self._check_alive(server, during="the replay")
+            raise InfeasibleTrialError(f"vLLM did not serve the workload: {exc}") from exc
+        self._check_alive(server, during="the replay")
+        self.last_client = result
+        server.launch.evaluations += 1
+        if result.ok == 0:
+            raise InfeasibleTrialError(f"vLLM answered none of {result.sent} requests: {'; '.join(result.errors)}")
+        return result, server
+
+    def capacity_rps(
+        self, config: VllmConfig, reqs: list[W.WorkloadRequest], *, run_id: str, seed: int = 7919
+    ) -> float:
+        """Requests/s `config` sustains: `reqs` all at once (the scenario mix offline, as `tuner.jobs` measures a
+        kvpilot config's capacity), answered requests over the time to the last answer."""
+        offline = [
+            W.WorkloadRequest(0.0, r.prompt_tokens, r.output_tokens, r.priority, r.prefix_group, r.kind) for r in reqs
+        ]
+        result, server = self.replay(config, offline, prepare_prompts(offline, seed), run_id=run_id)
+        self._metrics(server.launch.run_id, result)  # waits until the collector stored it: ingest is CPU too
+        return result.ok / result.duration_s
+
+    def pin(self, config: VllmConfig) -> None:
+        """Keep the server of `config` up (not counted in `keep`, never evicted) until `close()`: the running
+        config stays available for comparisons while trials restart vLLM with other configs."""
+        self._pinned.add(tuple(config.to_args()))
+
+    def _metrics(self, run_id: str, result: ClientResult) -> TrialMetrics:
+        start, end = result.wall_start, result.wall_end + 0.05  # a row's ts is vLLM's own end of the request
+        deadline = time.monotonic() + self.ingest_timeout_s
+        stored = 0
+        while time.monotonic() < deadline:  # vLLM exports spans in batches; the collector stores them
+            rates = request_rates(self.db, start=start, end=end, group_by="all", run_id=run_id)
+            stored = rates[0].requests if rates else 0
+            if stored >= result.ok:
+                break
+            time.sleep(0.25)
+        if stored < result.ok:
+            log.warning(
+                "run %s: %d answers but %d request rows stored after %.0fs",
+                run_id,
+                result.ok,
+                stored,
+                self.ingest_timeout_s,
+            )
+        m = trial_metrics(self.db, run_id=run_id, start=start, end=end, slo=self.slo)
+        refused, lost = result.rejected, result.failed + max(0, result.ok - stored)
+        if refused or lost:  # what never became a span row still counts against the config
+            total = m.requests + refused + lost
+            m = dataclasses.replace(
+                m,
+                requests=total,
+                rejected=m.rejected + refused,
+                failed=m.failed + lost,
+                rejection_rate=(m.rejected + refused + lost) / total,
+            )
+        return m
+
+    # ------------------------------------------------------------------ servers
+    def _server(self, config: VllmConfig, run_id: str) -> _Server:
+        key = tuple(config.to_args())
+        server = self._servers.get(key)
+        if server is not None:
+            if server.alive():
+                self._servers.move_to_end(key)
+                return server
+            self._stop(self._servers.pop(key))
+        while sum(k not in self._pinned for k in self._servers) >= self.keep:
+            oldest = next(k for k in self._servers if k not in self._pinned)
+            self._stop(self._servers.pop(oldest))
+        server = self._start(config, run_id)
+        self._servers[key] = server
+        return server
+
+    def _start(self, config: VllmConfig, run_id: str) -> _Server:
+        from collector.server import free_port
+
+        launch = Launch(run_id=run_id, config=config, started_at=time.time())
+        self.launches.append(launch)
+        model = config.served_model_name or config.model
+        args = [*config.to_args(), "--host", "127.0.0.1", "--port", str(free_port())]
+        log_file = self.log_dir / f"{run_id}.log" if self.log_dir is not None else None
+        options = LaunchOptions(
+            vllm_args=args,
+            python=self.python,
+            collector_url=self.collector_url,
+            ingest_token=self.ingest_token,
+            instance=self.instance,
+            run_id=run_id,
+            spool_dir=None,
+            log_file=log_file,
+            env=self.env,
+        )
+        launcher = VllmLauncher(options)
+        t = time.perf_counter()
+        try:
+            launcher.start()
+            launcher.wait_ready(self.startup_timeout_s)
+        except (VllmExitedError, VllmSetupError) as exc:
+            launch.error = _reason(str(exc))
+            with contextlib.suppress(Exception):
+                launcher.stop(timeout_s=10.0)
+            self._forget_target(launcher)
+            raise InfeasibleTrialError(f"vLLM refused or failed to start: {launch.error}") from exc
+        except BaseException:  # interrupted while vLLM starts: it runs in its own session, so stop it here
+            launch.error = "interrupted while starting"
+            with contextlib.suppress(Exception):
+                launcher.stop(timeout_s=10.0)
+            raise
+        launch.ready_s = time.perf_counter() - t
+        log.info("run %s: vLLM ready in %.1f s (%s)", run_id, launch.ready_s, " ".join(config.to_args()))
+        return _Server(launcher, launch, model, launcher.url)
+
+    def attach(self, config: VllmConfig, *, url: str, run_id: str) -> None:
+        """Use a vLLM that already serves `config` (started elsewhere, e.g. by `kvpilot vllm serve` with its
+        telemetry wired to this collector under `run_id`) for that config's trials: no restart, never stopped
+        here. It counts as a launch with no start cost."""
+        launch = Launch(run_id=run_id, config=config, started_at=time.time(), ready_s=None)
+        self._servers[tuple(config.to_args())] = _Server(None, launch, config.served_model_name or config.model, url)
+        self.attached += 1
+
+    def _check_alive(self, server: _Server, *, during: str) -> None:
+        proc = server.launcher.proc if server.launcher is not None else None
+        if proc is not None and proc.poll() is not None:
+            key = next((k for k, s in self._servers.items() if s is server), None)
+            if key is not None:
+                del self._servers[key]
+            server.launch.error = _reason(
+                f"exited with {proc.returncode} during {during}:\n{server.launcher.last_lines()}"
+            )  # type: ignore[union-attr]
+            self._stop(server)
+            raise InfeasibleTrialError(f"vLLM {server.launch.error}")
+
+    def _stop(self, server: _Server) -> None:
+        if server.launcher is None:
+            return
+        t = time.perf_counter()
+        try:
+            server.launcher.stop(timeout_s=30.0)
+        finally:
+            server.launch.stop_s = time.perf_counter() - t
+            self._forget_target(server.launcher)
+
+    def _forget_target(self, launcher: VllmLauncher) -> None:
+        """The launcher registered vLLM's /metrics as a scrape target; a stopped trial's port is gone."""
+        headers = {"Authorization": f"Bearer {self.ingest_token}"} if self.ingest_token else {}
+        try:
+            with httpx.Client(timeout=5.0, headers=headers) as client:
+                for target in client.get(f"{self.collector_url}/v1/targets").json():
+                    if target.get("url") == f"{launcher.url}/metrics":
+                        client.delete(f"{self.collector_url}/v1/targets/{target['id']}")
+        except (httpx.HTTPError, ValueError, TypeError, KeyError) as exc:
+            log.debug("could not remove the scrape target of %s: %s", launcher.url, exc)
+
+    @staticmethod
+    def _reset_prefix_cache(url: str) -> None:
+        """Each replay starts as cold as the first (the server may have run another seed already)."""
+        try:
+            httpx.post(f"{url}/reset_prefix_cache", timeout=30.0)
+        except httpx.HTTPError as exc:
+            log.debug("reset_prefix_cache failed: %s", exc)
+
+    def close(self) -> None:
+        while self._servers:
+            _, server = self._servers.popitem(last=False)
+            self._stop(server)
+
+    def __enter__(self) -> VllmBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def restart_costs(self) -> dict:
+        """Start-to-serving and stop seconds over the launches that served (the price of a trial on vLLM)."""
+        ready = [x.ready_s for x in self.launches if x.ready_s is not None]
+        stops = [x.stop_s for x in self.launches if x.stop_s is not None]
+        return {
+            "launches": len(self.launches),
+            "refused_or_crashed": sum(x.error is not None for x in self.launches),
+            "ready_s": _summary(ready),
+            "stop_s": _summary(stops),
+            "replay_s_total": round(self.replay_s, 1),
+        }
+
+
+def _summary(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"mean": round(sum(values) / len(values), 1), "min": round(min(values), 1), "max": round(max(values), 1)}
+
+
+def _reason(text: str, limit: int = 1500) -> str:
+    """vLLM's message, the error lines first: its tracebacks end with the line that says what was wrong."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    picked = (errors[-3:] if errors else []) + lines[-3:]
+    out = " | ".join(dict.fromkeys(ln.strip() for ln in picked))
+    return out[:limit] if out else text[:limit]

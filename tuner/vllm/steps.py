@@ -1,0 +1,68 @@
+"""The step rows a calibration reads: one per engine iteration, as the collector stored them.
+
+The collector's read package (`collector.queries`) has aggregates of steps (per bucket) but no query that returns
+the rows themselves, which a cost-model fit needs (each step's shape and duration). This module is that one
+read, as a typed `select()` over the schema's `StepRow`; it belongs in `collector.queries` (DESIGN.md: one read
+path) and should move there when the collector's owners take it — it is kept here, unchanged in meaning, because
+this branch does not edit the collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, select
+
+from collector.schema import StepRow
+
+
+@dataclass(frozen=True, slots=True)
+class StoredStep:
+    run_id: str | None
+    instance: str
+    ts: float  # when the step's iteration line was read (vLLM) or the step ended (kvpilot)
+    step: int
+    duration_s: float
+    num_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+def stored_steps(
+    db: Engine,
+    *,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None = None,
+    run_ids: Sequence[str] | None = None,
+    limit: int = 500_000,
+) -> list[StoredStep]:
+    """Steps with `start <= ts < end` (warm-up steps left out), by run, then in step order."""
+    s = StepRow.__table__.c
+    conds = [s.ts >= start, s.ts < end, s.warmup.is_(False)]
+    if instances is not None:
+        conds.append(s.instance.in_(list(instances)))
+    if run_ids is not None:
+        conds.append(s.run_id.in_(list(run_ids)))
+    stmt = (
+        select(
+            s.run_id,
+            s.instance,
+            s.ts,
+            s.step,
+            s.duration_s,
+            s.num_seqs,
+            s.prefill_tokens,
+            s.decode_tokens,
+            s.kv_blocks_used,
+            s.kv_blocks_total,
+        )
+        .where(*conds)
+        .order_by(s.instance, s.run_id, s.step, s.id)
+        .limit(limit)
+    )
+    with db.connect() as conn:
+        return [StoredStep(*row) for row in conn.execute(stmt)]
