@@ -109,7 +109,7 @@ def test_the_engine_says_its_weights_are_random() -> None:
         assert body["weights"] == "random" and body["model"] == "kvpilot-llama"
 
 
-def test_sim_run_set_takes_pool_sizes_and_names_unknown_keys() -> None:
+def test_sim_run_set_takes_pool_sizes_and_names_unknown_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
     _one_line_error(runner.invoke(app, ["sim", "run", "--set", "cache.hot_byte=1"]), "cache.hot_byte: unknown key")
     _one_line_error(runner.invoke(app, ["sim", "run", "--set", "model.dim=8"]), "model: the simulator runs")
     ok = runner.invoke(
@@ -125,10 +125,13 @@ def test_sim_run_set_takes_pool_sizes_and_names_unknown_keys() -> None:
             "8,16",
             "--set",
             "cache.hot_bytes=8388608",
+            "--json",
+            str(tmp_path / "sim.json"),
         ],
     )
     assert ok.exit_code == 0, ok.output
-    assert '"hot_bytes": 8388608' in ok.output
+    assert "changed cache.hot_bytes=8388608" in ok.output  # the human summary names the what-if
+    assert '"hot_bytes": 8388608' in (tmp_path / "sim.json").read_text()
 
 
 @pytest.mark.parametrize(

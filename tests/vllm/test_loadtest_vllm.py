@@ -15,7 +15,7 @@ def test_loadtest_openai_on_vllm_judges_no_oom_and_util_on_vllms_own_series(vllm
     spec = LoadTestSpec(
         scenario="mixed",
         target=vllm_peer.url,
-        duration_s=6.0,
+        duration_s=12.0,  # two 6-s windows: each sees vLLM step under a scrape even on a loaded CI machine
         rate=2.0,
         length_scale=8.0,
         output_scale=8.0,
