@@ -160,7 +160,8 @@ def test_a_vllm_proposal_is_published_as_config_file_report_and_row(sqlite_url: 
         heldout=heldout,
     )  # fmt: skip
     assert "| `--block-size` | 128 | 32 |" in report and "| `--kv-cache-memory-bytes` |" in report
-    assert "| goodput tokens/s | 1000.0 ± 0.0" in report and "Gain +25.0%" in report
+    assert "| goodput tokens/s | 1,000.0 ± 0 (min 1,000.0" in report and "| p99 TTFT s | 0.5 ± 0" in report
+    assert "Gain +25.0%" in report
     db = make_engine(sqlite_url)
     p = publish(
         db, tmp_path, name="s", instance="tuner-vllm", base=base, best=best, report_md=report,

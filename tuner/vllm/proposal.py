@@ -6,6 +6,7 @@ the config to a temporary name first, the row committed, then the files renamed 
 from __future__ import annotations
 
 import logging
+import statistics
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from sqlalchemy import Engine
 
 from tuner.metrics import SLO
 from tuner.proposals import ProposalView, create_proposal
-from tuner.report import _fmt, spread
+from tuner.report import _fmt
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.screen import ScreenResult
 
@@ -29,6 +30,19 @@ ROWS = (
     ("e2e_p99_s", "p99 end-to-end s"),
     ("rejection_rate", "refused share"),
 )
+
+
+def _n(v: float) -> str:
+    return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def spread(values: list[float]) -> str:
+    """mean ± sd (min, max, n), with the digits small figures (seconds) need."""
+    if not values:
+        return "—"
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{_n(mean)} ± {_n(sd)} (min {_n(min(values))}, max {_n(max(values))}, n={len(values)})"
 
 
 def render_report(
