@@ -180,5 +180,8 @@ def test_request_spans_become_request_rows_as_many_as_vllm_counted(vllm_peer: Vl
         assert row.prompt_tokens == response["usage"]["prompt_tokens"]
         assert row.output_tokens == response["usage"]["completion_tokens"]
         assert 0 < row.ttft_s <= row.e2e_s
-        # queue + prefill + decode leave out only vLLM's input processing and output handoff
-        assert abs(row.queue_s + row.prefill_s + row.decode_s - row.e2e_s) <= 0.05 * row.e2e_s + 0.02, row
+        # The stages are the engine core's and fit inside e2e; what e2e adds is the API server's input processing
+        # before the queue (tens of ms on a loaded machine), which TTFT carries too, so decode is what e2e adds to TTFT.
+        assert row.queue_s + row.prefill_s + row.decode_s <= row.e2e_s + 0.002, row
+        assert row.queue_s + row.prefill_s <= row.ttft_s + 0.002, row
+        assert abs((row.e2e_s - row.ttft_s) - row.decode_s) <= 0.05 * row.e2e_s + 0.02, row
