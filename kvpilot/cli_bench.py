@@ -109,14 +109,26 @@ def bench_sim(
 
 @bench_app.command("tuner")
 def bench_tuner(
-    quick: bool = QuickOpt,
+    quick: bool = typer.Option(False, "--quick", help="shorter workloads and gain studies (minutes on 2 cores)"),
     json_path: Path | None = JsonOpt,
-    profile: str = typer.Option("cpu-2core", "--profile", help="cost profile the simulator runs on"),
+    profile: list[str] = typer.Option(
+        None,
+        "--profile",
+        help="a frozen bench profile (benchmarks/profiles: cpu-2core, h200-llama3-8b, vllm-cpu-tiny) or a profile "
+        "file; repeat for several (default: all three frozen ones)",
+    ),
 ) -> None:
-    """Trials TPE and random search need to get within 2% of the exhaustive optimum; gain over the default."""
+    """Samplers compared on pinned landscapes (trials to within 2% of the exhaustive optimum); gain over default."""
     from benchmarks.tuner_bench import run_tuner_bench
+    from benchmarks.tuner_landscape import BENCH_PROFILES
+    from tuner.profile import ProfileError
 
-    emit(run_tuner_bench(quick=quick, profile=profile), json_path)
+    try:
+        result = run_tuner_bench(quick=quick, profiles=profile or BENCH_PROFILES)
+    except ProfileError as exc:
+        typer.echo(f"kvpilot: {exc}", err=True)
+        raise typer.Exit(2) from None
+    emit(result, json_path)
 
 
 @bench_app.command("tune-vllm")

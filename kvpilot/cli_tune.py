@@ -206,7 +206,11 @@ def _only_knobs(space, knobs: list[str]):  # type: ignore[no-untyped-def]
 def study_cmd(
     trials: int = typer.Option(40, "--trials", help="trials in the study (and in the random baseline)"),
     backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
-    sampler: str = typer.Option("tpe", "--sampler", help="tpe | random"),
+    sampler: str | None = typer.Option(
+        None,
+        "--sampler",
+        help="tpe | tpe-startup10 | tpe-startup3 | tpe-optuna | random (default: the one `bench tuner` chose)",
+    ),
     multi_objective: bool = typer.Option(False, "--multi-objective", help="throughput vs p99, Pareto front"),
     random_baseline: bool = typer.Option(True, "--random-baseline/--no-random-baseline"),
     study_name: str | None = typer.Option(None, "--study-name", help="join or resume this study (parallel workers)"),
@@ -257,10 +261,11 @@ def study_cmd(
         from tuner.report import search_summary
         from tuner.space import load_space
         from tuner.storage import open_storage
-        from tuner.study import SAMPLERS, run_study
+        from tuner.study import DEFAULT_SAMPLER, SAMPLERS, run_study
 
         if backend not in BACKENDS:
             raise ValueError(f"backend: one of {', '.join(BACKENDS)}, got {backend!r}")
+        sampler = sampler or DEFAULT_SAMPLER
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler: one of {', '.join(SAMPLERS)}, got {sampler!r}")
         if trials < 1:
@@ -528,11 +533,13 @@ def calibrate_cmd(
 def profiles_cmd() -> None:
     """List the shipped cost profiles."""
     with _errors():
-        from tuner.profile import load_profile, shipped_profiles
+        from tuner.profile import shipped_profiles
+        from tuner.vllm.calibrate import VllmProfile, load_any_profile
 
         for name in shipped_profiles():
-            p = load_profile(name)
-            typer.echo(f"{name:<20} {p.kind:<8} {p.hardware.name} / {p.model.name}")
+            p = load_any_profile(name)
+            where = "vLLM (CPU build)" if isinstance(p, VllmProfile) else p.hardware.name
+            typer.echo(f"{name:<20} {p.kind:<8} {where} / {p.model.name}")
 
 
 @sim_app.command("run")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit
@@ -112,3 +113,33 @@ def serve_cmd(
         err=True,
     )
     raise typer.Exit(code if code >= 0 else 128 - code)
+
+
+@vllm_app.command("calibrate")
+def calibrate_cmd(
+    out: Path = typer.Option(Path("tuner/profiles/vllm-cpu-tiny.json"), "--out", help="profile JSON to write"),
+    name: str | None = typer.Option(None, "--name", help="profile name (default: the file's stem)"),
+    vllm_python: str | None = typer.Option(None, "--vllm-python", help="Python with vLLM (KVPILOT_VLLM_PYTHON)"),
+    work_dir: Path = typer.Option(
+        Path("kvpilot-data/vllm-calibrate"), "--work-dir", help="checkpoint, database and vLLM logs of the runs"
+    ),
+) -> None:
+    """Fit a vLLM cost profile on this machine: vLLM serves calibration traffic, its iteration lines are the fit."""
+    from kvpilot.vllm import VllmSetupError, find_vllm_python
+    from kvpilot.vllm.calibrate import calibrate_vllm
+    from tuner.vllm.calibrate import CalibrationError
+
+    logging.basicConfig(level=logging.WARNING, format="kvpilot: %(message)s", stream=sys.stderr)
+    try:
+        python = find_vllm_python(vllm_python)
+        profile = calibrate_vllm(
+            name=name or out.stem, python=python, work_dir=work_dir / time.strftime("%Y%m%dT%H%M%S")
+        )
+    except (VllmSetupError, CalibrationError, RuntimeError, OSError, ValueError) as exc:
+        typer.echo(f"kvpilot: {exc}", err=True)
+        raise typer.Exit(2) from None
+    profile.save(out)
+    typer.echo(
+        f"wrote {out}: {profile.fit.samples} steps, R² {profile.fit.r2}, MAPE {profile.fit.mape}, "
+        f"overhead {1000 * profile.overhead_s:.2f} ms/step + {1000 * profile.overhead_per_seq_s:.3f} ms/sequence"
+    )

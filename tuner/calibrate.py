@@ -310,7 +310,7 @@ def jitter_quantiles(samples: list[Sample], coef: LinearCost, n: int = 41) -> li
     return [round(float(v) / mean, 5) for v in q]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
@@ -350,10 +350,10 @@ def calibrate(
     return CostProfile(
         name=name,
         kind="linear",
-        description=f"calibrated on {_cpu_name()} ({threads} torch threads, {os.cpu_count()} CPUs) with "
+        description=f"calibrated on {cpu_name()} ({threads} torch threads, {os.cpu_count()} CPUs) with "
         f"`kvpilot sim calibrate{' --quick' if quick else ''}`",
         hardware=HardwareSpec(
-            name=_cpu_name(), kind=executor.device if executor.device == "cpu" else "gpu", threads=threads
+            name=cpu_name(), kind=executor.device if executor.device == "cpu" else "gpu", threads=threads
         ),
         model=ModelProfile(
             name=f"llama-d{cfg.model.dim}-l{cfg.model.n_layers}",

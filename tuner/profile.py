@@ -271,14 +271,30 @@ def shipped_profiles() -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.json"))}
 
 
-def load_profile(name_or_path: str | Path) -> CostProfile:
-    """A shipped profile by name (`cpu-2core`, `h200-llama3-8b`) or a JSON file by path."""
+def resolve_profile(name_or_path: str | Path) -> Path:
+    """The file of a shipped profile by name, or `name_or_path` itself if it is a file; ProfileError if neither."""
     shipped = shipped_profiles()
     path = shipped.get(str(name_or_path)) or Path(name_or_path)
     if not path.is_file():
         raise ProfileError(f"profile {name_or_path!r} not found: not a file and not one of {sorted(shipped)}")
+    return path
+
+
+def read_profile_json(path: Path) -> Any:
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def load_profile(name_or_path: str | Path) -> CostProfile:
+    """A shipped profile by name (`cpu-2core`, `h200-llama3-8b`) or a JSON file by path."""
+    path = resolve_profile(name_or_path)
+    data = read_profile_json(path)
+    if isinstance(data, dict) and data.get("kind") == "vllm":
+        raise ProfileError(
+            f"{path}: a vLLM profile (kind 'vllm'): it runs in the simulator's vLLM mode (tuner.vllm, "
+            "`kvpilot bench tuner`), while kvpilot's engine needs a linear or roofline profile",
+            "kind",
+        )
     return CostProfile.from_dict(data, source=str(path))

@@ -44,7 +44,7 @@ def step_shape(out: SchedulerOutput, kv: KVCacheManager, page_tokens: int) -> St
             attn_pairs += n * start + n * (n + 1) // 2
             prefill_ctx += start + n
     swap_pages = sum(p.num_pages for p in out.swap_out) + sum(p.num_pages for p in out.swap_in)
-    attn_tokens, groups = _decode_attention(lens, page_tokens)
+    attn_tokens, groups = decode_attention(lens, page_tokens)
     return StepShape(
         prefill_tokens=prefill_tokens,
         prefill_seqs=prefill_seqs,
@@ -60,7 +60,7 @@ def step_shape(out: SchedulerOutput, kv: KVCacheManager, page_tokens: int) -> St
     )
 
 
-def _decode_attention(lens: list[int], page_tokens: int) -> tuple[int, int]:
+def decode_attention(lens: list[int], page_tokens: int) -> tuple[int, int]:
     """(padded key slots, groups) of the torch executor's decode attention, grouped as it groups them."""
     if not lens:
         return 0, 0

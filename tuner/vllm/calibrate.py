@@ -26,14 +26,24 @@ import itertools
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, format_validation_error
 from tuner.calibrate import Sample, _nnls, fit, jitter_quantiles
-from tuner.profile import FitReport, LinearCost, ModelProfile, StepShape
+from tuner.profile import (
+    PROFILE_SCHEMA,
+    CostProfile,
+    FitReport,
+    LinearCost,
+    ModelProfile,
+    ProfileError,
+    StepShape,
+    read_profile_json,
+    resolve_profile,
+)
 from tuner.vllm.steps import StoredStep
 
 MIN_STEPS = 200  # fewer stored steps than this: not enough traffic to calibrate from
@@ -49,7 +59,10 @@ class VllmProfile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    schema_version: Literal[1] = PROFILE_SCHEMA
+    kind: Literal["vllm"] = "vllm"  # tells a vLLM profile file from a kvpilot engine one (`tuner.profile`)
     name: str
+    description: str = ""
     model: ModelProfile
     block_size: int = Field(gt=0, description="the block size of the calibration runs (KV tokens = blocks x it)")
     elapsed: LinearCost
@@ -81,6 +94,31 @@ class VllmProfile(BaseModel):
     @classmethod
     def load(cls, path: str | Path) -> VllmProfile:
         return cls.model_validate_json(Path(path).read_text())
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "vLLM profile") -> VllmProfile:
+        if not isinstance(data, dict):
+            raise ProfileError(f"{source}: a profile must be a JSON object")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            field = ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
+            raise ProfileError(f"{source}: {format_validation_error(exc)}", field) from exc
+
+
+def parse_any_profile(data: Any, source: str) -> CostProfile | VllmProfile:
+    """A profile of either family from its JSON: `kind: vllm` is a vLLM profile, any other a kvpilot one."""
+    if isinstance(data, dict) and data.get("kind") == "vllm":
+        return VllmProfile.from_dict(data, source=source)
+    return CostProfile.from_dict(data, source=source)
+
+
+def load_any_profile(name_or_path: str | Path) -> CostProfile | VllmProfile:
+    """A shipped profile by name or a profile file by path, kvpilot's or vLLM's (`kvpilot sim profiles` lists
+    both; `tuner.profile.load_profile` takes kvpilot's only)."""
+    path = resolve_profile(name_or_path)
+    return parse_any_profile(read_profile_json(path), str(path))
 
 
 def model_profile(model: ModelConfig) -> ModelProfile:
@@ -136,6 +174,7 @@ def fit_profile(
     model: ModelConfig,
     block_size: int,
     name: str = "vllm-cpu",
+    description: str = "",
     min_steps: int = MIN_STEPS,
 ) -> VllmProfile:
     """Fit the profile from stored steps (all of one block size); CalibrationError when there are too few."""
@@ -151,6 +190,7 @@ def fit_profile(
     runs = sorted({s.run_id or "" for s in usable})
     return VllmProfile(
         name=name,
+        description=description,
         model=model_profile(model),
         block_size=block_size,
         elapsed=elapsed,

@@ -228,3 +228,13 @@ class VllmSimBackend:
         )
         self._cache[key] = metrics
         return metrics
+
+
+def capacity_rps(cfg: VllmConfig, profile: VllmProfile, offline: list[W.WorkloadRequest]) -> float:
+    """Requests/s `cfg` sustains in the simulator on an offline batch (`tuner.workloads.offline_mix`), as
+    `tuner.jobs.capacity_rps` measures a kvpilot config's capacity."""
+    engine, _ = sim_vllm_engine(cfg, profile, sink=_VllmSink(keep_steps=False))
+    result = replay(engine, offline)
+    if not result.finished or result.duration_s <= 0:
+        raise ValueError("capacity: the capacity run finished no request")
+    return len(result.finished) / result.duration_s
