@@ -117,14 +117,22 @@ def bench_tuner(
         help="a frozen bench profile (benchmarks/profiles: cpu-2core, h200-llama3-8b, vllm-cpu-tiny) or a profile "
         "file; repeat for several (default: all three frozen ones)",
     ),
+    gain: bool = typer.Option(
+        True, "--gain/--no-gain", help="also tune each profile's full space and confirm the gain over the default"
+    ),
 ) -> None:
     """Samplers compared on pinned landscapes (trials to within 2% of the exhaustive optimum); gain over default."""
-    from benchmarks.tuner_bench import run_tuner_bench
+    import dataclasses
+
+    from benchmarks.tuner_bench import BenchConfig, run_tuner_bench
     from benchmarks.tuner_landscape import BENCH_PROFILES
     from tuner.profile import ProfileError
 
     try:
-        result = run_tuner_bench(quick=quick, profiles=profile or BENCH_PROFILES)
+        config = BenchConfig.for_run(quick)
+        if not gain:
+            config = dataclasses.replace(config, gain_trials=0)
+        result = run_tuner_bench(profiles=profile or BENCH_PROFILES, config=config)
     except ProfileError as exc:
         typer.echo(f"kvpilot: {exc}", err=True)
         raise typer.Exit(2) from None

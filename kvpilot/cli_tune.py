@@ -209,7 +209,7 @@ def study_cmd(
     sampler: str | None = typer.Option(
         None,
         "--sampler",
-        help="tpe | tpe-startup10 | tpe-startup3 | tpe-optuna | random (default: the one `bench tuner` chose)",
+        help="tpe | tpe-startup10 | tpe-startup3 | tpe-independent | random (default: the one `bench tuner` chose)",
     ),
     multi_objective: bool = typer.Option(False, "--multi-objective", help="throughput vs p99, Pareto front"),
     random_baseline: bool = typer.Option(True, "--random-baseline/--no-random-baseline"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -255,14 +255,22 @@ class CostProfile(_Strict):
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "profile") -> CostProfile:
-        if not isinstance(data, dict):
-            raise ProfileError(f"{source}: a profile must be a JSON object")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            errors = exc.errors()
-            field = ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
-            raise ProfileError(f"{source}: {format_validation_error(exc)}", field) from exc
+        return validate_profile(cls, data, source)
+
+
+_P = TypeVar("_P", bound=BaseModel)
+
+
+def validate_profile(cls: type[_P], data: Any, source: str) -> _P:
+    """`data` as a profile of class `cls`; ProfileError naming the first bad field otherwise."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: a profile must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        field = ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
+        raise ProfileError(f"{source}: {format_validation_error(exc)}", field) from exc
 
 
 def shipped_profiles() -> dict[str, Path]:

@@ -124,11 +124,12 @@ def pareto_front(trials: list[TrialRecord]) -> list[TrialRecord]:
 
 
 def _tpe(seed: int, startup: int, *, multivariate: bool) -> optuna.samplers.BaseSampler:
+    """Every setting explicit: Optuna 5 changed TPE's defaults (multivariate and constant liar are now on)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        if not multivariate:
-            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True, constant_liar=True)
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=startup, multivariate=multivariate, constant_liar=multivariate
+        )
 
 
 # The samplers a study can use, by name; `kvpilot bench tuner` compares them all on its three landscapes and
@@ -137,9 +138,9 @@ def _tpe(seed: int, startup: int, *, multivariate: bool) -> optuna.samplers.Base
 # Optuna's GPSampler needs scipy, which kvpilot does not depend on.
 SAMPLERS: dict[str, str] = {
     "tpe": "TPE, multivariate with constant liar, 5 random start-up trials (10 from an 80-trial budget)",
-    "tpe-startup10": "TPE, multivariate with constant liar, 10 random start-up trials",
+    "tpe-startup10": "TPE, multivariate with constant liar, 10 random start-up trials (Optuna 5's defaults)",
     "tpe-startup3": "TPE, multivariate with constant liar, 3 random start-up trials",
-    "tpe-optuna": "TPE with Optuna's defaults (univariate, 10 random start-up trials)",
+    "tpe-independent": "TPE, one parameter at a time (Optuna 4's default), 10 random start-up trials",
     "random": "random search",
 }
 DEFAULT_SAMPLER = "tpe"
@@ -150,7 +151,7 @@ def make_sampler(kind: str, *, seed: int, trials: int, multi_objective: bool) ->
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {kind!r}")
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    if kind == "tpe-optuna":
+    if kind == "tpe-independent":
         return _tpe(seed, 10, multivariate=False)
     # Random start-up trials before TPE models the space: 5 for the default 40-trial budget, 10 from 80.
     startup = {"tpe": max(5, min(10, trials // 8)), "tpe-startup10": 10, "tpe-startup3": 3}[kind]

@@ -57,7 +57,7 @@ def test_tune_study_cli_writes_a_json_summary(sqlite_url: str, tmp_path) -> None
     ("args", "message"),
     [
         (["--backend", "gpu"], "backend: one of sim, engine, live"),
-        (["--sampler", "cmaes"], "sampler: one of tpe, tpe-startup10, tpe-startup3, tpe-optuna, random"),
+        (["--sampler", "cmaes"], "sampler: one of tpe, tpe-startup10, tpe-startup3, tpe-independent, random"),
         (["--workload", "spiky"], "workload: unknown workload 'spiky'"),
         (["--output-range", "9"], "output_range: expected LOW,HIGH"),
         (["--ttft-slo", "0"], "slo: ttft_s: must be positive"),

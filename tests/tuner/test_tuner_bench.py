@@ -133,3 +133,28 @@ def test_the_json_carries_all_three_profiles_and_the_comparison() -> None:
         assert set(r["samplers"]) == {"tpe", "random"} and len(r["samplers"]["tpe"]["by_seed"]) == 2
         assert out["sampler_comparison"]["medians"]["tpe"][name] == r["samplers"]["tpe"]["median"]
     assert out["sampler_comparison"]["choice"] in ("tpe", "random")
+
+
+def test_every_candidate_sampler_is_a_different_search() -> None:
+    """Optuna 5 turned multivariate TPE and constant liar on by default: a candidate left to the defaults can
+    silently be another candidate. Same seed, same objective: no two candidates propose the same 30 trials."""
+    import optuna
+
+    from tuner.study import SAMPLERS, make_sampler
+
+    def objective(trial: optuna.Trial) -> float:
+        a = trial.suggest_categorical("a", [8, 16, 32, 64])
+        b = trial.suggest_categorical("b", [512, 1024, 2048, 4096])
+        c = trial.suggest_categorical("c", ["x", "y", "z"])
+        return a * (b == 512) + (c == "y") * 10 + b / 1024
+
+    proposals = {}
+    for name in SAMPLERS:
+        study = optuna.create_study(
+            direction="maximize", sampler=make_sampler(name, seed=0, trials=40, multi_objective=False)
+        )
+        study.optimize(objective, n_trials=30)
+        proposals[name] = [tuple(sorted(t.params.items())) for t in study.trials]
+    names = list(proposals)
+    same = [(x, y) for i, x in enumerate(names) for y in names[i + 1 :] if proposals[x] == proposals[y]]
+    assert not same, f"candidates that search alike: {same}"

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from engine.config import ModelConfig, format_validation_error
+from engine.config import ModelConfig
 from tuner.calibrate import Sample, _nnls, fit, jitter_quantiles
 from tuner.profile import (
     PROFILE_SCHEMA,
@@ -39,10 +39,10 @@ from tuner.profile import (
     FitReport,
     LinearCost,
     ModelProfile,
-    ProfileError,
     StepShape,
     read_profile_json,
     resolve_profile,
+    validate_profile,
 )
 from tuner.vllm.steps import StoredStep
 
@@ -97,14 +97,7 @@ class VllmProfile(BaseModel):
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "vLLM profile") -> VllmProfile:
-        if not isinstance(data, dict):
-            raise ProfileError(f"{source}: a profile must be a JSON object")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            errors = exc.errors()
-            field = ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
-            raise ProfileError(f"{source}: {format_validation_error(exc)}", field) from exc
+        return validate_profile(cls, data, source)
 
 
 def parse_any_profile(data: Any, source: str) -> CostProfile | VllmProfile:
