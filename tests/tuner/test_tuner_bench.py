@@ -158,3 +158,10 @@ def test_every_candidate_sampler_is_a_different_search() -> None:
     names = list(proposals)
     same = [(x, y) for i, x in enumerate(names) for y in names[i + 1 :] if proposals[x] == proposals[y]]
     assert not same, f"candidates that search alike: {same}"
+
+
+def test_vllm_calibrate_without_a_vllm_interpreter_exits_2_saying_so(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    res = runner.invoke(app, ["vllm", "calibrate", "--out", str(out), "--vllm-python", str(tmp_path / "no-python")])
+    assert res.exit_code == 2 and "not an executable Python interpreter" in res.output
+    assert "Traceback" not in res.output and not out.exists()
