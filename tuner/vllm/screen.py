@@ -13,11 +13,12 @@ and keep only what holds live on new workload seeds.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,68 @@ def live_measurement(
     return LiveMeasurement(config, params, m.as_dict(), m.feasible(slo))
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A config the simulator ranks high, pruned to the knobs whose change matters there."""
+
+    config: VllmConfig
+    params: dict[str, Any]
+    sim_goodput: float
+    reverted: list[str]  # knobs put back: their change did not matter in the simulator
+    trial: int  # the simulated trial it was pruned from
+
+
+def simulate(
+    sim_backend: Backend,
+    space: VllmSpace,
+    base: VllmConfig,
+    *,
+    sim_trials: int,
+    slo: SLO,
+    seeds: Sequence[int],
+    name: str,
+    seed: int = 0,
+    progress: bool = False,
+) -> StudyResult:
+    """The Optuna study over the space in the simulator (the running config is trial 0)."""
+    return run_study(
+        sim_backend,
+        space,
+        base,
+        name=f"{name}-sim",
+        trials=sim_trials,
+        slo=slo,
+        seed=seed,
+        workload_seed=list(seeds),
+        random_baseline=False,
+        progress=progress,
+    )
+
+
+def candidates(
+    sim_backend: Backend,
+    space: VllmSpace,
+    base: VllmConfig,
+    sim: StudyResult,
+    *,
+    slo: SLO,
+    seeds: Sequence[int],
+    name: str,
+) -> Iterator[Candidate]:
+    """The simulated trials best first, each pruned; configs that prune to the running one or to an earlier
+    candidate are skipped. Lazy: each candidate costs a few simulated replays (`prune`)."""
+    seen = {tuple(base.to_args())}
+    ranked = sorted((t for t in sim.completed if t.feasible), key=lambda t: (-t.goodput, t.number))
+    for trial in ranked:
+        params, reverted = prune(sim_backend, space, base, trial.params, seeds=seeds, slo=slo, name=f"{name}-prune")
+        config = space.apply(base, params)
+        if tuple(config.to_args()) in seen:
+            continue
+        seen.add(tuple(config.to_args()))
+        sim_goodput = measure(sim_backend, config, seeds=seeds, slo=slo, name=f"{name}-pruned").goodput_tps
+        yield Candidate(config, params, sim_goodput, reverted, trial.number)
+
+
 def screen(
     sim_backend: Backend,
     live_backend: Backend,
@@ -97,34 +160,18 @@ def screen(
     progress: bool = False,
 ) -> ScreenResult:
     """Screen `sim_trials` configs in the simulator, confirm the `top_k` best live (see the module docstring)."""
-    sim = run_study(
-        sim_backend,
-        space,
-        base,
-        name=f"{name}-sim",
-        trials=sim_trials,
-        slo=slo,
-        seed=seed,
-        workload_seed=list(seeds),
-        random_baseline=False,
-        progress=progress,
+    sim = simulate(
+        sim_backend, space, base, sim_trials=sim_trials, slo=slo, seeds=seeds, name=name, seed=seed, progress=progress
     )
     result = ScreenResult(sim=sim, baseline=baseline)
-    seen = {tuple(base.to_args())}
-    ranked = sorted((t for t in sim.completed if t.feasible), key=lambda t: (-t.goodput, t.number))
-    for trial in ranked:
-        if len(result.confirmed) >= top_k:
-            break
-        params, reverted = prune(sim_backend, space, base, trial.params, seeds=seeds, slo=slo, name=f"{name}-prune")
-        config = space.apply(base, params)
-        if tuple(config.to_args()) in seen:
-            continue
-        seen.add(tuple(config.to_args()))
-        sim_goodput = measure(sim_backend, config, seeds=seeds, slo=slo, name=f"{name}-pruned").goodput_tps
-        log.info("confirming live: sim goodput %.1f, %s (put back: %s)", sim_goodput, base.changed(config), reverted)
-        m = live_measurement(live_backend, config, params, seeds=seeds, slo=slo, name=f"{name}-confirm")
-        m.sim_goodput = sim_goodput
-        m.reverted = reverted
+    picked = candidates(sim_backend, space, base, sim, slo=slo, seeds=seeds, name=name)
+    for c in itertools.islice(picked, top_k):
+        log.info(
+            "confirming live: sim goodput %.1f, %s (put back: %s)", c.sim_goodput, base.changed(c.config), c.reverted
+        )
+        m = live_measurement(live_backend, c.config, c.params, seeds=seeds, slo=slo, name=f"{name}-confirm")
+        m.sim_goodput = c.sim_goodput
+        m.reverted = c.reverted
         result.confirmed.append(m)
     return result
 
