@@ -255,6 +255,7 @@ def study_cmd(
         from kvpilot.vllm import find_vllm_python
         from tuner.jobs import open_db, workload_factory, workload_kind
         from tuner.vllm.backend import VllmBackend
+        from tuner.vllm.calibrate import CalibrationError
         from tuner.vllm.space import load_vllm_space
         from tuner.vllm.tune import Budget, LateWorkload, VllmTuning
 
@@ -321,8 +322,8 @@ def study_cmd(
                 if capacity is not None:
                     wdesc["capacity_given"] = True
                 tuning.run()
-            except _calibration_error() as exc:
-                raise type(exc)(f"{exc}; {CALIBRATION_HINT}") from None
+            except CalibrationError as exc:
+                raise CalibrationError(f"{exc}; {CALIBRATION_HINT}") from None
             finally:
                 backend.close()
             outcome = tuning.finish(
@@ -344,12 +345,6 @@ CALIBRATION_HINT = (
     "the running config's replays stored too few steps: a longer workload (--requests, --duration), another "
     "tuning seed (--seeds-per-trial), or --instance NAME to add a vLLM's stored steps"
 )
-
-
-def _calibration_error() -> type[Exception]:
-    from tuner.vllm.calibrate import CalibrationError
-
-    return CalibrationError
 
 
 def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, t0: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -397,6 +392,11 @@ def _study_lines(s: dict[str, Any]) -> list[str]:
         f"  search: {s['sim_trials']} configs simulated (cost model from {prof.get('steps')} stored steps, "
         f"R² {prof.get('r2')}), {s['live_trials']} measured live"
     )
+    if len(s["screened"]) == 1:
+        lines.append(
+            "    every simulated config pruned back to the running one: no change moved the simulated goodput by 1% "
+            "or more, so nothing was confirmed live"
+        )
     for row in s["screened"][1:]:
         live = f"{_num(row['live_goodput'])} live" if row["feasible"] else f"infeasible: {row['infeasible'] or 'SLO'}"
         lines.append(f"    {_changes(row['changed'])}: {_num(row['sim_goodput'])} simulated, {live}")

@@ -12,4 +12,5 @@ trial, a simulator in vLLM's scheduling mode calibrated from vLLM's own iteratio
 - `fidelity`: every live replay re-run in the simulator and compared;
 - `screen`: simulation-screened search, live confirmation, the held-out check;
 - `proposal`: vLLM's `--config` file, the markdown report and the proposals row.
+- `tune`: one screened tuning from the running config to a proposal (`kvpilot tune vllm`, `bench tune-vllm`).
 """

@@ -6,6 +6,7 @@ and keep only what holds live on new workload seeds.
    to the knobs whose change matters in the simulator (`prune`), are measured live on the same seeds
    (`VllmBackend`, one restart each). The search's best is the best feasible live measurement, the running
    config's included: a config the simulator liked but vLLM did not is never proposed.
+   (`simulate` and `candidates` are its two halves without vLLM: what `kvpilot tune vllm screen` shows.)
 2. `held_out`: the running config and the best one on new seeds, alternating seed by seed (and which goes first)
    with both servers kept up, so both see the machine at the same speed; the gain is the mean paired relative gain
    and `gain_low` its one-sided 90% lower bound (Student's t over the paired runs).

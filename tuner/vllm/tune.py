@@ -252,7 +252,8 @@ class VllmTuning:
         except InfeasibleTrialError as exc:
             raise TuneError(f"the running config did not serve on vLLM: {exc.reason}") from exc
         self._phase("capacity_s", t)
-        self.say(f"capacity {cap:.2f} req/s")
+        started = [x.ready_s for x in self.backend.launches if x.ready_s is not None]
+        self.say(f"capacity {cap:.2f} req/s" + (f" (vLLM started in {started[-1]:.0f} s)" if started else ""))
         return cap
 
     def measure_baseline(self) -> LiveMeasurement:
