@@ -94,7 +94,8 @@ def setup(sqlite_url: str, tmp_path: Path) -> dict[str, str]:
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps(HF_CONFIG))
     config = tmp_path / "running.yaml"
-    config.write_text(VllmConfig(model=str(ckpt), kv_cache_memory_bytes=16 * 2**20).to_config_yaml())
+    running = VllmConfig(model=str(ckpt), kv_cache_memory_bytes=16 * 2**20).to_config_yaml()
+    config.write_text(running + "host: 0.0.0.0\nport: 8000\n")  # where it listens: not the tuner's business
     return {"db": sqlite_url, "config": str(config), "ckpt": str(ckpt), "tmp": str(tmp_path)}
 
 
@@ -129,6 +130,7 @@ def test_screen_ranks_configs_in_a_simulator_calibrated_from_stored_steps(setup:
     for row in data["top"]:
         assert row["changed"] and row["sim_goodput_tps"] > 0
         proposal = VllmConfig.from_config_text(row["config_yaml"])  # what `vllm serve --config` would get
+        assert "port" not in row["config_yaml"] and not proposal.extra_args
         assert {k: getattr(proposal, k) for k in row["changed"]} == row["changed"]
 
 
