@@ -18,6 +18,8 @@ from kvpilot.cli import app
 from tuner.metrics import store_events
 from tuner.vllm.config import VllmConfig
 
+from .test_vllm_sim import _synthetic_steps
+
 runner = CliRunner()
 INSTANCE = "vllm-a"
 # the model whose KV bytes per token size the simulated pool: 2 x 4 layers x 2 KV heads x 32 dims x 4 bytes
@@ -34,35 +36,9 @@ HF_CONFIG = {
 
 
 def _steps(n: int, *, start: float) -> list[StepEvent]:
-    """A vLLM's iteration lines as step rows: elapsed = 2 ms + 20 us/prefill token + 0.3 ms/decode seq, 1.5 ms
-    around each step (the shape tests/tuner/test_vllm_sim.py fits), at recent times."""
-    rng = random.Random(0)
-    out, ts = [], start
-    for i in range(n):
-        decode = rng.randint(0, 24)
-        prefill_seqs = rng.choice([0, 0, 1, 2]) if decode else rng.randint(1, 3)
-        prefill = sum(rng.randint(16, 300) for _ in range(prefill_seqs))
-        elapsed = (0.002 + 2e-5 * prefill + 3e-4 * decode) * rng.uniform(0.9, 1.1)
-        ts += elapsed + 0.0015
-        used = min(64, (prefill + 150 * decode) // 128 + 1)
-        out.append(
-            StepEvent(
-                instance=INSTANCE,
-                run_id="prod",
-                ts=ts,
-                step=i,
-                duration_s=elapsed,
-                forward_s=elapsed,
-                num_seqs=decode + prefill_seqs,
-                prefill_tokens=prefill,
-                decode_tokens=decode,
-                kv_blocks_used=used,
-                kv_blocks_total=64,
-                queue_depth=0,
-                busy_s=elapsed,
-            )
-        )
-    return out
+    """A vLLM's iteration lines as step rows of a known cost (tests/tuner/test_vllm_sim.py's), moved to `start`."""
+    events = _synthetic_steps(n)
+    return [e.model_copy(update={"ts": e.ts - events[0].ts + start}) for e in events]
 
 
 def _requests(n: int, *, start: float) -> list[RequestEvent]:
@@ -123,7 +99,7 @@ def test_screen_ranks_configs_in_a_simulator_calibrated_from_stored_steps(setup:
     assert "running config:" in res.stdout and "\n  1. " in res.stdout
     data = json.loads(out.read_text())
     assert data["workload"]["kind"] == "stored" and data["workload"]["requests"] == 40
-    assert data["profile"]["steps"] == 400 and data["profile"]["runs"] == ["prod"]
+    assert data["profile"]["steps"] == 400 and data["profile"]["runs"] == ["cal"]
     assert data["running"]["sim_goodput_tps"] > 0 and 1 <= len(data["top"]) <= 2
     predicted = [row["sim_goodput_tps"] for row in data["top"]]
     assert predicted == sorted(predicted, reverse=True)
