@@ -188,6 +188,15 @@ def _changes(changed: dict[str, Any]) -> str:
     return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items()) or "none"
 
 
+def _none_confirmed(sim_feasible: int) -> str:
+    if sim_feasible == 0:
+        return (
+            "no simulated config met the constraints (p99 TTFT, p99 end-to-end, refusals); loosen "
+            "--p99-ttft-slo / --p99-e2e-slo or lower the load"
+        )
+    return "every feasible simulated config pruned back to the running one (no change moved its goodput by 1%)"
+
+
 @tune_vllm_app.command("study")
 def study_cmd(
     config: Path = ConfigOpt,
@@ -347,6 +356,15 @@ CALIBRATION_HINT = (
 )
 
 
+def _broken(metrics: dict[str, Any] | None, slo) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The constraints a measurement broke and by how much (`TrialMetrics.constraints`: > 0 is broken)."""
+    from tuner.metrics import TrialMetrics
+
+    if not metrics:
+        return {}
+    return {k: v for k, v in TrialMetrics(**metrics).constraints(slo).items() if v > 0}
+
+
 def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, t0: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     screened, h, base = tuning.screened, tuning.heldout, tuning.baseline
     p = outcome.proposal
@@ -360,8 +378,15 @@ def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, 
         "slo": dataclasses.asdict(tuning.slo),
         "budget": dataclasses.asdict(tuning.budget),
         "space": checked,
-        "baseline": {"goodput_tps": base.goodput, "sim_goodput_tps": base.sim_goodput, "metrics": base.metrics},
+        "baseline": {
+            "goodput_tps": base.metrics["goodput_tps"] if base.metrics else None,
+            "feasible": base.feasible,
+            "constraints_broken": _broken(base.metrics, tuning.slo),
+            "sim_goodput_tps": base.sim_goodput,
+            "metrics": base.metrics,
+        },
         "sim_trials": screened.sim_trials,
+        "sim_feasible": sum(t.feasible for t in screened.sim.completed),
         "live_trials": screened.live_trials,
         "screened": tuning.screened_rows(),
         "heldout": None if h is None else {k: h[k] for k in HELDOUT_KEYS},
@@ -385,7 +410,10 @@ def _study_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"  best found:     {_spread(h['proposal_goodput'])}")
         lines.append(f"  gain {h['gain']:+.1%}, one-sided 90% lower bound {h['gain_low']:+.1%} (paired by seed)")
     else:
-        lines.append(f"  running config: {_num(s['baseline']['goodput_tps'], ' goodput tokens/s')} on the tuning seeds")
+        b = s["baseline"]
+        broken = ", ".join(f"{k} over its limit by {v:.3g}" for k, v in b["constraints_broken"].items())
+        verdict = "" if b["feasible"] else f" (infeasible: {broken or 'not measured'})"
+        lines.append(f"  running config: {_num(b['goodput_tps'], ' goodput tokens/s')} on the tuning seeds{verdict}")
     lines.append(f"  changes: {_changes(s['changed'])}")
     prof = s["profile"]
     lines.append(
@@ -393,10 +421,7 @@ def _study_lines(s: dict[str, Any]) -> list[str]:
         f"R² {prof.get('r2')}), {s['live_trials']} measured live"
     )
     if len(s["screened"]) == 1:
-        lines.append(
-            "    every simulated config pruned back to the running one: no change moved the simulated goodput by 1% "
-            "or more, so nothing was confirmed live"
-        )
+        lines.append(f"    nothing confirmed live: {_none_confirmed(s['sim_feasible'])}")
     for row in s["screened"][1:]:
         live = f"{_num(row['live_goodput'])} live" if row["feasible"] else f"infeasible: {row['infeasible'] or 'SLO'}"
         lines.append(f"    {_changes(row['changed'])}: {_num(row['sim_goodput'])} simulated, {live}")
@@ -563,10 +588,7 @@ def screen_cmd(
             + ("" if running is None or running.feasible else " (infeasible under the SLOs)"),
         ]
         if not best:
-            lines.append(
-                "  every config the simulator ranked pruned back to the running one: no change moved the predicted "
-                "goodput by 1% or more"
-            )
+            lines.append(f"  nothing to show: {_none_confirmed(sum(t.feasible for t in sim.completed))}")
         for i, row in enumerate(data["top"], 1):
             gain = f" ({row['gain']:+.1%})" if row["gain"] is not None else ""
             back = f"  [put back: {', '.join(row['put_back'])}]" if row["put_back"] else ""

@@ -325,6 +325,7 @@ class VllmTuning:
         self.say(
             f"screened {self.screened.sim_trials} in the simulator ({self.sim_backend.sim_seconds:.0f} s simulating); "
             f"best live: {_label(self.base, best.config)}, {best.goodput:,.1f} goodput tokens/s"
+            + ("" if best.feasible else " (infeasible: no live config met the constraints)")
         )
         return self.screened
 
