@@ -78,6 +78,13 @@ def test_shipped_space_loads_and_resolves_the_budget_without_chunked_prefill() -
         ({"params": {"long_prefill_token_threshold": {"choices": [0, 4096]}}}, "params.long_prefill_token_threshold"),
         ({"params": {"max_num_seqs": {"choices": [8]}}, "fixed": {"max_num_seqs": 8}}, "fixed.max_num_seqs"),
         ({"params": {"block_size": {"choices": [32]}}, "extra": 1}, "extra"),
+        ({"params": {"max_num_seqs": {"low": 8}}}, "params.max_num_seqs.high"),
+        ({"params": {"max_num_seqs": {"choices": [8, 8]}}}, "params.max_num_seqs.choices"),
+        (
+            {"params": {"max_num_seqs": {"choices": [8]}}, "fixed": {"max_num_partial_prefill": 2}},
+            "fixed.max_num_partial_prefill",
+        ),
+        ({"params": {"max_num_seqs": {"choices": [8]}}, "fixed": {"block_size": 0}}, "fixed"),
     ],
 )
 def test_bad_spaces_name_the_field(data: dict, field: str) -> None:
