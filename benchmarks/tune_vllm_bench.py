@@ -7,8 +7,8 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 
 1. The running config on the tuning seed(s), live: the baseline, and the traffic the cost model is fitted on
    (no grid run: `tuner.vllm.calibrate` reads the steps the collector stored from vLLM's iteration lines).
-2. Screening: an Optuna study on the simulator in vLLM's mode (`sim_trials` configs), the `top_k` best confirmed
-   live (one vLLM restart each). The screened search's best is its best feasible live measurement.
+2. Screening: an Optuna study on the simulator in vLLM's mode (`sim_trials` configs), the `top_k` best, each
+   pruned in the simulator to the changes that matter (`prune_min_effect`), confirmed live (one vLLM restart each). The screened search's best is its best feasible live measurement.
 3. A live-only Optuna (TPE) study on vLLM, `live_only_trials` trials from the same running config (its trial 0
    is the measurement of step 1, not re-run).
 4. Held-out: the running config against the screened best on new seeds, both servers kept up, alternating;
@@ -62,6 +62,9 @@ WORKLOAD = {"scenario": "sustained", "load": 1.25, "duration_s": 10.0, "scale": 
 # Interactive SLOs at this CPU's scale; feasible: p99 TTFT within 10 s (the overload queues whatever the config),
 # at most 1% of requests refused.
 SLO_PLAN = {"ttft_s": 1.0, "tpot_s": 0.1, "p99_ttft_s": 10.0, "max_rejection_rate": 0.01}
+# A screened candidate keeps a change only when reverting it costs simulated goodput on every tuning seed and at
+# least this much on average, or misses the SLOs (tuner.prune.drop_noise_knobs, the nightly job's rule).
+PRUNE_MIN_EFFECT = 0.01
 BUDGETS = {
     True: {
         "tuning_seeds": [0],
@@ -89,6 +92,7 @@ def plan(quick: bool) -> dict[str, Any]:
         "workload": WORKLOAD,
         "slo": SLO_PLAN,
         "running_config": "vLLM 0.32 CPU defaults, 16 MiB KV",
+        "prune_min_effect": PRUNE_MIN_EFFECT,
         **BUDGETS[quick],
     }
 
@@ -202,6 +206,7 @@ def _run(
             slo=slo,
             seeds=tuning,
             name="screen",
+            min_effect=the_plan["prune_min_effect"],
         )
         sim_base = screened.sim.baseline
         baseline.sim_goodput = sim_base.goodput if sim_base else None
@@ -334,6 +339,7 @@ def _run(
                 "feasible": m.feasible,
                 "infeasible": m.infeasible,
                 "put_back": m.reverted,
+                "pruning": m.pruning,  # per changed knob: the goodput its revert lost in the simulator, kept or not
             }
             for m in (screened.baseline, *screened.confirmed)
         ],
