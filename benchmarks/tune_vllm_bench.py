@@ -8,7 +8,8 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 1. The running config on the tuning seed(s), live: the baseline, and the traffic the cost model is fitted on
    (no grid run: `tuner.vllm.calibrate` reads the steps the collector stored from vLLM's iteration lines).
 2. Screening: an Optuna study on the simulator in vLLM's mode (`sim_trials` configs), the `top_k` best, each
-   pruned in the simulator to the changes that matter (`prune_min_effect`), confirmed live (one vLLM restart each). The screened search's best is its best feasible live measurement.
+   pruned in the simulator to the changes that matter (`prune_min_effect`), confirmed live (one vLLM restart
+   each). The screened search's best is its best feasible live measurement.
 3. A live-only Optuna (TPE) study on vLLM, `live_only_trials` trials from the same running config (its trial 0
    is the measurement of step 1, not re-run).
 4. Held-out: the running config against the screened best on new seeds, both servers kept up, alternating;
@@ -31,6 +32,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from collector.db import make_engine, upgrade
+from collector.queries import stored_steps
 from collector.server import start_subprocess
 from collector.settings import CollectorSettings
 from engine.config import ModelConfig
@@ -46,7 +48,6 @@ from tuner.vllm.proposal import publish, render_report
 from tuner.vllm.screen import held_out, live_measurement, screen
 from tuner.vllm.sim import VllmSimBackend
 from tuner.vllm.space import load_vllm_space
-from tuner.vllm.steps import stored_steps
 
 MODEL = "bench"
 KV_BYTES = 16 * 2**20

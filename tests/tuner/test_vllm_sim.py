@@ -9,6 +9,7 @@ import pytest
 
 from collector.db import make_engine
 from collector.events import RequestEvent, StepEvent
+from collector.queries import StoredStep, stored_steps
 from engine.config import CacheConfig, ModelConfig, RecyclerConfig, SchedulerConfig
 from engine.kv import KVCacheManager
 from engine.scheduler import Scheduler
@@ -18,7 +19,6 @@ from tuner.metrics import SLO, store_events
 from tuner.vllm.calibrate import CalibrationError, fit_profile
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend, sim_vllm_engine
-from tuner.vllm.steps import StoredStep, stored_steps
 
 BPT = 64
 CKPT_MODEL = ModelConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=688, max_position=2048)

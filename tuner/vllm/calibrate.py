@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from collector.queries import StoredStep
 from engine.config import ModelConfig
 from tuner.calibrate import Sample, _nnls, fit, jitter_quantiles
 from tuner.profile import FitReport, LinearCost, ModelProfile, StepShape
-from tuner.vllm.steps import StoredStep
 
 MIN_STEPS = 200  # fewer stored steps than this: not enough traffic to calibrate from
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

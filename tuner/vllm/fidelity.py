@@ -16,12 +16,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from collector.queries import stored_steps
 from engine import workload as W
 from tuner.metrics import SLO
 from tuner.vllm.calibrate import VllmProfile
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend
-from tuner.vllm.steps import stored_steps
 
 METRICS = ("throughput", "busy", "e2e_p99", "ttft_p99")
 
