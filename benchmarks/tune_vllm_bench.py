@@ -23,6 +23,7 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -135,11 +136,21 @@ def run_tune_vllm_bench(
     )
     db_url = f"sqlite:///{work / 'kvpilot.db'}"
     upgrade(db_url)
-    settings = CollectorSettings(db_url=db_url, port=0, log_level="warning", sqlite_synchronous="NORMAL")
+    # Each trial's vLLM registers its /metrics as a scrape target (administration: this run's own admin token; a
+    # loopback target must be allowed) and the backend deletes it when that vLLM stops.
+    admin_token = secrets.token_urlsafe(24)
+    settings = CollectorSettings(
+        db_url=db_url,
+        port=0,
+        log_level="warning",
+        sqlite_synchronous="NORMAL",
+        admin_token=admin_token,
+        scrape_allow_nets="127.0.0.0/8",  # type: ignore[arg-type]
+    )
     collector = start_subprocess(settings, log_path=work / "collector.log")
     db = make_engine(db_url)
     try:
-        result.update(_run(the_plan, work, checkpoint, db, collector.url, python, t0, json_path))
+        result.update(_run(the_plan, work, checkpoint, db, collector.url, admin_token, python, t0, json_path))
     finally:
         db.dispose()
         collector.stop()
@@ -152,6 +163,7 @@ def _run(
     checkpoint: Path,
     db: Engine,
     collector_url: str,
+    admin_token: str,
     python: str,
     t0: float,
     json_path: Path | None,
@@ -173,7 +185,13 @@ def _run(
     space = load_vllm_space(base=base)
     tuning, phases = the_plan["tuning_seeds"], {}
     backend = VllmBackend(
-        workload=workload, db=db, slo=slo, python=python, collector_url=collector_url, log_dir=work / "vllm-logs"
+        workload=workload,
+        db=db,
+        slo=slo,
+        python=python,
+        collector_url=collector_url,
+        admin_token=admin_token,
+        log_dir=work / "vllm-logs",
     )
     backend.pin(base)
     try:
@@ -362,6 +380,7 @@ def _run(
             for label in ("baseline", "best", *heldout["others"])
         },
         "restart_cost": restart,
+        "scrape_targets_left": backend.stale_targets,  # trial targets the collector refused to delete (expected: [])
         "profile": {**prof, "source": profile.source},
         "fidelity": fid["summary"],
         "fidelity_replays": fid["replays"],

@@ -83,7 +83,7 @@ def test_a_proposal_file_is_read_by_vllms_own_config_loader(python: str, tmp_pat
 def test_a_tiny_study_on_real_vllm(vllm_peer, python: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Trial 0 runs on the session's vLLM (its config is the base config); trial 1 restarts vLLM with 64-token
     blocks and 16 sequences; both are measured from the spans the collector stored under each trial's run id."""
-    from tests.vllm.peer import KV_CACHE_BYTES, MODEL, TOKEN
+    from tests.vllm.peer import ADMIN_TOKEN, KV_CACHE_BYTES, MODEL, TOKEN
 
     base = VllmConfig(model=str(vllm_peer.checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_CACHE_BYTES)
     space = vllm_space_from_dict(
@@ -98,6 +98,7 @@ def test_a_tiny_study_on_real_vllm(vllm_peer, python: str, tmp_path) -> None:  #
         python=python,
         collector_url=vllm_peer.collector_url,
         ingest_token=TOKEN,
+        admin_token=ADMIN_TOKEN,
         instance="tuner-vllm-test",
         warmup=2,
         log_dir=tmp_path,
@@ -125,5 +126,10 @@ def test_a_tiny_study_on_real_vllm(vllm_peer, python: str, tmp_path) -> None:  #
     assert t1.params != t0.params
     assert t1.metrics["finished"] == 12 and t1.run_id == backend.launches[0].run_id
     assert t1.metrics["throughput_tps"] > 0 and t1.metrics["ttft_p99_s"] is not None
+    # the restarted trial's /metrics was a scrape target while it ran; its cleanup deleted it (the admin token)
+    import httpx
+
+    listed = httpx.get(f"{vllm_peer.collector_url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert backend.stale_targets == [] and not any(t["instance"] == "tuner-vllm-test" for t in listed.json())
     costs = backend.restart_costs()
     assert costs["launches"] == 1 and costs["ready_s"]["mean"] > 0 and costs["stop_s"]["mean"] >= 0
