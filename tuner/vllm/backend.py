@@ -140,6 +140,7 @@ class VllmBackend:
                 "start": result.wall_start,
                 "end": result.wall_end + 0.05,
                 "metrics": metrics,
+                "sent_at": list(result.sent_at),
             }
         )
         return metrics
