@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.db import make_engine, upgrade
-from collector.queries import slowest_requests
+from collector.queries import StoredStep, slowest_requests, stored_steps
 from collector.server import start_subprocess
 from collector.settings import CollectorSettings
 from engine import workload as W
@@ -44,7 +44,6 @@ from tuner.vllm.calibrate import VllmProfile, fit_profile, step_shape
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.fidelity import as_sent
 from tuner.vllm.sim import VllmSimBackend
-from tuner.vllm.steps import StoredStep, stored_steps
 
 KV_BYTES = 16 * 2**20
 SLO_PLAN = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=10.0, max_rejection_rate=0.01)
