@@ -130,6 +130,7 @@ def test_a_tiny_study_on_real_vllm(vllm_peer, python: str, tmp_path) -> None:  #
     import httpx
 
     listed = httpx.get(f"{vllm_peer.collector_url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert backend.launches[0].target == "created", backend.launches[0]
     assert backend.stale_targets == [] and not any(t["instance"] == "tuner-vllm-test" for t in listed.json())
     costs = backend.restart_costs()
     assert costs["launches"] == 1 and costs["ready_s"]["mean"] > 0 and costs["stop_s"]["mean"] >= 0

@@ -62,6 +62,7 @@ class Launch:
     stop_s: float | None = None
     evaluations: int = 0
     error: str | None = None
+    target: str | None = None  # its /metrics as a scrape target: 'created' / 'exists'; None if never registered
 
 
 @dataclass
@@ -296,6 +297,7 @@ class VllmBackend:
     def _stop(self, server: _Server) -> None:
         if server.launcher is None:
             return
+        server.launch.target = server.launcher.target
         t = time.perf_counter()
         try:
             server.launcher.stop(timeout_s=30.0)
