@@ -7,8 +7,9 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 
 1. The running config on the tuning seed(s), live: the baseline, and the traffic the cost model is fitted on
    (no grid run: `tuner.vllm.calibrate` reads the steps the collector stored from vLLM's iteration lines).
-2. Screening: an Optuna study on the simulator in vLLM's mode (`sim_trials` configs), the `top_k` best confirmed
-   live (one vLLM restart each). The screened search's best is its best feasible live measurement.
+2. Screening: an Optuna study on the simulator in vLLM's mode (`sim_trials` configs), the `top_k` best, each
+   pruned in the simulator to the changes that matter (`prune_min_effect`), confirmed live (one vLLM restart
+   each). The screened search's best is its best feasible live measurement.
 3. A live-only Optuna (TPE) study on vLLM, `live_only_trials` trials from the same running config (its trial 0
    is the measurement of step 1, not re-run).
 4. Held-out: the running config against the screened best on new seeds, both servers kept up, alternating;
@@ -22,6 +23,7 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -58,6 +60,9 @@ WORKLOAD = {"scenario": "sustained", "load": 1.25, "duration_s": 10.0, "scale": 
 # Interactive SLOs at this CPU's scale; feasible: p99 TTFT within 10 s (the overload queues whatever the config),
 # at most 1% of requests refused.
 SLO_PLAN = {"ttft_s": 1.0, "tpot_s": 0.1, "p99_ttft_s": 10.0, "max_rejection_rate": 0.01}
+# A screened candidate keeps a change only when reverting it costs simulated goodput on every tuning seed and at
+# least this much on average, or misses the SLOs (tuner.prune.drop_noise_knobs, the nightly job's rule).
+PRUNE_MIN_EFFECT = 0.01
 BUDGETS = {
     True: {
         "tuning_seeds": [0],
@@ -85,6 +90,7 @@ def plan(quick: bool) -> dict[str, Any]:
         "workload": WORKLOAD,
         "slo": SLO_PLAN,
         "running_config": "vLLM 0.32 CPU defaults, 16 MiB KV",
+        "prune_min_effect": PRUNE_MIN_EFFECT,
         **BUDGETS[quick],
     }
 
@@ -126,11 +132,21 @@ def run_tune_vllm_bench(
     )
     db_url = f"sqlite:///{work / 'kvpilot.db'}"
     upgrade(db_url)
-    settings = CollectorSettings(db_url=db_url, port=0, log_level="warning", sqlite_synchronous="NORMAL")
+    # Each trial's vLLM registers its /metrics as a scrape target (administration: this run's own admin token; a
+    # loopback target must be allowed) and the backend deletes it when that vLLM stops.
+    admin_token = secrets.token_urlsafe(24)
+    settings = CollectorSettings(
+        db_url=db_url,
+        port=0,
+        log_level="warning",
+        sqlite_synchronous="NORMAL",
+        admin_token=admin_token,
+        scrape_allow_nets="127.0.0.0/8",  # type: ignore[arg-type]
+    )
     collector = start_subprocess(settings, log_path=work / "collector.log")
     db = make_engine(db_url)
     try:
-        result.update(_run(the_plan, work, checkpoint, db, collector.url, python, t0, json_path))
+        result.update(_run(the_plan, work, checkpoint, db, collector.url, admin_token, python, t0, json_path))
     finally:
         db.dispose()
         collector.stop()
@@ -143,6 +159,7 @@ def _run(
     checkpoint: Path,
     db: Engine,
     collector_url: str,
+    admin_token: str,
     python: str,
     t0: float,
     json_path: Path | None,
@@ -160,7 +177,13 @@ def _run(
     tuning_seeds = the_plan["tuning_seeds"]
     workload = LateWorkload()
     backend = VllmBackend(
-        workload=workload, db=db, slo=slo, python=python, collector_url=collector_url, log_dir=work / "vllm-logs"
+        workload=workload,
+        db=db,
+        slo=slo,
+        python=python,
+        collector_url=collector_url,
+        admin_token=admin_token,
+        log_dir=work / "vllm-logs",
     )
     tuning = VllmTuning(
         backend=backend,
@@ -174,6 +197,7 @@ def _run(
             top_k=the_plan["top_k"],
             heldout_seeds=tuple(the_plan["heldout_seeds"]),
             repeats=the_plan["repeats"],
+            min_effect=the_plan["prune_min_effect"],
         ),
         model=checkpoint_model(checkpoint, base.dtype),
         workload=workload,
@@ -272,6 +296,7 @@ def _run(
             for label in ("baseline", "best", *heldout["others"])
         },
         "restart_cost": outcome.restart,
+        "scrape_targets_left": backend.stale_targets,  # trial targets the collector refused to delete (expected: [])
         "profile": {**outcome.profile, "source": profile.source},
         "fidelity": fid["summary"],
         "fidelity_replays": fid["replays"],

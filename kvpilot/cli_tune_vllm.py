@@ -241,6 +241,12 @@ def study_cmd(
         "http://127.0.0.1:8100", "--collector", envvar="KVPILOT_COLLECTOR_URL", help=COLLECTOR_HELP
     ),
     ingest_token: str | None = typer.Option(None, "--ingest-token", envvar="KVPILOT_INGEST_TOKEN", help=TOKEN_HELP),
+    admin_token: str | None = typer.Option(
+        None,
+        "--admin-token",
+        envvar="KVPILOT_ADMIN_TOKEN",
+        help="the collector's admin token: each trial's vLLM /metrics is a scrape target while it runs",
+    ),
     db_url: str | None = DbOpt,
     vllm_python: str | None = VllmPythonOpt,
     arg_check: bool = ArgCheckOpt,
@@ -302,6 +308,7 @@ def study_cmd(
                 python=python,
                 collector_url=collector_url,
                 ingest_token=ingest_token,
+                admin_token=admin_token or None,
                 log_dir=log_dir or Path("kvpilot-data/tune-vllm") / name,
             )
             if running_url is not None and running_run_id is not None:
@@ -391,6 +398,10 @@ def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, 
         "screened": tuning.screened_rows(),
         "heldout": None if h is None else {k: h[k] for k in HELDOUT_KEYS},
         "restart_cost": outcome.restart,
+        "scrape_targets": {  # each started trial's /metrics: registered ('created'/'exists'/None), and left behind
+            "registered": [x.target for x in tuning.backend.launches],
+            "left": tuning.backend.stale_targets,
+        },
         "profile": outcome.profile,
         "phases_s": tuning.phases,
         "wall_s": round(time.time() - t0, 1),

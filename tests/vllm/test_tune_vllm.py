@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -98,7 +99,7 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
     the steps the session stored; the space pins 64-token blocks, so the best simulated config differs from the
     running one and is confirmed live (the one vLLM start); if it measures better, both alternate on two held-out
     seeds. Either way the exit code says whether a proposal was written."""
-    from tests.vllm.peer import INSTANCE, KV_CACHE_BYTES, MODEL, TOKEN
+    from tests.vllm.peer import ADMIN_TOKEN, INSTANCE, KV_CACHE_BYTES, MODEL, TOKEN
 
     base = VllmConfig(model=str(vllm_peer.checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_CACHE_BYTES)
     config, space, out = tmp_path / "running.yaml", tmp_path / "space.yml", tmp_path / "study.json"
@@ -112,7 +113,8 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
             "tune", "vllm", "study", "--config", str(config), "--space", str(space), *workload, *budget,
             "--ttft-slo", "5", "--tpot-slo", "1", "--hours", "1", "--no-arg-check",
             "--running-url", vllm_peer.url, "--running-run-id", "vllm-session",
-            "--collector", vllm_peer.collector_url, "--ingest-token", TOKEN, "--db-url", vllm_peer.db_url,
+            "--collector", vllm_peer.collector_url, "--ingest-token", TOKEN, "--admin-token", ADMIN_TOKEN,
+            "--db-url", vllm_peer.db_url,
             "--vllm-python", python, "--out-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
             "--json", str(out),
         ],
@@ -123,6 +125,10 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
     assert s["baseline"]["metrics"]["finished"] == 12 and running["changed"] == {} and running["feasible"]
     assert confirmed["changed"]["block_size"] == 64 and confirmed["feasible"] and confirmed["live_goodput"] > 0
     assert s["restart_cost"]["launches"] == 1 and s["restart_cost"]["ready_s"]["mean"] > 0
+    # the restarted trial's /metrics was a scrape target while it ran; its cleanup deleted it (the admin token)
+    listed = httpx.get(f"{vllm_peer.collector_url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert s["scrape_targets"] == {"registered": ["created"], "left": []}, s["scrape_targets"]
+    assert not any(t["instance"] == "tuner-vllm" for t in listed.json())
     assert "restart cost per trial:" in res.stdout and s["decision"] in res.stdout
     if s["changed"]:  # the confirmed config measured better live: both alternated on the held-out seeds
         assert s["changed"]["block_size"] == 64

@@ -26,6 +26,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from collector.queries import StoredStep, stored_steps
 from engine import workload as W
 from engine.config import ModelConfig
 from tuner import workloads as WL
@@ -49,7 +50,6 @@ from tuner.vllm.screen import (
 )
 from tuner.vllm.sim import VllmSimBackend, sim_vllm_engine
 from tuner.vllm.space import VllmSpace
-from tuner.vllm.steps import StoredStep, stored_steps
 
 Say = Callable[[str], None]
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
@@ -67,6 +67,7 @@ class Budget:
     top_k: int = 2
     heldout_seeds: tuple[int, ...] = (1000, 1001, 1002)
     repeats: int = 1
+    min_effect: float = 0.01  # a simulated change stays only if its revert costs this much goodput (the pruning)
 
     def validate(self) -> Budget:
         if not self.tuning_seeds:
@@ -317,6 +318,7 @@ class VllmTuning:
             seeds=list(b.tuning_seeds),
             name=self.name,
             progress=self.progress,
+            min_effect=b.min_effect,
         )
         sim_base = self.screened.sim.baseline
         self.baseline.sim_goodput = sim_base.goodput if sim_base else None
@@ -374,6 +376,7 @@ class VllmTuning:
                 "feasible": m.feasible,
                 "infeasible": m.infeasible,
                 "put_back": m.reverted,
+                "pruning": m.pruning,  # per changed knob: the goodput its revert lost in the simulator, kept or not
             }
             for m in (screened.baseline, *screened.confirmed)
         ]
@@ -466,6 +469,7 @@ def preview(
     seeds: Sequence[int],
     name: str,
     progress: bool = False,
+    min_effect: float = 0.01,
 ) -> tuple[StudyResult, list[Candidate], float]:
     """The screen without vLLM: (the simulated study, the `top` configs `screen` would confirm live, pruned and
     best first, seconds simulating)."""
@@ -473,6 +477,6 @@ def preview(
     sim = simulate(
         sim_backend, space, base, sim_trials=sim_trials, slo=slo, seeds=list(seeds), name=name, progress=progress
     )
-    picked = candidates(sim_backend, space, base, sim, slo=slo, seeds=list(seeds), name=name)
+    picked = candidates(sim_backend, space, base, sim, slo=slo, seeds=list(seeds), name=name, min_effect=min_effect)
     best = sorted(itertools.islice(picked, top), key=lambda c: -c.sim_goodput)  # pruned: their own order
     return sim, best, sim_backend.sim_seconds
