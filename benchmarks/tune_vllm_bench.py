@@ -7,8 +7,9 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 
 1. The running config on the tuning seed(s), live: the baseline, and the traffic the cost model is fitted on
    (no grid run: `tuner.vllm.calibrate` reads the steps the collector stored from vLLM's iteration lines).
-2. Screening: an Optuna study on the simulator in vLLM's mode (`sim_trials` configs), the `top_k` best confirmed
-   live (one vLLM restart each). The screened search's best is its best feasible live measurement.
+2. Screening: an Optuna study on the simulator in vLLM's mode (`sim_trials` configs), the `top_k` best, each
+   pruned in the simulator to the changes that matter (`prune_min_effect`), confirmed live (one vLLM restart
+   each). The screened search's best is its best feasible live measurement.
 3. A live-only Optuna (TPE) study on vLLM, `live_only_trials` trials from the same running config (its trial 0
    is the measurement of step 1, not re-run).
 4. Held-out: the running config against the screened best on new seeds, both servers kept up, alternating;
@@ -22,6 +23,7 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -33,20 +35,16 @@ from sqlalchemy import Engine
 from collector.db import make_engine, upgrade
 from collector.server import start_subprocess
 from collector.settings import CollectorSettings
-from engine.config import ModelConfig
 from kvpilot.vllm import find_vllm_python
 from tuner import workloads as WL
+from tuner.jobs import workload_factory
 from tuner.metrics import SLO, TrialMetrics
 from tuner.study import run_study
 from tuner.vllm import fidelity
 from tuner.vllm.backend import VllmBackend
-from tuner.vllm.calibrate import fit_profile
 from tuner.vllm.config import VllmConfig
-from tuner.vllm.proposal import publish, render_report
-from tuner.vllm.screen import held_out, live_measurement, screen
-from tuner.vllm.sim import VllmSimBackend
 from tuner.vllm.space import load_vllm_space
-from tuner.vllm.steps import stored_steps
+from tuner.vllm.tune import Budget, LateWorkload, VllmTuning, checkpoint_model
 
 MODEL = "bench"
 KV_BYTES = 16 * 2**20
@@ -62,6 +60,9 @@ WORKLOAD = {"scenario": "sustained", "load": 1.25, "duration_s": 10.0, "scale": 
 # Interactive SLOs at this CPU's scale; feasible: p99 TTFT within 10 s (the overload queues whatever the config),
 # at most 1% of requests refused.
 SLO_PLAN = {"ttft_s": 1.0, "tpot_s": 0.1, "p99_ttft_s": 10.0, "max_rejection_rate": 0.01}
+# A screened candidate keeps a change only when reverting it costs simulated goodput on every tuning seed and at
+# least this much on average, or misses the SLOs (tuner.prune.drop_noise_knobs, the nightly job's rule).
+PRUNE_MIN_EFFECT = 0.01
 BUDGETS = {
     True: {
         "tuning_seeds": [0],
@@ -89,6 +90,7 @@ def plan(quick: bool) -> dict[str, Any]:
         "workload": WORKLOAD,
         "slo": SLO_PLAN,
         "running_config": "vLLM 0.32 CPU defaults, 16 MiB KV",
+        "prune_min_effect": PRUNE_MIN_EFFECT,
         **BUDGETS[quick],
     }
 
@@ -130,11 +132,21 @@ def run_tune_vllm_bench(
     )
     db_url = f"sqlite:///{work / 'kvpilot.db'}"
     upgrade(db_url)
-    settings = CollectorSettings(db_url=db_url, port=0, log_level="warning", sqlite_synchronous="NORMAL")
+    # Each trial's vLLM registers its /metrics as a scrape target (administration: this run's own admin token; a
+    # loopback target must be allowed) and the backend deletes it when that vLLM stops.
+    admin_token = secrets.token_urlsafe(24)
+    settings = CollectorSettings(
+        db_url=db_url,
+        port=0,
+        log_level="warning",
+        sqlite_synchronous="NORMAL",
+        admin_token=admin_token,
+        scrape_allow_nets="127.0.0.0/8",  # type: ignore[arg-type]
+    )
     collector = start_subprocess(settings, log_path=work / "collector.log")
     db = make_engine(db_url)
     try:
-        result.update(_run(the_plan, work, checkpoint, db, collector.url, python, t0, json_path))
+        result.update(_run(the_plan, work, checkpoint, db, collector.url, admin_token, python, t0, json_path))
     finally:
         db.dispose()
         collector.stop()
@@ -147,6 +159,7 @@ def _run(
     checkpoint: Path,
     db: Engine,
     collector_url: str,
+    admin_token: str,
     python: str,
     t0: float,
     json_path: Path | None,
@@ -159,58 +172,48 @@ def _run(
         output_range=tuple(WORKLOAD["output_range"]),
         max_total_tokens=512,
     )
-    capacity: list[float] = []
-
-    def workload(seed: int) -> list:
-        return WL.scenario(WORKLOAD["scenario"], capacity[0], opts, seed=seed)
-
     base = VllmConfig(model=str(checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_BYTES)
     space = load_vllm_space(base=base)
-    tuning, phases = the_plan["tuning_seeds"], {}
+    tuning_seeds = the_plan["tuning_seeds"]
+    workload = LateWorkload()
     backend = VllmBackend(
-        workload=workload, db=db, slo=slo, python=python, collector_url=collector_url, log_dir=work / "vllm-logs"
+        workload=workload,
+        db=db,
+        slo=slo,
+        python=python,
+        collector_url=collector_url,
+        admin_token=admin_token,
+        log_dir=work / "vllm-logs",
     )
-    backend.pin(base)
-    try:
-        _say(t0, "the running config's capacity, live (vLLM start included)")
-        capacity.append(backend.capacity_rps(base, WL.offline_mix(opts), run_id="capacity"))
-        the_plan["capacity_rps"] = round(capacity[0], 3)
-        the_plan["workload_described"] = WL.describe(workload(tuning[0]))
-        if json_path is not None:  # the measured capacity joins the plan before the first tuning run
-            json_path.write_text(json.dumps({"plan": the_plan, "status": "running"}, indent=2) + "\n")
-        _say(t0, f"capacity {capacity[0]:.2f} req/s; running config on seeds {tuning}")
-        baseline = live_measurement(backend, base, space.from_config(base), seeds=tuning, slo=slo, name="running")
-        phases["baseline_s"] = round(time.time() - t0, 1)
-        runs = ["capacity", *(e["run_id"] for e in backend.evaluations)]
-        model, _ = _checkpoint_model(checkpoint)
-        profile = fit_profile(
-            stored_steps(db, start=t0, end=time.time() + 60, run_ids=runs), model=model, block_size=base.block_size
-        )
-        _say(
-            t0, f"cost model from {profile.source['steps']} stored steps: R² {profile.fit.r2}, MAPE {profile.fit.mape}"
-        )
-        t = time.time()
-        sim_backend = VllmSimBackend(profile, workload, db, slo)
-        screened = screen(
-            sim_backend,
-            backend,
-            space,
-            base,
-            baseline=baseline,
+    tuning = VllmTuning(
+        backend=backend,
+        db=db,
+        base=base,
+        space=space,
+        slo=slo,
+        budget=Budget(
+            tuning_seeds=tuple(tuning_seeds),
             sim_trials=the_plan["sim_trials"],
             top_k=the_plan["top_k"],
-            slo=slo,
-            seeds=tuning,
-            name="screen",
-        )
-        sim_base = screened.sim.baseline
-        baseline.sim_goodput = sim_base.goodput if sim_base else None
-        phases["screen_s"] = round(time.time() - t, 1)
-        _say(
-            t0,
-            f"screened {screened.sim_trials} in the simulator ({sim_backend.sim_seconds:.0f} s simulating); "
-            f"live best {screened.best.goodput:.1f}",
-        )
+            heldout_seeds=tuple(the_plan["heldout_seeds"]),
+            repeats=the_plan["repeats"],
+            min_effect=the_plan["prune_min_effect"],
+        ),
+        model=checkpoint_model(checkpoint, base.dtype),
+        workload=workload,
+        name="bench",
+        say=lambda message: _say(t0, message),
+        t0=t0,
+    )
+    try:
+        workload.factory, wdesc = workload_factory(WORKLOAD["scenario"], opts, capacity=tuning.capacity_rps)
+        the_plan["capacity_rps"] = wdesc["capacity_rps"]
+        the_plan["workload_described"] = WL.describe(workload(tuning_seeds[0]))
+        if json_path is not None:  # the measured capacity joins the plan before the first tuning run
+            json_path.write_text(json.dumps({"plan": the_plan, "status": "running"}, indent=2) + "\n")
+        tuning.measure_baseline()
+        profile = tuning.calibrate()
+        screened = tuning.screen()
         t = time.time()
         known = {(tuple(base.to_args()), e["seed"]): e["metrics"] for e in backend.evaluations if e["config"] == base}
         live_only = run_study(
@@ -220,14 +223,13 @@ def _run(
             name="live-only",
             trials=the_plan["live_only_trials"],
             slo=slo,
-            workload_seed=tuning,
+            workload_seed=tuning_seeds,
             random_baseline=False,
             progress=False,
         )
-        phases["live_only_s"] = round(time.time() - t, 1)
+        tuning.phases["live_only_s"] = round(time.time() - t, 1)
         lo_best = live_only.best
         _say(t0, f"live-only search: {live_only.measured} trials, best {lo_best.goodput if lo_best else None}")
-        t = time.time()
         best = screened.best
         others = {}
         if lo_best is not None and the_plan["heldout_live_only_best"]:  # both searches' bests on the same runs
@@ -235,71 +237,20 @@ def _run(
             if lo_cfg.to_args() not in (base.to_args(), best.config.to_args()):
                 others["live_only_best"] = lo_cfg
                 backend.keep = 2  # the running config (pinned) and both bests stay up: no restart while alternating
-        heldout = held_out(
-            backend,
-            base,
-            best.config,
-            seeds=the_plan["heldout_seeds"],
-            slo=slo,
-            name="bench",
-            repeats=the_plan["repeats"],
-            others=others,
-        )
-        phases["heldout_s"] = round(time.time() - t, 1)
-        _say(t0, f"held-out: gain {heldout['gain']:+.1%}, lower bound {heldout['gain_low']:+.1%}")
+        heldout = tuning.held_out(others=others)
     finally:
         backend.close()
-    restart = backend.restart_costs()
     fid = fidelity.compare(backend.evaluations, profile, workload, db, slo, calibrated_on=base)
-    changed = {k: b for k, _a, b in base.changed(best.config)}
-    if not changed:
-        decision = "no proposal: the running config is the best the screened search found"
-    elif heldout["holds"]:
-        decision = (
-            f"propose: {heldout['gain']:+.1%} goodput on held-out seeds (90% lower bound {heldout['gain_low']:+.1%})"
-        )
-    else:
-        decision = (
-            f"no proposal: the gain did not hold on held-out seeds ({heldout['gain']:+.1%}, "
-            f"lower bound {heldout['gain_low']:+.1%})"
-        )
-    prof = {
-        "steps": profile.source["steps"],
-        "r2": profile.fit.r2,
-        "mape": profile.fit.mape,
-        "overhead_ms": round(1000 * (profile.overhead_s + 8 * profile.overhead_per_seq_s), 2),
-    }
-    report = render_report(
+    outcome = tuning.finish(
         title="kvpilot vLLM tuning — bench tune-vllm",
-        decision=decision,
         workload={**WORKLOAD, "capacity_rps": the_plan["capacity_rps"]},
-        slo=slo,
-        base=base,
-        screened=screened,
-        heldout=heldout,
-        restart=restart,
-        profile=prof,
+        out_dir=work / "proposals",
+        instance=backend.instance,
+        report_path=work / "report.md",
         live_only={"trials": live_only.measured, "best_goodput": lo_best.goodput if lo_best else None},
     )
-    proposal = None
-    if changed and heldout["holds"]:
-        p = publish(
-            db,
-            work / "proposals",
-            name="bench-tune-vllm",
-            instance=backend.instance,
-            base=base,
-            best=best.config,
-            report_md=report,
-            baseline_metrics={"heldout": heldout["baseline"]},
-            best_metrics={
-                "heldout": heldout["best"],
-                "confirmation": {"gain": heldout["gain"], "gain_low": heldout["gain_low"]},
-            },
-        )
-        proposal = {"id": p.row.id, "config": str(p.config_path), "report": str(p.report_path)}
-    else:
-        (work / "report.md").write_text(report)
+    p = outcome.proposal
+    proposal = {"id": p.row.id, "config": str(p.config_path), "report": str(p.report_path)} if p else None
     lo_best_goodput = lo_best.goodput if lo_best else 0.0
     return {
         "status": "done",
@@ -323,20 +274,10 @@ def _run(
             ),
             "live_trials_at_most_a_third": screened.live_trials * 3 <= live_only.measured,
         },
-        "decision": decision,
-        "proposed_changes": changed,
+        "decision": outcome.decision,
+        "proposed_changes": outcome.changed,
         "proposal": proposal,
-        "screened": [
-            {
-                "changed": {k: b for k, _a, b in base.changed(m.config)},
-                "sim_goodput": m.sim_goodput,
-                "live_goodput": m.goodput,
-                "feasible": m.feasible,
-                "infeasible": m.infeasible,
-                "put_back": m.reverted,
-            }
-            for m in (screened.baseline, *screened.confirmed)
-        ],
+        "screened": tuning.screened_rows(),
         "live_only": [
             {
                 "params_changed": {k: v for k, v in t.params.items() if space.from_config(base).get(k) != v},
@@ -354,17 +295,12 @@ def _run(
             ]
             for label in ("baseline", "best", *heldout["others"])
         },
-        "restart_cost": restart,
-        "profile": {**prof, "source": profile.source},
+        "restart_cost": outcome.restart,
+        "scrape_targets_left": backend.stale_targets,  # trial targets the collector refused to delete (expected: [])
+        "profile": {**outcome.profile, "source": profile.source},
         "fidelity": fid["summary"],
         "fidelity_replays": fid["replays"],
-        "phases_s": phases,
+        "phases_s": tuning.phases,
         "wall_s": round(time.time() - t0, 1),
         "work_dir": str(work),
     }
-
-
-def _checkpoint_model(path: Path) -> tuple[ModelConfig, bool]:
-    from engine.weights import config_from_checkpoint
-
-    return config_from_checkpoint(path, ModelConfig(dtype="float32"))

@@ -18,7 +18,7 @@ only comparable on the same landscape, so the bench pins all of it:
   with that profile's step times.
 
 Versions: 1 (before 2026-12-03): the CPU profile from tuner/profiles, fixed SLOs 0.3 s / 30 ms / p99 4 s, TPE vs
-random. 2: three frozen profiles, SLOs derived per profile, six samplers compared on 40-trial studies.
+random. 2: three frozen profiles, SLOs derived per profile, five samplers compared on 40-trial studies.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from tuner.space import SearchSpace, load_space, space_from_dict
 from tuner.vllm.calibrate import VllmProfile, parse_any_profile
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend
-from tuner.vllm.sim import capacity_rps as vllm_capacity_rps
 from tuner.vllm.space import VllmSpace, load_vllm_space, vllm_space_from_dict
+from tuner.vllm.tune import sim_capacity_rps
 
 BENCH_VERSION = 2
 FROZEN_DIR = Path(__file__).resolve().parent / "profiles"
@@ -243,7 +243,7 @@ def landscape(pinned: PinnedProfile, *, requests: int) -> Landscape:
         opts = WL.WorkloadOptions(requests=requests, scale=8.0, output_range=(16, 128), max_total_tokens=512)
         space: SearchSpace | VllmSpace = vllm_space_from_dict(VLLM_SPACE, base=default).including(default)
         full: SearchSpace | VllmSpace = load_vllm_space(base=default)
-        cap = vllm_capacity_rps(default, prof, WL.offline_mix(opts))
+        cap = sim_capacity_rps(prof, default, WL.offline_mix(opts))
         block = page = default.block_size
     else:
         # The default tunables (block 32 fixed, threshold 0.85, recycle 500 ms, passive, 32 seqs, 2048-token

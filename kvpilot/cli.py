@@ -12,6 +12,7 @@ from kvpilot.cli_engine import engine_app
 from kvpilot.cli_loadtest import loadtest_cmd
 from kvpilot.cli_model import model_app
 from kvpilot.cli_tune import sim_app, tune_app
+from kvpilot.cli_tune_vllm import tune_vllm_app
 from kvpilot.cli_vllm import vllm_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvpilot: observe and tune LLM serving.")
@@ -22,6 +23,9 @@ app.add_typer(bench_app, name="bench", help="Benchmarks with JSON output.")
 app.add_typer(collector_app, name="collector", help="Run the telemetry collector.")
 app.add_typer(db_app, name="db", help="Migrate and prune the collector database.")
 app.add_typer(alerts_app, name="alerts", help="Prometheus-style alert rules and an Alertmanager-compatible notifier.")
+tune_app.add_typer(
+    tune_vllm_app, name="vllm", help="Tune a real vLLM: study (restarts it per trial) or screen (simulated only)."
+)
 app.add_typer(tune_app, name="tune", help="Tune the engine config: Optuna studies, nightly proposals, apply.")
 app.add_typer(sim_app, name="sim", help="The simulator: calibrate cost profiles, run what-ifs.")
 app.command("loadtest")(loadtest_cmd)

@@ -156,7 +156,9 @@ def _study_lines(summary: dict[str, Any]) -> list[str]:
 DbOpt = typer.Option(None, "--db-url", envvar="KVPILOT_DB_URL", help="kvpilot database (default: collector settings)")
 ProfileOpt = typer.Option("cpu-2core", "--profile", help="cost profile: a shipped name or a JSON file")
 ConfigOpt = typer.Option(None, "--config", help="current EngineConfig YAML (default: the profile's defaults)")
-WorkloadOpt = typer.Option("mixed", "--workload", help="mixed | burst | sustained | trace:FILE | collector")
+WorkloadOpt = typer.Option(
+    "mixed", "--workload", help="mixed | burst | sustained | trace:FILE | collector | stored:INSTANCE"
+)
 RequestsOpt = typer.Option(200, "--requests", help="requests per workload (at most)")
 ScaleOpt = typer.Option(4.0, "--scale", help="divide the mix's prompt lengths (4: CPU size, 1: seed size)")
 OutRangeOpt = typer.Option("16,256", "--output-range", help="output tokens LOW,HIGH of scenario requests")
@@ -452,7 +454,7 @@ def proposals_list(
     limit: int = typer.Option(50, "--limit"),
     db_url: str | None = DbOpt,
 ) -> None:
-    """Proposals, newest first: id, status, confirmed goodput gain, study."""
+    """Proposals, newest first: id, status, engine (kvpilot or vllm), confirmed goodput gain, study."""
     with _errors():
         from tuner.jobs import open_db
         from tuner.proposals import list_proposals
@@ -464,14 +466,15 @@ def proposals_list(
             db.dispose()
         for p in rows:
             gain = f"{p.gain:+.1%}" if p.gain is not None else "—"
-            typer.echo(f"{p.id:>5}  {p.status:<9} gain {gain:>7}  {p.study_name or ''}")
+            typer.echo(f"{p.id:>5}  {p.status:<9} {p.engine:<7} gain {gain:>7}  {p.study_name or ''}")
         if not rows:
             typer.echo("no proposals")
 
 
 @proposals_app.command("show")
 def proposals_show(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
-    """A proposal's report (markdown) and its config (YAML, for `kvpilot engine serve --config`)."""
+    """A proposal's report (markdown) and its config (YAML: `kvpilot engine serve --config`, or for a vLLM
+    proposal `vllm serve --config`)."""
     with _errors():
         from tuner.jobs import open_db
         from tuner.proposals import get_proposal

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy import Engine
 
@@ -76,9 +76,62 @@ class _Base:
         return trial_metrics(self.db, run_id=run_id, start=result.wall_start, end=result.wall_end + 1e-3, slo=self.slo)
 
 
-class SimBackend(_Base):
-    """The simulator on a cost profile. Deterministic, so a config seen before is not re-simulated:
-    its stored metrics are returned again (`cache_hits` counts them)."""
+class SimulatedBackend(_Base):
+    """A simulator as a backend: the workload replayed on an LLMEngine with a simulated executor and a virtual
+    clock. Deterministic, so a config seen before on a seed is not re-simulated: its metrics are returned again
+    (`cache_hits` counts them); with `jitter` each step's cost is drawn from the profile's spread (seeded by the
+    workload seed) and every evaluation runs. A mode supplies `config_key` (what identifies a config) and
+    `build_engine` (the engine for one trial), and may change the sink (`trial_sink`)."""
+
+    def __init__(
+        self,
+        workload: WorkloadFactory,
+        db: Engine,
+        slo: SLO,
+        *,
+        instance: str,
+        keep_steps: bool = False,
+        jitter: bool = False,
+    ) -> None:
+        super().__init__(workload, db, slo, instance=instance)
+        self.keep_steps, self.jitter = keep_steps, jitter
+        self._cache: dict[tuple[str, int], TrialMetrics] = {}
+        self.cache_hits = 0
+        self.sim_seconds = 0.0
+        self.last_busy_s = 0.0  # the simulated executor's busy time in the last replay
+
+    def config_key(self, config: Any) -> str:
+        raise NotImplementedError
+
+    def build_engine(
+        self, config: Any, *, run_id: str, sink: TrialSink, start_wall: float, jitter_seed: int | None
+    ) -> LLMEngine:
+        raise NotImplementedError
+
+    def trial_sink(self) -> TrialSink:
+        return TrialSink(keep_steps=self.keep_steps)
+
+    def evaluate(self, config: Any, *, run_id: str, seed: int) -> TrialMetrics:
+        key = (self.config_key(config), seed)
+        if key in self._cache and not self.jitter:
+            self.cache_hits += 1
+            return self._cache[key]
+        reqs, prompts = self.requests(seed)
+        sink = self.trial_sink()
+        engine = self.build_engine(
+            config, run_id=run_id, sink=sink, start_wall=time.time(), jitter_seed=seed if self.jitter else None
+        )
+        t = time.perf_counter()
+        result = replay(engine, reqs, seed=seed, prompts=prompts)
+        self.sim_seconds += time.perf_counter() - t
+        self.last_busy_s = engine.executor.busy_s
+        metrics = self._measure(sink, result, run_id)
+        self._cache[key] = metrics
+        return metrics
+
+
+class SimBackend(SimulatedBackend):
+    """The simulator on a cost profile (kvpilot's engine)."""
 
     name = "sim"
 
@@ -92,29 +145,23 @@ class SimBackend(_Base):
         instance: str = f"{SIMULATED_INSTANCE_PREFIX}sim",
         keep_steps: bool = False,
     ) -> None:
-        super().__init__(workload, db, slo, instance=instance)
+        super().__init__(workload, db, slo, instance=instance, keep_steps=keep_steps)
         self.profile = profile
-        self.keep_steps = keep_steps
-        self._cache: dict[tuple[str, int], TrialMetrics] = {}
-        self.cache_hits = 0
-        self.sim_seconds = 0.0
 
-    def evaluate(self, config: EngineConfig, *, run_id: str, seed: int) -> TrialMetrics:
-        key = (hashlib.sha256(self.profile.engine_config(config).to_yaml().encode()).hexdigest(), seed)
-        if key in self._cache:
-            self.cache_hits += 1
-            return self._cache[key]
-        reqs, prompts = self.requests(seed)
-        sink = TrialSink(keep_steps=self.keep_steps)
+    def config_key(self, config: EngineConfig) -> str:
+        return hashlib.sha256(self.profile.engine_config(config).to_yaml().encode()).hexdigest()
+
+    def build_engine(
+        self, config: EngineConfig, *, run_id: str, sink: TrialSink, start_wall: float, jitter_seed: int | None
+    ) -> LLMEngine:
         engine, _ = sim_engine(
-            _telemetry(config, run_id, self.instance), self.profile, sink=sink, start_wall=time.time()
+            _telemetry(config, run_id, self.instance),
+            self.profile,
+            sink=sink,
+            start_wall=start_wall,
+            jitter_seed=jitter_seed,
         )
-        t = time.perf_counter()
-        result = replay(engine, reqs, seed=seed, prompts=prompts)
-        self.sim_seconds += time.perf_counter() - t
-        metrics = self._measure(sink, result, run_id)
-        self._cache[key] = metrics
-        return metrics
+        return engine
 
 
 class EngineBackend(_Base):

@@ -44,31 +44,62 @@ def capacity_rps(profile: CostProfile, base: EngineConfig, opts: WL.WorkloadOpti
     return len(result.finished) / result.duration_s
 
 
+def workload_kind(spec: str) -> str:
+    """`scenario`, `trace`, `collector` or `stored` for a workload spec (checked before anything is measured);
+    WorkloadError for anything else."""
+    if spec in WL.SCENARIOS:
+        return "scenario"
+    if spec == "collector":
+        return "collector"
+    kind, sep, arg = spec.partition(":")
+    if sep and kind in ("trace", "stored"):
+        if not arg:
+            example = "trace:AzureLLMInferenceTrace_conv.csv" if kind == "trace" else "stored:vllm-a"
+            raise WL.WorkloadError(
+                "workload", f"{kind}: needs {'a file' if kind == 'trace' else 'an instance'}, e.g. {example}"
+            )
+        return kind
+    raise WL.WorkloadError(
+        "workload",
+        f"unknown workload {spec!r}; one of {', '.join(WL.SCENARIOS)}, trace:FILE, collector, stored:INSTANCE",
+    )
+
+
 def workload_factory(
     spec: str,
     opts: WL.WorkloadOptions,
     *,
-    profile: CostProfile,
-    base: EngineConfig,
+    profile: CostProfile | None = None,
+    base: EngineConfig | None = None,
     db: Engine | None = None,
     instances: list[str] | None = None,
+    capacity: Callable[[WL.WorkloadOptions], float] | None = None,
 ) -> tuple[Callable[[int], list[W.WorkloadRequest]], dict[str, Any]]:
-    """seed -> requests for `spec` (a scenario name, `trace:FILE` or `collector`), and a description."""
+    """seed -> requests for `spec` (a scenario name, `trace:FILE`, `collector` or `stored:INSTANCE`), and a
+    description. A scenario's rate is relative to `capacity(opts)` (requests/s of the running config) when given,
+    else to the capacity of `base` on `profile`'s simulator; `stored:INSTANCE` replays the requests the collector
+    stored for that instance in the last `hours`, the same requests for every seed."""
+    kind = workload_kind(spec)
     opts.validate()
-    if opts.max_total_tokens is None:
+    if opts.max_total_tokens is None and base is not None:
         opts = WL.WorkloadOptions(**{**opts.__dict__, "max_total_tokens": WL.default_max_total(base)})
-    if spec in WL.SCENARIOS:
-        cap = capacity_rps(profile, base, opts)
+    if kind == "scenario":
+        if capacity is None:
+            if profile is None or base is None:
+                raise ValueError("workload_factory: a scenario needs `capacity` or a profile and a base config")
+            cap = capacity_rps(profile, base, opts)
+        else:
+            cap = capacity(opts)
         desc = {"kind": spec, "capacity_rps": round(cap, 3), "requests": opts.requests, "scale": opts.scale}
         return (lambda seed: WL.scenario(spec, cap, opts, seed=seed)), desc
-    if spec.startswith("trace:"):
+    if kind == "trace":
         path = Path(spec.split(":", 1)[1])
         reqs = WL.load_trace(path, opts)
         desc = {"kind": "trace", "file": str(path), **WL.describe(reqs)}
         return (lambda seed: list(reqs)), desc
-    if spec == "collector":
-        if db is None:
-            raise WL.WorkloadError("workload", "the collector workload needs a database")
+    if db is None:
+        raise WL.WorkloadError("workload", f"the {kind} workload needs a database")
+    if kind == "collector":
         fitted = WL.fit_from_collector(db, opts, instances=instances)
         desc = {
             "kind": "collector",
@@ -77,9 +108,13 @@ def workload_factory(
             "buckets": len(fitted.rates),
         }
         return (lambda seed: fitted.sample(opts, seed=seed)), desc
-    raise WL.WorkloadError(
-        "workload", f"unknown workload {spec!r}; one of {', '.join(WL.SCENARIOS)}, trace:FILE, collector"
-    )
+    instance = spec.split(":", 1)[1]
+    try:
+        stored = WL.stored_traffic(db, opts, instances=[instance])
+    except WL.WorkloadError as exc:
+        raise WL.WorkloadError("workload", f"{spec}: {exc}") from exc
+    desc = {"kind": "stored", "instance": instance, "hours": opts.hours, **WL.describe(stored)}
+    return (lambda seed: list(stored)), desc
 
 
 def make_backend(

@@ -13,7 +13,6 @@ import datetime as dt
 import logging
 import statistics
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,9 @@ from tuner.jobs import base_config, make_backend, open_db, workload_factory
 from tuner.metrics import SLO
 from tuner.profile import load_profile
 from tuner.proposals import ProposalView, create_proposal, running_tunables
+from tuner.prune import drop_noise_knobs, seed_measurer
 from tuner.report import pareto_png, render_markdown, search_summary
-from tuner.space import SearchSpace, load_space
+from tuner.space import load_space
 from tuner.storage import open_storage
 from tuner.study import StudyResult, run_study
 
@@ -74,40 +74,6 @@ def confirm(
     }
 
 
-def drop_noise_knobs(
-    current: dict[str, Any],
-    best: dict[str, Any],
-    measure: Callable[[dict[str, Any]], list[tuple[float, bool]]],
-    *,
-    min_effect: float,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """`best` with every change whose effect is inside the noise put back to its `current` value.
-
-    A study's best trial changes every knob the sampler happened to move, most of them for nothing.
-    One changed knob at a time, the candidate is measured with that knob back at its current value
-    (`measure(params)` -> [(goodput, feasible)] on fixed workload seeds): the change stays only when
-    reverting it costs goodput on every seed and at least `min_effect` of it on average, or makes a
-    seed miss the SLOs. Otherwise it is dropped and the next knob is judged against the smaller
-    candidate. Returns the params kept and one record per changed knob."""
-    candidate = dict(best)
-    ref = measure(candidate)
-    records: list[dict[str, Any]] = []
-    for knob in [k for k, v in best.items() if current.get(k) != v]:
-        trial = {**candidate, knob: current[knob]}
-        runs = measure(trial)
-        before, after = [g for g, _ in ref], [g for g, _ in runs]
-        mean_ref = statistics.fmean(before)
-        effect = 1.0 - statistics.fmean(after) / mean_ref if mean_ref > 0 else 0.0
-        slo = all(f for _, f in ref) and not all(f for _, f in runs)
-        keep = slo or (effect >= min_effect and all(a < b for a, b in zip(after, before, strict=True)))
-        records.append(
-            {"knob": knob, "current": current[knob], "proposed": best[knob], "effect": effect, "slo": slo, "kept": keep}
-        )
-        if not keep:
-            candidate, ref = trial, runs
-    return candidate, records
-
-
 def run_nightly(
     *,
     db_url: str,
@@ -136,7 +102,7 @@ def run_nightly(
 
     The proposal changes only the knobs that measurably matter: each change of the best trial whose
     removal costs less than `min_effect` of goodput (1%: the noise floor) is dropped
-    (`drop_noise_knobs`, on workload seeds of its own), and the confirmation runs what is left. With
+    (`tuner.prune.drop_noise_knobs`, on workload seeds of its own), and the confirmation runs what is left. With
     `engine_url` (or a live backend) the baseline is the config the engine actually runs (its tunables from
     GET /admin/config on top of the config file), so the proposal is measured against what it would replace."""
     slo = (slo or SLO()).validate()
@@ -187,7 +153,7 @@ def run_nightly(
             decision = "no proposal: the current config is already the best found"
         else:
             prune_seeds = [seed + 2000 + k for k in range(confirm_seeds)]
-            measure = _measurer(be, space, base, slo=slo, name=name, seeds=prune_seeds)
+            measure = seed_measurer(be, space, base, slo=slo, seeds=prune_seeds, name=f"{name}-prune")
             kept, knobs = drop_noise_knobs(current.params, best.params, measure, min_effect=min_effect)
             pruning = {"seeds": prune_seeds, "min_effect": min_effect, "knobs": knobs}
             if kept == current.params:
@@ -252,19 +218,6 @@ def run_nightly(
         )
     finally:
         db.dispose()
-
-
-def _measurer(
-    backend: Backend, space: SearchSpace, base: EngineConfig, *, slo: SLO, name: str, seeds: list[int]
-) -> Callable[[dict[str, Any]], list[tuple[float, bool]]]:
-    """The measuring side of `drop_noise_knobs`: params -> (goodput, feasible) on each of `seeds`."""
-
-    def measure(params: dict[str, Any]) -> list[tuple[float, bool]]:
-        cfg = space.apply(base, params)
-        runs = [backend.evaluate(cfg, run_id=f"{name}-prune-s{s}-{uuid.uuid4().hex[:6]}", seed=s) for s in seeds]
-        return [(m.goodput_tps, m.feasible(slo)) for m in runs]
-
-    return measure
 
 
 def _publish(

@@ -1,57 +1,67 @@
-"""Keep only the knobs whose change mattered: a found config, each changed knob in turn put back to the running
-value, kept back when the goodput does not suffer. Works on any backend and any space (`apply`, `from_config`):
-the simulator for the nightly kvpilot proposals and the screened vLLM search, where a knob costs one simulation.
+"""Keep only the knobs whose change measurably matters: a found config's changes, each reverted alone, dropped
+when the effect of the change is inside the noise. One procedure for the nightly kvpilot proposals
+(`tuner.nightly`) and the screened vLLM search (`tuner.vllm.screen`); it works on any backend and any space
+(`apply`, `from_config`), and each knob costs one measurement per seed (one simulation on the simulator).
 """
 
 from __future__ import annotations
 
+import statistics
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.config import ConfigError
 from tuner.backends import Backend, InfeasibleTrialError
-from tuner.metrics import SLO, TrialMetrics, combine
+from tuner.metrics import SLO
+
+# params -> (goodput, feasible) on each of a fixed list of workload seeds
+Measure = Callable[[dict[str, Any]], list[tuple[float, bool]]]
 
 
-def measure(backend: Backend, config: Any, *, seeds: Sequence[int], slo: SLO, name: str) -> TrialMetrics:
-    """One config on every seed, scored together (rates averaged, tails the worst)."""
-    runs = [backend.evaluate(config, run_id=f"{name}-s{s}-{uuid.uuid4().hex[:6]}", seed=s) for s in seeds]
-    return combine(runs)
+def drop_noise_knobs(
+    current: dict[str, Any], best: dict[str, Any], measure: Measure, *, min_effect: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`best` with every change whose effect is inside the noise put back to its `current` value.
+
+    A study's best trial changes every knob the sampler happened to move, most of them for nothing.
+    One changed knob at a time, the candidate is measured with that knob back at its current value
+    (`measure(params)` -> [(goodput, feasible)] on fixed workload seeds): the change stays only when
+    reverting it costs goodput on every seed and at least `min_effect` of it on average, or makes a
+    seed miss the SLOs. Otherwise it is dropped and the next knob is judged against the smaller
+    candidate. Returns the params kept and one record per changed knob."""
+    candidate = dict(best)
+    ref = measure(candidate)
+    records: list[dict[str, Any]] = []
+    for knob in [k for k, v in best.items() if current.get(k) != v]:
+        trial = {**candidate, knob: current[knob]}
+        runs = measure(trial)
+        before, after = [g for g, _ in ref], [g for g, _ in runs]
+        mean_ref = statistics.fmean(before)
+        effect = 1.0 - statistics.fmean(after) / mean_ref if mean_ref > 0 else 0.0
+        slo = all(f for _, f in ref) and not all(f for _, f in runs)
+        keep = slo or (effect >= min_effect and all(a < b for a, b in zip(after, before, strict=True)))
+        records.append(
+            {"knob": knob, "current": current[knob], "proposed": best[knob], "effect": effect, "slo": slo, "kept": keep}
+        )
+        if not keep:
+            candidate, ref = trial, runs
+    return candidate, records
 
 
-def prune(
-    backend: Backend,
-    space: Any,
-    base: Any,
-    params: dict[str, Any],
-    *,
-    seeds: Sequence[int],
-    slo: SLO,
-    tolerance: float = 0.01,
-    name: str = "prune",
-) -> tuple[dict[str, Any], list[str]]:
-    """Keep only the knobs whose change matters: each changed knob in turn is put back to the running value, and
-    stays back if the (simulated) goodput loses less than `tolerance` and the config stays feasible. Returns the
-    pruned params and the knobs put back. Works for any space/config pair (`apply`, `from_config`)."""
-    current = dict(params)
-    running = space.from_config(base)
+def seed_measurer(backend: Backend, space: Any, base: Any, *, slo: SLO, seeds: Sequence[int], name: str) -> Measure:
+    """The measuring side of `drop_noise_knobs` on `backend`: params -> (goodput, feasible) on each of `seeds`.
 
-    def score(values: dict[str, Any]) -> tuple[float, bool]:
-        m = measure(backend, space.apply(base, values), seeds=seeds, slo=slo, name=name)
-        return m.goodput_tps, m.feasible(slo)
+    A config that cannot run — the space or the engine refuses it (ConfigError), or the backend finds it
+    infeasible (a vLLM that will not start) — scores zero and misses the SLOs on every seed: a change whose
+    revert cannot run is needed, so it stays."""
 
-    reference, feasible = score(current)  # the candidate as the screen found it
-    reverted: list[str] = []
-    for knob in [k for k, v in params.items() if running.get(k) != v]:
-        trial = {**current, knob: running[knob]}
+    def measure(params: dict[str, Any]) -> list[tuple[float, bool]]:
         try:
-            goodput, ok = score(trial)
-        except (ValueError, InfeasibleTrialError):
-            continue
-        if not ok or (feasible and goodput < reference * (1.0 - tolerance)):
-            continue  # this change matters: it stays
-        if not feasible:
-            reference = goodput  # the first feasible config sets the bar
-        current, feasible = trial, True
-        reverted.append(knob)
-    return current, reverted
+            config = space.apply(base, params)
+            runs = [backend.evaluate(config, run_id=f"{name}-s{s}-{uuid.uuid4().hex[:6]}", seed=s) for s in seeds]
+        except (ConfigError, InfeasibleTrialError):
+            return [(0.0, False) for _ in seeds]
+        return [(m.goodput_tps, m.feasible(slo)) for m in runs]
+
+    return measure

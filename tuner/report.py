@@ -64,7 +64,7 @@ def render_markdown(
     plot_name: str | None,
     pruning: dict[str, Any] | None = None,
 ) -> str:
-    """`pruning`: which changes of the best trial were kept, measured one by one (tuner.nightly.drop_noise_knobs)."""
+    """`pruning`: which changes of the best trial were kept, measured one by one (tuner.prune.drop_noise_knobs)."""
     s = search_summary(result)
     base, best = result.baseline, result.best
     lines = [f"# {title}", "", f"**Decision:** {decision}", ""]

@@ -70,7 +70,8 @@ def decode_attention(lens: list[int], page_tokens: int) -> tuple[int, int]:
 
 
 class SimExecutor:
-    """An `engine.executor.Executor` that costs steps instead of computing them."""
+    """An `engine.executor.Executor` that costs steps instead of computing them. `cost` is the cost model's
+    part (vLLM's mode, `tuner.vllm.sim`, overrides it); the clock, the counters and the tokens are shared."""
 
     device = "sim"
 
@@ -92,16 +93,21 @@ class SimExecutor:
     def allocate_cache(self, hot_pages: int, cold_pages: int, page_tokens: int) -> None:
         self.page_tokens = page_tokens
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ExecuteResult:
+    def cost(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[float, float]:
+        """(seconds the clock advances, seconds the step computes): one and the same for kvpilot's engine."""
         cost = self.profile.predict(step_shape(out, kv, self.page_tokens))
         if self._rng is not None:
             cost *= self.profile.jitter(self._rng.random())
-        self.clock.advance(cost)
+        return cost, cost
+
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ExecuteResult:
+        cycle, elapsed = self.cost(out, kv)
+        self.clock.advance(cycle)
         self.steps += 1
-        self.busy_s += cost
+        self.busy_s += elapsed
         # Any non-EOS token will do: workloads fix output lengths with ignore_eos.
         tokens = [(len(item.seq.token_ids) % 250) + 1 if item.samples else None for item in out.scheduled]
-        return ExecuteResult(tokens, cost)
+        return ExecuteResult(tokens, elapsed)
 
     def release(self, seq_ids: Iterable[int]) -> None:
         return None

@@ -8,18 +8,21 @@ by the config itself, so a trial never runs a config the engine would refuse.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, TypeVar
 
 import yaml
 
 from engine.config import BLOCK_SIZES, TUNABLE_FIELDS, ConfigError, EngineConfig
 
 BLOCK_POLICY = "block_policy"
+S = TypeVar("S", bound="KnobSpace")
 
 
 class SpaceError(ValueError):
@@ -98,7 +101,12 @@ def block_policy_of(config: EngineConfig) -> str:
 
 
 @dataclass(frozen=True)
-class SearchSpace:
+class KnobSpace:
+    """What every search space shares: the searched `params`, the `fixed` values every trial sets, and the
+    sampler's side (suggest, grid, describe, widening to hold a config). A subclass maps values onto its
+    engine's config: `apply(base, values)` (raising ConfigError for what the engine would refuse),
+    `from_config(config)` and `to_patch(values)`."""
+
     params: tuple[Param, ...]
     fixed: dict[str, Any]
 
@@ -108,6 +116,53 @@ class SearchSpace:
 
     def suggest(self, trial: Any) -> dict[str, Any]:
         return {p.name: p.suggest(trial) for p in self.params}
+
+    def apply(self, base: Any, values: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def from_config(self, config: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def including(self, config: Any) -> Self:
+        """This space widened so the config's own values are in it (choices added, ranges stretched); a knob
+        the config leaves unset (None: the engine's own default) is left as it is."""
+        current = self.from_config(config)
+        params = []
+        for p in self.params:
+            v = current[p.name]
+            if v is None or p.contains(v):
+                params.append(p)
+            elif p.choices is not None:
+                params.append(Param(p.name, choices=(*p.choices, v)))
+            else:
+                params.append(
+                    Param(
+                        p.name,
+                        low=min(p.low, v),
+                        high=max(p.high, v),
+                        log=p.log,
+                        is_int=p.is_int and isinstance(v, int),
+                    )
+                )
+        return dataclasses.replace(self, params=tuple(params))
+
+    def grid(self) -> list[dict[str, Any]]:
+        """Every point of a discrete space (the benchmark's exhaustive reference)."""
+        names = self.names
+        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(p.values() for p in self.params))]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            p.name: list(p.choices)
+            if p.choices is not None
+            else {"low": p.low, "high": p.high, "step": p.step, "log": p.log}
+            for p in self.params
+        }
+
+
+@dataclass(frozen=True)
+class SearchSpace(KnobSpace):
+    """The kvpilot engine's space: knobs named `section.field` over EngineConfig's tunable fields."""
 
     def to_patch(self, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Trial parameters (plus `fixed`) -> an EngineConfig patch of tunable sections."""
@@ -149,53 +204,9 @@ class SearchSpace:
                 out[p.name] = full[section][field]
         return out
 
-    def including(self, config: EngineConfig) -> SearchSpace:
-        """This space widened so the config's own values are in it (choices added, ranges stretched)."""
-        current = self.from_config(config)
-        params = []
-        for p in self.params:
-            v = current[p.name]
-            if p.contains(v):
-                params.append(p)
-            elif p.choices is not None:
-                params.append(Param(p.name, choices=(*p.choices, v)))
-            else:
-                params.append(
-                    Param(
-                        p.name,
-                        choices=None,
-                        low=min(p.low, v),
-                        high=max(p.high, v),
-                        step=None,
-                        log=p.log,
-                        is_int=p.is_int and isinstance(v, int),
-                    )
-                )
-        return SearchSpace(tuple(params), self.fixed)
 
-    def grid(self) -> list[dict[str, Any]]:
-        """Every point of a discrete space (the benchmark's exhaustive reference)."""
-        names = self.names
-        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(p.values() for p in self.params))]
-
-    def describe(self) -> dict[str, Any]:
-        out = {}
-        for p in self.params:
-            out[p.name] = (
-                list(p.choices)
-                if p.choices is not None
-                else {"low": p.low, "high": p.high, "step": p.step, "log": p.log}
-            )
-        return out
-
-
-def _param(key: str, spec: Any) -> Param:
-    where = f"params.{key}"
-    if key != BLOCK_POLICY:
-        section, _, field = key.partition(".")
-        if section not in TUNABLE_FIELDS or field not in TUNABLE_FIELDS[section]:
-            known = [BLOCK_POLICY] + [f"{s}.{f}" for s, fs in TUNABLE_FIELDS.items() for f in fs]
-            raise SpaceError(f"{where}: not a hot-reloadable field; one of {', '.join(known)}", where)
+def _param(where: str, key: str, spec: Any) -> Param:
+    """One `params` entry (its key already checked); `where` is its field path for errors."""
     if not isinstance(spec, dict):
         raise SpaceError(f"{where}: must be a mapping with `choices` or `low`/`high`", where)
     unknown = set(spec) - {"choices", "low", "high", "step", "log"}
@@ -208,11 +219,15 @@ def _param(key: str, spec: Any) -> Param:
         if len(set(map(repr, choices))) != len(choices):
             raise SpaceError(f"{where}.choices: has duplicates", f"{where}.choices")
         return Param(key, choices=tuple(choices))
-    if "low" not in spec or "high" not in spec:
-        raise SpaceError(f"{where}: needs `choices` or both `low` and `high`", where)
+    missing = [end for end in ("low", "high") if end not in spec]
+    if missing:
+        field = f"{where}.{missing[0]}" if len(missing) == 1 else where
+        raise SpaceError(f"{where}: needs `choices` or both `low` and `high`", field)
     low, high, step, log = spec["low"], spec["high"], spec.get("step"), bool(spec.get("log", False))
     for name, v in (("low", low), ("high", high), ("step", step)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+        if (v is None and name != "step") or (
+            v is not None and (isinstance(v, bool) or not isinstance(v, int | float))
+        ):
             raise SpaceError(f"{where}.{name}: must be a number, got {v!r}", f"{where}.{name}")
     if not low < high:
         raise SpaceError(f"{where}: low ({low}) must be below high ({high})", where)
@@ -220,11 +235,19 @@ def _param(key: str, spec: Any) -> Param:
         raise SpaceError(f"{where}.step: must be positive and not combined with log", f"{where}.step")
     if log and low <= 0:
         raise SpaceError(f"{where}.low: must be positive for a log range", f"{where}.low")
-    is_int = all(isinstance(v, int) for v in (low, high) if v is not None) and (step is None or isinstance(step, int))
+    is_int = isinstance(low, int) and isinstance(high, int) and (step is None or isinstance(step, int))
     return Param(key, low=low, high=high, step=step, log=log, is_int=is_int)
 
 
-def space_from_dict(data: Any, *, base: EngineConfig | None = None, source: str = "space") -> SearchSpace:
+def parse_space(
+    data: Any, space_type: type[S], *, base: Any, key_problem: Callable[[str], str | None], source: str
+) -> S:
+    """A space of `space_type` from its YAML form (`params`, `fixed`), every error naming its field.
+
+    The engine's side comes as two checks: `key_problem(key)` says what is wrong with a knob's name (None: it
+    is a knob of this engine), and every value must make a config the engine accepts: `fixed` alone on `base`,
+    then each choice and each range end alone (with `fixed`) through `space_type.apply`, whose ConfigError
+    (or SpaceError) becomes a SpaceError naming the knob."""
     if not isinstance(data, dict):
         raise SpaceError(f"{source}: top level must be a mapping with `params`")
     unknown = set(data) - {"params", "fixed"}
@@ -233,34 +256,55 @@ def space_from_dict(data: Any, *, base: EngineConfig | None = None, source: str 
     params_spec = data.get("params")
     if not isinstance(params_spec, dict) or not params_spec:
         raise SpaceError(f"{source}: `params` must be a non-empty mapping", "params")
-    params = tuple(_param(str(k), v) for k, v in params_spec.items())
     fixed = data.get("fixed") or {}
     if not isinstance(fixed, dict):
         raise SpaceError(f"{source}: `fixed` must be a mapping", "fixed")
-    for key in fixed:
-        if key in params_spec:
-            raise SpaceError(f"{source}: fixed.{key} is also a searched param", f"fixed.{key}")
-        _param(str(key), {"choices": [fixed[key]]})
-    space = SearchSpace(params, dict(fixed))
-    _check_values(space, base or EngineConfig(), source)
-    return space
-
-
-def _check_values(space: SearchSpace, base: EngineConfig, source: str) -> None:
-    """Each choice and each range end must make a config the engine accepts (alone, on `base`)."""
+    for section, keys in (("params", params_spec), ("fixed", fixed)):
+        for key in keys:
+            problem = key_problem(str(key))
+            if problem is not None:
+                raise SpaceError(f"{section}.{key}: {problem}", f"{section}.{key}")
+            if section == "fixed" and key in params_spec:
+                raise SpaceError(f"{source}: fixed.{key} is also a searched param", f"fixed.{key}")
+    params = tuple(_param(f"params.{k}", str(k), v) for k, v in params_spec.items())
+    space = space_type(params, dict(fixed))
+    try:
+        space.apply(base, {})
+    except (ConfigError, SpaceError) as exc:
+        raise SpaceError(f"{source}: fixed values are invalid: {exc}", "fixed") from exc
     for p in space.params:
-        probes = list(p.choices) if p.choices is not None else [p.low, p.high]
-        for value in probes:
+        for value in list(p.choices) if p.choices is not None else [p.low, p.high]:
             try:
                 space.apply(base, {p.name: value})
             except (ConfigError, SpaceError) as exc:
                 raise SpaceError(
                     f"{source}: params.{p.name} value {value!r} is invalid: {exc}", f"params.{p.name}"
                 ) from exc
+    return space
+
+
+def read_space_file(path: Path) -> Any:
+    """A space file's YAML, a SpaceError (field `space`) when it is missing or not YAML."""
     try:
-        space.apply(base, {})
-    except ConfigError as exc:
-        raise SpaceError(f"{source}: fixed values are invalid: {exc}", "fixed") from exc
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError as exc:
+        raise SpaceError(f"search space file not found: {path}", "space") from exc
+    except yaml.YAMLError as exc:
+        raise SpaceError(f"{path}: not valid YAML: {exc}", "space") from exc
+
+
+def _tunable_key_problem(key: str) -> str | None:
+    if key == BLOCK_POLICY:
+        return None
+    section, _, field = key.partition(".")
+    if section in TUNABLE_FIELDS and field in TUNABLE_FIELDS[section]:
+        return None
+    known = [BLOCK_POLICY] + [f"{s}.{f}" for s, fs in TUNABLE_FIELDS.items() for f in fs]
+    return f"not a hot-reloadable field; one of {', '.join(known)}"
+
+
+def space_from_dict(data: Any, *, base: EngineConfig | None = None, source: str = "space") -> SearchSpace:
+    return parse_space(data, SearchSpace, base=base or EngineConfig(), key_problem=_tunable_key_problem, source=source)
 
 
 def default_space_path() -> Path:
@@ -269,10 +313,4 @@ def default_space_path() -> Path:
 
 def load_space(path: str | Path | None = None, *, base: EngineConfig | None = None) -> SearchSpace:
     path = Path(path) if path is not None else default_space_path()
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError as exc:
-        raise SpaceError(f"search space file not found: {path}", "space") from exc
-    except yaml.YAMLError as exc:
-        raise SpaceError(f"{path}: not valid YAML: {exc}", "space") from exc
-    return space_from_dict(data, base=base, source=str(path))
+    return space_from_dict(read_space_file(path), base=base, source=str(path))

@@ -61,6 +61,7 @@ from collector.queries.request_stats import (
     latency_quantiles_over_time,
 )
 from collector.queries.run_audit import duplicate_steps, stored_event_counts, stored_requests
+from collector.queries.steps import StoredStep, stored_steps
 from collector.queries.timeseries import (
     EVENT_COUNTERS,
     Labels,
@@ -105,6 +106,7 @@ __all__ = [
     "Series",
     "SeriesId",
     "StageBucket",
+    "StoredStep",
     "TargetHealth",
     "ThroughputBucket",
     "Trap",
@@ -146,6 +148,7 @@ __all__ = [
     "stage_breakdown_over_time",
     "stored_event_counts",
     "stored_requests",
+    "stored_steps",
     "study_command",
     "swap_thrashing",
     "target_health",

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from collector.db import make_engine, upgrade
+from collector.queries import stored_steps
 from collector.server import start_subprocess
 from collector.settings import CollectorSettings
 from engine.config import ModelConfig
@@ -29,7 +30,6 @@ from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
 from tuner.vllm.calibrate import VllmProfile, fit_profile
 from tuner.vllm.config import VllmConfig
-from tuner.vllm.steps import stored_steps
 
 KV_BYTES = 16 * 2**20
 # Lengths scaled to the 512-token model (as `kvpilot bench tune-vllm`); 10 s of sustained traffic per seed.

@@ -67,6 +67,9 @@ def test_a_vllm_proposal_is_a_vllm_config_and_is_not_applied_over_http(sqlite_ur
         )
     res = runner.invoke(app, ["tune", "proposals", "list", "--db-url", sqlite_url])
     assert res.exit_code == 0 and f"{p.id}" in res.output and "+10.0%" in res.output
+    assert res.output.split()[:3] == [str(p.id), "pending", "vllm"]  # whose config it is
+    res = runner.invoke(app, ["tune", "apply", str(p.id), "--db-url", sqlite_url])
+    assert res.exit_code == 2 and "vLLM has no hot reload; restart it with `--config proposal-" in res.output
     db.dispose()
 
 

@@ -1,4 +1,5 @@
-"""A proposal changes only what was measured to matter: `drop_noise_knobs` and its use in the nightly job."""
+"""A proposal changes only what was measured to matter: `tuner.prune.drop_noise_knobs` and its use in the nightly job
+(its use in the screened vLLM search: tests/tuner/test_vllm_config_space.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import yaml
 
 from engine.config import EngineConfig
 from tuner.metrics import SLO
-from tuner.nightly import drop_noise_knobs, run_nightly
+from tuner.nightly import run_nightly
+from tuner.prune import drop_noise_knobs
 
 from .conftest import SMALL, tiny_profile
 

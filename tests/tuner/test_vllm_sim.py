@@ -9,6 +9,7 @@ import pytest
 
 from collector.db import make_engine
 from collector.events import RequestEvent, StepEvent
+from collector.queries import StoredStep, stored_steps
 from engine.config import CacheConfig, ModelConfig, RecyclerConfig, SchedulerConfig
 from engine.kv import KVCacheManager
 from engine.scheduler import Scheduler
@@ -18,7 +19,6 @@ from tuner.metrics import SLO, store_events
 from tuner.vllm.calibrate import CalibrationError, fit_profile
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend, sim_vllm_engine
-from tuner.vllm.steps import StoredStep, stored_steps
 
 BPT = 64
 CKPT_MODEL = ModelConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=688, max_position=2048)
@@ -184,4 +184,68 @@ def test_simulated_vllm_trial_maps_the_engine_arguments(sqlite_url: str) -> None
     assert tight.preemptions > roomy.preemptions  # 16 blocks of 64 tokens hold less of the burst than 64 of 128
     assert tight.oom == 0 and tight.e2e_p99_s > roomy.e2e_p99_s  # recomputed, as vLLM does, not an OOM
     assert backend.evaluate(VllmConfig(model="/m"), run_id="again", seed=0) is roomy and backend.cache_hits == 1
+    db.dispose()
+
+
+def test_a_resumed_request_in_vllms_generation_count_is_prefill_work() -> None:
+    from tuner.vllm.calibrate import step_shape
+
+    def step(num_seqs: int, prefill: int, decode: int) -> StoredStep:
+        return StoredStep("r", "vllm-a", 0.0, 1, 0.01, num_seqs, prefill, decode, 4, 64)
+
+    plain = step_shape(step(5, 100, 4), 128)  # one prompt chunk and four decodes: as logged
+    assert (plain.prefill_tokens, plain.prefill_seqs, plain.decode_seqs) == (100, 1, 4)
+    # vLLM logs a preempted request recomputing 296 tokens as a generation request (it has output tokens)
+    resumed = step_shape(step(5, 0, 300), 128)
+    assert (resumed.prefill_tokens, resumed.prefill_seqs, resumed.decode_seqs) == (296, 1, 4)
+    both = step_shape(step(6, 64, 205), 128)  # a prompt chunk, a resumption of 201 tokens, four decodes
+    assert (both.prefill_tokens, both.prefill_seqs, both.decode_seqs) == (265, 2, 4)
+    assert step_shape(step(3, 0, 3), 128).decode_seqs == 3
+
+
+def test_fidelity_simulates_the_traffic_the_client_sent(sqlite_url: str) -> None:
+    """A client that sent late offered vLLM later traffic than the plan: the comparison simulates what was sent
+    (and keeps the planned comparison apart), so the client's lag is not counted as the simulator's error."""
+    from types import SimpleNamespace
+
+    from tuner.vllm.fidelity import as_sent, compare
+
+    db = make_engine(sqlite_url)
+    store_events(db, _synthetic_steps(300), key_prefix="cal")
+    profile = fit_profile(stored_steps(db, start=0, end=2e9), model=CKPT_MODEL, block_size=128)
+    # deterministic, and a step row's duration is the forward alone as in vLLM's line: the "real" run is the simulator
+    profile = profile.model_copy(update={"step_jitter": None, "overhead_s": 0.0, "overhead_per_seq_s": 0.0})
+    opts = WL.WorkloadOptions(requests=60, scale=8.0, output_range=(16, 128), max_total_tokens=512)
+    plan = WL.scenario("mixed", 20.0, opts, seed=0)
+    start = 1_800_000_000.0
+    sent_at = [start + r.arrival_s + 0.5 * r.arrival_s for r in plan]  # the client falls behind as it goes
+    sent_at[3] = None  # never sent: keeps its planned time
+    late = as_sent(plan, sent_at, start)
+    assert late[3] == plan[3] and late[10].arrival_s == pytest.approx(1.5 * plan[10].arrival_s)
+    with pytest.raises(ValueError, match="send times"):
+        as_sent(plan, sent_at[:-1], start)
+    cfg = VllmConfig(model="/m")
+    real_sim = VllmSimBackend(profile, lambda _seed: late, db, SLO(ttft_s=2.0), instance="real", keep_steps=True)
+    real = real_sim.evaluate(cfg, run_id="real", seed=0)
+    window = real_sim.last_replay
+    assert window is not None
+    ev = {
+        "run_id": "real",
+        "config": cfg,
+        "seed": 0,
+        "start": window.wall_start,
+        "end": window.wall_end + 1e-3,
+        "metrics": SimpleNamespace(throughput_tps=real.throughput_tps, e2e_p99_s=real.e2e_p99_s, ttft_p99_s=1.0),
+        "sent_at": [None if t is None else t - start + window.wall_start for t in sent_at],
+    }
+    out = compare([ev], profile, lambda _seed: plan, db, SLO(ttft_s=2.0), calibrated_on=cfg)
+    row = out["replays"][0]
+    assert row["as_sent"] and row["in_sample"]
+    assert row["error"]["throughput"] < 0.02 and row["error"]["busy"] < 0.02
+    assert row["error_planned"]["throughput"] > 0.2  # the plan ends a third sooner than what was sent
+    assert out["summary"]["planned"]["throughput"]["median"] == row["error_planned"]["throughput"]
+    assert out["summary"]["all"]["throughput"]["median"] == row["error"]["throughput"]
+    without = compare([{**ev, "sent_at": None}], profile, lambda _seed: plan, db, SLO(ttft_s=2.0))
+    assert not without["replays"][0]["as_sent"]
+    assert without["replays"][0]["error"] == without["replays"][0]["error_planned"]
     db.dispose()

@@ -128,6 +128,21 @@ def test_default_space_maps_to_valid_configs() -> None:
         ({"params": {"block_policy": {"choices": ["fixed-33"]}}}, "params.block_policy", "fixed-N"),
         ({"params": {"scheduler.queue_limit": {"lo": 1}}}, "params.scheduler.queue_limit", "unknown key"),
         ({"parameters": {}}, "parameters", "unknown key"),
+        # one parser for both spaces (tuner.space.parse_space): a null range end is an error, not a TypeError
+        ({"params": {"recycler.threshold": {"low": None, "high": 0.9}}}, "params.recycler.threshold.low", "number"),
+        ({"params": {"recycler.threshold": {"high": 0.9}}}, "params.recycler.threshold.low", "both `low`"),
+        ({"params": {"recycler.threshold": {"step": 0.1}}}, "params.recycler.threshold", "both `low`"),
+        ({"params": {"recycler.threshold": {"choices": [0.8, 0.8]}}}, "params.recycler.threshold.choices", "dup"),
+        (
+            {"params": {"recycler.threshold": {"choices": [0.8]}}, "fixed": {"model.dim": 8}},
+            "fixed.model.dim",
+            "not a hot-reloadable field",
+        ),
+        (
+            {"params": {"recycler.threshold": {"choices": [0.8]}}, "fixed": {"block_policy": "fixed-33"}},
+            "fixed",
+            "fixed values are invalid",
+        ),
     ],
 )
 def test_space_errors_name_the_field(spec: dict, field: str, message: str) -> None:

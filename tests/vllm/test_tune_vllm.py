@@ -1,20 +1,21 @@
-"""Tuning a real vLLM: the search space against vLLM's own parser, the proposal file read by vLLM, and a tiny
-study end to end (trial 0 on the session's vLLM, attached; one restart with another config)."""
+"""Tuning a real vLLM: the search space against vLLM's own parser (and the CLI refusing what vLLM refuses), the
+proposal file read by vLLM, and a tiny `kvpilot tune vllm study` end to end (the running config on the session's
+vLLM, attached; one restart for the confirmed config)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+from pathlib import Path
 
+import httpx
 import pytest
+from typer.testing import CliRunner
 
-from collector.db import make_engine
-from tuner.metrics import SLO
-from tuner.study import run_study
+from kvpilot.cli import app
 from tuner.vllm.argcheck import check_space
-from tuner.vllm.backend import VllmBackend
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import VllmSpace, load_vllm_space, vllm_space_from_dict
-from tuner.workloads import WorkloadOptions, scenario
 
 pytestmark = pytest.mark.vllm
 
@@ -68,8 +69,6 @@ def test_a_proposal_file_is_read_by_vllms_own_config_loader(python: str, tmp_pat
     names = ["model", "max_num_seqs", "block_size", "enable_chunked_prefill", "enable_prefix_caching"]
     out = subprocess.run([python, "-c", code, str(path), *names], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    import json
-
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {
         "model": "/m",
         "max_num_seqs": 32,
@@ -79,51 +78,64 @@ def test_a_proposal_file_is_read_by_vllms_own_config_loader(python: str, tmp_pat
     }
 
 
+def test_the_cli_refuses_a_space_the_installed_vllm_does_not_accept(python: str, sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The tuner knows `max_num_partial_prefills`, vLLM 0.32 does not: refused before anything is read or started."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4}')
+    config, space = tmp_path / "running.yaml", tmp_path / "space.yml"
+    config.write_text(VllmConfig(model=str(ckpt)).to_config_yaml())
+    space.write_text("params:\n  max_num_partial_prefills: {choices: [1, 2]}\n  max_num_seqs: {choices: [16, 32]}\n")
+    args = ["--config", str(config), "--space", str(space), "--vllm-python", python, "--db-url", sqlite_url]
+    res = CliRunner().invoke(app, ["tune", "vllm", "screen", "--instance", "vllm-a", *args])
+    assert res.exit_code == 2, res.output
+    assert f"{space}: vLLM 0.32" in res.output and "max_num_partial_prefills: vLLM" in res.output
+    assert "parser has no such option" in res.output and "Traceback" not in res.output
+
+
 @pytest.mark.timeout(600)  # one vLLM start: 40-100 s on 2 busy cores (plus the session vLLM's, if first)
-def test_a_tiny_study_on_real_vllm(vllm_peer, python: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Trial 0 runs on the session's vLLM (its config is the base config); trial 1 restarts vLLM with 64-token
-    blocks and 16 sequences; both are measured from the spans the collector stored under each trial's run id."""
-    from tests.vllm.peer import KV_CACHE_BYTES, MODEL, TOKEN
+def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`kvpilot tune vllm study` with the session's vLLM as the running config (attached: no start), calibrated from
+    the steps the session stored; the space pins 64-token blocks, so the best simulated config differs from the
+    running one and is confirmed live (the one vLLM start); if it measures better, both alternate on two held-out
+    seeds. Either way the exit code says whether a proposal was written."""
+    from tests.vllm.peer import ADMIN_TOKEN, INSTANCE, KV_CACHE_BYTES, MODEL, TOKEN
 
     base = VllmConfig(model=str(vllm_peer.checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_CACHE_BYTES)
-    space = vllm_space_from_dict(
-        {"params": {"block_size": {"choices": [128, 64]}, "max_num_seqs": {"choices": [128, 16]}}}, base=base
-    )
-    opts = WorkloadOptions(requests=12, scale=16.0, output_range=(4, 16), max_total_tokens=512)
-    db = make_engine(vllm_peer.db_url)
-    backend = VllmBackend(
-        workload=lambda seed: scenario("mixed", 8.0, opts, seed=seed),
-        db=db,
-        slo=SLO(ttft_s=5.0, tpot_s=1.0),
-        python=python,
-        collector_url=vllm_peer.collector_url,
-        ingest_token=TOKEN,
-        instance="tuner-vllm-test",
-        warmup=2,
-        log_dir=tmp_path,
-    )
-    backend.attach(base, url=vllm_peer.url, run_id="vllm-session")
-    try:
-        result = run_study(
-            backend,
-            space,
-            base,
-            name="tiny",
-            trials=2,
-            slo=SLO(ttft_s=5.0, tpot_s=1.0),
-            random_baseline=False,
-            progress=False,
-            sampler="random",
-            seed=3,
-        )
-    finally:
-        backend.close()
-        db.dispose()
-    assert result.measured == 2 and result.failed == 0, [(t.state, t.infeasible) for t in result.trials]
-    t0, t1 = sorted(result.trials, key=lambda t: t.number)
-    assert t0.baseline and t0.run_id == "vllm-session" and t0.metrics["finished"] == 12
-    assert t1.params != t0.params
-    assert t1.metrics["finished"] == 12 and t1.run_id == backend.launches[0].run_id
-    assert t1.metrics["throughput_tps"] > 0 and t1.metrics["ttft_p99_s"] is not None
-    costs = backend.restart_costs()
-    assert costs["launches"] == 1 and costs["ready_s"]["mean"] > 0 and costs["stop_s"]["mean"] >= 0
+    config, space, out = tmp_path / "running.yaml", tmp_path / "space.yml", tmp_path / "study.json"
+    config.write_text(base.to_config_yaml())
+    space.write_text("params:\n  max_num_seqs: {choices: [128, 16]}\nfixed:\n  block_size: 64\n")
+    workload = ["--workload", "mixed", "--capacity", "8", "--requests", "12", "--scale", "16", "--output-range", "4,16"]
+    budget = ["--screen", "4", "--confirm", "1", "--heldout-seeds", "2", "--instance", INSTANCE, "--min-steps", "50"]
+    res = CliRunner().invoke(
+        app,
+        [
+            "tune", "vllm", "study", "--config", str(config), "--space", str(space), *workload, *budget,
+            "--ttft-slo", "5", "--tpot-slo", "1", "--hours", "1", "--no-arg-check",
+            "--running-url", vllm_peer.url, "--running-run-id", "vllm-session",
+            "--collector", vllm_peer.collector_url, "--ingest-token", TOKEN, "--admin-token", ADMIN_TOKEN,
+            "--db-url", vllm_peer.db_url,
+            "--vllm-python", python, "--out-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
+            "--json", str(out),
+        ],
+    )  # fmt: skip
+    assert res.exit_code in (0, 3), res.output
+    s = json.loads(out.read_text())
+    running, confirmed = s["screened"]
+    assert s["baseline"]["metrics"]["finished"] == 12 and running["changed"] == {} and running["feasible"]
+    assert confirmed["changed"]["block_size"] == 64 and confirmed["feasible"] and confirmed["live_goodput"] > 0
+    assert s["restart_cost"]["launches"] == 1 and s["restart_cost"]["ready_s"]["mean"] > 0
+    # the restarted trial's /metrics was a scrape target while it ran; its cleanup deleted it (the admin token)
+    listed = httpx.get(f"{vllm_peer.collector_url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert s["scrape_targets"] == {"registered": ["created"], "left": []}, s["scrape_targets"]
+    assert not any(t["instance"] == "tuner-vllm" for t in listed.json())
+    assert "restart cost per trial:" in res.stdout and s["decision"] in res.stdout
+    if s["changed"]:  # the confirmed config measured better live: both alternated on the held-out seeds
+        assert s["changed"]["block_size"] == 64
+        assert s["heldout"]["seeds"] == [1000, 1001] and s["heldout"]["default_goodput"]["n"] == 2
+    else:  # the running config measured at least as well: nothing to check on held-out seeds
+        assert s["heldout"] is None and s["decision"].startswith("no proposal: the running config is the best")
+    if res.exit_code == 0:  # the gain held: the proposal is the confirmed config, as vLLM's --config file
+        assert VllmConfig.from_config_yaml(s["proposal"]["config"]).block_size == 64
+    else:
+        assert s["proposal"] is None and s["decision"].startswith("no proposal") and Path(s["report"]).is_file()

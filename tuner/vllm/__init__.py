@@ -2,14 +2,15 @@
 trial, a simulator in vLLM's scheduling mode calibrated from vLLM's own iteration log, and the screened search.
 
 - `config`: `VllmConfig`, the tunable engine arguments and the fixed serve arguments; CLI args and `--config` YAML;
-- `space` (+ `space.yml`): the search space in the same YAML form as `tuner/space.yml`;
+- `space` (+ `space.yml`): the search space in the same YAML form and parser as `tuner/space.yml`;
 - `argcheck`: the space checked against the installed vLLM's own argument parser and config validation;
 - `client`: replays a workload through vLLM's OpenAI API at the recorded arrival times;
 - `backend`: `VllmBackend`, one vLLM start per trial (through `kvpilot.vllm.VllmLauncher`);
-- `steps`: the stored step rows a calibration reads;
-- `calibrate`: the cost model fitted to the steps the collector stored from vLLM's iteration lines;
+- `calibrate`: the cost model fitted to the steps the collector stored from vLLM's iteration lines (read with
+  `collector.queries.stored_steps`);
 - `sim`: the kvpilot scheduler and KV cache manager in vLLM V1's mode, on that cost model;
 - `fidelity`: every live replay re-run in the simulator and compared;
 - `screen`: simulation-screened search, live confirmation, the held-out check;
 - `proposal`: vLLM's `--config` file, the markdown report and the proposals row.
+- `tune`: one screened tuning from the running config to a proposal (`kvpilot tune vllm`, `bench tune-vllm`).
 """

@@ -5,7 +5,9 @@ and OTLP spans), wait for /health, warm up, reset the prefix cache, replay the w
 its arrival times (`tuner.vllm.client`), wait until the collector holds a request row for every answer, read the
 metrics back with `tuner.metrics.trial_metrics` (the dashboard's queries, the trial's run id and window), and
 stop vLLM (SIGTERM to its process group). vLLM has no hot reload, so every new config is a restart: its cost
-(start to /health, and the stop) is kept per launch in `launches`.
+(start to /health, and the stop) is kept per launch in `launches`. With the collector's admin token the launcher
+registers each trial's /metrics as a scrape target and the backend deletes it when that vLLM stops (target writes
+are administration); a delete the collector refuses is logged and kept in `stale_targets`.
 
 A server is kept while the next evaluation asks for the same config (the study runs each trial on several seeds
 one after the other) and up to `keep` servers stay up at once, so a before/after comparison can alternate
@@ -60,6 +62,7 @@ class Launch:
     stop_s: float | None = None
     evaluations: int = 0
     error: str | None = None
+    target: str | None = None  # its /metrics as a scrape target: 'created' / 'exists'; None if never registered
 
 
 @dataclass
@@ -86,6 +89,7 @@ class VllmBackend:
         python: str,
         collector_url: str,
         ingest_token: str | None = None,
+        admin_token: str | None = None,
         instance: str = "tuner-vllm",  # "tuner-" instances are the tuner's replays: rules never page for them
         warmup: int = 4,
         keep: int = 1,
@@ -97,7 +101,8 @@ class VllmBackend:
         if keep < 1:
             raise ValueError(f"keep: must be >= 1, got {keep}")
         self.workload, self.db, self.slo = workload, db, slo.validate()
-        self.python, self.collector_url, self.ingest_token = python, collector_url.rstrip("/"), ingest_token
+        self.python, self.collector_url = python, collector_url.rstrip("/")
+        self.ingest_token, self.admin_token = ingest_token, admin_token
         self.instance, self.warmup, self.keep = instance, warmup, keep
         self.startup_timeout_s, self.ingest_timeout_s = startup_timeout_s, ingest_timeout_s
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -110,6 +115,7 @@ class VllmBackend:
         self._workloads: dict[int, tuple[list[W.WorkloadRequest], list[list[int]]]] = {}
         self.launches: list[Launch] = []  # every vLLM this backend started
         self.attached = 0
+        self.stale_targets: list[str] = []  # /metrics URLs whose scrape target the collector did not let us delete
         self.last_client: ClientResult | None = None
         self.replay_s = 0.0
 
@@ -135,6 +141,7 @@ class VllmBackend:
                 "start": result.wall_start,
                 "end": result.wall_end + 0.05,
                 "metrics": metrics,
+                "sent_at": list(result.sent_at),
             }
         )
         return metrics
@@ -240,6 +247,7 @@ class VllmBackend:
             python=self.python,
             collector_url=self.collector_url,
             ingest_token=self.ingest_token,
+            admin_token=self.admin_token,
             instance=self.instance,
             run_id=run_id,
             spool_dir=None,
@@ -255,7 +263,7 @@ class VllmBackend:
             launch.error = _reason(str(exc))
             with contextlib.suppress(Exception):
                 launcher.stop(timeout_s=10.0)
-            self._forget_target(launcher)
+            self.remove_target(f"{launcher.url}/metrics")
             raise InfeasibleTrialError(f"vLLM refused or failed to start: {launch.error}") from exc
         except BaseException:  # interrupted while vLLM starts: it runs in its own session, so stop it here
             launch.error = "interrupted while starting"
@@ -289,23 +297,36 @@ class VllmBackend:
     def _stop(self, server: _Server) -> None:
         if server.launcher is None:
             return
+        server.launch.target = server.launcher.target
         t = time.perf_counter()
         try:
             server.launcher.stop(timeout_s=30.0)
         finally:
             server.launch.stop_s = time.perf_counter() - t
-            self._forget_target(server.launcher)
+            self.remove_target(f"{server.launcher.url}/metrics")
 
-    def _forget_target(self, launcher: VllmLauncher) -> None:
-        """The launcher registered vLLM's /metrics as a scrape target; a stopped trial's port is gone."""
-        headers = {"Authorization": f"Bearer {self.ingest_token}"} if self.ingest_token else {}
+    def remove_target(self, metrics_url: str) -> bool:
+        """Delete the collector's scrape target of a stopped trial's `metrics_url` (its port is gone). The launcher
+        registered it with the admin token, and target writes take the admin token, so the delete does too;
+        without one nothing was registered. A delete the collector refuses (or that fails) is logged and the URL
+        kept in `stale_targets`: the collector would go on scraping a dead port. True when no target is left."""
+        if not self.admin_token:
+            return True
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
         try:
             with httpx.Client(timeout=5.0, headers=headers) as client:
-                for target in client.get(f"{self.collector_url}/v1/targets").json():
-                    if target.get("url") == f"{launcher.url}/metrics":
-                        client.delete(f"{self.collector_url}/v1/targets/{target['id']}")
+                listed = client.get(f"{self.collector_url}/v1/targets")
+                listed.raise_for_status()
+                for target in listed.json():
+                    if target.get("url") == metrics_url:
+                        resp = client.delete(f"{self.collector_url}/v1/targets/{target['id']}")
+                        if resp.status_code not in (204, 404):  # 404: gone already
+                            raise ValueError(f"DELETE answered HTTP {resp.status_code}")
         except (httpx.HTTPError, ValueError, TypeError, KeyError) as exc:
-            log.debug("could not remove the scrape target of %s: %s", launcher.url, exc)
+            log.warning("scrape target %s left on the collector %s: %s", metrics_url, self.collector_url, exc)
+            self.stale_targets.append(metrics_url)
+            return False
+        return True
 
     @staticmethod
     def _reset_prefix_cache(url: str) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from collector.queries import StoredStep
 from engine.config import ModelConfig
 from tuner.calibrate import Sample, _nnls, fit, jitter_quantiles
 from tuner.profile import (
@@ -44,7 +45,6 @@ from tuner.profile import (
     resolve_profile,
     validate_profile,
 )
-from tuner.vllm.steps import StoredStep
 
 MIN_STEPS = 200  # fewer stored steps than this: not enough traffic to calibrate from
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -130,10 +130,21 @@ def model_profile(model: ModelConfig) -> ModelProfile:
 
 
 def step_shape(step: StoredStep, block_size: int) -> StepShape:
-    """A stored step as the cost model's features (vLLM's line has no per-request positions: no attention pairs)."""
-    decode = step.decode_tokens  # one token per generation request (no speculative decoding)
+    """A stored step as the cost model's features (vLLM's line has no per-request positions: no attention pairs).
+
+    vLLM counts a request as "generation" once it has an output token, so a preempted request recomputing its
+    prompt and output on resumption is a generation request with hundreds of tokens (vllm/v1/utils.py
+    `compute_iteration_details`). One token per generation request otherwise (no speculative decoding): when a
+    line's generation tokens are more than its generation requests can be (every sequence but the one taking
+    the context tokens), one of them is such a resumption, whose tokens are prefill work, as the simulator
+    counts them."""
+    gen_reqs = step.num_seqs - (1 if step.prefill_tokens > 0 else 0)
+    decode, prefill = step.decode_tokens, step.prefill_tokens
+    if decode > gen_reqs > 0:
+        decode = gen_reqs - 1
+        prefill += step.decode_tokens - decode
     return StepShape(
-        prefill_tokens=step.prefill_tokens,
+        prefill_tokens=prefill,
         prefill_seqs=max(0, step.num_seqs - decode),
         decode_seqs=decode,
         decode_ctx_tokens=step.kv_blocks_used * block_size,

@@ -34,6 +34,9 @@ class ClientResult:
     wall_start: float = 0.0  # epoch seconds of arrival 0
     wall_end: float = 0.0  # when the last answer came
     max_send_lag_s: float = 0.0  # how late the latest request left (the client's own overload)
+    # epoch seconds at which each request's POST started, by workload index (None: never sent): the traffic
+    # vLLM was offered, which a loaded client sends later than planned (`tuner.vllm.fidelity` simulates it)
+    sent_at: list[float | None] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # the first few, for the trial's reason
 
     @property
@@ -55,8 +58,11 @@ def completion_body(model: str, prompt: list[int], max_tokens: int, *, priority:
     return body
 
 
-async def _send(client: httpx.AsyncClient, url: str, body: dict, result: ClientResult, sem: asyncio.Semaphore) -> None:
+async def _send(
+    client: httpx.AsyncClient, url: str, body: dict, result: ClientResult, sem: asyncio.Semaphore, index: int
+) -> None:
     async with sem:
+        result.sent_at[index] = time.time()
         try:
             resp = await client.post(url, json=body)
         except httpx.HTTPError as exc:
@@ -84,7 +90,7 @@ async def _replay(
     timeout_s: float,
     max_in_flight: int,
 ) -> ClientResult:
-    result = ClientResult()
+    result = ClientResult(sent_at=[None] * len(requests))
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     sem = asyncio.Semaphore(max_in_flight)
@@ -101,7 +107,7 @@ async def _replay(
                 await asyncio.sleep(delay)
             result.max_send_lag_s = max(result.max_send_lag_s, loop.time() - t0 - req.arrival_s)
             body = completion_body(model, prompts[i], req.output_tokens, priority=req.priority if priorities else None)
-            tasks.append(asyncio.create_task(_send(client, url, body, result, sem)))
+            tasks.append(asyncio.create_task(_send(client, url, body, result, sem, i)))
             result.sent += 1
         await asyncio.gather(*tasks)
     result.wall_end = time.time()

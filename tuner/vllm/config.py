@@ -44,6 +44,7 @@ SERVE_ARGS: dict[str, str] = {
     "dtype": "--dtype",
     "max_model_len": "--max-model-len",
 }
+LISTEN_ARGS = ("host", "port")  # in a running server's --config file; not part of the config the tuner reads
 # Arguments the tuner owns (port, host) or that would stop the telemetry it measures with.
 RESERVED_ARGS = ("--port", "--host", "--disable-log-stats", "--config", *TUNABLE_ARGS.values(), *SERVE_ARGS.values())
 HEADER = (
@@ -116,7 +117,8 @@ class VllmConfig(BaseModel):
 
     @classmethod
     def from_config_yaml(cls, path: str | Path) -> VllmConfig:
-        """Read a `--config` file (dashed or underscored keys); unknown keys go to `extra_args`."""
+        """Read a `--config` file (dashed or underscored keys); unknown keys go to `extra_args`, `host` and `port`
+        are left out (where a server listens is not its config: the tuner picks them per trial)."""
         path = Path(path)
         try:
             text = path.read_text()
@@ -137,6 +139,8 @@ class VllmConfig(BaseModel):
         extra: list[str] = []
         for key, value in data.items():
             dest = str(key).replace("-", "_")
+            if dest in LISTEN_ARGS:
+                continue
             if dest in known:
                 fields[dest] = value
             elif isinstance(value, bool):

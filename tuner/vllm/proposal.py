@@ -85,12 +85,20 @@ def render_report(
             f"- restart cost per trial: {r['mean']} s to serve (min {r['min']}, max {r['max']}) over "
             f"{restart['launches']} starts"
         )
-    lines += ["", "| config | sim goodput | live goodput | feasible live |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "Each candidate keeps only the changes whose revert costs simulated goodput on every seed and at least "
+        f"{screened.min_effect:.1%} on average (or misses the SLOs); the others are put back before it runs live.",
+        "",
+        "| config | put back (inside the noise) | sim goodput | live goodput | feasible live |",
+        "|---|---|---|---|---|",
+    ]
     for m in (screened.baseline, *screened.confirmed):
         changes = ", ".join(f"{k}={b}" for k, _a, b in base.changed(m.config))
         label = "running config" if m is screened.baseline else changes
         live = _fmt(m.metrics["goodput_tps"]) if m.metrics else f"infeasible: {m.infeasible}"
-        lines.append(f"| {label} | {_fmt(m.sim_goodput)} | {live} | {m.feasible} |")
+        put_back = ", ".join(m.reverted) or "—"
+        lines.append(f"| {label} | {put_back} | {_fmt(m.sim_goodput)} | {live} | {m.feasible} |")
     lines += ["", "## What changed", "", "| argument | running | proposed |", "|---|---|---|"]
     lines += [f"| `--{k.replace('_', '-')}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in base.changed(best.config)] or [
         "| (none) | | |"

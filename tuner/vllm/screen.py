@@ -3,9 +3,11 @@ and keep only what holds live on new workload seeds.
 
 1. `screen`: an Optuna study on the simulator (`VllmSimBackend`, calibrated from the running config's stored
    steps) over the vLLM space; the `top_k` best feasible, distinct configs (the running one aside), each pruned
-   to the knobs whose change matters in the simulator (`prune`), are measured live on the same seeds
+   in the simulator to the changes whose revert costs goodput on every seed and at least `min_effect` on
+   average or misses the SLOs (`tuner.prune.drop_noise_knobs`, nightly's rule), are measured live on the same seeds
    (`VllmBackend`, one restart each). The search's best is the best feasible live measurement, the running
    config's included: a config the simulator liked but vLLM did not is never proposed.
+   (`simulate` and `candidates` are its two halves without vLLM: what `kvpilot tune vllm screen` shows.)
 2. `held_out`: the running config and the best one on new seeds, alternating seed by seed (and which goes first)
    with both servers kept up, so both see the machine at the same speed; the gain is the mean paired relative gain
    and `gain_low` its one-sided 90% lower bound (Student's t over the paired runs).
@@ -13,17 +15,18 @@ and keep only what holds live on new workload seeds.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tuner.backends import Backend, InfeasibleTrialError
-from tuner.metrics import SLO
-from tuner.prune import measure, prune
+from tuner.metrics import SLO, TrialMetrics, combine
+from tuner.prune import drop_noise_knobs, seed_measurer
 from tuner.study import StudyResult, run_study
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import VllmSpace
@@ -42,7 +45,12 @@ class LiveMeasurement:
     feasible: bool
     sim_goodput: float | None = None
     infeasible: str | None = None
-    reverted: list[str] = field(default_factory=list)  # knobs the simulator found did not matter, put back
+    pruning: list[dict[str, Any]] = field(default_factory=list)  # drop_noise_knobs' record per changed knob
+
+    @property
+    def reverted(self) -> list[str]:
+        """The knobs whose change the simulator found inside the noise: put back to the running value."""
+        return [r["knob"] for r in self.pruning if not r["kept"]]
 
     @property
     def goodput(self) -> float:
@@ -54,6 +62,7 @@ class ScreenResult:
     sim: StudyResult
     baseline: LiveMeasurement
     confirmed: list[LiveMeasurement] = field(default_factory=list)
+    min_effect: float = 0.01  # the pruning's bar: the goodput a change's revert must cost on average
 
     @property
     def live_trials(self) -> int:
@@ -70,15 +79,90 @@ class ScreenResult:
         return max(feasible, key=lambda m: m.goodput) if feasible else self.baseline
 
 
+def measure(backend: Backend, config: Any, *, seeds: Sequence[int], name: str) -> TrialMetrics:
+    """One config on every seed, scored together (rates averaged, tails the worst)."""
+    runs = [backend.evaluate(config, run_id=f"{name}-s{s}-{uuid.uuid4().hex[:6]}", seed=s) for s in seeds]
+    return combine(runs)
+
+
 def live_measurement(
     backend: Backend, config: VllmConfig, params: dict[str, Any], *, seeds: Sequence[int], slo: SLO, name: str
 ) -> LiveMeasurement:
     try:
-        m = measure(backend, config, seeds=seeds, slo=slo, name=name)
+        m = measure(backend, config, seeds=seeds, name=name)
     except InfeasibleTrialError as exc:
         log.warning("%s: infeasible live: %s", name, exc.reason)
         return LiveMeasurement(config, params, None, False, infeasible=exc.reason)
     return LiveMeasurement(config, params, m.as_dict(), m.feasible(slo))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A config the simulator ranks high, pruned to the changes that matter there."""
+
+    config: VllmConfig
+    params: dict[str, Any]
+    sim_goodput: float
+    pruning: list[dict[str, Any]]  # drop_noise_knobs' record per changed knob
+    trial: int  # the simulated trial it was pruned from
+
+    @property
+    def reverted(self) -> list[str]:
+        return [r["knob"] for r in self.pruning if not r["kept"]]
+
+
+def simulate(
+    sim_backend: Backend,
+    space: VllmSpace,
+    base: VllmConfig,
+    *,
+    sim_trials: int,
+    slo: SLO,
+    seeds: Sequence[int],
+    name: str,
+    seed: int = 0,
+    progress: bool = False,
+) -> StudyResult:
+    """The Optuna study over the space in the simulator (the running config is trial 0)."""
+    return run_study(
+        sim_backend,
+        space,
+        base,
+        name=f"{name}-sim",
+        trials=sim_trials,
+        slo=slo,
+        seed=seed,
+        workload_seed=list(seeds),
+        random_baseline=False,
+        progress=progress,
+    )
+
+
+def candidates(
+    sim_backend: Backend,
+    space: VllmSpace,
+    base: VllmConfig,
+    sim: StudyResult,
+    *,
+    slo: SLO,
+    seeds: Sequence[int],
+    name: str,
+    min_effect: float = 0.01,
+) -> Iterator[Candidate]:
+    """The simulated trials best first, each pruned; configs that prune to the running one or to an earlier
+    candidate are skipped. Lazy: each candidate costs a few simulated replays (`drop_noise_knobs`)."""
+    seen = {tuple(base.to_args())}
+    running = space.from_config(base)
+    sim_measure = seed_measurer(sim_backend, space, base, slo=slo, seeds=seeds, name=f"{name}-prune")
+    ranked = sorted((t for t in sim.completed if t.feasible), key=lambda t: (-t.goodput, t.number))
+    for trial in ranked:
+        params, pruning = drop_noise_knobs(running, trial.params, sim_measure, min_effect=min_effect)
+        config = space.apply(base, params)
+        if tuple(config.to_args()) in seen:
+            continue
+        seen.add(tuple(config.to_args()))
+        sim_goodput = measure(sim_backend, config, seeds=seeds, name=f"{name}-pruned").goodput_tps
+        yield Candidate(config, params, sim_goodput, pruning, trial.number)
 
 
 def screen(
@@ -95,36 +179,20 @@ def screen(
     name: str,
     seed: int = 0,
     progress: bool = False,
+    min_effect: float = 0.01,
 ) -> ScreenResult:
     """Screen `sim_trials` configs in the simulator, confirm the `top_k` best live (see the module docstring)."""
-    sim = run_study(
-        sim_backend,
-        space,
-        base,
-        name=f"{name}-sim",
-        trials=sim_trials,
-        slo=slo,
-        seed=seed,
-        workload_seed=list(seeds),
-        random_baseline=False,
-        progress=progress,
+    sim = simulate(
+        sim_backend, space, base, sim_trials=sim_trials, slo=slo, seeds=seeds, name=name, seed=seed, progress=progress
     )
-    result = ScreenResult(sim=sim, baseline=baseline)
-    seen = {tuple(base.to_args())}
-    ranked = sorted((t for t in sim.completed if t.feasible), key=lambda t: (-t.goodput, t.number))
-    for trial in ranked:
-        if len(result.confirmed) >= top_k:
-            break
-        params, reverted = prune(sim_backend, space, base, trial.params, seeds=seeds, slo=slo, name=f"{name}-prune")
-        config = space.apply(base, params)
-        if tuple(config.to_args()) in seen:
-            continue
-        seen.add(tuple(config.to_args()))
-        sim_goodput = measure(sim_backend, config, seeds=seeds, slo=slo, name=f"{name}-pruned").goodput_tps
-        log.info("confirming live: sim goodput %.1f, %s (put back: %s)", sim_goodput, base.changed(config), reverted)
-        m = live_measurement(live_backend, config, params, seeds=seeds, slo=slo, name=f"{name}-confirm")
-        m.sim_goodput = sim_goodput
-        m.reverted = reverted
+    result = ScreenResult(sim=sim, baseline=baseline, min_effect=min_effect)
+    picked = candidates(sim_backend, space, base, sim, slo=slo, seeds=seeds, name=name, min_effect=min_effect)
+    for c in itertools.islice(picked, top_k):
+        log.info(
+            "confirming live: sim goodput %.1f, %s (put back: %s)", c.sim_goodput, base.changed(c.config), c.reverted
+        )
+        m = live_measurement(live_backend, c.config, c.params, seeds=seeds, slo=slo, name=f"{name}-confirm")
+        m.sim_goodput, m.pruning = c.sim_goodput, c.pruning
         result.confirmed.append(m)
     return result
 

@@ -20,22 +20,19 @@ by `gpu_memory_utilization`.
 from __future__ import annotations
 
 import hashlib
-import random
-import time
-from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 
-from engine import workload as W
 from engine.clock import VirtualClock
 from engine.config import BLOCK_SIZES, EngineConfig
-from engine.executor import ExecuteResult
 from engine.llm_engine import LLMEngine
 from engine.sinks import AnyEvent, EventSink
-from tuner.metrics import SLO, TrialMetrics, store_events, trial_metrics
+from tuner.backends import SimulatedBackend, WorkloadFactory
+from tuner.metrics import SLO
 from tuner.profile import StepShape
-from tuner.replay import ReplayResult, TrialSink, prepare_prompts, replay
+from tuner.replay import TrialSink
+from tuner.sim import SimExecutor
 from tuner.vllm.calibrate import VllmProfile
 from tuner.vllm.config import VllmConfig, VllmConfigError
 
@@ -92,28 +89,12 @@ def engine_config(
     )
 
 
-class VllmSimExecutor:
+class VllmSimExecutor(SimExecutor):
     """Costs each step with the vLLM profile: the clock advances a whole cycle, busy time counts the forward."""
 
-    device = "sim"
+    profile: VllmProfile
 
-    def __init__(self, profile: VllmProfile, clock: VirtualClock, *, jitter_seed: int | None = None) -> None:
-        self.profile = profile
-        self.clock = clock
-        self.model_cfg = profile.model.config
-        self._rng = random.Random(jitter_seed) if jitter_seed is not None and profile.step_jitter else None
-        self.page_tokens = 16
-        self.steps = 0
-        self.busy_s = 0.0
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.profile.model.kv_bytes_per_token
-
-    def allocate_cache(self, hot_pages: int, cold_pages: int, page_tokens: int) -> None:
-        self.page_tokens = page_tokens
-
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> ExecuteResult:
+    def cost(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[float, float]:
         prefill_tokens = prefill_seqs = decode_seqs = 0
         for item in out.scheduled:
             if item.num_new_tokens == 1 and item.samples and item.seq.num_output_tokens > 0:
@@ -130,14 +111,7 @@ class VllmSimExecutor:
             factor = self.profile.jitter(self._rng.random())
             cycle += elapsed * (factor - 1.0)
             elapsed *= factor
-        self.clock.advance(cycle)
-        self.steps += 1
-        self.busy_s += elapsed
-        tokens = [(len(item.seq.token_ids) % 250) + 1 if item.samples else None for item in out.scheduled]
-        return ExecuteResult(tokens, elapsed)
-
-    def release(self, seq_ids: Iterable[int]) -> None:
-        return None
+        return cycle, elapsed
 
 
 def sim_vllm_engine(
@@ -170,7 +144,7 @@ class _VllmSink(TrialSink):
         super().emit(event)
 
 
-class VllmSimBackend:
+class VllmSimBackend(SimulatedBackend):
     """The simulator as a study backend for `VllmConfig` trials (deterministic: a config is simulated once per
     seed; `jitter` draws each step's cost from the calibration's spread, for fidelity checks)."""
 
@@ -179,7 +153,7 @@ class VllmSimBackend:
     def __init__(
         self,
         profile: VllmProfile,
-        workload: Callable[[int], list[W.WorkloadRequest]],
+        workload: WorkloadFactory,
         db: Engine,
         slo: SLO,
         *,
@@ -187,54 +161,25 @@ class VllmSimBackend:
         jitter: bool = False,
         keep_steps: bool = False,
     ) -> None:
-        self.profile, self.workload, self.db, self.slo = profile, workload, db, slo.validate()
-        self.instance, self.jitter, self.keep_steps = instance, jitter, keep_steps
-        self._workloads: dict[int, tuple[list[W.WorkloadRequest], list[list[int]]]] = {}
-        self._cache: dict[tuple[str, int], TrialMetrics] = {}
-        self.cache_hits = 0
-        self.sim_seconds = 0.0
-        self.last_replay: ReplayResult | None = None
-        self.last_busy_s = 0.0
+        super().__init__(workload, db, slo, instance=instance, keep_steps=keep_steps, jitter=jitter)
+        self.profile = profile
 
-    def requests(self, seed: int) -> tuple[list[W.WorkloadRequest], list[list[int]]]:
-        if seed not in self._workloads:
-            reqs = self.workload(seed)
-            self._workloads[seed] = (reqs, prepare_prompts(reqs, seed))
-        return self._workloads[seed]
+    def config_key(self, config: VllmConfig) -> str:
+        return hashlib.sha256(" ".join(config.to_args()).encode()).hexdigest()
 
-    def evaluate(self, config: VllmConfig, *, run_id: str, seed: int) -> TrialMetrics:
-        key = (hashlib.sha256(" ".join(config.to_args()).encode()).hexdigest(), seed)
-        if key in self._cache and not self.jitter:
-            self.cache_hits += 1
-            return self._cache[key]
-        reqs, prompts = self.requests(seed)
-        sink = _VllmSink(keep_steps=self.keep_steps)
-        engine, executor = sim_vllm_engine(
+    def trial_sink(self) -> TrialSink:
+        return _VllmSink(keep_steps=self.keep_steps)
+
+    def build_engine(
+        self, config: VllmConfig, *, run_id: str, sink: TrialSink, start_wall: float, jitter_seed: int | None
+    ) -> LLMEngine:
+        engine, _ = sim_vllm_engine(
             config,
             self.profile,
             sink=sink,
-            start_wall=time.time(),
-            jitter_seed=seed if self.jitter else None,
+            start_wall=start_wall,
+            jitter_seed=jitter_seed,
             run_id=run_id,
             instance=self.instance,
         )
-        t = time.perf_counter()
-        result = replay(engine, reqs, seed=seed, prompts=prompts)
-        self.sim_seconds += time.perf_counter() - t
-        self.last_replay, self.last_busy_s = result, executor.busy_s
-        store_events(self.db, sink.events, key_prefix=run_id)
-        metrics = trial_metrics(
-            self.db, run_id=run_id, start=result.wall_start, end=result.wall_end + 1e-3, slo=self.slo
-        )
-        self._cache[key] = metrics
-        return metrics
-
-
-def capacity_rps(cfg: VllmConfig, profile: VllmProfile, offline: list[W.WorkloadRequest]) -> float:
-    """Requests/s `cfg` sustains in the simulator on an offline batch (`tuner.workloads.offline_mix`), as
-    `tuner.jobs.capacity_rps` measures a kvpilot config's capacity."""
-    engine, _ = sim_vllm_engine(cfg, profile, sink=_VllmSink(keep_steps=False))
-    result = replay(engine, offline)
-    if not result.finished or result.duration_s <= 0:
-        raise ValueError("capacity: the capacity run finished no request")
-    return len(result.finished) / result.duration_s
+        return engine

@@ -1,19 +1,14 @@
-"""The step rows a calibration reads: one per engine iteration, as the collector stored them.
-
-The collector's read package (`collector.queries`) has aggregates of steps (per bucket) but no query that returns
-the rows themselves, which a cost-model fit needs (each step's shape and duration). This module is that one
-read, as a typed `select()` over the schema's `StepRow`; it belongs in `collector.queries` (DESIGN.md: one read
-path) and should move there when the collector's owners take it — it is kept here, unchanged in meaning, because
-this branch does not edit the collector.
-"""
+"""The stored step rows themselves, one per engine iteration: what a cost-model fit reads (each step's shape and
+duration), where the dashboard and the rules read bucketed aggregates (`engine_stats`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, select
+from sqlalchemy import select
 
+from collector.queries._base import Db, _bound
 from collector.schema import StepRow
 
 
@@ -32,7 +27,7 @@ class StoredStep:
 
 
 def stored_steps(
-    db: Engine,
+    db: Db,
     *,
     start: float,
     end: float,
@@ -40,7 +35,8 @@ def stored_steps(
     run_ids: Sequence[str] | None = None,
     limit: int = 500_000,
 ) -> list[StoredStep]:
-    """Steps with `start <= ts < end` (warm-up steps left out), by run, then in step order."""
+    """Steps with `start <= ts < end` (warm-up steps left out), by instance and run, then in step order; at most
+    `limit` of them."""
     s = StepRow.__table__.c
     conds = [s.ts >= start, s.ts < end, s.warmup.is_(False)]
     if instances is not None:
@@ -64,5 +60,5 @@ def stored_steps(
         .order_by(s.instance, s.run_id, s.step, s.id)
         .limit(limit)
     )
-    with db.connect() as conn:
+    with _bound(db) as conn:
         return [StoredStep(*row) for row in conn.execute(stmt)]

@@ -1,0 +1,146 @@
+"""The vLLM backend's scrape targets on a real collector (no vLLM needed): a trial's /metrics target, registered
+with the admin token as the launcher registers it, is gone after the trial's vLLM is stopped; a delete the
+collector refuses is logged and counted, not ignored."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from collector.db import make_engine
+from collector.server import CollectorHandle, run_in_thread
+from collector.settings import CollectorSettings
+from engine.workload import WorkloadRequest
+from kvpilot.vllm import VllmExitedError
+from kvpilot.vllm.wiring import register_target
+from tuner.backends import InfeasibleTrialError
+from tuner.metrics import SLO
+from tuner.vllm.backend import VllmBackend
+from tuner.vllm.config import VllmConfig
+
+TOKEN = "ingest-s3cret"
+ADMIN_TOKEN = "adm1n-s3cret"
+TRIAL_URL = "http://127.0.0.1:9"  # a trial vLLM's address; nothing is scraped (scraping is off)
+
+
+@pytest.fixture
+def collector(sqlite_url: str) -> Iterator[CollectorHandle]:
+    settings = CollectorSettings(
+        db_url=sqlite_url,
+        ingest_token=TOKEN,
+        admin_token=ADMIN_TOKEN,
+        port=0,
+        scrape_enabled=False,
+        scrape_allow_nets="127.0.0.0/8",  # type: ignore[arg-type]
+        log_level="warning",
+    )
+    with run_in_thread(settings) as handle:
+        yield handle
+
+
+class _StoppedLauncher:
+    """What `_stop` needs of a trial's launcher: its URL and a stop that has nothing left to stop."""
+
+    url = TRIAL_URL
+    proc = None
+
+    def stop(self, timeout_s: float) -> int:
+        return 0
+
+
+def _backend(collector: CollectorHandle, sqlite_url: str, admin_token: str | None) -> VllmBackend:
+    return VllmBackend(
+        workload=lambda seed: [WorkloadRequest(0.0, 8, 4)],
+        db=make_engine(sqlite_url),
+        slo=SLO(),
+        python="python3",
+        collector_url=collector.url,
+        ingest_token=TOKEN,
+        admin_token=admin_token,
+    )
+
+
+def _register(collector: CollectorHandle) -> None:
+    with httpx.Client(timeout=5.0) as client:
+        created = register_target(
+            client,
+            collector.url,
+            token=ADMIN_TOKEN,
+            metrics_url=f"{TRIAL_URL}/metrics",
+            instance="tuner-vllm",
+            labels={},
+            interval_s=None,
+        )
+    assert created == "created"
+
+
+def _targets(collector: CollectorHandle) -> list[str]:
+    resp = httpx.get(f"{collector.url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5.0)
+    resp.raise_for_status()
+    return [t["url"] for t in resp.json()]
+
+
+def test_a_stopped_trials_scrape_target_is_deleted_with_the_admin_token(
+    collector: CollectorHandle, sqlite_url: str
+) -> None:
+    from tuner.vllm.backend import Launch, _Server
+
+    _register(collector)
+    backend = _backend(collector, sqlite_url, ADMIN_TOKEN)
+    config = VllmConfig(model="/m")
+    launch = Launch(run_id="trial-1", config=config, started_at=0.0)
+    backend._servers[tuple(config.to_args())] = _Server(_StoppedLauncher(), launch, "m", TRIAL_URL)  # type: ignore[arg-type]
+    backend.close()  # the trial's cleanup: stop its vLLM, delete its target
+    assert _targets(collector) == [] and backend.stale_targets == []
+    assert launch.stop_s is not None
+    backend.db.dispose()
+
+
+def test_a_refused_delete_is_logged_and_counted(
+    collector: CollectorHandle, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    _register(collector)
+    # The ingest token where the admin token belongs (what the backend used to delete with): the collector refuses
+    wrong = _backend(collector, sqlite_url, TOKEN)
+    with caplog.at_level(logging.WARNING, logger="kvpilot.tuner.vllm.backend"):
+        assert wrong.remove_target(f"{TRIAL_URL}/metrics") is False
+    assert wrong.stale_targets == [f"{TRIAL_URL}/metrics"] and _targets(collector) == [f"{TRIAL_URL}/metrics"]
+    assert "left on the collector" in caplog.text and "403" in caplog.text
+    right = _backend(collector, sqlite_url, ADMIN_TOKEN)
+    assert right.remove_target(f"{TRIAL_URL}/metrics") is True and _targets(collector) == []
+    assert right.remove_target(f"{TRIAL_URL}/metrics") is True  # nothing left to delete is not a failure
+    for b in (wrong, right):
+        b.db.dispose()
+
+
+def test_the_trials_launcher_registers_with_the_admin_token_and_a_refused_start_leaves_no_target(
+    collector: CollectorHandle, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tuner.vllm.backend as backend_module
+
+    options = []
+
+    class _RefusedLauncher:
+        """vLLM refuses the trial's arguments after the launcher registered its /metrics."""
+
+        def __init__(self, opts) -> None:  # type: ignore[no-untyped-def]
+            options.append(opts)
+            self.url = TRIAL_URL
+
+        def start(self) -> None:
+            _register(collector)
+            raise VllmExitedError("vLLM exited with 1: ValueError: bad --block-size")
+
+        def stop(self, timeout_s: float) -> int:
+            return 1
+
+    monkeypatch.setattr(backend_module, "VllmLauncher", _RefusedLauncher)
+    backend = _backend(collector, sqlite_url, ADMIN_TOKEN)
+    with pytest.raises(InfeasibleTrialError, match="bad --block-size"):
+        backend.evaluate(VllmConfig(model="/m"), run_id="trial-2", seed=0)
+    assert options[0].admin_token == ADMIN_TOKEN and options[0].ingest_token == TOKEN
+    assert _targets(collector) == [] and backend.stale_targets == []
+    backend.db.dispose()
