@@ -42,10 +42,11 @@ def collector(sqlite_url: str) -> Iterator[CollectorHandle]:
 
 
 class _StoppedLauncher:
-    """What `_stop` needs of a trial's launcher: its URL and a stop that has nothing left to stop."""
+    """What `_stop` needs of a trial's launcher: its URL, its registration and a stop with nothing left to stop."""
 
     url = TRIAL_URL
     proc = None
+    target = "created"
 
     def stop(self, timeout_s: float) -> int:
         return 0
