@@ -23,8 +23,6 @@ defaults with a 16 MiB KV cache (the test peer's: `kvpilot model init` checkpoin
 from __future__ import annotations
 
 import json
-import secrets
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,10 +30,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from collector.db import make_engine, upgrade
-from collector.server import start_subprocess
-from collector.settings import CollectorSettings
 from kvpilot.vllm import find_vllm_python
+from kvpilot.vllm.workbench import workbench
 from tuner import workloads as WL
 from tuner.jobs import workload_factory
 from tuner.metrics import SLO, TrialMetrics
@@ -123,33 +119,12 @@ def run_tune_vllm_bench(
         json_path.write_text(json.dumps(result, indent=2) + "\n")
     python = find_vllm_python(python)
     work = (out_dir or Path("kvpilot-data/bench-tune-vllm")) / time.strftime("%Y%m%dT%H%M%S")
-    work.mkdir(parents=True, exist_ok=True)
-    checkpoint = work / "checkpoint"
-    subprocess.run(
-        [sys.executable, "-m", "kvpilot.cli", "model", "init", str(checkpoint), "--seed", "0"],
-        check=True,
-        capture_output=True,
-    )
-    db_url = f"sqlite:///{work / 'kvpilot.db'}"
-    upgrade(db_url)
-    # Each trial's vLLM registers its /metrics as a scrape target (administration: this run's own admin token; a
-    # loopback target must be allowed) and the backend deletes it when that vLLM stops.
-    admin_token = secrets.token_urlsafe(24)
-    settings = CollectorSettings(
-        db_url=db_url,
-        port=0,
-        log_level="warning",
-        sqlite_synchronous="NORMAL",
-        admin_token=admin_token,
-        scrape_allow_nets="127.0.0.0/8",  # type: ignore[arg-type]
-    )
-    collector = start_subprocess(settings, log_path=work / "collector.log")
-    db = make_engine(db_url)
-    try:
-        result.update(_run(the_plan, work, checkpoint, db, collector.url, admin_token, python, t0, json_path))
-    finally:
-        db.dispose()
-        collector.stop()
+    # Each trial's vLLM registers its /metrics as a scrape target on the workbench's collector (its own admin
+    # token, loopback targets allowed) and the backend deletes it when that vLLM stops.
+    with workbench(work) as wb:
+        result.update(
+            _run(the_plan, work, wb.checkpoint, wb.db, wb.collector_url, wb.admin_token, python, t0, json_path)
+        )
     return result
 
 

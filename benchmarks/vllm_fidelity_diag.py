@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -32,11 +31,10 @@ from typing import Any
 
 from collector.db import make_engine, upgrade
 from collector.queries import StoredStep, slowest_requests, stored_steps
-from collector.server import start_subprocess
-from collector.settings import CollectorSettings
 from engine import workload as W
 from engine.config import ModelConfig
 from kvpilot.vllm import find_vllm_python
+from kvpilot.vllm.workbench import workbench
 from tuner import workloads as WL
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
@@ -98,52 +96,40 @@ def record(work: Path, *, loads: list[float], duration_s: float) -> dict[str, An
     work.mkdir(parents=True, exist_ok=True)
     sent: list[dict[str, Any]] = []
     _timed_posts(sent)
-    checkpoint = work / "checkpoint"
-    if not checkpoint.exists():
-        subprocess.run(
-            [sys.executable, "-m", "kvpilot.cli", "model", "init", str(checkpoint), "--seed", "0"],
-            check=True,
-            capture_output=True,
+    with workbench(work) as wb:
+        rec: dict[str, Any] = {"duration_s": duration_s, "started": time.time(), "replays": []}
+        cfg = _config(wb.checkpoint)
+        backend = VllmBackend(
+            workload=_workload(rec),
+            db=wb.db,
+            slo=SLO_PLAN,
+            python=find_vllm_python(None),
+            collector_url=wb.collector_url,
+            admin_token=wb.admin_token,
+            log_dir=work / "vllm-logs",
         )
-    db_url = f"sqlite:///{work / 'kvpilot.db'}"
-    upgrade(db_url)
-    collector = start_subprocess(
-        CollectorSettings(db_url=db_url, port=0, log_level="warning", sqlite_synchronous="NORMAL"),
-        log_path=work / "collector.log",
-    )
-    db = make_engine(db_url)
-    rec: dict[str, Any] = {"duration_s": duration_s, "started": time.time(), "replays": []}
-    cfg = _config(checkpoint)
-    backend = VllmBackend(
-        workload=_workload(rec),
-        db=db,
-        slo=SLO_PLAN,
-        python=find_vllm_python(None),
-        collector_url=collector.url,
-        log_dir=work / "vllm-logs",
-    )
-    try:
-        opts = _opts(duration_s)
-        capacity = backend.capacity_rps(cfg, WL.offline_mix(opts), run_id=f"diag-{uuid.uuid4().hex[:6]}")
-        rec["capacity_rps"] = capacity
-        print(f"capacity {capacity:.2f} req/s  loadavg {_loadavg()}", file=sys.stderr, flush=True)
-        rec["replays"] = [{"seed": i, "load": load, "rate_rps": load * capacity} for i, load in enumerate(loads)]
-        for r in rec["replays"]:
-            r["loadavg_before"] = _loadavg()
-            sent.clear()
-            backend.evaluate(cfg, run_id="diag", seed=r["seed"])
-            r["posts"] = list(sent)
-            ev = backend.evaluations[-1]
-            r.update(run_id=ev["run_id"], start=ev["start"], end=ev["end"], loadavg_after=_loadavg())
-            r["sent_at"] = ev.get("sent_at")
-            r["client_max_send_lag_s"] = backend.last_client.max_send_lag_s if backend.last_client else None
-            print(f"load {r['load']}: replay {ev['end'] - ev['start']:.1f} s  loadavg {_loadavg()}", file=sys.stderr)
-    finally:
-        backend.close()
-        rec["ended"] = time.time()
-        (work / "record.json").write_text(json.dumps(rec, indent=2) + "\n")
-        db.dispose()
-        collector.stop()
+        try:
+            opts = _opts(duration_s)
+            capacity = backend.capacity_rps(cfg, WL.offline_mix(opts), run_id=f"diag-{uuid.uuid4().hex[:6]}")
+            rec["capacity_rps"] = capacity
+            print(f"capacity {capacity:.2f} req/s  loadavg {_loadavg()}", file=sys.stderr, flush=True)
+            rec["replays"] = [{"seed": i, "load": load, "rate_rps": load * capacity} for i, load in enumerate(loads)]
+            for r in rec["replays"]:
+                r["loadavg_before"] = _loadavg()
+                sent.clear()
+                backend.evaluate(cfg, run_id="diag", seed=r["seed"])
+                r["posts"] = list(sent)
+                ev = backend.evaluations[-1]
+                r.update(run_id=ev["run_id"], start=ev["start"], end=ev["end"], loadavg_after=_loadavg())
+                r["sent_at"] = ev.get("sent_at")
+                r["client_max_send_lag_s"] = backend.last_client.max_send_lag_s if backend.last_client else None
+                print(
+                    f"load {r['load']}: replay {ev['end'] - ev['start']:.1f} s  loadavg {_loadavg()}", file=sys.stderr
+                )
+        finally:
+            backend.close()
+            rec["ended"] = time.time()
+            (work / "record.json").write_text(json.dumps(rec, indent=2) + "\n")
     return rec
 
 

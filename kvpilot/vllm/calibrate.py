@@ -18,12 +18,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from collector.db import make_engine, upgrade
 from collector.queries import stored_steps
-from collector.server import start_subprocess
-from collector.settings import CollectorSettings
 from engine.config import ModelConfig
 from engine.weights import config_from_checkpoint
+from kvpilot.vllm.workbench import workbench
 from tuner import workloads as WL
 from tuner.calibrate import cpu_name
 from tuner.metrics import SLO
@@ -60,29 +58,18 @@ def vllm_version(python: str) -> str:
 def calibrate_vllm(*, name: str, python: str, work_dir: Path, say: Callable[[str], None] | None = None) -> VllmProfile:
     """Serve the calibration traffic on a real vLLM and fit its profile (see the module docstring)."""
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    work_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = work_dir / "checkpoint"
-    subprocess.run(
-        [sys.executable, "-m", "kvpilot.cli", "model", "init", str(checkpoint), "--seed", "0"],
-        check=True,
-        capture_output=True,
-    )
-    model, _ = config_from_checkpoint(checkpoint, ModelConfig(dtype="float32"))
-    db_url = f"sqlite:///{work_dir / 'kvpilot.db'}"
-    upgrade(db_url)
-    settings = CollectorSettings(db_url=db_url, port=0, log_level="warning", sqlite_synchronous="NORMAL")
-    collector = start_subprocess(settings, log_path=work_dir / "collector.log")
-    db = make_engine(db_url)
     capacity: list[float] = []
-    base = VllmConfig(model=str(checkpoint), served_model_name="calibrate", kv_cache_memory_bytes=KV_BYTES)
     t0 = time.time()
-    try:
+    with workbench(work_dir) as bench:
+        model, _ = config_from_checkpoint(bench.checkpoint, ModelConfig(dtype="float32"))
+        base = VllmConfig(model=str(bench.checkpoint), served_model_name="calibrate", kv_cache_memory_bytes=KV_BYTES)
         backend = VllmBackend(
             workload=lambda seed: WL.scenario("sustained", capacity[0], OPTIONS, seed=seed),
-            db=db,
+            db=bench.db,
             slo=LENIENT_SLO,
             python=python,
-            collector_url=collector.url,
+            collector_url=bench.collector_url,
+            admin_token=bench.admin_token,
             log_dir=work_dir / "vllm-logs",
         )
         with backend:
@@ -92,10 +79,7 @@ def calibrate_vllm(*, name: str, python: str, work_dir: Path, say: Callable[[str
                 say(f"capacity {capacity[0]:.2f} req/s; sustained traffic at 0.8x, seed {seed}")
                 backend.evaluate(base, run_id=f"calibrate-s{seed}", seed=seed)
         runs = [launch.run_id for launch in backend.launches]
-        steps = stored_steps(db, start=t0, end=time.time() + 60, run_ids=runs)
-    finally:
-        db.dispose()
-        collector.stop()
+        steps = stored_steps(bench.db, start=t0, end=time.time() + 60, run_ids=runs)
     day = dt.datetime.now(dt.UTC).date().isoformat()
     load = os.getloadavg()[1]  # the machine's other work slows vLLM down: the profile holds that day's speed
     description = (
