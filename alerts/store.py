@@ -91,6 +91,11 @@ def release(factory: sessionmaker[Session], lease: Lease) -> None:
 
 def fence(session: Session, lease: Lease, now: float) -> None:
     """First statement of every evaluator write transaction; raises LeaseLostError if superseded."""
+    _fenced_update(session, lease, now, renewed_at=now)
+
+
+def _fenced_update(session: Session, lease: Lease, now: float, **values: float) -> None:
+    """Set `values` on the lease row only while `lease` still holds it; raises LeaseLostError if superseded."""
     lease_t = AlertEvaluatorLease.__table__
     result = session.execute(
         update(lease_t)
@@ -100,7 +105,7 @@ def fence(session: Session, lease: Lease, now: float) -> None:
             lease_t.c.token == lease.token,
             lease_t.c.expires_at >= now,
         )
-        .values(renewed_at=now)
+        .values(**values)
     )
     if result.rowcount != 1:
         raise LeaseLostError(f"lease lost by {lease.holder} (token {lease.token})")
@@ -109,19 +114,7 @@ def fence(session: Session, lease: Lease, now: float) -> None:
 def renew(session: Session, lease: Lease, now: float, ttl_s: float) -> Lease:
     """`fence` that also extends the lease to `now + ttl_s`: what the delivery worker runs right before a POST,
     so the POST happens under a lease that outlives its timeout. Raises LeaseLostError if superseded."""
-    lease_t = AlertEvaluatorLease.__table__
-    result = session.execute(
-        update(lease_t)
-        .where(
-            lease_t.c.id == LEASE_ID,
-            lease_t.c.holder == lease.holder,
-            lease_t.c.token == lease.token,
-            lease_t.c.expires_at >= now,
-        )
-        .values(renewed_at=now, expires_at=now + ttl_s)
-    )
-    if result.rowcount != 1:
-        raise LeaseLostError(f"lease lost by {lease.holder} (token {lease.token})")
+    _fenced_update(session, lease, now, renewed_at=now, expires_at=now + ttl_s)
     return Lease(lease.holder, lease.token, now + ttl_s)
 
 

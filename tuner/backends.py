@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from tuner.metrics import SLO, TrialMetrics, store_events, trial_metrics
 from tuner.profile import CostProfile
-from tuner.replay import ReplayResult, SkipClock, TrialSink, prepare_prompts, replay
+from tuner.replay import Prepared, ReplayResult, SkipClock, TrialSink, prepared_workload, replay
 from tuner.sim import sim_engine
 
 log = logging.getLogger("kvpilot.tuner.backends")
@@ -59,16 +59,11 @@ class _Base:
         self.db = db
         self.slo = slo.validate()
         self.instance = instance
-        self._workloads: dict[int, tuple[list[W.WorkloadRequest], list[list[int]]]] = {}
+        self._workloads: dict[int, Prepared] = {}
         self.last_replay: ReplayResult | None = None
 
-    def requests(self, seed: int) -> tuple[list[W.WorkloadRequest], list[list[int]]]:
-        if seed not in self._workloads:
-            reqs = self.workload(seed)
-            if not reqs:
-                raise ValueError(f"workload for seed {seed} has no requests")
-            self._workloads[seed] = (reqs, prepare_prompts(reqs, seed))
-        return self._workloads[seed]
+    def requests(self, seed: int) -> Prepared:
+        return prepared_workload(self._workloads, self.workload, seed)
 
     def _measure(self, sink: TrialSink, result: ReplayResult, run_id: str) -> TrialMetrics:
         self.last_replay = result

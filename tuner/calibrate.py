@@ -295,6 +295,18 @@ def fit(samples: list[Sample]) -> tuple[LinearCost, dict[str, float]]:
     return LinearCost(c0_s=float(coef[0]), **named), stats
 
 
+def fit_report(stats: dict[str, float], *, grid: list[str]) -> FitReport:
+    """A profile's `fit` block: how well `fit` did (its stats), when, on which grid points."""
+    return FitReport(
+        samples=int(stats["samples"]),
+        r2=round(stats["r2"], 4),
+        mape=round(stats["mape"], 4),
+        p90_abs_rel_error=round(stats["p90_abs_rel_error"], 4),
+        calibrated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        grid=grid,
+    )
+
+
 def jitter_quantiles(samples: list[Sample], coef: LinearCost, n: int = 41) -> list[float]:
     """`n` evenly spaced quantiles of measured / predicted step time (gross outliers left out, as the fit
     leaves them out), scaled so that their mean (the mean of the piecewise linear quantile function) is 1:
@@ -365,12 +377,5 @@ def calibrate(
         linear=coef,
         step_jitter=jitter_quantiles(samples, coef),
         engine_defaults=defaults,
-        fit=FitReport(
-            samples=int(stats["samples"]),
-            r2=round(stats["r2"], 4),
-            mape=round(stats["mape"], 4),
-            p90_abs_rel_error=round(stats["p90_abs_rel_error"], 4),
-            calibrated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            grid=grid_names,
-        ),
+        fit=fit_report(stats, grid=grid_names),
     )

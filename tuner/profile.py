@@ -162,6 +162,16 @@ class RooflineCost(_Strict):
     per_seq_overhead_s: float = Field(0.0, ge=0)
 
 
+def jitter_at(quantiles: list[float] | None, u: float) -> float:
+    """The step-time factor at quantile `u` in [0, 1], linear between evenly spaced `quantiles`; 1.0 without them."""
+    q = quantiles
+    if not q:
+        return 1.0
+    x = min(max(u, 0.0), 1.0) * (len(q) - 1)
+    i = min(int(x), len(q) - 2)
+    return q[i] + (q[i + 1] - q[i]) * (x - i)
+
+
 class FitReport(_Strict):
     samples: int = Field(ge=1)
     r2: float
@@ -210,14 +220,8 @@ class CostProfile(_Strict):
 
     # ------------------------------------------------------------------ the cost model
     def jitter(self, u: float) -> float:
-        """The step-time factor at quantile `u` in [0, 1] (linear between the stored quantiles); 1.0
-        when the profile has none."""
-        q = self.step_jitter
-        if not q:
-            return 1.0
-        x = min(max(u, 0.0), 1.0) * (len(q) - 1)
-        i = min(int(x), len(q) - 2)
-        return q[i] + (q[i + 1] - q[i]) * (x - i)
+        """The step-time factor at quantile `u` in [0, 1]; 1.0 when the profile has none."""
+        return jitter_at(self.step_jitter, u)
 
     def predict(self, s: StepShape) -> float:
         """Seconds the engine spends on a step of this shape (schedule + forward + postprocess)."""

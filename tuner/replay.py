@@ -117,6 +117,21 @@ def prepare_prompts(requests: Sequence[W.WorkloadRequest], seed: int) -> list[li
     return [W.prompt_ids(r, i, seed=seed) for i, r in enumerate(requests)]
 
 
+Prepared = tuple[list[W.WorkloadRequest], list[list[int]]]
+
+
+def prepared_workload(
+    cache: dict[int, Prepared], workload: Callable[[int], list[W.WorkloadRequest]], seed: int
+) -> Prepared:
+    """A backend's requests for `seed` and their prompts' token ids, made once and kept in `cache`."""
+    if seed not in cache:
+        reqs = workload(seed)
+        if not reqs:
+            raise ValueError(f"workload for seed {seed} has no requests")
+        cache[seed] = (reqs, prepare_prompts(reqs, seed))
+    return cache[seed]
+
+
 def replay(
     engine: LLMEngine,
     requests: Sequence[W.WorkloadRequest],

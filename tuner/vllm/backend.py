@@ -39,7 +39,7 @@ from kvpilot.vllm import LaunchOptions, VllmExitedError, VllmLauncher
 from kvpilot.vllm.wiring import VllmSetupError
 from tuner.backends import InfeasibleTrialError
 from tuner.metrics import SLO, TrialMetrics, trial_metrics
-from tuner.replay import prepare_prompts
+from tuner.replay import Prepared, prepare_prompts, prepared_workload
 from tuner.vllm.client import ClientResult, replay_openai, warm_up
 from tuner.vllm.config import VllmConfig
 
@@ -112,7 +112,7 @@ class VllmBackend:
         self._servers: OrderedDict[tuple[str, ...], _Server] = OrderedDict()
         self._pinned: set[tuple[str, ...]] = set()
         self.evaluations: list[dict] = []  # one per replay: run id, config, seed, window (for fidelity checks)
-        self._workloads: dict[int, tuple[list[W.WorkloadRequest], list[list[int]]]] = {}
+        self._workloads: dict[int, Prepared] = {}
         self.launches: list[Launch] = []  # every vLLM this backend started
         self.attached = 0
         self.stale_targets: list[str] = []  # /metrics URLs whose scrape target the collector did not let us delete
@@ -120,13 +120,8 @@ class VllmBackend:
         self.replay_s = 0.0
 
     # ------------------------------------------------------------------ workload
-    def requests(self, seed: int) -> tuple[list[W.WorkloadRequest], list[list[int]]]:
-        if seed not in self._workloads:
-            reqs = self.workload(seed)
-            if not reqs:
-                raise ValueError(f"workload for seed {seed} has no requests")
-            self._workloads[seed] = (reqs, prepare_prompts(reqs, seed))
-        return self._workloads[seed]
+    def requests(self, seed: int) -> Prepared:
+        return prepared_workload(self._workloads, self.workload, seed)
 
     # ------------------------------------------------------------------ the trial
     def evaluate(self, config: VllmConfig, *, run_id: str, seed: int) -> TrialMetrics:

@@ -21,7 +21,6 @@ time, as vLLM's lines do.
 
 from __future__ import annotations
 
-import datetime as dt
 import itertools
 import statistics
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from collector.queries import StoredStep
 from engine.config import ModelConfig
-from tuner.calibrate import Sample, _nnls, fit, jitter_quantiles
+from tuner.calibrate import Sample, _nnls, fit, fit_report, jitter_quantiles
 from tuner.profile import (
     PROFILE_SCHEMA,
     CostProfile,
@@ -41,6 +40,7 @@ from tuner.profile import (
     LinearCost,
     ModelProfile,
     StepShape,
+    jitter_at,
     read_profile_json,
     resolve_profile,
     validate_profile,
@@ -78,12 +78,7 @@ class VllmProfile(BaseModel):
         return elapsed + self.overhead_s + self.overhead_per_seq_s * num_seqs, elapsed
 
     def jitter(self, u: float) -> float:
-        q = self.step_jitter
-        if not q:
-            return 1.0
-        x = min(max(u, 0.0), 1.0) * (len(q) - 1)
-        i = min(int(x), len(q) - 2)
-        return q[i] + (q[i + 1] - q[i]) * (x - i)
+        return jitter_at(self.step_jitter, u)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -201,14 +196,7 @@ def fit_profile(
         overhead_s=overhead,
         overhead_per_seq_s=per_seq,
         step_jitter=jitter_quantiles(samples, elapsed) if len(samples) >= 41 else None,
-        fit=FitReport(
-            samples=int(stats["samples"]),
-            r2=round(stats["r2"], 4),
-            mape=round(stats["mape"], 4),
-            p90_abs_rel_error=round(stats["p90_abs_rel_error"], 4),
-            calibrated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            grid=[],
-        ),
+        fit=fit_report(stats, grid=[]),
         source={
             "runs": runs,
             "steps": len(usable),
