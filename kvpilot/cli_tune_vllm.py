@@ -502,12 +502,16 @@ def screen_cmd(
         from tuner import workloads as WL
         from tuner.jobs import open_db, workload_factory, workload_kind
         from tuner.vllm.space import load_vllm_space
-        from tuner.vllm.tune import calibrate_from_store, preview, sim_capacity_rps
+        from tuner.vllm.tune import MAX_LIVE, MAX_SIM_TRIALS, calibrate_from_store, preview, sim_capacity_rps
 
         workload_kind(workload)
         slo = _slo_with_ttft(ttft_slo, tpot_slo, p99_e2e_slo, p99_ttft_slo, max_rejection_rate, max_oom)
         if screen < 1 or top < 1 or seeds_per_trial < 1:
             raise ValueError("screen: --screen, --top and --seeds-per-trial must be >= 1")
+        if screen > MAX_SIM_TRIALS:
+            raise ValueError(f"sim_trials: at most {MAX_SIM_TRIALS}, got {screen}")
+        if seeds_per_trial > MAX_LIVE:
+            raise ValueError(f"tuning_seeds: at most {MAX_LIVE}, got {seeds_per_trial}")
         if capacity is not None and not capacity > 0:
             raise ValueError(f"capacity: must be positive, got {capacity}")
         base, model_shape = _base(config, model)

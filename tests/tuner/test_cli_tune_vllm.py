@@ -141,6 +141,8 @@ def _study(setup: dict[str, str], *extra: str):  # type: ignore[no-untyped-def]
         (["--workload", "stored:"], "workload: stored: needs an instance, e.g. stored:vllm-a"),
         (["--model", "/nonexistent/ckpt"], "model: /nonexistent/ckpt is not a directory"),
         (["--ttft-slo", "0"], "slo: ttft_s: must be positive"),
+        (["--screen", "5001"], "sim_trials: at most 5000, got 5001"),
+        (["--seeds-per-trial", "11"], "tuning_seeds: at most 10, got 11"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(setup: dict[str, str], command: str, extra: list[str], message: str) -> None:

@@ -60,6 +60,13 @@ class TuneError(RuntimeError):
     database. (A trial config that vLLM refuses is an infeasible trial, not this.)"""
 
 
+# Bounds on a tuning's size: a simulated config costs ~0.2 s here, a live one a vLLM restart (~1-2 min) per seed.
+MAX_SIM_TRIALS = 5000
+MAX_LIVE = 10  # confirmed candidates, and tuning seeds
+MAX_HELDOUT = 20  # held-out seeds
+MAX_REPEATS = 5
+
+
 @dataclass(frozen=True)
 class Budget:
     tuning_seeds: tuple[int, ...] = (0,)
@@ -78,6 +85,15 @@ class Budget:
             raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
         if not self.heldout_seeds or self.repeats < 1:
             raise ValueError("heldout_seeds: at least one, and repeats >= 1")
+        for name, value, most in (
+            ("sim_trials", self.sim_trials, MAX_SIM_TRIALS),
+            ("top_k", self.top_k, MAX_LIVE),
+            ("tuning_seeds", len(self.tuning_seeds), MAX_LIVE),
+            ("heldout_seeds", len(self.heldout_seeds), MAX_HELDOUT),
+            ("repeats", self.repeats, MAX_REPEATS),
+        ):
+            if value > most:
+                raise ValueError(f"{name}: at most {most}, got {value}")
         if set(self.heldout_seeds) & set(self.tuning_seeds):
             raise ValueError(
                 f"heldout_seeds: {sorted(set(self.heldout_seeds) & set(self.tuning_seeds))} are tuning seeds"
