@@ -32,6 +32,7 @@ from collector.errors import CollectorError, IdempotencyConflictError
 from collector.events import EVENT_TYPES
 from collector.schema import EVENT_TABLES, IngestBatch, Instance, OtlpSpan, Run
 from collector.validation import validate_wire
+from collector.wirescan import BatchShapeError, TooManyEventsError
 
 # Column order of each event table's insert: the event's fields less the discriminator and version.
 EVENT_COLUMNS: dict[str, tuple[str, ...]] = {
@@ -104,16 +105,21 @@ def parse_batch(body: bytes, *, max_events: int) -> ParsedBatch:
     """Validate a batch body into row tuples; raises BatchValidationError naming `events[i].field`.
 
     msgspec (collector.fastdecode) is tried first; anything it refuses is judged by the pydantic
-    validator (collector.validation), which has the last word and writes the error messages.
+    validator (collector.validation), which has the last word and writes the error messages. That one
+    counts the events before validating any (`collector.wirescan`) and stops at 20 errors.
     """
     fast = fastdecode.decode(body)
     if fast is not None:
         key, rows = fast
     else:
         try:
-            key, events = validate_wire(body)
+            key, events = validate_wire(body, max_events=max_events)
         except ValidationError as exc:
-            raise BatchValidationError(format_errors(exc)) from exc
+            raise BatchValidationError(format_errors(exc)) from None
+        except TooManyEventsError as exc:
+            raise BatchTooLargeError(str(exc)) from None
+        except BatchShapeError as exc:
+            raise BatchValidationError([{"loc": exc.loc, "msg": exc.msg, "type": "batch_shape"}]) from None
         if b"\\u0000" in body:
             _reject_nul(key, events)
         grouped: dict[str, list[dict]] = defaultdict(list)

@@ -21,7 +21,10 @@ retried export is found whatever its encoding or compression; and `store_batch` 
 
 Spans of other names are counted and ignored. An `llm_request` span that cannot be a request row (a
 required attribute missing, of the wrong type or out of range) is rejected alone and reported in the
-response's partial success by its position and the attribute's name, never by anything it contains.
+response's partial success by its position and the attribute's name, never by anything it contains; so is
+one whose ids are not hex (OTLP/JSON), and a span repeated inside one export is dropped and counted there.
+An export is measured before it is decoded (`collector.otlpscan`): past `otlp_max_spans` spans, or more
+messages or JSON values than they may hold, it is refused whole (413).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
 from pydantic import ValidationError
 
+from collector import otlpscan
 from collector.errors import CollectorError
 from collector.validation import validate_event
 
@@ -105,25 +109,42 @@ class SpanBatch:
         return "otlp-" + hashlib.sha256(self.identity).hexdigest()
 
     def error_message(self) -> str:
-        return f"{self.rejected} llm_request span(s) rejected; first: {self.first_error}" if self.rejected else ""
+        parts = [f"{self.rejected} llm_request span(s) rejected; first: {self.first_error}"] if self.rejected else []
+        if self.repeated:
+            parts.append(f"{self.repeated} span(s) repeated a (trace_id, span_id) of this export and were dropped")
+        return "; ".join(parts)
 
 
 # --- decoding ----------------------------------------------------------------------------------------
 
 
-def parse_request(body: bytes, media: Media) -> ExportTraceServiceRequest:
-    """Decode an export request with the OTLP protocol package; OtlpDecodeError if it is not one."""
+def parse_request(body: bytes, media: Media, *, max_spans: int) -> ExportTraceServiceRequest:
+    """Decode an export request with the OTLP protocol package; OtlpDecodeError if it is not one,
+    TooManySpansError past `max_spans` spans or what they may hold (`otlpscan`: counted before decoding)."""
     request = ExportTraceServiceRequest()
     if media == "protobuf":
+        try:
+            otlpscan.count_protobuf(body, max_spans=max_spans)
+        except otlpscan.MalformedError as exc:
+            raise OtlpDecodeError("body is not a protobuf ExportTraceServiceRequest") from exc
+        except otlpscan.ExportBoundError as exc:
+            raise TooManySpansError(str(exc)) from None
         try:
             request.ParseFromString(body)
         except (DecodeError, RecursionError) as exc:
             raise OtlpDecodeError("body is not a protobuf ExportTraceServiceRequest") from exc
         return request
     try:
+        otlpscan.check_json_size(body, max_spans=max_spans)
+    except otlpscan.ExportBoundError as exc:
+        raise TooManySpansError(str(exc)) from None
+    try:
         data = json.loads(body)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
+        spans = otlpscan.count_json_spans(data, _items)
+        if spans > max_spans:
+            raise TooManySpansError(f"export has {spans} spans; the limit is {max_spans}")
         _hex_ids_to_base64(data)
         json_format.ParseDict(data, request, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, AttributeError, RecursionError) as exc:
@@ -152,15 +173,18 @@ def _items(obj: Any, *names: str) -> list:
 
 
 def _convert_ids(obj: Any, names: tuple[str, ...]) -> None:
+    """An id that is not a hex string becomes empty: that span alone is rejected (an llm_request span
+    needs both ids), not the whole export."""
     if not isinstance(obj, dict):
         return
     for name in names:
-        value = obj.get(name)
-        if isinstance(value, str):
-            try:
-                obj[name] = base64.b64encode(bytes.fromhex(value)).decode()
-            except ValueError as exc:
-                raise ValueError(f"{name} is not hex") from exc
+        if name not in obj:
+            continue
+        value = obj[name]
+        try:
+            obj[name] = base64.b64encode(bytes.fromhex(value)).decode() if isinstance(value, str) else ""
+        except ValueError:
+            obj[name] = ""
 
 
 # --- spans -> request events -------------------------------------------------------------------------
@@ -279,8 +303,8 @@ def _count(attrs: dict[str, AnyValue], key: str) -> int:
 def export_response(batch: SpanBatch | None, media: Media) -> bytes:
     """ExportTraceServiceResponse, with partial_success when spans were rejected (OTLP/HTTP spec)."""
     response = ExportTraceServiceResponse()
-    if batch is not None and batch.rejected:
-        response.partial_success.rejected_spans = batch.rejected
+    if batch is not None and (batch.rejected or batch.repeated):
+        response.partial_success.rejected_spans = batch.rejected + batch.repeated
         response.partial_success.error_message = batch.error_message()
     return _encode(response, media)
 

@@ -16,12 +16,13 @@ import logging
 from types import UnionType
 from typing import Annotated, Any, NotRequired, Required, Union, get_args, get_origin
 
-from pydantic import ConfigDict, Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from sqlalchemy import BigInteger, Float, Integer, String
 from typing_extensions import TypedDict
 
 from collector.events import EVENT_TYPES, EventBatch, event_adapter
 from collector.schema import EVENT_TABLES
+from collector.wirescan import BatchShapeError, split_batch
 
 log = logging.getLogger(__name__)
 
@@ -108,18 +109,46 @@ else:  # pragma: no cover - exercised only if events.py grows validators
     wire_adapter = TypeAdapter(EventBatch)
 
 
-def validate_wire(body: bytes) -> tuple[str | None, list[dict[str, Any]]]:
-    """(idempotency key, events as dicts with every field present); raises pydantic.ValidationError."""
+WHOLE_BODY_BYTES = 64 * 1024  # pydantic may judge a body this small whole: its errors stay within tens of MB
+MAX_ERRORS = 20  # validation stops here: each error holds its input, and nobody reads the 21st
+
+
+def validate_wire(body: bytes, *, max_events: int = 100_000) -> tuple[str | None, list[dict[str, Any]]]:
+    """(idempotency key, events as dicts with every field present); raises pydantic.ValidationError
+    (at most MAX_ERRORS errors), TooManyEventsError (counted before anything is validated) or
+    BatchShapeError (a large body that is not a batch of flat objects; a small one gets pydantic's words).
+
+    Events are validated one at a time from their own bytes (`wirescan.split_batch`), never the whole
+    body at once: what a body can cost is bounded by `max_events` events of at most 16 KiB each.
+    """
     if not FAST_PATH:  # pragma: no cover
         batch = wire_adapter.validate_json(body)
         return batch.idempotency_key, [dict(e.__dict__) for e in batch.events]
-    data = wire_adapter.validate_json(body)
-    events = data["events"]
-    for i, event in enumerate(events):
-        defaults = DEFAULTS[event["type"]]
-        if len(event) != len(defaults) + _REQUIRED[event["type"]]:
-            events[i] = {**defaults, **event}
-    return data.get("idempotency_key"), events
+    try:
+        key_json, raw_events = split_batch(body, max_events=max_events)
+    except BatchShapeError:
+        if len(body) <= WHOLE_BODY_BYTES:
+            wire_adapter.validate_json(body)  # names the offending field as pydantic does; never passes here
+        raise
+    key = wire_adapter.validate_json(b'{"events":[],"idempotency_key":' + key_json + b"}").get("idempotency_key")
+    events: list[dict[str, Any]] = []
+    errors: list[Any] = []
+    for i, raw in enumerate(raw_events):
+        try:
+            event = event_wire_adapter.validate_json(raw)
+        except ValidationError as exc:
+            for err in exc.errors(include_url=False)[: MAX_ERRORS - len(errors)]:
+                detail = {"type": err["type"], "loc": ("events", i, *err["loc"]), "input": err["input"]}
+                errors.append({**detail, "ctx": err["ctx"]} if "ctx" in err else detail)
+            if len(errors) >= MAX_ERRORS:
+                break
+            continue
+        if not errors:
+            defaults = DEFAULTS[event["type"]]
+            events.append(event if len(event) == len(defaults) + _REQUIRED[event["type"]] else {**defaults, **event})
+    if errors:
+        raise ValidationError.from_exception_data("WireBatch", errors)
+    return key, events
 
 
 def validate_event(data: dict[str, Any]) -> dict[str, Any]:

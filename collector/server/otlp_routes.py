@@ -77,7 +77,7 @@ def export_sync(
     """Decode, convert and store one export in a worker thread, one at a time like a pushed batch."""
     settings = state.settings
     with state.ingest_lock:
-        request = otlp.parse_request(body, media)
+        request = otlp.parse_request(body, media, max_spans=settings.otlp_max_spans)
         spans = otlp.request_events(request, instance_map=settings.otlp_instance_map, max_spans=settings.otlp_max_spans)
         if not spans.events:
             return spans, None
@@ -121,7 +121,7 @@ async def export_traces(request: Request, state: StateDep, identity: IngestIdent
             spans, result = await run_in_threadpool(export_sync, state, body, media, claims)
             state.metrics.latency.observe(time.perf_counter() - started)
     _count(state.metrics, spans, result)
-    if spans.rejected:
+    if spans.rejected or spans.repeated:
         log.info("OTLP export: %s", spans.error_message())
     return Response(otlp.export_response(spans, media), media_type=MEDIA_TYPES[media])
 
