@@ -18,6 +18,11 @@ gauges and counters before histogram buckets, then by name and label set, and a 
 in part. Such a scrape stays `up` but is marked degraded (`last_error` says how many series were kept);
 every drop is counted in `kvpilot_collector_scrape_series_dropped_total{reason}`, stored as the
 `scrape_series_dropped` series, and logged as one warning line per target and scrape.
+
+What one scrape may cost is bounded before it is spent: the body is read and inflated a step at a time
+to at most 16 MiB (one content coding at most), parsing stops past `parse_cap(sample_limit)` samples,
+and the deadline covers the read, the inflation and the parse. Past any bound the scrape fails (`up` 0,
+`last_error` naming the bound, never what the target sent).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import logging
 import re
 import threading
 import time
+import zlib
 from collections import Counter as Tally
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +55,7 @@ log = logging.getLogger(__name__)
 MAX_SCRAPE_BYTES = 16 * 2**20
 DEFAULT_SAMPLE_LIMIT = 10_000
 MAX_SAMPLE_LIMIT = 1_000_000
+MIN_PARSE_CAP = 100_000
 MAX_LABELS = 32
 MAX_LABEL_VALUE_CHARS = 256
 DROP_REASONS = ("sample_limit", "label_count", "label_value_length")
@@ -115,13 +122,27 @@ class ScrapeMetrics:
             self.series_dropped.labels(reason)
 
 
-def parse_exposition(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Prometheus text format -> flat (sample name, labels, value); raises ValueError on bad input."""
+def parse_exposition(
+    text: str, *, max_samples: int | None = None, give_up: float | None = None
+) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text format -> flat (sample name, labels, value); raises ValueError on bad input, and
+    ScrapeError past `max_samples` samples or the monotonic time `give_up` (checked as it parses: a page of
+    a million samples took 12 s and 532 MB)."""
     samples = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples.append((sample.name, dict(sample.labels), float(sample.value)))
+            if max_samples is not None and len(samples) > max_samples:
+                raise ScrapeError(f"more than {max_samples} samples")
+            if give_up is not None and not len(samples) % 1024 and time.monotonic() > give_up:
+                raise ScrapeError("deadline exceeded while parsing")
     return samples
+
+
+def parse_cap(sample_limit: int) -> int:
+    """Samples parsed at most: past it the scrape fails (as Prometheus does past sample_limit), where
+    between `sample_limit` and this the excess is dropped and the scrape stays up."""
+    return min(MAX_SAMPLE_LIMIT, max(4 * sample_limit, MIN_PARSE_CAP))
 
 
 def with_target_labels(labels: Mapping[str, str], target_labels: Mapping[str, str]) -> dict[str, str]:
@@ -191,7 +212,54 @@ def _target_labels(target: ScrapeTarget) -> dict[str, str]:
 
 
 class ScrapeError(CollectorError):
-    """A scrape that failed on our side of the wire: status, size or deadline."""
+    """A scrape that failed on our side of the wire: status, size, coding, sample count or deadline. Its
+    text is stored as the target's `last_error`: it names the bound, never what the target sent."""
+
+
+_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+INFLATE_STEP = 1 << 20  # bytes inflated between two checks of the size cap and the deadline
+
+
+class BoundedBody:
+    """A scraped body as it arrives: inflated a step at a time, at most MAX_SCRAPE_BYTES, before `give_up`."""
+
+    def __init__(self, codings: list[str], give_up: float, deadline_s: float) -> None:
+        codings = [c.strip().lower() for c in codings if c.strip().lower() not in ("", "identity")]
+        if len(codings) > 1:
+            raise ScrapeError("more than one content coding")
+        if codings and codings[0] not in _CODINGS:
+            raise ScrapeError("unsupported content coding")
+        self.inflater = zlib.decompressobj(_CODINGS[codings[0]]) if codings else None
+        self.give_up = give_up
+        self.deadline_s = deadline_s
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def _keep(self, part: bytes) -> None:
+        if time.monotonic() > self.give_up:
+            raise ScrapeError(f"deadline of {self.deadline_s:g}s exceeded")
+        self.size += len(part)
+        if self.size > MAX_SCRAPE_BYTES:
+            raise ScrapeError(f"response larger than {MAX_SCRAPE_BYTES} bytes")
+        self.parts.append(part)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.inflater is None:
+            self._keep(chunk)
+            return
+        pending = chunk
+        try:
+            while pending and not self.inflater.eof:
+                self._keep(self.inflater.decompress(pending, INFLATE_STEP))
+                pending = self.inflater.unconsumed_tail
+        except zlib.error:
+            raise ScrapeError("invalid compressed body") from None
+        self._keep(b"")  # the deadline, also for a chunk that inflated to nothing
+
+    def text(self) -> str:
+        if self.inflater is not None and not self.inflater.eof:
+            raise ScrapeError("truncated compressed body")
+        return b"".join(self.parts).decode("utf-8", errors="replace")
 
 
 class Scraper:
@@ -223,26 +291,26 @@ class Scraper:
 
     # --- one scrape -------------------------------------------------------------------------------
 
-    def _fetch(self, url: str, deadline_s: float) -> str:
-        """The body, or ScrapeError. The deadline bounds the whole scrape: a target that trickles a byte
-        every second never trips a read timeout, but it cannot hold a scrape past its deadline."""
-        give_up = time.monotonic() + deadline_s
+    def _fetch(self, url: str, deadline_s: float, give_up: float) -> str:
+        """The body, or ScrapeError. The deadline bounds the whole read, decompression included: a target
+        that trickles a byte every second never trips a read timeout, but it cannot hold a scrape past its
+        deadline. The body is inflated here, a step at a time against MAX_SCRAPE_BYTES (httpx would
+        inflate a whole network chunk at once: 1,830 bytes of stacked gzip made 2.2 GB), and at most one
+        content coding is accepted."""
         # Resolved and checked now, not only when the target was created (DNS rebinding); the connection
         # goes to the checked address.
         pinned = self.policy.pin(url, timeout_s=deadline_s)
-        headers = {"Accept": "text/plain;version=0.0.4", **pinned.headers}
-        with self.client.stream("GET", pinned.url, headers=headers, extensions=pinned.extensions) as resp:
+        headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip", **pinned.headers}
+        timeout = httpx.Timeout(deadline_s)
+        with self.client.stream(
+            "GET", pinned.url, headers=headers, extensions=pinned.extensions, timeout=timeout
+        ) as resp:
             if resp.status_code != 200:
                 raise ScrapeError(f"HTTP {resp.status_code}")
-            chunks, size = [], 0
-            for chunk in resp.iter_bytes():
-                size += len(chunk)
-                if size > MAX_SCRAPE_BYTES:
-                    raise ScrapeError(f"response larger than {MAX_SCRAPE_BYTES} bytes")
-                if time.monotonic() > give_up:
-                    raise ScrapeError(f"deadline of {deadline_s:g}s exceeded")
-                chunks.append(chunk)
-        return b"".join(chunks).decode("utf-8", errors="replace")
+            body = BoundedBody(resp.headers.get_list("content-encoding", split_commas=True), give_up, deadline_s)
+            for chunk in resp.iter_raw():
+                body.feed(chunk)
+        return body.text()
 
     def deadline_s(self, target: ScrapeTarget) -> float:
         """A scrape ends within its timeout and within its own interval (as Prometheus's scrape_timeout)."""
@@ -257,8 +325,12 @@ class Scraper:
         # `error` (stored, shown to anyone who lists targets) names only the class of failure and the
         # HTTP status: never the upstream's text (a page that is not an exposition would be echoed) nor
         # the socket error's words (which tell a visitor what listens on a port). The log has the detail.
+        limit = target.sample_limit if target.sample_limit and target.sample_limit > 0 else DEFAULT_SAMPLE_LIMIT
+        deadline_s = self.deadline_s(target)
+        give_up = time.monotonic() + deadline_s
         try:
-            points = map_samples(parse_exposition(self._fetch(target.url, self.deadline_s(target))))
+            text = self._fetch(target.url, deadline_s, give_up)
+            points = map_samples(parse_exposition(text, max_samples=parse_cap(limit), give_up=give_up))
         except AddressRefusedError as exc:
             error, detail = "address not allowed", str(exc)
         except ResolutionError as exc:
@@ -274,7 +346,6 @@ class Scraper:
         duration = time.perf_counter() - t0
         up = error is None
         static = _target_labels(target)
-        limit = target.sample_limit if target.sample_limit and target.sample_limit > 0 else DEFAULT_SAMPLE_LIMIT
         bounded = bound_series(points, target_labels=static, sample_limit=limit)
         n_dropped = sum(bounded.dropped.values())
         synthetic = labels_json(static)
