@@ -63,6 +63,8 @@ def split_batch(body: bytes, *, max_events: int) -> tuple[bytes, list[bytes]]:
         raise BatchShapeError("(body)", str(exc)) from None
     except msgspec.DecodeError as exc:
         raise BatchShapeError("(body)", f"Invalid JSON: {exc}") from None
+    except RecursionError:
+        raise BatchShapeError("(body)", "nested too deep") from None
     key = bytes(envelope.idempotency_key)
     if len(key) > MAX_KEY_BYTES:
         raise BatchShapeError("idempotency_key", f"longer than {MAX_KEY_BYTES} bytes")
