@@ -121,7 +121,6 @@ class SpanBatch:
 def parse_request(body: bytes, media: Media, *, max_spans: int) -> ExportTraceServiceRequest:
     """Decode an export request with the OTLP protocol package; OtlpDecodeError if it is not one,
     TooManySpansError past `max_spans` spans or what they may hold (`otlpscan`: counted before decoding)."""
-    request = ExportTraceServiceRequest()
     if media == "protobuf":
         try:
             otlpscan.count_protobuf(body, max_spans=max_spans)
@@ -129,6 +128,7 @@ def parse_request(body: bytes, media: Media, *, max_spans: int) -> ExportTraceSe
             raise OtlpDecodeError("body is not a protobuf ExportTraceServiceRequest") from exc
         except otlpscan.ExportBoundError as exc:
             raise TooManySpansError(str(exc)) from None
+        request = ExportTraceServiceRequest()
         try:
             request.ParseFromString(body)
         except (DecodeError, RecursionError) as exc:
@@ -146,6 +146,7 @@ def parse_request(body: bytes, media: Media, *, max_spans: int) -> ExportTraceSe
         if spans > max_spans:
             raise TooManySpansError(f"export has {spans} spans; the limit is {max_spans}")
         _hex_ids_to_base64(data)
+        request = ExportTraceServiceRequest()
         json_format.ParseDict(data, request, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise OtlpDecodeError("body is not an OTLP/JSON ExportTraceServiceRequest") from exc
