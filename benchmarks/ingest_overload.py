@@ -185,14 +185,16 @@ def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def _collector(root: Path, name: str):  # type: ignore[no-untyped-def]
+def _collector(root: Path, name: str, **overrides: Any):  # type: ignore[no-untyped-def]
+    """A fresh collector process on its own SQLite file; `overrides` are CollectorSettings fields."""
     from collector.db import upgrade
     from collector.server import start_subprocess
     from collector.settings import CollectorSettings
 
     db_url = f"sqlite:///{root / f'{name}.db'}"
     upgrade(db_url)
-    settings = CollectorSettings(db_url=db_url, ingest_token=TOKEN, scrape_enabled=False, port=0, log_level="warning")
+    fields = {"ingest_token": TOKEN, "scrape_enabled": False, "port": 0, "log_level": "warning", **overrides}
+    settings = CollectorSettings(db_url=db_url, **fields)
     return db_url, start_subprocess(settings, log_path=root / f"{name}.log")
 
 

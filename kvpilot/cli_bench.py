@@ -76,8 +76,21 @@ def bench_ingest(
     overload: bool = typer.Option(
         False, "--overload", help="4, 64 and 256 concurrent senders: accepted events/s, refusals, /health, RSS, losses"
     ),
+    abuse: bool = typer.Option(
+        False,
+        "--abuse",
+        help="crafted amplifying bodies and scrape pages, each on a fresh collector: answer, RSS, /health",
+    ),
 ) -> None:
     """HTTP ingest into SQLite (and PostgreSQL if reachable) vs the raw driver ceiling; telemetry overhead."""
+    if overload and abuse:
+        typer.echo("kvpilot bench ingest: --overload and --abuse are separate runs; choose one", err=True)
+        raise typer.Exit(2)
+    if abuse:
+        from benchmarks.ingest_abuse import run_abuse_bench
+
+        emit(run_abuse_bench(quick=quick), json_path)
+        return
     if overload:
         from benchmarks.ingest_overload import run_overload_bench
 
