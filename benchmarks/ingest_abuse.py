@@ -226,8 +226,11 @@ def _scrape_answer(url: str, page_url: str, timeout_s: float = 60.0) -> tuple[st
         target_id = resp.json()["id"]
         started = time.perf_counter()
         while time.perf_counter() - started < timeout_s:
-            target = client.get(f"/v1/targets/{target_id}").json()
-            if target["last_scrape_at"] is not None:
+            answer = client.get(f"/v1/targets/{target_id}")
+            if answer.status_code != 404:  # 404: the creation's commit is not visible yet
+                answer.raise_for_status()
+            target = answer.json()
+            if target.get("last_scrape_at") is not None:
                 up = "1" if target["up"] else "0"
                 return f"up={up}: {target['last_error']}", time.perf_counter() - started
             time.sleep(POLL_S)
