@@ -145,7 +145,7 @@ def parse_request(body: bytes, media: Media, *, max_spans: int) -> ExportTraceSe
         spans = otlpscan.count_json_spans(data, _items)
         if spans > max_spans:
             raise TooManySpansError(f"export has {spans} spans; the limit is {max_spans}")
-        _hex_ids_to_base64(data)
+        _prepare_json(data)
         request = ExportTraceServiceRequest()
         json_format.ParseDict(data, request, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, AttributeError, RecursionError) as exc:
@@ -153,14 +153,38 @@ def parse_request(body: bytes, media: Media, *, max_spans: int) -> ExportTraceSe
     return request
 
 
-def _hex_ids_to_base64(data: dict) -> None:
-    """OTLP/JSON writes trace and span ids in hex where protobuf's JSON mapping expects base64 bytes."""
+def _prepare_json(data: dict) -> None:
+    """Make an OTLP/JSON export what the protobuf JSON mapping needs to map, and no more.
+
+    The mapping is pure Python and costs microseconds per value, so only what `request_events` reads is
+    left: a span of another name keeps only its name (it is counted as ignored), an llm_request span its
+    ids (hex in OTLP/JSON, base64 in the mapping), start time and the attributes read (the last of each
+    key, as the conversion reads them), and a resource only the attributes that name its instance.
+    """
     for resource_spans in _items(data, "resourceSpans", "resource_spans"):
+        resource = resource_spans.get("resource")
+        if isinstance(resource, dict):
+            _keep_attributes(resource, _RESOURCE_WANTED)
         for scope_spans in _items(resource_spans, "scopeSpans", "scope_spans"):
-            for span in _items(scope_spans, "spans"):
-                _convert_ids(span, ("traceId", "trace_id", "spanId", "span_id", "parentSpanId", "parent_span_id"))
-                for link in _items(span, "links"):
-                    _convert_ids(link, ("traceId", "trace_id", "spanId", "span_id"))
+            spans = _items(scope_spans, "spans")
+            for i, span in enumerate(spans):
+                if not isinstance(span, dict):
+                    continue  # the mapping refuses it: 400
+                if span.get("name") != LLM_REQUEST:
+                    if isinstance(span.get("name", ""), str):
+                        spans[i] = {"name": span.get("name", "")}
+                    continue
+                _convert_ids(span, ("traceId", "trace_id", "spanId", "span_id"))
+                _keep_attributes(span, _WANTED)
+                for unread in ("parentSpanId", "parent_span_id", "events", "links"):
+                    span.pop(unread, None)
+
+
+def _keep_attributes(obj: dict, wanted: set[str]) -> None:
+    attributes = obj.get("attributes")
+    if isinstance(attributes, list):
+        kept = {kv["key"]: kv for kv in attributes if isinstance(kv, dict) and kv.get("key") in wanted}
+        obj["attributes"] = list(kept.values())
 
 
 def _items(obj: Any, *names: str) -> list:

@@ -163,3 +163,35 @@ def test_a_span_repeated_in_one_export_is_counted(client: TestClient, settings: 
     partial = export_response(resp).partial_success
     assert partial.rejected_spans == 1 and "1 span(s) repeated" in partial.error_message
     assert len(rows(settings)) == 1 and metric(client, "duplicate") == 1
+
+
+def test_json_mapping_gets_only_what_is_read() -> None:
+    """The protobuf JSON mapping costs microseconds per value: spans and attributes nobody reads never reach it."""
+    wanted = {"key": "gen_ai.request.id", "value": {"stringValue": "r-2"}}
+    data = {
+        "resourceSpans": [
+            {
+                "resource": {"attributes": [{"key": "os.type", "value": {}}, {"key": "service.name", "value": {}}]},
+                "scopeSpans": [
+                    {
+                        "spans": [
+                            {"name": "chat", "attributes": [wanted] * 100, "events": [{}] * 100},
+                            {
+                                "name": "llm_request",
+                                "spanId": "zz",
+                                "attributes": [{"key": "gen_ai.request.id", "value": {}}, wanted]
+                                + [{"key": f"junk.{i}", "value": {}} for i in range(100)],
+                                "links": [{"traceId": "not-hex"}],
+                            },
+                        ]
+                    }
+                ],
+            }
+        ]
+    }
+    otlp._prepare_json(data)
+    resource = data["resourceSpans"][0]
+    assert resource["resource"] == {"attributes": [{"key": "service.name", "value": {}}]}
+    other, llm = resource["scopeSpans"][0]["spans"]
+    assert other == {"name": "chat"}
+    assert llm == {"name": "llm_request", "spanId": "", "attributes": [wanted]}  # the last of each key
