@@ -22,7 +22,8 @@ every drop is counted in `kvpilot_collector_scrape_series_dropped_total{reason}`
 What one scrape may cost is bounded before it is spent: the body is read and inflated a step at a time
 to at most 16 MiB (one content coding at most), parsing stops past `parse_cap(sample_limit)` samples,
 and the deadline covers the read, the inflation and the parse. Past any bound the scrape fails (`up` 0,
-`last_error` naming the bound, never what the target sent).
+`last_error` naming the bound, never what the target sent), counted in
+`kvpilot_collector_scrape_bound_failures_total{bound}` and logged.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ MIN_PARSE_CAP = 100_000
 MAX_LABELS = 32
 MAX_LABEL_VALUE_CHARS = 256
 DROP_REASONS = ("sample_limit", "label_count", "label_value_length")
+BOUNDS = ("size", "coding", "samples", "deadline")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # Names a target label may not take: they are columns of their own or have a meaning on buckets.
 _RESERVED_LABELS = frozenset({"instance", "job", "le"})
@@ -120,6 +122,14 @@ class ScrapeMetrics:
         )
         for reason in DROP_REASONS:
             self.series_dropped.labels(reason)
+        self.bound_failures = Counter(
+            "kvpilot_collector_scrape_bound_failures",
+            "scrapes failed at a bound on what one scrape may cost, by bound",
+            ["bound"],
+            registry=registry,
+        )
+        for bound in BOUNDS:
+            self.bound_failures.labels(bound)
 
 
 def parse_exposition(
@@ -133,9 +143,9 @@ def parse_exposition(
         for sample in family.samples:
             samples.append((sample.name, dict(sample.labels), float(sample.value)))
             if max_samples is not None and len(samples) > max_samples:
-                raise ScrapeError(f"more than {max_samples} samples")
+                raise ScrapeError(f"more than {max_samples} samples", bound="samples")
             if give_up is not None and not len(samples) % 1024 and time.monotonic() > give_up:
-                raise ScrapeError("deadline exceeded while parsing")
+                raise ScrapeError("deadline exceeded while parsing", bound="deadline")
     return samples
 
 
@@ -213,7 +223,12 @@ def _target_labels(target: ScrapeTarget) -> dict[str, str]:
 
 class ScrapeError(CollectorError):
     """A scrape that failed on our side of the wire: status, size, coding, sample count or deadline. Its
-    text is stored as the target's `last_error`: it names the bound, never what the target sent."""
+    text is stored as the target's `last_error`: it names the bound, never what the target sent. `bound`:
+    which of BOUNDS stopped it, counted in `kvpilot_collector_scrape_bound_failures_total{bound}`."""
+
+    def __init__(self, message: str, *, bound: str | None = None) -> None:
+        super().__init__(message)
+        self.bound = bound
 
 
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -226,9 +241,9 @@ class BoundedBody:
     def __init__(self, codings: list[str], give_up: float, deadline_s: float) -> None:
         codings = [c.strip().lower() for c in codings if c.strip().lower() not in ("", "identity")]
         if len(codings) > 1:
-            raise ScrapeError("more than one content coding")
+            raise ScrapeError("more than one content coding", bound="coding")
         if codings and codings[0] not in _CODINGS:
-            raise ScrapeError("unsupported content coding")
+            raise ScrapeError("unsupported content coding", bound="coding")
         self.inflater = zlib.decompressobj(_CODINGS[codings[0]]) if codings else None
         self.give_up = give_up
         self.deadline_s = deadline_s
@@ -237,10 +252,10 @@ class BoundedBody:
 
     def _keep(self, part: bytes) -> None:
         if time.monotonic() > self.give_up:
-            raise ScrapeError(f"deadline of {self.deadline_s:g}s exceeded")
+            raise ScrapeError(f"deadline of {self.deadline_s:g}s exceeded", bound="deadline")
         self.size += len(part)
         if self.size > MAX_SCRAPE_BYTES:
-            raise ScrapeError(f"response larger than {MAX_SCRAPE_BYTES} bytes")
+            raise ScrapeError(f"response larger than {MAX_SCRAPE_BYTES} bytes", bound="size")
         self.parts.append(part)
 
     def feed(self, chunk: bytes) -> None:
@@ -341,6 +356,8 @@ class Scraper:
             error, detail = "connection failed", f"{type(exc).__name__}: {exc}"
         except ScrapeError as exc:
             error = detail = str(exc)
+            if self.metrics and exc.bound:
+                self.metrics.bound_failures.labels(exc.bound).inc()
         except ValueError as exc:
             error, detail = "not a Prometheus text exposition", f"{type(exc).__name__}: {exc}"
         duration = time.perf_counter() - t0

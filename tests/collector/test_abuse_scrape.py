@@ -16,10 +16,19 @@ from collections.abc import Iterator
 from typing import ClassVar
 
 import pytest
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 
 from collector import scraper as scraper_module
-from collector.scraper import INFLATE_STEP, MAX_SCRAPE_BYTES, BoundedBody, ScrapeError, Scraper
+from collector.scraper import (
+    BOUNDS,
+    INFLATE_STEP,
+    MAX_SCRAPE_BYTES,
+    BoundedBody,
+    ScrapeError,
+    ScrapeMetrics,
+    Scraper,
+)
 from tests.collector.test_scrape import LOOPBACK, NOW, add_targets, stored, target_row
 
 PAGE = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
@@ -83,7 +92,8 @@ def test_hostile_targets_fail_with_the_bound_named(
         db_engine,
         *({"url": f"{hostile}/{name}", "instance": name, "sample_limit": 100} for name in errors),
     )
-    scraper = Scraper(db_engine, policy=LOOPBACK, timeout_s=5.0, clock=lambda: NOW)
+    registry = CollectorRegistry()
+    scraper = Scraper(db_engine, policy=LOOPBACK, timeout_s=5.0, clock=lambda: NOW, metrics=ScrapeMetrics(registry))
     started = time.monotonic()
     try:
         outcomes = {o.url.rsplit("/", 1)[-1]: o for o in scraper.run_once()}
@@ -96,6 +106,10 @@ def test_hostile_targets_fail_with_the_bound_named(
         row = target_row(db_engine, name)
         assert row.up is (error is None) and row.last_error == error
         assert stored(db_engine, instance=name, name="up")[0][3] == (1.0 if error is None else 0.0)
+    counted = {
+        b: registry.get_sample_value("kvpilot_collector_scrape_bound_failures_total", {"bound": b}) for b in BOUNDS
+    }
+    assert counted == {"size": 1.0, "coding": 2.0, "samples": 1.0, "deadline": 0.0}
 
 
 def test_inflation_stops_one_step_past_the_cap() -> None:
