@@ -20,15 +20,8 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 
 from collector import scraper as scraper_module
-from collector.scraper import (
-    BOUNDS,
-    INFLATE_STEP,
-    MAX_SCRAPE_BYTES,
-    BoundedBody,
-    ScrapeError,
-    ScrapeMetrics,
-    Scraper,
-)
+from collector.scrapebody import BOUNDS, INFLATE_STEP, MAX_SCRAPE_BYTES, BoundedBody, ScrapeError
+from collector.scraper import ScrapeMetrics, Scraper
 from tests.collector.test_scrape import LOOPBACK, NOW, add_targets, stored, target_row
 
 PAGE = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
