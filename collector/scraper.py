@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SAMPLE_LIMIT = 10_000
 MAX_SAMPLE_LIMIT = 1_000_000
-MIN_PARSE_CAP = 100_000
+MIN_PARSE_CAP = 20_000
 MAX_LABELS = 32
 MAX_LABEL_VALUE_CHARS = 256
 DROP_REASONS = ("sample_limit", "label_count", "label_value_length")
@@ -150,7 +150,7 @@ def parse_exposition(
 def parse_cap(sample_limit: int) -> int:
     """Samples parsed at most: past it the scrape fails (as Prometheus does past sample_limit), where
     between `sample_limit` and this the excess is dropped and the scrape stays up."""
-    return min(MAX_SAMPLE_LIMIT, max(4 * sample_limit, MIN_PARSE_CAP))
+    return min(MAX_SAMPLE_LIMIT, max(2 * sample_limit, MIN_PARSE_CAP))
 
 
 def with_target_labels(labels: Mapping[str, str], target_labels: Mapping[str, str]) -> dict[str, str]:
