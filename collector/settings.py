@@ -79,6 +79,9 @@ class CollectorSettings(BaseSettings):
         (), description="networks scrape targets may resolve to although blocked (loopback, link-local...)"
     )
     health_probe_interval_s: float = Field(5.0, gt=0, description="how often /health's database check runs")
+    storage_min_free_bytes: int = Field(
+        64 * 2**20, ge=0, description="SQLite: /health is 503 with less room than this for the database to grow"
+    )
     sqlite_synchronous: Literal["FULL", "NORMAL", "EXTRA"] = Field(
         "FULL", description="FULL: an acknowledged batch survives power loss, not only a crash"
     )
