@@ -49,9 +49,14 @@ def storage_problem(
             _write_and_roll_back(conn, lock_wait_s)
     except (OperationalError, DBAPIError) as exc:
         message = str(exc.orig or exc).splitlines()[0]
-        if _is_busy(message):
-            return None
-        log.warning("health check: the database refuses writes: %s", message)
+        lowered = message.lower()
+        if "database is locked" in lowered or "lock timeout" in lowered:
+            return None  # another writer held the lock past lock_wait_s: busy, not refusing
+        log.warning("health check: a write failed: %s", message)
+        if "full" in lowered or "no space" in lowered:
+            return ("storage_full", "the database's disk is full")
+        if isinstance(exc, OperationalError) and "read" not in lowered:
+            return ("database_unavailable", "database unreachable")
         return ("storage_read_only", "the database refuses writes")
     return None
 
@@ -65,12 +70,6 @@ def _write_and_roll_back(conn: Connection, lock_wait_s: float) -> None:
         conn.execute(text("UPDATE alembic_version SET version_num = version_num"))
     finally:
         conn.rollback()
-
-
-def _is_busy(message: str) -> bool:
-    """Another writer held the lock: SQLite's "database is locked", PostgreSQL's lock_timeout."""
-    lowered = message.lower()
-    return "database is locked" in lowered or "lock timeout" in lowered
 
 
 def _sqlite_room(conn: Connection, disk_usage: DiskUsage) -> int | None:
