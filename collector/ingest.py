@@ -166,8 +166,9 @@ def _reject_time(body: bytes, window: TimeWindow) -> None:
     """Name the first event whose `ts` is outside `window` (rows lost the events' order; the error path
     decodes the valid body once more to find it)."""
     _, events = validate_wire(body)
-    index = next(i for i, event in enumerate(events) if event["ts"] not in window)
-    raise BatchValidationError([{"loc": f"events[{index}].ts", "msg": window.message(), "type": "time_window"}])
+    index = next((i for i, event in enumerate(events) if event["ts"] not in window), None)
+    loc = "events" if index is None else f"events[{index}].ts"
+    raise BatchValidationError([{"loc": loc, "msg": window.message(), "type": "time_window"}])
 
 
 @functools.cache

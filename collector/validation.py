@@ -169,4 +169,7 @@ class TimeWindow:
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+    try:
+        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):  # a retention of millennia: past what a datetime holds
+        return f"{ts:.0f} (epoch seconds)"

@@ -59,6 +59,8 @@ def push(client: TestClient, body: bytes):  # type: ignore[no-untyped-def]
 def test_defaults_are_the_raw_retention_and_five_minutes() -> None:
     window = TimeWindow.for_settings(CollectorSettings(), now=1_000_000_000.0)
     assert (window.earliest, window.latest) == (1_000_000_000.0 - 7 * DAY, 1_000_000_000.0 + 300.0)
+    assert "2001-09-02T01:46:40+00:00" in window.message()
+    assert "epoch seconds" in TimeWindow(-1e18, 1e18).message()  # bounds past what a datetime holds
 
 
 @pytest.mark.parametrize(
