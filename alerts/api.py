@@ -16,8 +16,8 @@ Optional bearer token (`token`): every route but /-/healthy and /-/ready needs `
 (alerts.api_server refuses to serve beyond loopback without one). Bounded input (alerts.settings): a body
 over `max_body_bytes` is 413 before parsing; matchers, comment and author have maximum sizes, a silence a
 maximum duration and at least one matcher that does not match the empty string (422 naming the field);
-past `max_silences` unexpired silences a new one is 429. Regexes are RE2 (alerts.regex). A refusal never
-echoes the refused value, nor a database error its SQL (alerts.api_errors). /docs, /redoc and
+past `max_silences` unexpired silences a new one is 429. Regexes are RE2 (alerts.regex). A refused body
+value is never echoed, nor a database error's SQL (alerts.api_errors). /docs, /redoc and
 /openapi.json are served only without a token unless `public_docs` says otherwise (the collector's rule).
 Handlers are thin; data functions live in alerts.silences and alerts.store.
 """
@@ -34,7 +34,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -178,6 +178,8 @@ def _filters(state: StateDep, filter: Annotated[list[str] | None, Query()] = Non
         raise _unprocessable(["query", "filter"], f"a filter has at most {MAX_FILTER_CHARS} characters")
     try:
         return [parse_matcher(text) for text in texts]
+    except ValidationError as exc:  # the reason, not pydantic's text with the input in it
+        raise _unprocessable(["query", "filter"], exc.errors(include_url=False)[0]["msg"]) from None
     except ValueError as exc:
         raise _unprocessable(["query", "filter"], str(exc)) from None
 
