@@ -16,7 +16,9 @@ Optional bearer token (`token`): every route but /-/healthy and /-/ready needs `
 (alerts.api_server refuses to serve beyond loopback without one). Bounded input (alerts.settings): a body
 over `max_body_bytes` is 413 before parsing; matchers, comment and author have maximum sizes, a silence a
 maximum duration and at least one matcher that does not match the empty string (422 naming the field);
-past `max_silences` unexpired silences a new one is 429. Regexes are RE2 (alerts.regex).
+past `max_silences` unexpired silences a new one is 429. Regexes are RE2 (alerts.regex). A refused body
+value is never echoed, nor a database error's SQL (alerts.api_errors). /docs, /redoc and
+/openapi.json are served only without a token unless `public_docs` says otherwise (the collector's rule).
 Handlers are thin; data functions live in alerts.silences and alerts.store.
 """
 
@@ -30,24 +32,24 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from alerts import api_errors
 from alerts.alertmanager import rfc3339
 from alerts.body_limit import BodyLimit
 from alerts.config import NotifierConfig, resolve_routes, routes_for
 from alerts.metrics import AlertMetrics
 from alerts.settings import AlertsSettings
 from alerts.silences import (
-    MAX_COMMENT_CHARS,
-    MAX_CREATED_BY_CHARS,
     MAX_MATCHERS,
     MAX_NAME_CHARS,
     MAX_VALUE_CHARS,
+    Author,
+    Comment,
     SilenceIn,
     SilenceMatcher,
     SilenceRejected,
@@ -57,6 +59,7 @@ from alerts.silences import (
     create_silence,
     expire_silence,
     get_silence,
+    has_control_chars,
     list_silences,
     parse_matcher,
     silenced_by,
@@ -64,7 +67,6 @@ from alerts.silences import (
 )
 from alerts.store import current_alerts
 from collector.db import make_engine, session_factory
-from collector.errors import StorageError
 
 SILENCE_RETENTION_S = 120 * 3600.0  # Alertmanager's --data.retention default
 MAX_ID_CHARS = 64  # ids are UUIDs (36)
@@ -80,12 +82,12 @@ class PostableSilence(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
+    id: Annotated[str, Field(max_length=MAX_ID_CHARS, pattern=r"^[!-~]*$")] | None = None
     matchers: Annotated[list[SilenceMatcher], Field(min_length=1, max_length=MAX_MATCHERS)]
     startsAt: dt.datetime
     endsAt: dt.datetime
-    createdBy: Annotated[str, Field(min_length=1, max_length=MAX_CREATED_BY_CHARS)]
-    comment: Annotated[str, Field(max_length=MAX_COMMENT_CHARS)] = ""
+    createdBy: Author
+    comment: Comment = ""
 
     select_some = field_validator("matchers")(check_matchers)
 
@@ -158,6 +160,11 @@ def _authorized(state: StateDep, authorization: Annotated[str | None, Header()] 
         raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 
+def _known_id(silence_id: str) -> bool:
+    """Whether `silence_id` could name a stored silence (a UUID): anything else is 404 before any SQL."""
+    return len(silence_id) <= MAX_ID_CHARS and not has_control_chars(silence_id)
+
+
 def _unprocessable(loc: list[str], message: str) -> HTTPException:
     return HTTPException(422, [{"loc": loc, "msg": message, "type": "value_error"}])
 
@@ -171,6 +178,8 @@ def _filters(state: StateDep, filter: Annotated[list[str] | None, Query()] = Non
         raise _unprocessable(["query", "filter"], f"a filter has at most {MAX_FILTER_CHARS} characters")
     try:
         return [parse_matcher(text) for text in texts]
+    except ValidationError as exc:  # the reason, not pydantic's text with the input in it
+        raise _unprocessable(["query", "filter"], exc.errors(include_url=False)[0]["msg"]) from None
     except ValueError as exc:
         raise _unprocessable(["query", "filter"], str(exc)) from None
 
@@ -238,7 +247,7 @@ def post_silence(body: PostableSilence, session: SessionDep, now: NowDep, state:
 
 @api.get("/silence/{silence_id}")
 def get_one_silence(silence_id: str, session: SessionDep, now: NowDep) -> dict[str, Any]:
-    silence = get_silence(session, silence_id, now=now) if len(silence_id) <= MAX_ID_CHARS else None
+    silence = get_silence(session, silence_id, now=now) if _known_id(silence_id) else None
     if silence is None:
         raise HTTPException(404, f"silence {silence_id} not found")
     return _gettable_silence(silence)
@@ -246,7 +255,7 @@ def get_one_silence(silence_id: str, session: SessionDep, now: NowDep) -> dict[s
 
 @api.delete("/silence/{silence_id}")
 def delete_silence(silence_id: str, session: SessionDep, now: NowDep) -> Response:
-    if len(silence_id) > MAX_ID_CHARS or not expire_silence(session, silence_id, now=now):
+    if not _known_id(silence_id) or not expire_silence(session, silence_id, now=now):
         raise HTTPException(404, f"silence {silence_id} not found")
     session.commit()
     return Response(status_code=200)
@@ -319,7 +328,14 @@ def create_api_app(
         if owned is not None:
             owned.dispose()
 
-    app = FastAPI(title="kvpilot alerts (Alertmanager API v2 subset)", lifespan=lifespan)
+    docs = settings.public_docs if settings.public_docs is not None else not token
+    app = FastAPI(
+        title="kvpilot alerts (Alertmanager API v2 subset)",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.alerts = ApiState(
         session_factory(bound),
         metrics=metrics or AlertMetrics(),
@@ -331,12 +347,7 @@ def create_api_app(
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(api)
-
-    async def _storage_error(_request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": f"database error: {exc}"}, status_code=503)
-
-    app.add_exception_handler(StorageError, _storage_error)
-    app.add_exception_handler(SQLAlchemyError, _storage_error)
+    api_errors.install(app)
 
     @app.get("/-/healthy", response_class=PlainTextResponse)
     @app.get("/-/ready", response_class=PlainTextResponse)

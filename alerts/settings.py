@@ -2,7 +2,8 @@
 
 `KVPILOT_ALERTS_API_TOKEN`: the bearer token of the alerts API (`kvpilot alerts run --api-port`). Without
 one the API serves loopback only; with one, every route but /-/healthy and /-/ready needs
-`Authorization: Bearer TOKEN` (reads and silence writes alike). The rest bound what the API accepts.
+`Authorization: Bearer TOKEN` (reads and silence writes alike), and the API's docs are not served unless
+`KVPILOT_ALERTS_PUBLIC_DOCS=true`. The rest bound what the API accepts.
 """
 
 from __future__ import annotations
@@ -22,3 +23,6 @@ class AlertsSettings(BaseSettings):
     max_silences: int = Field(DEFAULT_MAX_SILENCES, ge=1, description="unexpired silences; 429 past it")
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="request body; 413 past it, before parsing")
     max_filters: int = Field(32, ge=1, description="`filter` query parameters per request")
+    public_docs: bool | None = Field(
+        None, description="/docs, /redoc and /openapi.json; default: served only when no token is set"
+    )

@@ -2,10 +2,12 @@
 
 Bounded as Alertmanager's validation is and then some: matchers are RE2 (alerts.regex), at least one must
 not match the empty string (a silence of `alertname=~".*"` would mute everything), names are label names,
-and names, values, comment, author and the matcher count have maximum sizes. `create_silence` and
-`update_silence` also bound how long a silence lasts from now (`max_duration_s`, 30 days unless the
-caller's settings say otherwise) and how many unexpired silences there are (`max_silences`), so the
-evaluator's silence matching per tick stays bounded.
+and names, values, comment, author and the matcher count have maximum sizes; strings hold no control
+characters (NUL cannot even be stored on PostgreSQL; values and comments may hold tabs and newlines).
+`create_silence` and `update_silence` also bound how far ahead a silence starts and how long it lasts
+from now (`max_duration_s`, 30 days unless the caller's settings say otherwise) and how many unexpired
+(active or pending) silences there are (`max_silences`), so the evaluator's silence matching per tick
+stays bounded. Expiring a pending silence ends it before it starts, as in Alertmanager.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -34,6 +36,31 @@ MAX_COMMENT_CHARS = 4096
 DEFAULT_MAX_DURATION_S = 30 * 86400.0
 DEFAULT_MAX_SILENCES = 1000
 EVERYTHING = "at least one matcher must not match the empty string (this silence would mute every alert)"
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_BUT_WHITESPACE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def has_control_chars(text: str, *, multiline: bool = False) -> bool:
+    """Whether `text` holds a control character (tab, LF and CR allowed when `multiline`)."""
+    return (_CONTROL_BUT_WHITESPACE if multiline else _CONTROL).search(text) is not None
+
+
+def _one_line(text: str) -> str:
+    if has_control_chars(text):
+        raise ValueError("control characters (such as NUL or a newline) are not allowed")
+    return text
+
+
+def _text(text: str) -> str:
+    if has_control_chars(text, multiline=True):
+        raise ValueError("control characters (such as NUL) are not allowed; tabs and newlines are")
+    return text
+
+
+Author = Annotated[str, Field(min_length=1, max_length=MAX_CREATED_BY_CHARS), AfterValidator(_one_line)]
+Comment = Annotated[str, Field(max_length=MAX_COMMENT_CHARS), AfterValidator(_text)]
 
 
 class SilenceRejected(ValueError):
@@ -58,7 +85,7 @@ class SilenceMatcher(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=LABEL_NAME)]
-    value: Annotated[str, Field(max_length=MAX_VALUE_CHARS)]
+    value: Annotated[str, Field(max_length=MAX_VALUE_CHARS), AfterValidator(_text)]
     isRegex: bool = False
     isEqual: bool = True
 
@@ -88,10 +115,10 @@ class SilenceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     matchers: Annotated[list[SilenceMatcher], Field(min_length=1, max_length=MAX_MATCHERS)]
-    startsAt: float
-    endsAt: float
-    createdBy: Annotated[str, Field(min_length=1, max_length=MAX_CREATED_BY_CHARS)]
-    comment: Annotated[str, Field(max_length=MAX_COMMENT_CHARS)] = ""
+    startsAt: Annotated[float, Field(allow_inf_nan=False)]
+    endsAt: Annotated[float, Field(allow_inf_nan=False)]
+    createdBy: Author
+    comment: Comment = ""
 
     select_some = field_validator("matchers")(check_matchers)
 
@@ -131,7 +158,10 @@ def check_bounds(
     max_silences: int | None,
     replacing: str | None = None,
 ) -> None:
-    """Raise SilenceRejected if `silence` lasts too long from now, TooManySilences past `max_silences`."""
+    """Raise SilenceRejected if `silence` starts too far ahead or lasts too long from now (a silence
+    starting in 9999 would hold a place under `max_silences` forever), TooManySilences past that."""
+    if silence.startsAt - now > max_duration_s:
+        raise SilenceRejected("startsAt", f"a silence may start at most {_human(max_duration_s)} from now")
     if silence.endsAt - max(silence.startsAt, now) > max_duration_s:
         raise SilenceRejected(
             "endsAt", f"a silence may last at most {_human(max_duration_s)} from now; expire it and make a new one"
@@ -175,11 +205,14 @@ def create_silence(
 
 
 def expire_silence(session: Session, silence_id: str, *, now: float) -> bool:
+    """End a silence now; a pending one ends before it starts (Alertmanager sets both times to now),
+    so it stops counting under `max_silences` at once. False if there is no such silence."""
     row = session.get(AlertSilence, silence_id)
     if row is None:
         return False
     if row.ends_at > now:
-        row.ends_at = max(now, row.starts_at)
+        row.starts_at = min(row.starts_at, now)
+        row.ends_at = now
         row.updated_at = now
     return True
 

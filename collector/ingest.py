@@ -31,7 +31,7 @@ from collector.db import translate_errors
 from collector.errors import CollectorError, IdempotencyConflictError
 from collector.events import EVENT_TYPES
 from collector.schema import EVENT_TABLES, IngestBatch, Instance, OtlpSpan, Run
-from collector.validation import validate_wire
+from collector.validation import TimeWindow, validate_wire
 from collector.wirescan import BatchShapeError, TooManyEventsError
 
 # Column order of each event table's insert: the event's fields less the discriminator and version.
@@ -101,12 +101,13 @@ class ParsedBatch:
     span_ids: list[tuple[str, str]] | None = None
 
 
-def parse_batch(body: bytes, *, max_events: int) -> ParsedBatch:
+def parse_batch(body: bytes, *, max_events: int, window: TimeWindow | None = None) -> ParsedBatch:
     """Validate a batch body into row tuples; raises BatchValidationError naming `events[i].field`.
 
     msgspec (collector.fastdecode) is tried first; anything it refuses is judged by the pydantic
     validator (collector.validation), which has the last word and writes the error messages. That one
     counts the events before validating any (`collector.wirescan`) and stops at 20 errors.
+    `window`, given for pushes, bounds every event's `ts`.
     """
     fast = fastdecode.decode(body)
     if fast is not None:
@@ -130,6 +131,8 @@ def parse_batch(body: bytes, *, max_events: int) -> ParsedBatch:
     if count > max_events:
         raise BatchTooLargeError(f"batch has {count} events; the limit is {max_events}")
     instances, runs = _spans(rows)
+    if window is not None and not all(lo in window and hi in window for lo, hi in runs.values()):
+        _reject_time(body, window)
     return ParsedBatch(key, rows, count, instances, runs)
 
 
@@ -163,6 +166,15 @@ def _reject_nul(key: str | None, events: list[dict]) -> None:
 
 
 _NUL_MSG = "NUL characters are not allowed in strings"
+
+
+def _reject_time(body: bytes, window: TimeWindow) -> None:
+    """Name the first event whose `ts` is outside `window` (rows lost the events' order; the error path
+    decodes the valid body once more to find it)."""
+    _, events = validate_wire(body)
+    index = next((i for i, event in enumerate(events) if event["ts"] not in window), None)
+    loc = "events" if index is None else f"events[{index}].ts"
+    raise BatchValidationError([{"loc": loc, "msg": window.message(), "type": "time_window"}])
 
 
 @functools.cache

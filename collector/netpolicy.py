@@ -4,7 +4,8 @@ Whoever may add a scrape target could otherwise make the collector fetch what on
 reach: its own loopback services, a cloud metadata endpoint (credentials), link-local devices. So a
 target's host must resolve only to addresses that are none of loopback, link-local (169.254/16,
 fe80::/10), unspecified (0.0.0.0, ::) or multicast, unless `KVPILOT_SCRAPE_ALLOW_NETS` names a network
-holding them. Cloud metadata endpoints (169.254.169.254, fd00:ec2::254, 100.100.100.200,
+holding them. An IPv6 address that embeds IPv4 addresses (mapped, compatible, NAT64, 6to4, Teredo) is
+judged by those (`embedded_ipv4`). Cloud metadata endpoints (169.254.169.254, fd00:ec2::254, 100.100.100.200,
 metadata.google.internal) are refused even then: nothing kvpilot scrapes lives there.
 
 DNS rebinding: a name that resolved to a public address when the target was created may resolve to
@@ -51,16 +52,49 @@ def system_resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-def _plain(address: Address) -> Address:
-    """IPv4-mapped IPv6 (::ffff:127.0.0.1) is the IPv4 address it maps."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
+_NAT64_WELL_KNOWN = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: the operator picks a prefix length in it
+_LOCAL_PREFIX_LENGTHS = (48, 56, 64, 96)  # RFC 6052 2.2 formats that fit in the /48
 
 
-def address_kind(address: Address) -> str | None:
-    """Why an address is refused by default (None: it is not)."""
-    address = _plain(address)
+def embedded_ipv4(address: Address) -> tuple[ipaddress.IPv4Address, ...]:
+    """The IPv4 addresses an IPv6 address reaches through a transition format; () when it carries none.
+
+    `[::127.0.0.1]` (IPv4-compatible), `[::ffff:127.0.0.1]` (mapped), `[::ffff:0:7f00:1]` (RFC 2765
+    translated), `[64:ff9b::7f00:1]` (NAT64), `[2002:7f00:1::]` (6to4) and a Teredo address's client
+    all lead to 127.0.0.1 on a host or gateway that speaks the format, while the IPv6 address itself
+    is none of loopback, link-local... So the policy judges these by the IPv4 addresses they carry.
+    """
+    if not isinstance(address, ipaddress.IPv6Address):
+        return ()
+    value = int(address)
+    found: list[ipaddress.IPv4Address] = []
+    if address.ipv4_mapped is not None:
+        found.append(address.ipv4_mapped)
+    elif value >> 32 == 0xFFFF_0000 or (value >> 32 == 0 and value > 1):  # translated; compatible (not :: or ::1)
+        found.append(ipaddress.IPv4Address(value & 0xFFFF_FFFF))
+    if address in _NAT64_WELL_KNOWN:
+        found.append(ipaddress.IPv4Address(value & 0xFFFF_FFFF))
+    elif address in _NAT64_LOCAL:
+        packed = address.packed
+        without_u = packed[:8] + packed[9:]  # RFC 6052: bits 64..71 (the "u" octet) hold no address bits
+        # The format is the gateway's configuration, unknown here: every format's address is judged, but
+        # a format whose field is all zeros is not the one in use (unless all are: then it is 0.0.0.0).
+        fields = [packed[12:] if n == 96 else without_u[n // 8 : n // 8 + 4] for n in _LOCAL_PREFIX_LENGTHS]
+        found.extend(ipaddress.IPv4Address(f) for f in fields if any(f) or not any(map(any, fields)))
+    if address.sixtofour is not None:
+        found.append(address.sixtofour)
+    if address.teredo is not None:
+        found.append(address.teredo[1])
+    return tuple(dict.fromkeys(found))
+
+
+def _judged(address: Address) -> tuple[Address, ...]:
+    """The addresses the policy decides on: the IPv4 addresses an IPv6 address embeds, else itself."""
+    return embedded_ipv4(address) or (address,)
+
+
+def _own_kind(address: Address) -> str | None:
     if address in METADATA_ADDRESSES:
         return "cloud metadata"
     if address.is_loopback:
@@ -72,6 +106,14 @@ def address_kind(address: Address) -> str | None:
     if address.is_multicast:
         return "multicast"
     return None
+
+
+def address_kind(address: Address) -> str | None:
+    """Why an address is refused by default (None: it is not); metadata first, as it is never allowed."""
+    kinds = [kind for form in _judged(address) if (kind := _own_kind(form)) is not None]
+    if "cloud metadata" in kinds:
+        return "cloud metadata"
+    return kinds[0] if kinds else None
 
 
 @dataclass(frozen=True)
@@ -95,13 +137,17 @@ class AddressPolicy:
         return cls(tuple(ipaddress.ip_network(n, strict=False) for n in nets), resolve)
 
     def check_address(self, address: Address) -> None:
-        kind = address_kind(address)
-        if kind is None:
-            return
-        if kind == "cloud metadata":
+        """Refuse `address` unless every address it is judged by is harmless or in an allowed network."""
+        if address_kind(address) == "cloud metadata":
             raise AddressRefusedError("the host is a cloud metadata address, which is never scraped")
-        if any(_plain(address) in net for net in self.allow_nets):
+        refused = [
+            kind
+            for form in _judged(address)
+            if (kind := _own_kind(form)) is not None and not any(form in net for net in self.allow_nets)
+        ]
+        if not refused:
             return
+        kind = refused[0]
         article = "an" if kind[0] in "aeiou" else "a"
         raise AddressRefusedError(
             f"the host resolves to {article} {kind} address; allow its network with KVPILOT_SCRAPE_ALLOW_NETS"

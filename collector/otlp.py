@@ -48,7 +48,7 @@ from pydantic import ValidationError
 
 from collector import otlpscan
 from collector.errors import CollectorError
-from collector.validation import validate_event
+from collector.validation import TimeWindow, validate_event
 
 Media = Literal["protobuf", "json"]
 
@@ -215,8 +215,16 @@ def _convert_ids(obj: Any, names: tuple[str, ...]) -> None:
 # --- spans -> request events -------------------------------------------------------------------------
 
 
-def request_events(request: ExportTraceServiceRequest, *, instance_map: dict[str, str], max_spans: int) -> SpanBatch:
-    """The request events of vLLM's `llm_request` spans in `request`; other spans are only counted."""
+def request_events(
+    request: ExportTraceServiceRequest,
+    *,
+    instance_map: dict[str, str],
+    max_spans: int,
+    window: TimeWindow | None = None,
+) -> SpanBatch:
+    """The request events of vLLM's `llm_request` spans in `request`; other spans are only counted.
+
+    `window`, given for pushes, rejects a span whose request ended outside it."""
     total = sum(len(scope.spans) for resource in request.resource_spans for scope in resource.scope_spans)
     if total > max_spans:
         raise TooManySpansError(f"export has {total} spans; the limit is {max_spans}")
@@ -232,7 +240,7 @@ def request_events(request: ExportTraceServiceRequest, *, instance_map: dict[str
                     out.ignored += 1
                     continue
                 try:
-                    span_id, event = _span_event(span, instance, run_id)
+                    span_id, event = _span_event(span, instance, run_id, window)
                 except _SpanRejected as exc:
                     out.rejected += 1
                     out.first_error = out.first_error or f"span {position}: {exc}"
@@ -270,7 +278,9 @@ class _SpanRejected(ValueError):
     """Why one llm_request span cannot be a request row; the text names attributes, never values."""
 
 
-def _span_event(span: Span, instance: str, run_id: str) -> tuple[tuple[str, str], dict[str, Any]]:
+def _span_event(
+    span: Span, instance: str, run_id: str, window: TimeWindow | None
+) -> tuple[tuple[str, str], dict[str, Any]]:
     trace_id, span_id = span.trace_id.hex(), span.span_id.hex()
     if len(trace_id) != 32 or len(span_id) != 16 or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
         raise _SpanRejected("invalid trace_id or span_id")
@@ -293,11 +303,14 @@ def _span_event(span: Span, instance: str, run_id: str) -> tuple[tuple[str, str]
     if any(isinstance(value, str) and "\x00" in value for value in event.values()):
         raise _SpanRejected("NUL characters are not allowed in strings")
     try:
-        return (trace_id, span_id), validate_event(event)
+        event = validate_event(event)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         loc = str(err["loc"][-1]) if err["loc"] else ""
         raise _SpanRejected(f"{_FIELD_ATTRIBUTE.get(loc, loc)}: {err['msg']}") from None
+    if window is not None and event["ts"] not in window:
+        raise _SpanRejected(f"{_FIELD_ATTRIBUTE['ts']}: {window.message()}")
+    return (trace_id, span_id), event
 
 
 def _number(attrs: dict[str, AnyValue], key: str, *, required: bool) -> float | None:

@@ -20,6 +20,8 @@ Overload (`collector.server.admission`): past `max_inflight_requests` pushes in 
 `storage_wait_s` for the database 503; both with `Retry-After`. Cardinality (`collector.claims`):
 an ingest identity owns at most `max_instances_per_identity` instances, creates at most
 `max_new_instances_per_minute` of them, and an instance at most `max_new_runs_per_minute` runs.
+Time: a pushed event's `ts` lies within `raw_retention_days` back and `max_clock_skew_s` ahead
+(`collector.validation.TimeWindow`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class CollectorSettings(BaseSettings):
         (), description="networks scrape targets may resolve to although blocked (loopback, link-local...)"
     )
     health_probe_interval_s: float = Field(5.0, gt=0, description="how often /health's database check runs")
+    storage_min_free_bytes: int = Field(
+        64 * 2**20, ge=0, description="SQLite: /health is 503 with less room than this for the database to grow"
+    )
     sqlite_synchronous: Literal["FULL", "NORMAL", "EXTRA"] = Field(
         "FULL", description="FULL: an acknowledged batch survives power loss, not only a crash"
     )
@@ -87,7 +92,10 @@ class CollectorSettings(BaseSettings):
     scrape_enabled: bool = True
     scrape_default_interval_s: float = Field(15.0, gt=0)
     scrape_timeout_s: float = Field(5.0, gt=0)
-    raw_retention_days: float = Field(7.0, gt=0)
+    raw_retention_days: float = Field(7.0, gt=0, description="also how old a pushed event may be")
+    max_clock_skew_s: float = Field(
+        300.0, ge=0, le=86_400, description="how far ahead of the collector's clock a pushed event may be"
+    )
     downsample_retention_days: float = Field(90.0, gt=0)
     log_level: str = "info"
 

@@ -13,6 +13,9 @@ A model that grows its own validators cannot be mirrored; then the models themse
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import UnionType
 from typing import Annotated, Any, NotRequired, Required, Union, get_args, get_origin
 
@@ -22,6 +25,7 @@ from typing_extensions import TypedDict
 
 from collector.events import EVENT_TYPES, EventBatch, event_adapter
 from collector.schema import EVENT_TABLES
+from collector.settings import CollectorSettings
 from collector.wirescan import BatchShapeError, split_batch
 
 log = logging.getLogger(__name__)
@@ -163,3 +167,38 @@ def validate_event(data: dict[str, Any]) -> dict[str, Any]:
 
 
 _REQUIRED = {kind: len(model.model_fields) - len(DEFAULTS.get(kind, {})) for kind, model in EVENT_TYPES.items()}
+
+
+@dataclass(frozen=True)
+class TimeWindow:
+    """The event times a collector stores: from its raw retention back to a clock skew ahead of now.
+
+    The schema alone takes any positive float, so an event stamped 1970 or 1e308 was stored, and a run
+    stamped 1e308 sorted first in every "latest" list forever. Older than the raw retention, an event
+    would be pruned at the next `kvpilot db prune` anyway; further ahead than the skew, it is a broken
+    clock. The bound depends on now, so it is checked after the (static) schema, at the push boundary.
+    """
+
+    earliest: float
+    latest: float
+
+    @classmethod
+    def for_settings(cls, settings: CollectorSettings, now: float | None = None) -> TimeWindow:
+        now = time.time() if now is None else now
+        return cls(now - settings.raw_retention_days * 86_400.0, now + settings.max_clock_skew_s)
+
+    def __contains__(self, ts: float) -> bool:
+        return self.earliest <= ts <= self.latest
+
+    def message(self) -> str:
+        """Why a time is refused, with the bounds (never the value itself, which may be enormous)."""
+        return (
+            f"must be within the raw retention and the allowed clock skew: {_iso(self.earliest)} .. {_iso(self.latest)}"
+        )
+
+
+def _iso(ts: float) -> str:
+    try:
+        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):  # a retention of millennia: past what a datetime holds
+        return f"{ts:.0f} (epoch seconds)"

@@ -8,7 +8,11 @@ credential); everything else is reading. The rules:
   without a write password configured the dashboard refuses to show anything.
 - Writes always need a signed-in user, one of:
   * `KVPILOT_DASHBOARD_PASSWORD` (12+ characters): a visitor signs in once per session with their name
-    and the password (compared with hmac.compare_digest; repeated failures lock sign-in for a while).
+    and the password (compared with hmac.compare_digest). Repeated failures lock sign-in for that
+    client only, and wrong guesses from all clients together are held to a rate
+    (dashboard/signin_guard.py). A client is its address (`st.context.ip_address`; behind a reverse
+    proxy on this host, the `KVPILOT_DASHBOARD_CLIENT_ADDRESS_HEADER` it sets, trusted on loopback only,
+    as anyone elsewhere could forge it), else its browser session.
     The name is what silences record as their author.
   * `KVPILOT_DASHBOARD_TRUST_PROXY_HEADER=X-Forwarded-User`: a reverse proxy on this host (oauth2-proxy,
     an SSO gateway) authenticated the visitor and names them in that header. Trusted only while the
@@ -24,18 +28,18 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import re
-import threading
-import time
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import streamlit as st
 
 from dashboard import settings as settings_mod
+from dashboard.signin_guard import GuardLimits, SignInGuard
 
 USER_KEY = "kvpilot_user"
-MAX_FAILURES = 5
-LOCKOUT_S = 60.0
+CLIENT_KEY = "kvpilot_client"
+MAX_FAILURES = GuardLimits().per_client
 MAX_NAME = 64
 # What a user name may hold: it is shown (Markdown) and stored as a silence's author.
 USER_NAME = re.compile(r"[\w][\w .@+-]{0,63}")
@@ -108,44 +112,61 @@ def access(cfg: settings_mod.DashboardSettings | None = None) -> Access:
     return Access(mode, loopback, user)
 
 
-class _Failures:
-    """Failed sign-ins of the whole process: past MAX_FAILURES in LOCKOUT_S, sign-in waits (no guessing)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.times: list[float] = []
-
-    def locked_for(self, now: float) -> float:
-        with self.lock:
-            self.times = [t for t in self.times if now - t < LOCKOUT_S]
-            if len(self.times) < MAX_FAILURES:
-                return 0.0
-            return LOCKOUT_S - (now - self.times[0])
-
-    def add(self, now: float) -> None:
-        with self.lock:
-            self.times.append(now)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.times.clear()
+FAILURES = SignInGuard()
 
 
-FAILURES = _Failures()
+def client_address() -> str | None:
+    """The peer's address as Streamlit saw it (None for a loopback peer, or outside a session)."""
+    try:
+        return st.context.ip_address
+    except Exception:  # outside a session (bare mode)
+        return None
 
 
-def check_password(cfg: settings_mod.DashboardSettings, name: str, password: str, *, now: float) -> str:
-    """The signed-in name, or ValueError saying why not. Constant-time comparison of the password."""
+def _client_of(address: str) -> str | None:
+    """An address as a client: IPv6 by its /64 (one host holds all of it), None if not an address."""
+    try:
+        ip = ipaddress.ip_address(address.strip().strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return f"address {ip.ipv4_mapped}"
+        return f"address {ipaddress.ip_network(f'{ip}/64', strict=False)}"
+    return f"address {ip}"
+
+
+def client_key(cfg: settings_mod.DashboardSettings) -> str:
+    """Whom a wrong password counts against: the client's address, else this browser session.
+
+    The proxy's header is read only while the dashboard listens on loopback: there only that proxy
+    reaches it; elsewhere a visitor could name any address in it and never be locked."""
+    if cfg.client_address_header and is_loopback(bind_address()):
+        hops = (request_headers().get(cfg.client_address_header) or "").split(",")
+        forwarded = _client_of(hops[-1])  # what the proxy on this host appended
+        if forwarded is not None:
+            return forwarded
+    address = client_address()
+    client = _client_of(address) if address else None
+    if client is not None:
+        return client
+    if CLIENT_KEY not in st.session_state:
+        st.session_state[CLIENT_KEY] = secrets.token_hex(8)
+    return f"session {st.session_state[CLIENT_KEY]}"
+
+
+def check_password(cfg: settings_mod.DashboardSettings, name: str, password: str, *, client: str) -> str:
+    """The signed-in name, or ValueError saying why not. Constant-time comparison of the password;
+    wrong ones count against `client` (and all clients together, `FAILURES`)."""
     if cfg.password is None:
         raise ValueError("sign-in is not configured (KVPILOT_DASHBOARD_PASSWORD)")
-    wait = FAILURES.locked_for(now)
-    if wait > 0:
-        raise ValueError(f"too many failed sign-ins; try again in {wait:.0f} s")
+    FAILURES.before_check(client)  # SignInRefused is a ValueError saying how long to wait
     name = name.strip()
     good = hmac.compare_digest(password.encode(), cfg.password.get_secret_value().encode())
     if not good:
-        FAILURES.add(now)
+        FAILURES.failed(client)
         raise ValueError("wrong password")
+    FAILURES.succeeded(client)
     if not USER_NAME.fullmatch(name):
         raise ValueError(
             f"give your name (1 to {MAX_NAME} letters, digits, spaces or . @ + -): silences record who created them"
@@ -160,7 +181,7 @@ def sign_in_form(cfg: settings_mod.DashboardSettings, *, where: st.delta_generat
         password = st.text_input("Password", type="password", key="auth_password")
         if st.form_submit_button("Sign in", icon=":material/login:"):
             try:
-                st.session_state[USER_KEY] = check_password(cfg, name, password, now=time.time())
+                st.session_state[USER_KEY] = check_password(cfg, name, password, client=client_key(cfg))
             except ValueError as exc:
                 st.error(f"Not signed in: {exc}.")
             else:

@@ -3,8 +3,10 @@
 Everything here comes from the operator's environment, never from a visitor: the engines whose running
 config the Tuning page reads (`KVPILOT_DASHBOARD_ENGINES=name=url,...`, the admin token from
 `KVPILOT_ADMIN_TOKEN`), the write credential (`KVPILOT_DASHBOARD_PASSWORD`, or a trusted reverse-proxy
-header named by `KVPILOT_DASHBOARD_TRUST_PROXY_HEADER`) and the alert rule files the Alerts page lists
-(`KVPILOT_DASHBOARD_RULE_FILES`, default: the built-in rules). See dashboard/auth.py for how they are used.
+header named by `KVPILOT_DASHBOARD_TRUST_PROXY_HEADER`), the header in which such a proxy passes the
+client's address (`KVPILOT_DASHBOARD_CLIENT_ADDRESS_HEADER`, for sign-in lockouts) and the alert rule
+files the Alerts page lists (`KVPILOT_DASHBOARD_RULE_FILES`, default: the built-in rules). See
+dashboard/auth.py for how they are used.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -67,15 +69,20 @@ class DashboardSettings(BaseSettings):
     trust_proxy_header: str | None = Field(
         None, description="header with the user a reverse proxy on this host authenticated (X-Forwarded-User)"
     )
+    client_address_header: str | None = Field(
+        None, description="header with the client's address a reverse proxy on this host sets (X-Forwarded-For)"
+    )
     rule_files: str = Field("", description="alert rule files to list (comma-separated); default built-in")
 
-    @field_validator("trust_proxy_header")
+    @field_validator("trust_proxy_header", "client_address_header")
     @classmethod
-    def _header(cls, value: str | None) -> str | None:
+    def _header(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None or not value.strip():
             return None
         if not HEADER_NAME.match(value.strip()):
-            raise ValueError("KVPILOT_DASHBOARD_TRUST_PROXY_HEADER must be a header name such as X-Forwarded-User")
+            raise ValueError(
+                f"KVPILOT_DASHBOARD_{str(info.field_name).upper()} must be a header name such as X-Forwarded-User"
+            )
         return value.strip()
 
     @field_validator("password")

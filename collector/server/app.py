@@ -73,7 +73,9 @@ def create_app(
             admission=Admission(settings, registry),
             windows=ClaimWindows(limits),
             policy=policy,
-            health=health_routes.HealthProbe(probe_db, interval_s=settings.health_probe_interval_s),
+            health=health_routes.HealthProbe(
+                probe_db, interval_s=settings.health_probe_interval_s, min_free_bytes=settings.storage_min_free_bytes
+            ),
         )
         state.health.start()
         scrape = settings.scrape_enabled if start_scraper is None else start_scraper

@@ -1,8 +1,10 @@
 """/health and /metrics. /health is public (load balancers); /metrics too unless KVPILOT_PUBLIC_METRICS=false.
 
 /health must answer fast under any load, so it never touches the database itself: `HealthProbe` checks
-the database (reachable, at the code's schema head) in a thread of its own every few seconds on a
-connection of its own, and /health reports the last result: 503 when it failed or is overdue.
+the database (reachable, at the code's schema head, taking writes with room to grow:
+`collector.storage_check`) in a thread of its own every few seconds on a connection of its own, and
+/health reports the last result: 503 when it failed or is overdue, so a load balancer stops sending
+pushes that could not be stored.
 Both handlers are `async` so that neither waits for a worker thread behind ingest.
 """
 
@@ -21,6 +23,7 @@ from collector.db import current_revision, head_revision
 from collector.errors import CollectorError
 from collector.server.deps import Credentials, StateDep, require_reader
 from collector.server.errors import Rejected
+from collector.storage_check import storage_problem
 
 log = logging.getLogger("kvpilot.collector")
 
@@ -30,9 +33,17 @@ router = APIRouter()
 class HealthProbe:
     """The database check behind /health, run off the request path; `status()` is a read of its result."""
 
-    def __init__(self, engine: Engine, *, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        interval_s: float,
+        min_free_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine = engine
         self.interval_s = interval_s
+        self.min_free_bytes = min_free_bytes
         self.clock = clock
         self.overdue_s = max(3 * interval_s, 15.0)
         self.head = head_revision()
@@ -51,7 +62,11 @@ class HealthProbe:
         if current != self.head:
             self._failure = ("schema_outdated", f"database at revision {current}, not head {self.head}")
             return
-        self._failure = None
+        self._failure = storage_problem(
+            self.engine, min_free_bytes=self.min_free_bytes, lock_wait_s=self.interval_s / 2
+        )
+        if self._failure is not None:
+            return
         self._ok_at = self.clock()
 
     def status(self) -> tuple[str, str] | None:
@@ -68,6 +83,7 @@ class HealthProbe:
             self.check_once()
 
     def start(self) -> None:
+        self.check_once()  # the lifespan checked the schema; a read-only or full database is refused from the start
         self._thread = threading.Thread(target=self._loop, name="kvpilot-health", daemon=True)
         self._thread.start()
 
@@ -79,7 +95,8 @@ class HealthProbe:
 
 @router.get("/health")
 async def health(state: StateDep) -> dict[str, str]:
-    """Liveness plus the last database check (503 when the database is unreachable or not at head)."""
+    """Liveness plus the last database check (503 when the database is unreachable, not at head, refuses
+    writes or has no room left)."""
     failure = state.health.status()
     if failure is not None:
         raise Rejected(503, *failure)

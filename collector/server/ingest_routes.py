@@ -23,6 +23,7 @@ from collector.ingest import IngestResult, find_duplicate, parse_batch, store_ba
 from collector.server.admission import Ticket, client_gone, read_body
 from collector.server.deps import CollectorState, IngestIdentity, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, Rejected
+from collector.validation import TimeWindow
 
 log = logging.getLogger("kvpilot.collector")
 
@@ -65,7 +66,8 @@ def ingest_sync(state: CollectorState, body: bytes, key: str | None, claims: Cla
     receiving the next bodies meanwhile.
     """
     with state.ingest_lock:
-        batch = parse_batch(body, max_events=state.settings.max_batch_events)
+        window = TimeWindow.for_settings(state.settings)
+        batch = parse_batch(body, max_events=state.settings.max_batch_events, window=window)
         return store_batch(state.engine, batch, idempotency_key=key, content=body, claims=claims)
 
 

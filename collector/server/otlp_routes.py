@@ -27,6 +27,7 @@ from collector.ingest import IngestResult, batch_from_events, store_batch
 from collector.server.admission import Ticket, client_gone, read_body
 from collector.server.deps import CollectorState, IngestIdentity, IngestMetrics, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, Rejected
+from collector.validation import TimeWindow
 
 log = logging.getLogger("kvpilot.collector")
 
@@ -78,7 +79,12 @@ def export_sync(
     settings = state.settings
     with state.ingest_lock:
         request = otlp.parse_request(body, media, max_spans=settings.otlp_max_spans)
-        spans = otlp.request_events(request, instance_map=settings.otlp_instance_map, max_spans=settings.otlp_max_spans)
+        spans = otlp.request_events(
+            request,
+            instance_map=settings.otlp_instance_map,
+            max_spans=settings.otlp_max_spans,
+            window=TimeWindow.for_settings(settings),
+        )
         if not spans.events:
             return spans, None
         batch = batch_from_events(spans.events, max_events=settings.otlp_max_spans, span_ids=spans.span_ids)

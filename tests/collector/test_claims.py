@@ -40,7 +40,9 @@ def counts(engine: Engine) -> dict[str, int]:
 
 @pytest.fixture
 def settings(sqlite_url: str) -> CollectorSettings:
-    return CollectorSettings(db_url=sqlite_url, ingest_token=TOKEN, scrape_enabled=False)
+    return CollectorSettings(
+        db_url=sqlite_url, ingest_token=TOKEN, scrape_enabled=False, raw_retention_days=ev.REPLAY_RETENTION_DAYS
+    )
 
 
 def client_for(settings: CollectorSettings, **update: object) -> TestClient:

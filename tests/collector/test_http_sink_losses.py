@@ -19,6 +19,7 @@ from collector.events import RequestEvent, SampleEvent
 from collector.server import CollectorHandle, free_port, run_in_thread
 from collector.settings import CollectorSettings
 from engine.http_sink import HttpSink
+from tests.collector import evfactory as ev
 
 TOKEN = "right-token"
 T0 = 1_760_000_000.0
@@ -45,7 +46,9 @@ def request(i: int) -> RequestEvent:
 
 
 def start_collector(db_url: str, port: int) -> CollectorHandle:
-    settings = CollectorSettings(db_url=db_url, ingest_token=TOKEN, port=port, scrape_enabled=False)
+    settings = CollectorSettings(
+        db_url=db_url, ingest_token=TOKEN, port=port, scrape_enabled=False, raw_retention_days=ev.REPLAY_RETENTION_DAYS
+    )
     return run_in_thread(settings.model_copy(update={"log_level": "warning"}))
 
 

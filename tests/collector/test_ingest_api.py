@@ -29,6 +29,7 @@ def settings(sqlite_url: str) -> CollectorSettings:
         max_batch_bytes=64 * 1024,
         max_decompressed_bytes=256 * 1024,
         max_batch_events=500,
+        raw_retention_days=ev.REPLAY_RETENTION_DAYS,
     )
 
 

@@ -17,6 +17,7 @@ from schemathesis import GenerationMode
 
 from collector.server import create_app, run_in_thread
 from collector.settings import CollectorSettings
+from tests.collector import evfactory as ev
 
 TOKEN = "fuzz-token"
 RAW_SCHEMA = create_app(CollectorSettings(scrape_enabled=False)).openapi()
@@ -39,7 +40,12 @@ def collector_url(_sqlite_template: Path, tmp_path_factory: pytest.TempPathFacto
     shutil.copyfile(_sqlite_template, path)
     handle = run_in_thread(
         CollectorSettings(
-            db_url=f"sqlite:///{path}", ingest_token=TOKEN, port=0, scrape_enabled=False, log_level="warning"
+            db_url=f"sqlite:///{path}",
+            ingest_token=TOKEN,
+            port=0,
+            scrape_enabled=False,
+            log_level="warning",
+            raw_retention_days=ev.REPLAY_RETENTION_DAYS,
         )
     )
     yield handle.url

@@ -40,6 +40,7 @@ from collector.retention import DAY, prune
 from collector.schema import IngestBatch, Instance, OtlpSpan, RequestRow, Run
 from collector.server import create_app, otlp_routes, run_in_thread
 from collector.settings import CollectorSettings
+from tests.collector import evfactory as ev
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -59,6 +60,7 @@ def settings(db_url: str) -> CollectorSettings:
         max_decompressed_bytes=256 * 1024,
         otlp_max_spans=50,
         otlp_instance_map={"mapped-vllm": "vllm-a100-1"},
+        raw_retention_days=ev.REPLAY_RETENTION_DAYS,
     )
 
 

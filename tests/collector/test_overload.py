@@ -65,7 +65,13 @@ def serve(sqlite_url: str) -> Iterator[Callable[..., CollectorHandle]]:
 
     def start(**overrides: Any) -> CollectorHandle:
         settings = CollectorSettings(
-            db_url=sqlite_url, ingest_token=TOKEN, port=0, scrape_enabled=False, log_level="warning", **overrides
+            db_url=sqlite_url,
+            ingest_token=TOKEN,
+            port=0,
+            scrape_enabled=False,
+            log_level="warning",
+            raw_retention_days=ev.REPLAY_RETENTION_DAYS,
+            **overrides,
         )
         handles.append(run_in_thread(settings))
         return handles[-1]

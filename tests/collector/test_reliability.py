@@ -24,7 +24,14 @@ TOKEN = "reliable"
 
 
 def _settings(url: str, port: int) -> CollectorSettings:
-    return CollectorSettings(db_url=url, ingest_token=TOKEN, port=port, scrape_enabled=False, log_level="warning")
+    return CollectorSettings(
+        db_url=url,
+        ingest_token=TOKEN,
+        port=port,
+        scrape_enabled=False,
+        log_level="warning",
+        raw_retention_days=ev.REPLAY_RETENTION_DAYS,
+    )
 
 
 def _send_until_acked(client: httpx.Client, url: str, key: str, body: bytes, deadline: float) -> int:

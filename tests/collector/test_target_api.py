@@ -28,6 +28,7 @@ def settings(sqlite_url: str) -> CollectorSettings:
         admin_token=ADMIN_TOKEN,
         scrape_enabled=False,
         scrape_allow_nets=LOOPBACK_ALLOWED,  # type: ignore[arg-type]
+        raw_retention_days=ev.REPLAY_RETENTION_DAYS,
     )
 
 

@@ -32,6 +32,7 @@ def _loopback(monkeypatch: pytest.MonkeyPatch) -> None:
         "KVPILOT_ADMIN_TOKEN",
         "KVPILOT_DASHBOARD_PASSWORD",
         "KVPILOT_DASHBOARD_TRUST_PROXY_HEADER",
+        "KVPILOT_DASHBOARD_CLIENT_ADDRESS_HEADER",
         "KVPILOT_DASHBOARD_RULE_FILES",
     ):
         monkeypatch.delenv(name, raising=False)

@@ -236,10 +236,10 @@ def test_streamlit_run_from_anywhere_listens_on_loopback(tmp_path: Path) -> None
 def test_user_names_are_plain_text(monkeypatch) -> None:
     monkeypatch.setenv("KVPILOT_DASHBOARD_PASSWORD", PASSWORD)
     cfg = settings.load()
-    assert auth.check_password(cfg, " Jean-Luc ", PASSWORD, now=0.0) == "Jean-Luc"
+    assert auth.check_password(cfg, " Jean-Luc ", PASSWORD, client="test") == "Jean-Luc"
     for name in ("", "![x](http://evil/t.png)", "a\nb", "x" * 65):
         with pytest.raises(ValueError, match="give your name"):
-            auth.check_password(cfg, name, PASSWORD, now=0.0)
+            auth.check_password(cfg, name, PASSWORD, client="test")
     monkeypatch.setenv("KVPILOT_DASHBOARD_TRUST_PROXY_HEADER", "X-Forwarded-User")
     monkeypatch.setattr(auth, "request_headers", lambda: {"X-Forwarded-User": "[me](javascript:alert(1))"})
     assert auth._proxy_user(settings.load()) is None
