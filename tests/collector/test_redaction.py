@@ -26,7 +26,10 @@ SECRETS = ("hunter2", "tok-123", "sig-456")
     ("url", "shown"),
     [
         ("http://user:hunter2@h:9/metrics?token=tok-123&x=1", "http://***@h:9/metrics?token=***&x=1"),
-        ("https://h/m?api_key=a&X-Amz-Signature=b&Password=c&q", "https://h/m?api_key=***&X-Amz-Signature=***&Password=***&q"),
+        (
+            "https://h/m?api_key=a&X-Amz-Signature=b&Password=c&q",
+            "https://h/m?api_key=***&X-Amz-Signature=***&Password=***&q",
+        ),
         ("https://h/m#access_token=zz", "https://h/m#access_token=***"),
         ("http://[::1]:8000/metrics?page=2", "http://[::1]:8000/metrics?page=2"),  # nothing secret: unchanged
         ("http://127.0.0.1:8000/metrics", "http://127.0.0.1:8000/metrics"),
@@ -38,7 +41,10 @@ def test_redact_url(url: str, shown: str) -> None:
 
 def test_redact_text_finds_every_url() -> None:
     line = 'HTTP Request: GET http://u:hunter2@10.0.0.5:9/m?token=tok-123 "HTTP/1.1 200 OK" (from http://a:b@c/)'
-    assert redact_text(line) == 'HTTP Request: GET http://***@10.0.0.5:9/m?token=*** "HTTP/1.1 200 OK" (from http://***@c/)'
+    assert (
+        redact_text(line)
+        == 'HTTP Request: GET http://***@10.0.0.5:9/m?token=*** "HTTP/1.1 200 OK" (from http://***@c/)'
+    )
 
 
 class _Exporter(http.server.BaseHTTPRequestHandler):
