@@ -97,24 +97,27 @@ class IdentityStore:
         """Re-read the file if it changed. `strict` (startup): a broken file raises instead of being logged."""
         file = self._file
         if self.path is not None:
+            problem: tokens.TokensFileError | None = None
             try:
                 st = os.stat(self.path)
                 stamp: tuple[int, ...] | None = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             except FileNotFoundError:
                 stamp = None
             except OSError as exc:
-                self._failed(tokens.TokensFileError(f"tokens file {self.path}: {exc.strerror or exc}"), strict)
-                return
+                stamp = (-1, exc.errno or 0)
+                problem = tokens.TokensFileError(f"tokens file {self.path}: {exc.strerror or exc}")
             if stamp == self._stamp and not force:
                 return
+            self._stamp = stamp  # a broken file is reported once, not on every request, until it changes
             try:
+                if problem is not None:
+                    raise problem
                 file = tokens.load(self.path)
             except tokens.TokensFileError as exc:
                 self._failed(exc, strict)
                 return
             if not force:
                 log.info("tokens file %s reloaded: %d identities", self.path, len(file.identities))
-            self._stamp = stamp
             self.reloads.labels("ok").inc()
         self._file = file
         self._keys = self._build(file)
@@ -127,10 +130,6 @@ class IdentityStore:
         if strict:
             raise exc
         log.error("%s; the identities loaded before stay in force", exc)
-
-    def refresh(self) -> None:
-        with self._lock:
-            self._refresh(force=True)
 
     # --- the questions the server asks ------------------------------------------------------------------
 

@@ -77,8 +77,13 @@ def test_a_broken_file_is_refused_at_start_and_ignored_on_reload(file: Path, sql
     store = IdentityStore(tokens_file=file, registry=registry)
     assert store.authenticate(secret).name == "engine-a"  # type: ignore[union-attr]
     file.write_text('{"version": 1, "identities": {"bad:name": {"roles": ["ingest"]}}}')
-    assert store.authenticate(secret).name == "engine-a"  # type: ignore[union-attr]  # the last good file holds
+    for _ in range(3):  # the last good file holds; the broken one is reported once, not per request
+        assert store.authenticate(secret).name == "engine-a"  # type: ignore[union-attr]
     assert registry.get_sample_value("kvpilot_collector_tokens_reloads_total", {"result": "failed"}) == 1.0
+    file.write_text('{"version": 1, "identities": {}}')  # fixed (here: every identity removed)
+    assert store.authenticate(secret) is None
+    assert registry.get_sample_value("kvpilot_collector_tokens_reloads_total", {"result": "ok"}) == 2.0
+    file.write_text('{"version": 1, "identities": {"bad:name": {"roles": ["ingest"]}}}')
     with pytest.raises(tokens.TokensFileError, match=r"identities\.bad:name"):
         IdentityStore(tokens_file=file)
     with pytest.raises(CollectorError, match="tokens file"):
