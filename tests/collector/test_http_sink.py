@@ -255,6 +255,25 @@ def test_from_config() -> None:
     s.close(timeout_s=0.2)
 
 
+def test_token_file_from_config(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from engine.config import TelemetryConfig
+
+    token = tmp_path / "token"
+    with pytest.raises(ValidationError, match="not both"):
+        TelemetryConfig(collector_token="a", collector_token_file=str(token))
+    cfg = TelemetryConfig(
+        sink="http", collector_url="http://127.0.0.1:1", spool_dir=None, collector_token_file=f"{token}"
+    )
+    with pytest.raises(ValueError, match="missing, unreadable or empty"):
+        HttpSink.from_config(cfg)
+    token.write_text("kvp_abc\n")
+    s = HttpSink.from_config(cfg)
+    assert s._token.current() == "kvp_abc"
+    s.close(timeout_s=0.2)
+
+
 def test_one_sink_per_spool_directory(fake: FakeCollector, tmp_path: Path) -> None:
     from engine.http_sink import SpoolLockedError
 
