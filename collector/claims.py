@@ -1,16 +1,19 @@
 """Who owns an instance name, and how many new instances and runs a pusher may create (cardinality).
 
 Owner: whoever claimed the name first, kept in `instance_owners`. A push claims the instances it names
-for its ingest identity (`token_identity`: a fingerprint of the bearer token, never the token; or
-`anonymous` on a collector without one); a scrape target claims its instance as `target:<id>`. Then:
-- a push may not write into an instance owned by another ingest identity (409);
-- a target may not take an instance owned by another target, or pushed under an identity other than
-  the collector's own ingest identity (409, `collector.server.target_routes`);
+for its identity's name (`collector.identities`: a name outlives its secrets, so rotating a token keeps
+the instances); a scrape target claims its instance as `target:<id>`. Then:
+- a push may not write into an instance owned by another identity (409; `collector.owners.reassign`
+  is the admin's way to move instances, `kvpilot collector tokens reassign`);
+- a target may not take an instance owned by another target, or pushed by an identity the admin may not
+  pair it with (409, `collector.server.target_routes`);
 - a push may write into an instance a target owns: an engine that is also scraped (vLLM: spans and
   iteration lines pushed, /metrics scraped) is one instance, paired by whoever administers targets.
 
 Cardinality: an identity owns at most `max_instances` instances; it may claim at most
-`new_instances_per_minute` of them per minute, and an instance gain at most `new_runs_per_minute` runs.
+`new_instances_per_minute` of them per minute, an instance gain at most `new_runs_per_minute` runs, and
+all the instances of one identity together at most `new_runs_per_minute_per_identity` runs (else 100
+instances times 100 runs each would pass).
 A batch past a bound is refused whole (the check runs inside the batch's transaction, before any row is
 written): 429 with Retry-After when waiting helps, 422 when it cannot (the batch alone is past it).
 The per-minute windows are this process's (several collectors each allow as much); the totals are the
@@ -19,11 +22,10 @@ database's.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, func, select, tuple_
@@ -32,18 +34,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from collector.errors import CollectorError
 from collector.schema import InstanceOwner, Run, ScrapeTarget
 
-ANONYMOUS = "anonymous"
 TARGET_PREFIX = "target:"
 _OWNERS = InstanceOwner.__table__
 _RUNS = Run.__table__
 _CHUNK = 400  # keys per IN list: far below SQLite's and PostgreSQL's parameter limits
-
-
-def token_identity(token: str | None) -> str:
-    """The identity a bearer token acts as: stored and logged instead of the token itself."""
-    if token is None:
-        return ANONYMOUS
-    return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 def target_owner(target_id: int) -> str:
@@ -73,6 +67,7 @@ class CardinalityLimits:
     max_instances: int = 1000
     new_instances_per_minute: int = 200
     new_runs_per_minute: int = 100
+    new_runs_per_minute_per_identity: int = 1000
     window_s: float = 60.0
 
 
@@ -128,10 +123,12 @@ class ClaimWindows:
     clock: Callable[[], float] = time.monotonic
     instances: RateWindow = field(init=False)
     runs: RateWindow = field(init=False)
+    identity_runs: RateWindow = field(init=False)
 
     def __post_init__(self) -> None:
         self.instances = RateWindow(self.limits.window_s, self.clock)
         self.runs = RateWindow(self.limits.window_s, self.clock)
+        self.identity_runs = RateWindow(self.limits.window_s, self.clock)
 
 
 @dataclass(frozen=True)
@@ -169,6 +166,8 @@ class Claims:
         new_runs = Counter(instance for instance, run_id in runs - _existing_runs(conn, runs))
         for instance, n in sorted(new_runs.items()):
             self._check_new_runs(instance, n)
+        if new_runs:
+            self._check_identity_runs(sum(new_runs.values()))
         if new_instances:
             _insert_owners(conn, new_instances, self.identity, now)
             self._refuse_foreign(_owners(conn, new_instances), new_instances)  # a concurrent claim won
@@ -178,13 +177,15 @@ class Claims:
         self.windows.instances.add(pending.identity, pending.new_instances)
         for instance, n in pending.new_runs.items():
             self.windows.runs.add(instance, n)
+        self.windows.identity_runs.add(pending.identity, sum(pending.new_runs.values()))
 
     def _refuse_foreign(self, owners: dict[str, str], instances: Iterable[str]) -> None:
         for instance in instances:
             owner = owners.get(instance)
             if owner is not None and owner != self.identity and not owner.startswith(TARGET_PREFIX):
                 raise InstanceOwnedError(
-                    f"instance {instance!r} belongs to another ingest identity; pick another instance name",
+                    f"instance {instance!r} belongs to another identity; pick another instance name, or have an"
+                    " admin move it (kvpilot collector tokens reassign)",
                     loc="events[].instance",
                 )
 
@@ -233,6 +234,24 @@ class Claims:
                 retry_after_s=window.retry_after(instance, n, per_minute),
             )
 
+    def _check_identity_runs(self, n: int) -> None:
+        per_minute = self.windows.limits.new_runs_per_minute_per_identity
+        if n > per_minute:
+            raise CardinalityError(
+                f"the batch starts {n} new runs; an identity may start at most {per_minute} a minute",
+                loc="events[].run_id",
+                reason="new_runs_rate",
+            )
+        window = self.windows.identity_runs
+        if window.count(self.identity) + n > per_minute:
+            raise CardinalityError(
+                f"this identity may start at most {per_minute} new runs a minute across its instances"
+                " (KVPILOT_MAX_NEW_RUNS_PER_MINUTE_PER_IDENTITY)",
+                loc="events[].run_id",
+                reason="new_runs_rate",
+                retry_after_s=window.retry_after(self.identity, n, per_minute),
+            )
+
 
 def _owners(conn: Connection, instances: list[str]) -> dict[str, str]:
     found: dict[str, str] = {}
@@ -259,9 +278,9 @@ def _insert_owners(conn: Connection, instances: list[str], owner: str, now: floa
     conn.execute(stmt, [{"instance": i, "owner": owner, "claimed_at": now} for i in instances])
 
 
-def claim_for_target(conn: Connection, *, instance: str, target_id: int, ingest_identity: str, now: float) -> None:
-    """Claim `instance` for a new target, or refuse: owned by another target, or pushed under an identity
-    other than the collector's own ingest identity (the one its engines push with)."""
+def claim_for_target(conn: Connection, *, instance: str, target_id: int, pushers: Collection[str], now: float) -> None:
+    """Claim `instance` for a new target, or refuse: owned by another target, or pushed by an identity not
+    in `pushers` (those whose instances the one creating the target may pair with a scrape)."""
     targets = ScrapeTarget.__table__
     other = conn.execute(
         select(targets.c.id).where(targets.c.instance == instance, targets.c.id != target_id).limit(1)
@@ -278,9 +297,11 @@ def claim_for_target(conn: Connection, *, instance: str, target_id: int, ingest_
         raise InstanceOwnedError(
             f"instance {instance!r} is already scraped by target {owner.removeprefix(TARGET_PREFIX)}", loc="instance"
         )
-    if owner != ingest_identity:
+    if owner not in pushers:
         raise InstanceOwnedError(
-            f"instance {instance!r} is pushed by an engine under another ingest identity", loc="instance"
+            f"instance {instance!r} is pushed by an engine under another identity ({owner}); an admin may move it"
+            " first (kvpilot collector tokens reassign)",
+            loc="instance",
         )
 
 

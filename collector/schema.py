@@ -56,8 +56,9 @@ class Instance(Base):
 
 
 class InstanceOwner(Base):
-    """Who first claimed an instance name (`collector.claims`): a push identity (`token:<fingerprint>` of
-    the ingest token, or `anonymous`) or a scrape target (`target:<id>`). Nobody else may take it over."""
+    """Who first claimed an instance name (`collector.claims`): a push identity's name (`collector.identities`;
+    `token:<fingerprint>` from before names, until adopted or reassigned) or a scrape target (`target:<id>`).
+    Nobody else may take it over; an admin may move it (`collector.owners.reassign`)."""
 
     __tablename__ = "instance_owners"
 

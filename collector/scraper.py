@@ -48,6 +48,7 @@ from collector.errors import CollectorError
 from collector.exposition import Point, labels_json, map_samples
 from collector.ingest import upsert_statement
 from collector.netpolicy import AddressPolicy, AddressRefusedError, ResolutionError
+from collector.redact import redact_text, redact_url
 from collector.schema import ScrapeTarget, SeriesPoint
 from collector.scrapebody import BOUNDS, BoundedBody, ScrapeError
 
@@ -214,7 +215,7 @@ def _target_labels(target: ScrapeTarget) -> dict[str, str]:
     except ValueError:
         labels = None
     if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
-        log.warning("scrape target %s has malformed labels %r; ignored", target.url, target.labels)
+        log.warning("scrape target %s has malformed labels %r; ignored", redact_url(target.url), target.labels)
         return {}
     return labels
 
@@ -334,11 +335,11 @@ class Scraper:
                 .values(up=up, last_error=health_error, last_scrape_at=started, scrape_duration_s=duration)
             )
         if error:
-            log.warning("scrape of %s failed: %s", target.url, detail)
+            log.warning("scrape of %s failed: %s", redact_url(target.url), redact_text(detail or ""))
         elif n_dropped:
             log.warning(
                 "scrape of %s (instance %s): dropped %d of %d series, sample_limit %d: %s",
-                target.url,
+                redact_url(target.url),
                 target.instance,
                 n_dropped,
                 bounded.offered,
@@ -350,7 +351,8 @@ class Scraper:
             self.metrics.points.inc(len(bounded.series))
             for reason, n in bounded.dropped.items():
                 self.metrics.series_dropped.labels(reason).inc(n)
-        return ScrapeOutcome(target.id, target.url, up, len(bounded.series), duration, error, bounded.dropped)
+        shown = redact_url(target.url)
+        return ScrapeOutcome(target.id, shown, up, len(bounded.series), duration, error, bounded.dropped)
 
     # --- scheduling --------------------------------------------------------------------------------
 
@@ -384,7 +386,7 @@ class Scraper:
         try:
             self.scrape(target)
         except CollectorError as exc:
-            log.error("storing the scrape of %s failed: %s", target.url, exc)
+            log.error("storing the scrape of %s failed: %s", redact_url(target.url), exc)
         finally:
             with self._lock:
                 self._in_flight.discard(target.id)

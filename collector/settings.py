@@ -10,7 +10,9 @@ their `service.name`; see `collector.otlp` for the whole rule.
 Trust (DESIGN.md, Trust boundaries): engines hold `KVPILOT_INGEST_TOKEN` and may push (/v1/ingest,
 /v1/traces) and list targets, nothing else. Target administration (POST/DELETE /v1/targets) needs
 `KVPILOT_ADMIN_TOKEN`; without one it is refused, unless `KVPILOT_DEV_MODE=true` on a loopback-only
-collector. A non-loopback bind without an ingest token, or in dev mode, is refused at startup.
+collector. A non-loopback bind without an ingest token (or tokens file), or in dev mode, is refused at
+startup. `KVPILOT_TOKENS_FILE` names the file of named identities (`collector.tokens`: roles, hashed
+secrets, rotation); the two tokens above act as the identities `ingest` and `admin` (`collector.identities`).
 Scrape targets may not resolve to loopback, link-local, unspecified or multicast addresses unless
 `KVPILOT_SCRAPE_ALLOW_NETS` (comma-separated networks, e.g. `127.0.0.0/8,::1/128`) names them; cloud
 metadata addresses are refused always (`collector.netpolicy`).
@@ -19,7 +21,8 @@ Overload (`collector.server.admission`): past `max_inflight_requests` pushes in 
 `max_inflight_bytes` of bodies (wire plus inflated) held, a push is answered 429; one that waited
 `storage_wait_s` for the database 503; both with `Retry-After`. Cardinality (`collector.claims`):
 an ingest identity owns at most `max_instances_per_identity` instances, creates at most
-`max_new_instances_per_minute` of them, and an instance at most `max_new_runs_per_minute` runs.
+`max_new_instances_per_minute` of them and `max_new_runs_per_minute_per_identity` runs, and an instance
+at most `max_new_runs_per_minute` runs.
 Time: a pushed event's `ts` lies within `raw_retention_days` back and `max_clock_skew_s` ahead
 (`collector.validation.TimeWindow`).
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -48,6 +52,9 @@ class CollectorSettings(BaseSettings):
     )
     admin_token: str | None = Field(
         None, description="bearer token for target administration (POST/DELETE /v1/targets); without it, refused"
+    )
+    tokens_file: Path | None = Field(
+        None, description="named identities (kvpilot collector tokens): roles and hashed secrets, re-read on change"
     )
     dev_mode: bool = Field(
         False, description="loopback only: target administration without an admin token (the ingest token, if set)"
@@ -75,6 +82,9 @@ class CollectorSettings(BaseSettings):
     max_instances_per_identity: int = Field(1000, ge=1, description="instances one ingest identity may own")
     max_new_instances_per_minute: int = Field(200, ge=1, description="new instances per ingest identity per minute")
     max_new_runs_per_minute: int = Field(100, ge=1, description="new runs per instance per minute")
+    max_new_runs_per_minute_per_identity: int = Field(
+        1000, ge=1, description="new runs per ingest identity per minute, all its instances together"
+    )
     scrape_allow_nets: Annotated[tuple[Network, ...], NoDecode] = Field(
         (), description="networks scrape targets may resolve to although blocked (loopback, link-local...)"
     )
@@ -152,4 +162,4 @@ class CollectorSettings(BaseSettings):
         """/docs and /openapi.json: as set, else only on a collector without tokens (loopback, development)."""
         if self.public_docs is not None:
             return self.public_docs
-        return self.ingest_token is None and self.admin_token is None
+        return self.ingest_token is None and self.admin_token is None and self.tokens_file is None

@@ -156,6 +156,9 @@ class TelemetryConfig(_Strict):
     jsonl_path: str = "kvpilot-data/events.jsonl"
     collector_url: str = "http://127.0.0.1:8100"
     collector_token: str | None = None
+    collector_token_file: str | None = Field(
+        None, description="read the collector token from this file, re-read when it changes (rotation)"
+    )
     sample_interval_s: float = Field(1.0, gt=0)
     trace_alloc: bool = True
     http_batch_size: int = Field(1000, ge=1, le=20_000, description="events per POST to the collector")
@@ -166,6 +169,12 @@ class TelemetryConfig(_Strict):
         "kvpilot-data/spool", description="where batches wait while the collector is down; None: in memory"
     )
     spool_max_bytes: int = Field(256 * 2**20, ge=0, description="spool bound; the oldest batches go first")
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> TelemetryConfig:
+        if self.collector_token and self.collector_token_file:
+            raise ValueError("telemetry: set collector_token or collector_token_file, not both")
+        return self
 
 
 class EngineConfig(_Strict):

@@ -15,8 +15,11 @@ obeyed instead: the collector is up and said when to come back.
 
 401/403 (a wrong ingest token) is not an outage: after `auth_max_tries` refusals in a row the sink stops
 sending, says so in an ERROR log line and `kvpilot_telemetry_unauthorized`, and keeps spooling (bounded)
-for a restart with the right token. Batches the collector refuses for good (413/422/409) are dropped with
-a log line. Without a spool directory the spool is kept in memory, with the same bound.
+for a restart with the right token, or for a new token in `token_file` (`engine.token_source`: re-read
+when it changes, which is how an engine follows a rotation of its secret). Batches the collector refuses
+for good (413/422/409) are dropped and counted as `rejected`, with an ERROR line (a 409 names the fix: the
+instance belongs to another identity). Without a spool directory the spool is kept in memory, with the
+same bound.
 
 Every loss is counted by event type and reason (`queue_full`, `spool_full`, `unauthorized`, `rejected`,
 `shutdown`) in `engine.gaps.GapLedger`, and the collector is told: `gap` records go in a batch of their
@@ -52,6 +55,7 @@ from engine.spool import (  # noqa: F401 - re-exported: engine.http_sink was the
     SpoolLockedError,
     spool_dir_for,
 )
+from engine.token_source import TokenSource
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,7 @@ class HttpSink:
         url: str,
         *,
         token: str | None = None,
+        token_file: str | os.PathLike | None = None,
         batch_size: int = 1000,
         flush_interval_s: float = 1.0,
         queue_size: int = 100_000,
@@ -98,8 +103,9 @@ class HttpSink:
         self.auth_max_tries = auth_max_tries
         self.timeout_s = timeout_s
         self._headers = {"Content-Type": "application/json"}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        self._token = TokenSource(token, token_file)
+        self._sent_token: str | None = None
+        self._refused_token: str | None = None
         if compress:
             self._headers["Content-Encoding"] = "gzip"
         self._client = client or httpx.Client(timeout=timeout_s)
@@ -138,6 +144,7 @@ class HttpSink:
         return cls(
             telemetry.collector_url,
             token=telemetry.collector_token,
+            token_file=telemetry.collector_token_file,
             batch_size=telemetry.http_batch_size,
             flush_interval_s=telemetry.http_flush_interval_s,
             queue_size=telemetry.http_queue_size,
@@ -272,6 +279,9 @@ class HttpSink:
         return gzip.compress(body, compresslevel=1) if self.compress else body
 
     def _may_send(self) -> bool:
+        if self.stopped and self._token.current() != self._refused_token:
+            log.warning("telemetry: the collector token changed; sending resumes")
+            self.stopped, self._auth_streak, self._next_attempt = False, 0, 0.0
         return not self.stopped and time.monotonic() >= self._next_attempt
 
     def _ship(self, events: list[AnyEvent]) -> None:
@@ -332,6 +342,9 @@ class HttpSink:
     def _send(self, batch: SpooledBatch, *, gap: bool = False) -> str:
         """POST one batch: 'ok', 'rejected' (permanent) or 'retry' (and schedule the next attempt)."""
         headers = {**self._headers, "Idempotency-Key": batch.key}
+        self._sent_token = self._token.current()
+        if self._sent_token:
+            headers["Authorization"] = f"Bearer {self._sent_token}"
         self._maybe_stored = False
         try:
             resp = self._client.post(self.endpoint, content=batch.body, headers=headers)
@@ -359,8 +372,18 @@ class HttpSink:
             log.error("collector %s refused the gap records (HTTP %d): losses are on /metrics only", self.url, status)
             return "rejected"
         self.ledger.record_body("rejected", batch.body, batch.events, time.time())
+        hint = (
+            " (the instance belongs to another identity: use this identity's own instance name, or have an admin"
+            " run `kvpilot collector tokens reassign`)"
+            if status == 409
+            else ""
+        )
         log.error(
-            "collector refused a batch of %d events for good (HTTP %d): %s", batch.events, status, resp.text[:500]
+            "collector refused a batch of %d events for good (HTTP %d)%s: %s",
+            batch.events,
+            status,
+            hint,
+            resp.text[:500],
         )
         return "rejected"
 
@@ -381,6 +404,7 @@ class HttpSink:
         return "retry"
 
     def _unauthorized(self, status: int) -> str:
+        self._refused_token = self._sent_token
         self.auth_failures += 1
         self._auth_streak += 1
         self._next_probe = None  # /health cannot tell whether a token is right

@@ -20,9 +20,13 @@ from collector.db import (
 )
 from collector.errors import CollectorError
 from collector.settings import CollectorSettings
+from kvpilot.cli_tokens import tokens_app
 
 collector_app = typer.Typer(no_args_is_help=True, add_completion=False)
 db_app = typer.Typer(no_args_is_help=True, add_completion=False)
+collector_app.add_typer(
+    tokens_app, name="tokens", help="Named identities (add, rotate, revoke, list) and instance owners."
+)
 
 
 def _settings(db_url: str | None) -> CollectorSettings:
@@ -57,6 +61,7 @@ def serve_cmd(
         update["scrape_enabled"] = False
     settings = _settings(db_url).model_copy(update=update)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape; its failures are logged by us
     try:
         serve(settings)
     except CollectorError as exc:

@@ -9,6 +9,7 @@ from sqlalchemy import select
 
 from collector.queries._base import Db, _bound
 from collector.queries.timeseries import parse_labels
+from collector.redact import redact_url
 from collector.schema import (
     Instance,
     Run,
@@ -125,4 +126,8 @@ def target_health(db: Db) -> list[TargetHealth]:
     ).order_by(t.c.id)
     with _bound(db) as conn:
         rows = conn.execute(stmt).all()
-    return [TargetHealth(*r[:-2], labels=dict(parse_labels(r[-2])), sample_limit=int(r[-1])) for r in rows]
+    # The URL as shown (collector.redact): only the scraper reads the credentials it may carry.
+    return [
+        TargetHealth(r[0], redact_url(r[1]), *r[2:-2], labels=dict(parse_labels(r[-2])), sample_limit=int(r[-1]))
+        for r in rows
+    ]

@@ -27,7 +27,10 @@ from collector.claims import CardinalityLimits, ClaimWindows
 from collector.db import check_schema_current, make_engine, redact, session_factory
 from collector.errors import CollectorError
 from collector.events import EventBatch
+from collector.identities import IdentityStore
 from collector.netpolicy import AddressPolicy
+from collector.owners import adopt
+from collector.redact import redact_logger
 from collector.scraper import ScrapeMetrics, Scraper
 from collector.server import health_routes, ingest_routes, otlp_routes, target_routes
 from collector.server.admission import Admission
@@ -63,7 +66,17 @@ def create_app(
             max_instances=settings.max_instances_per_identity,
             new_instances_per_minute=settings.max_new_instances_per_minute,
             new_runs_per_minute=settings.max_new_runs_per_minute,
+            new_runs_per_minute_per_identity=settings.max_new_runs_per_minute_per_identity,
         )
+        identities = IdentityStore(
+            ingest_token=settings.ingest_token,
+            admin_token=settings.admin_token,
+            tokens_file=settings.tokens_file,
+            registry=registry,
+        )
+        for name, n in adopt(db, identities.legacy_owners()).items():
+            log.info("identity %s adopted %d instances owned by the fingerprint of one of its secrets", name, n)
+        redact_logger("httpx")  # it logs every request's URL at INFO: a scrape URL may carry credentials
         state = CollectorState(
             settings=settings,
             engine=db,
@@ -76,6 +89,7 @@ def create_app(
             health=health_routes.HealthProbe(
                 probe_db, interval_s=settings.health_probe_interval_s, min_free_bytes=settings.storage_min_free_bytes
             ),
+            identities=identities,
         )
         state.health.start()
         scrape = settings.scrape_enabled if start_scraper is None else start_scraper

@@ -3,14 +3,15 @@
 `CollectorState` is built by the app's lifespan and set on `app.state.kvpilot`; handlers never reach for
 it otherwise, so a test can build an app on its own engine and metrics registry.
 
-Scopes (DESIGN.md, Trust boundaries): `require_token` is the ingest token (pushes; it returns the
-pusher's identity), `require_admin` the admin token (target administration), `require_reader` either
-of them (listing targets, and /metrics when it is not public).
+Scopes: `require_token` needs an identity with the ingest role (pushes; it returns the pusher's
+identity name), `require_admin` one with the admin role (target administration), `require_reader` any
+identity (listing targets, and /metrics when it is not public). Identities come from the tokens file
+and the two environment tokens (`collector.identities`). The scheme is matched case-insensitively
+(`bearer` is as good as `Bearer`: RFC 7235 section 2.1).
 """
 
 from __future__ import annotations
 
-import hmac
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from collector.claims import ClaimWindows, token_identity
+from collector.claims import ClaimWindows
 from collector.db import session_scope
+from collector.identities import Identity, IdentityStore
 from collector.netpolicy import AddressPolicy
 from collector.scraper import Scraper
 from collector.server.errors import RefusalLog, Rejected
@@ -72,14 +74,10 @@ class CollectorState:
     windows: ClaimWindows
     policy: AddressPolicy
     health: HealthProbe
+    identities: IdentityStore
     scraper: Scraper | None = None
     refusal_log: RefusalLog = field(default_factory=RefusalLog)
     ingest_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def ingest_identity(self) -> str:
-        """Who pushes with the collector's ingest token (a fingerprint, never the token)."""
-        return token_identity(self.settings.ingest_token)
 
 
 async def get_state(request: Request) -> CollectorState:
@@ -97,51 +95,64 @@ def get_session(state: StateDep) -> Iterator[Session]:
 
 SessionDep = Annotated[Session, Depends(get_session)]
 
-_bearer = HTTPBearer(auto_error=False, description="KVPILOT_INGEST_TOKEN (pushes) or KVPILOT_ADMIN_TOKEN (targets)")
+_bearer = HTTPBearer(
+    auto_error=False, description="a secret of the tokens file, KVPILOT_INGEST_TOKEN (pushes) or KVPILOT_ADMIN_TOKEN"
+)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 ADMIN_DISABLED = (
-    "target administration needs an admin token: set KVPILOT_ADMIN_TOKEN on the collector and send it as"
-    " 'Authorization: Bearer <token>' (a loopback-only development collector may set KVPILOT_DEV_MODE=true"
-    " instead)"
+    "target administration needs an admin token: set KVPILOT_ADMIN_TOKEN on the collector, or add an identity"
+    " with `kvpilot collector tokens add NAME --role admin`, and send it as 'Authorization: Bearer <token>'"
+    " (a loopback-only development collector may set KVPILOT_DEV_MODE=true instead)"
 )
+OPEN_PUSHER = Identity("ingest", frozenset({"ingest"}))  # who pushes to a collector without any ingest credential
 
 
-def _check(credentials: HTTPAuthorizationCredentials | None, *accepted: str, scope: str) -> None:
+def _identify(
+    state: CollectorState, credentials: HTTPAuthorizationCredentials | None, role: str, scope: str
+) -> Identity:
     if credentials is None:
         raise Rejected(401, "unauthorized", "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-    presented = credentials.credentials.encode()
-    if not any(hmac.compare_digest(presented, token.encode()) for token in accepted):
+    identity = state.identities.authenticate(credentials.credentials)
+    if identity is None:
         raise Rejected(403, "forbidden", f"wrong bearer token for {scope}")
+    if not identity.may(role):
+        roles = ", ".join(sorted(identity.roles))
+        raise Rejected(403, "forbidden", f"identity {identity.name!r} (roles: {roles}) may not do {scope}")
+    return identity
+
+
+async def push_identity(state: StateDep, credentials: Credentials) -> Identity:
+    """An identity with the ingest role: 401 without a bearer token, 403 with a wrong one. A collector
+    without any ingest credential (loopback only) takes pushes as `ingest`."""
+    if state.identities.pushes_open:
+        return OPEN_PUSHER
+    return _identify(state, credentials, "ingest", "pushes")
 
 
 async def require_token(state: StateDep, credentials: Credentials) -> str:
-    """The ingest token, when one is set: 401 without a bearer token, 403 with a wrong one. Returns the
-    pusher's identity (`collector.claims.token_identity`)."""
-    expected = state.settings.ingest_token
-    if expected is not None:
-        _check(credentials, expected, scope="pushes")
-    return state.ingest_identity
+    """The pusher's identity name: what its instances are owned by."""
+    return (await push_identity(state, credentials)).name
 
 
 IngestIdentity = Annotated[str, Depends(require_token)]
 
 
 async def require_reader(state: StateDep, credentials: Credentials) -> None:
-    """Either token, when any is set (listing targets; /metrics when not public)."""
-    accepted = [t for t in (state.settings.ingest_token, state.settings.admin_token) if t is not None]
-    if accepted:
-        _check(credentials, *accepted, scope="reading")
+    """Any identity, when any credential is configured (listing targets; /metrics when not public)."""
+    if not state.identities.reads_open:
+        _identify(state, credentials, "read", "reading")
 
 
-async def require_admin(state: StateDep, credentials: Credentials) -> None:
-    """The admin token. Without one configured, administration is refused (403 saying how to enable it),
-    except in dev mode on a loopback-only collector, where the ingest token (if any) is enough."""
+async def require_admin(state: StateDep, credentials: Credentials) -> Identity:
+    """An identity with the admin role. Without any, administration is refused (403 saying how to enable
+    it), except in dev mode on a loopback-only collector, where the ingest credential (if any) is enough."""
     settings = state.settings
-    if settings.admin_token is not None:
-        _check(credentials, settings.admin_token, scope="target administration (KVPILOT_ADMIN_TOKEN)")
-        return
+    if state.identities.has_admin():
+        return _identify(state, credentials, "admin", "target administration (KVPILOT_ADMIN_TOKEN)")
     if settings.dev_mode and settings.loopback_only:
-        await require_token(state, credentials)
-        return
+        return await push_identity(state, credentials)
     raise Rejected(403, "admin_disabled", ADMIN_DISABLED)
+
+
+AdminIdentity = Annotated[Identity, Depends(require_admin)]

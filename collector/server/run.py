@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from collector import tokens
 from collector.db import check_schema_current, make_engine
 from collector.errors import CollectorError
 from collector.server.app import create_app
@@ -21,13 +22,17 @@ log = logging.getLogger("kvpilot.collector")
 
 
 def check_bind_safety(settings: CollectorSettings) -> None:
-    """Off loopback, pushes need the ingest token and dev mode (admin without a token) is not allowed.
-    Without an admin token target administration is refused anyway, so it is not required to start."""
+    """A tokens file must parse. Off loopback, pushes need the ingest token or a tokens file, and dev mode
+    (admin without a token) is not allowed. Without an admin identity target administration is refused
+    anyway, so one is not required to start."""
+    if settings.tokens_file is not None:
+        tokens.load(settings.tokens_file)  # TokensFileError names the file and the field
     if settings.loopback_only:
         return
-    if settings.ingest_token is None:
+    if settings.ingest_token is None and settings.tokens_file is None:
         raise CollectorError(
-            f"refusing to listen on {settings.host} without KVPILOT_INGEST_TOKEN; set a token or bind to 127.0.0.1"
+            f"refusing to listen on {settings.host} without KVPILOT_INGEST_TOKEN or KVPILOT_TOKENS_FILE;"
+            " set one or bind to 127.0.0.1"
         )
     if settings.dev_mode:
         raise CollectorError(
@@ -47,9 +52,9 @@ def serve(settings: CollectorSettings) -> None:
     """Blocking: what `kvpilot collector serve` runs. Refuses an unmigrated database up front."""
     check_bind_safety(settings)
     _check_database(settings)
-    if settings.ingest_token is None:
+    if settings.ingest_token is None and settings.tokens_file is None:
         log.warning("no KVPILOT_INGEST_TOKEN: pushes are accepted unauthenticated on %s", settings.host)
-    if settings.admin_token is None and not settings.dev_mode:
+    if settings.admin_token is None and settings.tokens_file is None and not settings.dev_mode:
         log.warning("no KVPILOT_ADMIN_TOKEN: target administration (POST/DELETE /v1/targets) is refused")
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)

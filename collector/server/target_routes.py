@@ -1,6 +1,8 @@
 """/v1/targets: the Prometheus endpoints the scraper polls.
 
-Listing (GET) takes either token; creating and deleting take the admin token (`deps.require_admin`).
+Listing (GET) takes any identity; creating and deleting take the admin role (`deps.require_admin`).
+A URL may carry credentials for the scrape (userinfo, `?token=`): stored whole for the scraper, and
+shown redacted in every answer (`collector.redact`).
 A target's URL must not reach loopback, link-local, metadata, unspecified or multicast addresses unless
 KVPILOT_SCRAPE_ALLOW_NETS allows them (`collector.netpolicy`; checked here and again before each scrape),
 and its instance must not belong to someone else (`collector.claims`): 422 and 409, naming the field.
@@ -18,8 +20,10 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
 from collector.claims import claim_for_target, release_target
+from collector.identities import Identity
 from collector.netpolicy import AddressRefusedError, ResolutionError
 from collector.queries import parse_labels
+from collector.redact import redact_url
 from collector.schema import ScrapeTarget
 from collector.scraper import (
     DEFAULT_SAMPLE_LIMIT,
@@ -28,7 +32,15 @@ from collector.scraper import (
     TargetLabelsError,
     validate_target_labels,
 )
-from collector.server.deps import SessionDep, StateDep, require_admin, require_reader
+from collector.server.deps import (
+    OPEN_PUSHER,
+    AdminIdentity,
+    CollectorState,
+    SessionDep,
+    StateDep,
+    require_admin,
+    require_reader,
+)
 from collector.server.errors import ERROR_RESPONSES, ErrorResponse, Rejected
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)])
@@ -82,6 +94,11 @@ class TargetOut(BaseModel):
     scrape_duration_s: float | None
     created_at: float
 
+    @field_validator("url")
+    @classmethod
+    def _redacted(cls, url: str) -> str:
+        return redact_url(url)
+
     @field_validator("labels", mode="before")
     @classmethod
     def _stored_labels(cls, labels: object) -> object:
@@ -89,7 +106,7 @@ class TargetOut(BaseModel):
 
 
 @admin_router.post("/targets", status_code=201, response_model=TargetOut, responses=ERROR_RESPONSES)
-def create_target(body: TargetIn, state: StateDep, session: SessionDep) -> ScrapeTarget:
+def create_target(body: TargetIn, state: StateDep, session: SessionDep, actor: AdminIdentity) -> ScrapeTarget:
     url = str(body.url)
     parts = urlsplit(url)
     try:
@@ -111,17 +128,28 @@ def create_target(body: TargetIn, state: StateDep, session: SessionDep) -> Scrap
     try:
         session.flush()
     except IntegrityError as exc:
-        message = f"a target with url {url} already exists"
+        message = f"a target with url {redact_url(url)} already exists"
         errors = [{"loc": "url", "msg": message, "type": "conflict"}]
         raise Rejected(409, "conflict", f"url: {message}", errors=errors) from exc
     claim_for_target(
         session.connection(),
         instance=target.instance,
         target_id=target.id,
-        ingest_identity=state.ingest_identity,
+        pushers=_pairable(state, actor),
         now=target.created_at,
     )
     return target
+
+
+def _pairable(state: CollectorState, actor: Identity) -> set[str]:
+    """Whose pushed instances a new target may pair with: an admin, any identity that may push; the pusher
+    acting as admin in dev mode, only its own."""
+    if "admin" not in actor.roles:
+        return {actor.name}
+    names = {name for name, ident in state.identities.identities().items() if "ingest" in ident.roles}
+    if state.identities.pushes_open:
+        names.add(OPEN_PUSHER.name)
+    return names
 
 
 @router.get("/targets", response_model=list[TargetOut], responses=ERROR_RESPONSES)

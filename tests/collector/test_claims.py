@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select
 
+from collector import tokens
 from collector.claims import (
     CardinalityError,
     CardinalityLimits,
@@ -17,7 +19,6 @@ from collector.claims import (
     ClaimWindows,
     InstanceOwnedError,
     RateWindow,
-    token_identity,
 )
 from collector.db import make_engine
 from collector.ingest import parse_batch, store_batch
@@ -112,20 +113,55 @@ def test_new_runs_per_instance_and_minute_are_bounded(
 
 
 def test_an_instance_belongs_to_the_identity_that_pushed_it_first(
-    settings: CollectorSettings, sqlite_engine: Engine
+    settings: CollectorSettings, sqlite_engine: Engine, tmp_path: Path
 ) -> None:
-    with client_for(settings) as c:
-        assert c.post("/v1/ingest", content=steps(4), headers=AUTH).status_code == 202
-    before = counts(sqlite_engine)
-    with client_for(settings, ingest_token="another") as c:
-        refused = c.post(
-            "/v1/ingest",
-            content=steps(4),
-            headers={**AUTH, "Authorization": "Bearer another"},
+    path = tmp_path / "tokens.json"
+    alice, _ = tokens.add(path, "alice", ("ingest",))
+    bob, _ = tokens.add(path, "bob", ("ingest",))
+    with client_for(settings, tokens_file=path) as c:
+        assert (
+            c.post("/v1/ingest", content=steps(4), headers={**AUTH, "Authorization": f"Bearer {alice}"}).status_code
+            == 202
         )
+        before = counts(sqlite_engine)
+        refused = c.post("/v1/ingest", content=steps(4), headers={**AUTH, "Authorization": f"Bearer {bob}"})
         assert refused.status_code == 409 and refused.json()["errors"][0]["loc"] == "events[].instance"
-        assert "another ingest identity" in refused.json()["detail"]
+        assert "another identity" in refused.json()["detail"] and "tokens reassign" in refused.json()["detail"]
         assert counts(sqlite_engine) == before
+
+
+def test_rotating_the_environment_token_keeps_the_instances(settings: CollectorSettings) -> None:
+    """KVPILOT_INGEST_TOKEN is the identity `ingest` whatever its value: a new value once meant 409 forever."""
+    with client_for(settings, ingest_token=None) as c:  # no token yet (loopback development)
+        assert c.post("/v1/ingest", content=steps(4), headers=AUTH).status_code == 202
+    for token in (TOKEN, "rotated"):
+        with client_for(settings, ingest_token=token) as c:
+            pushed = c.post(
+                "/v1/ingest", content=steps(8, runs=2), headers={**AUTH, "Authorization": f"Bearer {token}"}
+            )
+            assert pushed.status_code == 202, pushed.text
+
+
+def test_new_runs_are_bounded_per_identity_too(settings: CollectorSettings, sqlite_engine: Engine) -> None:
+    """10,000 new runs in 1 s across 100 instances once passed: each instance stayed under its own bound."""
+    with client_for(settings, max_new_runs_per_minute=100, max_new_runs_per_minute_per_identity=50) as c:
+        assert c.post("/v1/ingest", content=steps(40, instances=10, runs=40), headers=AUTH).status_code == 202
+        before = counts(sqlite_engine)
+        later = c.post("/v1/ingest", content=steps(20, instances=10, runs=20, prefix="more"), headers=AUTH)
+        assert later.status_code == 429 and later.json()["errors"][0]["loc"] == "events[].run_id"
+        assert "KVPILOT_MAX_NEW_RUNS_PER_MINUTE_PER_IDENTITY" in later.json()["detail"]
+        at_once = c.post("/v1/ingest", content=steps(60, instances=20, runs=60, prefix="big"), headers=AUTH)
+        assert at_once.status_code == 422  # one batch past the bound: waiting cannot help
+        assert counts(sqlite_engine) == before
+
+
+def test_lowercase_bearer_scheme_is_accepted(client: TestClient) -> None:
+    """RFC 7235 2.1: the auth scheme is case-insensitive."""
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        pushed = client.post("/v1/ingest", content=steps(1), headers={**AUTH, "Authorization": f"{scheme} {TOKEN}"})
+        assert pushed.status_code == 202, (scheme, pushed.text)
+    wrong = client.post("/v1/ingest", content=steps(1), headers={**AUTH, "Authorization": "bearer nope"})
+    assert wrong.status_code == 403
 
 
 # --- the data layer, on both backends -------------------------------------------------------------------
@@ -139,7 +175,7 @@ def test_claims_at_the_data_layer(db_url: str) -> None:
     engine = make_engine(db_url)
     try:
         windows = ClaimWindows(CardinalityLimits(max_instances=5, new_instances_per_minute=4, new_runs_per_minute=1))
-        alice, bob = Claims(token_identity("a"), windows), Claims(token_identity("b"), windows)
+        alice, bob = Claims("alice", windows), Claims("bob", windows)
         _store(engine, alice, steps(8, instances=2, runs=2), "a1")
         with pytest.raises(InstanceOwnedError):
             _store(engine, bob, ev.body([ev.step(0, instance="gpu-1"), ev.step(1, instance="bob-0")]), "b1")

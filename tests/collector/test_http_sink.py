@@ -178,15 +178,59 @@ def test_spool_bound_drops_oldest(tmp_path: Path) -> None:
     assert spool.push(SpooledBatch("big", "big", 1, b"x" * 1000))[-1].key == "big"
 
 
-def test_permanent_rejection_is_counted_not_retried(fake: FakeCollector) -> None:
-    fake.status = 422
+@pytest.mark.parametrize("status", [422, 409])
+def test_permanent_rejection_is_counted_not_retried(
+    fake: FakeCollector, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.status = status
     s = make_sink(fake)
-    for i in range(20):
-        s.emit(sample(i))
-    s.flush()
-    s.close()
+    with caplog.at_level("ERROR", logger="engine.http_sink"):
+        for i in range(20):
+            s.emit(sample(i))
+        s.flush()
+        s.close()
     # one attempt at the batch, one at the gap record saying it was lost (refused too: never retried)
     assert s.rejected == 20 and s.dropped_by_reason()["rejected"] == 20 and fake.attempts == 2
+    refused = [r.getMessage() for r in caplog.records if "refused a batch of 20 events" in r.getMessage()]
+    assert len(refused) == 1 and (("tokens reassign" in refused[0]) == (status == 409))
+
+
+def test_a_new_token_in_the_token_file_resumes_a_stopped_sink(tmp_path: Path) -> None:
+    """Rotation without a restart: the sink stopped on a refused secret sends again once the file changes."""
+    accepted = {"new"}
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        token = request.headers.get("authorization", "").removeprefix("Bearer ")
+        seen.append(token)
+        return httpx.Response(202 if token in accepted else 403, json={"detail": "x"})
+
+    token_file = tmp_path / "token"
+    token_file.write_text("old\n")
+    s = HttpSink(
+        "http://collector.test",
+        token_file=token_file,
+        batch_size=10,
+        flush_interval_s=0.02,
+        backoff_initial_s=0.01,
+        backoff_max_s=0.02,
+        auth_max_tries=2,
+        client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
+    try:
+        for i in range(30):
+            s.emit(sample(i))
+        deadline = time.monotonic() + 5
+        while not s.stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.stopped and s.sent == 0 and set(seen) == {"old"}
+        tmp = tmp_path / "token.tmp"
+        tmp.write_text("new\n")
+        tmp.replace(token_file)
+        assert s.wait_drained(5.0)
+        assert s.sent == 30 and not s.stopped and not any(s.dropped_by_reason().values()) and seen[-1] == "new"
+    finally:
+        s.close()
 
 
 def test_counters_on_a_registry(fake: FakeCollector) -> None:
@@ -208,6 +252,25 @@ def test_from_config() -> None:
     cfg = TelemetryConfig(sink="http", collector_url="http://127.0.0.1:1", spool_dir=None, http_batch_size=7)
     s = HttpSink.from_config(cfg)
     assert s.batch_size == 7 and s.endpoint == "http://127.0.0.1:1/v1/ingest"
+    s.close(timeout_s=0.2)
+
+
+def test_token_file_from_config(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from engine.config import TelemetryConfig
+
+    token = tmp_path / "token"
+    with pytest.raises(ValidationError, match="not both"):
+        TelemetryConfig(collector_token="a", collector_token_file=str(token))
+    cfg = TelemetryConfig(
+        sink="http", collector_url="http://127.0.0.1:1", spool_dir=None, collector_token_file=f"{token}"
+    )
+    with pytest.raises(ValueError, match="missing, unreadable or empty"):
+        HttpSink.from_config(cfg)
+    token.write_text("kvp_abc\n")
+    s = HttpSink.from_config(cfg)
+    assert s._token.current() == "kvp_abc"
     s.close(timeout_s=0.2)
 
 

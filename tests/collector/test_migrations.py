@@ -105,3 +105,29 @@ def test_instance_owners_revision_gives_existing_targets_their_instances(db_url:
     finally:
         upgrade(db_url)
         engine.dispose()
+
+
+def test_owner_names_revision_gives_token_less_pushes_to_the_ingest_identity(db_url: str) -> None:
+    """`anonymous` (pushed to a collector without a token) becomes `ingest`, KVPILOT_INGEST_TOKEN's identity:
+    setting a token keeps those instances. Fingerprints and targets stay (adopted at the collector's start)."""
+    command.downgrade(alembic_config(db_url), "35c582cf7d65")
+    engine = make_engine(db_url)
+    rows = [("a", "anonymous"), ("b", "token:0123456789abcdef"), ("c", "target:7")]
+    try:
+        with engine.begin() as conn:
+            for instance, owner in rows:
+                conn.execute(
+                    text("INSERT INTO instance_owners (instance, owner, claimed_at) VALUES (:i, :o, 1.0)"),
+                    {"i": instance, "o": owner},
+                )
+        upgrade(db_url)
+        with engine.connect() as conn:
+            owners = conn.execute(text("SELECT instance, owner FROM instance_owners ORDER BY instance")).all()
+        assert [tuple(r) for r in owners] == [("a", "ingest"), ("b", "token:0123456789abcdef"), ("c", "target:7")]
+        command.downgrade(alembic_config(db_url), "35c582cf7d65")
+        with engine.connect() as conn:
+            kept = conn.execute(text("SELECT instance, owner FROM instance_owners")).all()
+        assert [tuple(r) for r in kept] == [("c", "target:7")]  # the older code re-claims pushed ones
+    finally:
+        upgrade(db_url)
+        engine.dispose()

@@ -4,10 +4,12 @@ targets, which URLs a target may reach (SSRF), who owns an instance, what is pub
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from collector import tokens
 from collector.errors import CollectorError
 from collector.server import check_bind_safety, create_app
 from collector.settings import CollectorSettings
@@ -175,7 +177,9 @@ def test_a_private_network_target_needs_no_allow_list(settings: CollectorSetting
 # --- instance ownership at creation ---------------------------------------------------------------------
 
 
-def test_a_target_may_not_take_an_instance_owned_by_another(client: TestClient, settings: CollectorSettings) -> None:
+def test_a_target_may_not_take_an_instance_owned_by_another(
+    client: TestClient, settings: CollectorSettings, tmp_path: Path
+) -> None:
     first = client.post("/v1/targets", json={"url": "http://127.0.0.1:9400/m", "instance": "gpu-0"}, headers=ADMIN)
     assert first.status_code == 201
     second = client.post("/v1/targets", json={"url": "http://127.0.0.1:9401/m", "instance": "gpu-0"}, headers=ADMIN)
@@ -189,11 +193,16 @@ def test_a_target_may_not_take_an_instance_owned_by_another(client: TestClient, 
     assert paired.status_code == 201, paired.text
     again = client.post("/v1/targets", json={"url": "http://127.0.0.1:9403/m", "instance": "vllm-0"}, headers=ADMIN)
     assert again.status_code == 409
-    # ...and one pushed under another identity (an older token) may not.
-    client.post("/v1/ingest", content=ev.body([ev.step(0, instance="old")]), headers=AUTH)
-    with app_client(settings, ingest_token="rotated") as c:
+    # ...and one pushed by an identity the collector no longer knows (revoked) may not.
+    path = tmp_path / "tokens.json"
+    gone, _ = tokens.add(path, "gone", ("ingest",))
+    with app_client(settings, tokens_file=path) as c:
+        body = ev.body([ev.step(0, instance="old")])
+        gone_auth = {"Authorization": f"Bearer {gone}", "Content-Type": "application/json"}
+        assert c.post("/v1/ingest", content=body, headers=gone_auth).status_code == 202
+        tokens.revoke(path, "gone")
         refused = c.post("/v1/targets", json={"url": "http://127.0.0.1:9404/m", "instance": "old"}, headers=ADMIN)
-        assert refused.status_code == 409 and "another ingest identity" in refused.json()["detail"]
+        assert refused.status_code == 409 and "another identity (gone)" in refused.json()["detail"]
     # Deleting a target frees its instance.
     assert client.delete(f"/v1/targets/{first.json()['id']}", headers=ADMIN).status_code == 204
     retaken = client.post("/v1/targets", json={"url": "http://127.0.0.1:9401/m", "instance": "gpu-0"}, headers=ADMIN)
