@@ -1,0 +1,177 @@
+"""The peaks of an engine's load — KV usage, requests running, requests waiting — and where each comes from.
+
+A peak is only a peak when every step was seen: a gauge scraped every few seconds misses the moment the
+batch was fullest (a vLLM whose iteration log showed 43 of 64 blocks in use read 0.24 from 5-s scrapes).
+So each figure comes from the step rows when the instance has them (vLLM's iteration log through
+`collector.vllm_log`, or kvpilot's engine's step events), and from sampled gauges only otherwise; the
+source says which, and a sampled figure says that it is a sample, not a peak.
+
+vLLM's iteration line carries no queue length (its step rows hold `queue_depth` 0), so for a vLLM the
+waiting figure is always the sampled `vllm:num_requests_waiting`. A step row's instance is a kvpilot engine
+when that instance also pushes sample events (kvpilot's engine samples its gauges; the vLLM adapter does
+not).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Float, cast, func, select
+from sqlalchemy.sql import ColumnElement
+
+from collector.queries._base import Db, _bound
+from collector.queries.timeseries import series_points
+from collector.schema import SampleRow, StepRow
+
+VLLM_STEPS = "vLLM iteration log (every step)"
+KVPILOT_STEPS = "kvpilot engine steps (every step)"
+NO_DATA = "no data in the window"
+
+
+def sampled_source(interval_s: float | None, *, scraped: bool) -> str:
+    """The label of a figure read from sampled gauges: how often they were sampled, and that it is no peak."""
+    what = "scrape samples" if scraped else "kvpilot engine samples"
+    every = f"every {interval_s:.3g} s" if interval_s is not None else "(a single sample)"
+    return f"{what} {every} — sampled, not a peak"
+
+
+@dataclass(frozen=True)
+class EnginePeaks:
+    """The highest load in the window over the selected instances, each figure with its source.
+
+    `source` is where the step-derived figures come from (a step source, or the sampled source when no
+    instance has steps); `kv_usage_source` and `waiting_source` can differ from it (a vLLM's waiting count
+    is always sampled). Where instances differ in source, the sources are joined with " + ".
+    """
+
+    kv_usage_peak: float | None
+    kv_usage_source: str
+    running_peak: int | None
+    waiting_peak: int | None
+    waiting_source: str
+    source: str
+    steps: int  # step rows the step-derived figures were read from
+
+
+@dataclass(frozen=True)
+class _StepPeaks:
+    kv: float | None
+    running: int
+    waiting: int
+    steps: int
+
+
+def engine_peaks(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> EnginePeaks:
+    """KV usage, running and waiting peaks over `start <= ts < end` (warm-up steps left out).
+
+    With `run_id`, steps and engine samples are those of that run; scraped series carry no run and are
+    read over the window.
+    """
+    step_peaks = _step_peaks(db, start=start, end=end, instances=instances, run_id=run_id)
+    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    kv: list[tuple[float, str]] = []
+    running: list[tuple[float, str]] = []
+    waiting: list[tuple[float, str]] = []
+    for name, peaks in step_peaks.items():
+        label = KVPILOT_STEPS if name in pushing else VLLM_STEPS
+        if peaks.kv is not None:
+            kv.append((peaks.kv, label))
+        running.append((peaks.running, label))
+        if name in pushing:
+            waiting.append((peaks.waiting, label))
+    sampled_names = None if instances is None else [n for n in instances if n not in step_peaks]
+    if sampled_names is None or sampled_names:
+        kv += _sampled(db, "kv_usage", start, end, sampled_names, skip=set(step_peaks), pushing=pushing)
+        running += _sampled(db, "running", start, end, sampled_names, skip=set(step_peaks), pushing=pushing)
+    waiting_names = None if instances is None else [n for n in instances if n not in pushing or n not in step_peaks]
+    if waiting_names is None or waiting_names:
+        skip = {n for n in step_peaks if n in pushing}
+        waiting += _sampled(db, "queue_depth", start, end, waiting_names, skip=skip, pushing=pushing)
+    kv_peak, kv_source = _highest(kv)
+    running_peak, running_source = _highest(running)
+    waiting_peak, waiting_source = _highest(waiting)
+    return EnginePeaks(
+        kv_usage_peak=kv_peak,
+        kv_usage_source=kv_source,
+        running_peak=None if running_peak is None else round(running_peak),
+        waiting_peak=None if waiting_peak is None else round(waiting_peak),
+        waiting_source=waiting_source,
+        source=running_source,
+        steps=sum(p.steps for p in step_peaks.values()),
+    )
+
+
+def _highest(found: list[tuple[float, str]]) -> tuple[float | None, str]:
+    if not found:
+        return None, NO_DATA
+    return max(v for v, _ in found), " + ".join(sorted({s for _, s in found}))
+
+
+def _step_peaks(
+    db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
+) -> dict[str, _StepPeaks]:
+    st = StepRow.__table__.c
+    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
+    if instances is not None:
+        conds.append(st.instance.in_(instances))
+    if run_id is not None:
+        conds.append(st.run_id == run_id)
+    usage = func.max(cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0))
+    stmt = (
+        select(st.instance, usage, func.max(st.num_seqs), func.max(st.queue_depth), func.count())
+        .where(*conds)
+        .group_by(st.instance)
+    )
+    with _bound(db) as conn:
+        return {
+            name: _StepPeaks(None if kv is None else float(kv), int(running), int(waiting), int(n))
+            for name, kv, running, waiting, n in conn.execute(stmt)
+        }
+
+
+def _sampling_instances(
+    db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
+) -> set[str]:
+    """Instances that pushed sample events in the window: kvpilot engines."""
+    s = SampleRow.__table__.c
+    conds: list[ColumnElement] = [s.ts >= start, s.ts < end]
+    if instances is not None:
+        conds.append(s.instance.in_(instances))
+    if run_id is not None:
+        conds.append(s.run_id == run_id)
+    with _bound(db) as conn:
+        return {row[0] for row in conn.execute(select(s.instance).where(*conds).distinct())}
+
+
+def _sampled(
+    db: Db,
+    name: str,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None,
+    *,
+    skip: set[str],
+    pushing: set[str],
+) -> list[tuple[float, str]]:
+    """(highest sample, its source) per instance not in `skip`, from every label set of the gauge."""
+    by_instance: dict[str, list[tuple[float, float]]] = {}
+    for sid, points in series_points(db, name=name, start=start, end=end, instances=instances).items():
+        if sid.instance not in skip:
+            by_instance.setdefault(sid.instance, []).extend(points)
+    out = []
+    for inst, points in by_instance.items():
+        stamps = sorted({ts for ts, _ in points})
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        interval = statistics.median(gaps) if gaps else None
+        out.append((max(v for _, v in points), sampled_source(interval, scraped=inst not in pushing)))
+    return out
