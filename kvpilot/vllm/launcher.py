@@ -1,11 +1,13 @@
 """`kvpilot vllm serve`: run vLLM's OpenAI server with its telemetry wired to the collector.
 
 The launcher starts vLLM (`wiring.build_command`/`build_env`), reads its merged stdout/stderr line by line
-on one thread — each line goes on to `passthrough` (the launcher's stderr) and an optional log file, and
-each iteration line becomes a step event (`collector.vllm_log`) for the engine's HTTP sink (batches, an
-on-disk spool and retries: a collector that is down loses nothing) — and on a second thread waits for
-/health, reads the KV block count from /metrics and registers /metrics as a scrape target, retrying while
-the collector is unreachable.
+on one thread — each line is stamped the moment it arrives, goes on to `passthrough` (the launcher's
+stderr) and an optional log file, and each iteration line becomes a step event (`collector.vllm_log`)
+placed at the time the step ran (`StepPlacer`, from the time vLLM prefixed the line with) for the engine's
+HTTP sink (batches, an on-disk spool and retries: a collector that is down loses nothing) — on a second
+thread waits for /health, reads the KV block count from /metrics and registers /metrics as a scrape
+target, retrying while the collector is unreachable, and on a third releases the placed steps once no
+later line can move them.
 
 vLLM runs in its own session (process group), so a terminal's Ctrl-C reaches the launcher only and is
 forwarded once; `stop()` sends SIGTERM and, past the grace period, SIGKILLs the whole group (vLLM's
@@ -23,14 +25,15 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import httpx
 
-from collector.vllm_log import VllmLogParser, VllmLogStats
+from collector.events import StepEvent
+from collector.vllm_log import StepPlacer, VllmLogParser, VllmLogStats
 from engine.http_sink import HttpSink, SpoolLockedError, spool_dir_for
 from engine.sinks import EventSink
 from kvpilot.vllm.wiring import (
@@ -48,6 +51,7 @@ log = logging.getLogger("kvpilot.vllm")
 MAX_READ_BYTES = 64 * 1024  # one read of vLLM's output; a longer line arrives in pieces
 TAIL_LINES = 40  # kept for the error message when vLLM dies before serving
 CAPACITY_WAIT_S = 5.0
+RELEASE_EVERY_S = 0.5
 
 
 class VllmExitedError(RuntimeError):
@@ -82,6 +86,8 @@ class VllmLauncher:
         self.instance = options.instance or f"{os.uname().nodename}:{self.endpoint.port}"
         self.run_id = options.run_id or f"vllm-{uuid.uuid4().hex[:12]}"
         self.parser = VllmLogParser(instance=self.instance, run_id=self.run_id)
+        self.placer = StepPlacer()
+        self._placing = threading.Lock()
         traces_endpoint = f"{self.collector_url}/v1/traces" if options.traces else None
         self.command = build_command(options.python, options.vllm_args, traces_endpoint=traces_endpoint)
         self.env = build_env(
@@ -143,7 +149,12 @@ class VllmLauncher:
             self.close()
             raise VllmSetupError(f"cannot start {self.command[0]}: {exc.strerror or exc}") from None
         log.info("started vLLM (pid %d) as instance %s, run %s", self.proc.pid, self.instance, self.run_id)
-        for target, name in ((self._pump, "kvpilot-vllm-log"), (self._watch, "kvpilot-vllm-watch")):
+        threads = (
+            (self._pump, "kvpilot-vllm-log"),
+            (self._watch, "kvpilot-vllm-watch"),
+            (self._release, "kvpilot-vllm-steps"),
+        )
+        for target, name in threads:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -196,6 +207,7 @@ class VllmLauncher:
         self._stopping.set()
         for thread in self._threads[1:]:
             thread.join(timeout=5.0)
+        self._emit(self.placer.flush)
         if self._sink is not None:
             self._sink.close()
         if self._log_fh is not None:
@@ -207,6 +219,7 @@ class VllmLauncher:
         assert self.proc is not None and self.proc.stdout is not None
         out = self.proc.stdout
         while raw := out.readline(MAX_READ_BYTES):
+            read_ts = time.time()  # before anything below can hold the line up
             for stream in (self.passthrough, self._log_fh):
                 if stream is not None:
                     try:
@@ -220,9 +233,22 @@ class VllmLauncher:
                 # a step served in the moment between vLLM's first /health and our read of its KV block
                 # count: wait (bounded) for that count rather than ship this step in other units
                 self._ready.wait(CAPACITY_WAIT_S)
-            event = self.parser.feed(line)
-            if event is not None and self._sink is not None:
-                self._sink.emit(event)
+            event = self.parser.feed(line, read_ts=read_ts)
+            if event is not None:
+                self._emit(lambda event=event: self.placer.push(event))
+        self._emit(self.placer.flush)
+
+    def _release(self) -> None:
+        while not self._stopping.wait(RELEASE_EVERY_S):
+            self._emit(lambda: self.placer.release(time.time()))
+
+    def _emit(self, placed: Callable[[], list[StepEvent]]) -> None:
+        """Run one placer call and hand what it released to the sink, both under the placer's lock."""
+        with self._placing:
+            events = placed()
+            if self._sink is not None:
+                for event in events:
+                    self._sink.emit(event)
 
     def _watch(self) -> None:
         with httpx.Client(timeout=5.0) as client:
