@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from sqlalchemy import Float, cast, func, select
 from sqlalchemy.sql import ColumnElement
 
-from collector.queries._base import Db, _bound
+from collector.queries._base import Db, _bound, _dialect, bucket_expr
 from collector.queries.timeseries import series_points
 from collector.schema import SampleRow, StepRow
 
@@ -109,6 +109,61 @@ def engine_peaks(
         source=running_source,
         steps=sum(p.steps for p in step_peaks.values()),
     )
+
+
+@dataclass(frozen=True)
+class StepLoadBucket:
+    """The fullest step of a bucket: KV usage, requests in the batch, requests waiting (kvpilot's engine)."""
+
+    ts: float
+    kv_usage: float | None
+    running: int
+    waiting: int
+    steps: int
+
+
+def step_load_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> dict[str, list[StepLoadBucket]]:
+    """instance -> per-bucket peaks over every step (warm-up left out): what a chart of peaks draws.
+
+    `waiting` is the step's queue depth, which only kvpilot's engine reports (0 for vLLM's steps).
+    """
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    st = StepRow.__table__.c
+    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
+    if instances is not None:
+        conds.append(st.instance.in_(instances))
+    if run_id is not None:
+        conds.append(st.run_id == run_id)
+    usage = func.max(cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0))
+    out: dict[str, list[StepLoadBucket]] = {}
+    with _bound(db) as conn:
+        b = bucket_expr(st.ts, bucket_s, _dialect(conn)).label("bucket")
+        stmt = (
+            select(st.instance, b, usage, func.max(st.num_seqs), func.max(st.queue_depth), func.count())
+            .where(*conds)
+            .group_by(st.instance, b)
+            .order_by(st.instance, b)
+        )
+        for name, bucket, kv, running, waiting, n in conn.execute(stmt):
+            out.setdefault(name, []).append(
+                StepLoadBucket(float(bucket), None if kv is None else float(kv), int(running), int(waiting), int(n))
+            )
+    return out
+
+
+def step_source(db: Db, *, start: float, end: float, instances: Sequence[str], run_id: str | None = None) -> str:
+    """What made these instances' step rows: vLLM's iteration log, kvpilot's engine, or both."""
+    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    return " + ".join(sorted({KVPILOT_STEPS if n in pushing else VLLM_STEPS for n in instances}))
 
 
 def _highest(found: list[tuple[float, str]]) -> tuple[float | None, str]:

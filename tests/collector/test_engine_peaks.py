@@ -84,3 +84,14 @@ def test_scrape_only_and_kvpilot_engine_and_nothing(db_engine: Engine) -> None:
     empty = q.engine_peaks(db_engine, start=T0 + 100, end=T0 + 200)
     assert (empty.kv_usage_peak, empty.running_peak, empty.waiting_peak, empty.steps) == (None, None, None, 0)
     assert empty.kv_usage_source == empty.source == NO_DATA
+
+
+def test_step_load_over_time_is_each_buckets_fullest_step(db_engine: Engine) -> None:
+    _vllm(db_engine)  # steps at T0+1.0, 1.4, 1.8, 2.2, 2.6, 3.0 (and a warm-up at T0+2)
+    load = q.step_load_over_time(db_engine, start=T0, end=T0 + 60, bucket_s=1.0)
+    buckets = load["vllm-a"]
+    assert [b.ts for b in buckets] == [T0 + 1, T0 + 2, T0 + 3]
+    assert [b.kv_usage for b in buckets] == [43 / 64, 40 / 64, 5 / 64]
+    assert [b.running for b in buckets] == [21, 19, 1] and [b.steps for b in buckets] == [3, 2, 1]
+    assert q.step_load_over_time(db_engine, start=T0, end=T0 + 60, bucket_s=1.0, run_id="other") == {}
+    assert q.step_source(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"]) == VLLM_STEPS
