@@ -115,11 +115,12 @@ def lines(
     log: bool = False,
     height: int = HEIGHT,
     thresholds: Sequence[Any] = (),
+    subtitle: str | None = None,
 ) -> alt.Chart | alt.LayerChart:
     """One line per `color` value over time (and per `dash` value, drawn dashed); `percent` formats 0..1 as %.
 
     `thresholds` (transform.Threshold: level, text) draw the levels alert rules fire at as dashed dark
-    rules, so a reader sees a peak against the line that pages them.
+    rules, so a reader sees a peak against the line that pages them. `subtitle`: where the data comes from.
     """
     df = break_gaps(df, y=y, by=[color, dash] if dash else [color])
     fmt = ".0%" if percent else y_format
@@ -145,7 +146,8 @@ def lines(
     top = float(df[y].max()) if not df.empty else 0.0
     drawn = [t for t in thresholds if percent or t.level <= 2 * top]
     far = [t for t in thresholds if t not in drawn]
-    heading = alt.TitleParams(title, subtitle=[f"{t.text} (far above)" for t in far]) if far else title
+    notes = ([subtitle] if subtitle else []) + [f"{t.text} (far above)" for t in far]
+    heading = alt.TitleParams(title, subtitle=notes) if notes else title
     chart = (
         alt.Chart(df, title=heading, height=height)
         .mark_line(point=len(df) < 40, interpolate=INTERPOLATE)

@@ -44,7 +44,8 @@ class EnginePeaks:
 
     `source` is where the step-derived figures come from (a step source, or the sampled source when no
     instance has steps); `kv_usage_source` and `waiting_source` can differ from it (a vLLM's waiting count
-    is always sampled). Where instances differ in source, the sources are joined with " + ".
+    is always sampled). Each source is that of the instance holding the highest value (joined with " + "
+    when instances of different sources tie).
     """
 
     kv_usage_peak: float | None
@@ -167,9 +168,11 @@ def step_source(db: Db, *, start: float, end: float, instances: Sequence[str], r
 
 
 def _highest(found: list[tuple[float, str]]) -> tuple[float | None, str]:
+    """The highest value and the source of the instance(s) holding it."""
     if not found:
         return None, NO_DATA
-    return max(v for v, _ in found), " + ".join(sorted({s for _, s in found}))
+    top = max(v for v, _ in found)
+    return top, " + ".join(sorted({s for v, s in found if v == top}))
 
 
 def _step_peaks(

@@ -25,7 +25,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -51,6 +51,7 @@ log = logging.getLogger("kvpilot.vllm")
 MAX_READ_BYTES = 64 * 1024  # one read of vLLM's output; a longer line arrives in pieces
 TAIL_LINES = 40  # kept for the error message when vLLM dies before serving
 CAPACITY_WAIT_S = 5.0
+MAX_HELD_LINES = 50_000
 RELEASE_EVERY_S = 0.5
 
 
@@ -87,7 +88,9 @@ class VllmLauncher:
         self.run_id = options.run_id or f"vllm-{uuid.uuid4().hex[:12]}"
         self.parser = VllmLogParser(instance=self.instance, run_id=self.run_id)
         self.placer = StepPlacer()
-        self._placing = threading.Lock()
+        self._placing = threading.Lock()  # the parser, the placer and the held lines
+        self._held: list[tuple[str, float]] = []  # lines read before the KV block count was known
+        self._held_since = 0.0
         traces_endpoint = f"{self.collector_url}/v1/traces" if options.traces else None
         self.command = build_command(options.python, options.vllm_args, traces_endpoint=traces_endpoint)
         self.env = build_env(
@@ -207,7 +210,9 @@ class VllmLauncher:
         self._stopping.set()
         for thread in self._threads[1:]:
             thread.join(timeout=5.0)
-        self._emit(self.placer.flush)
+        with self._placing:
+            self._parse_held(force=True)
+            self._emit(self.placer.flush())
         if self._sink is not None:
             self._sink.close()
         if self._log_fh is not None:
@@ -229,26 +234,51 @@ class VllmLauncher:
                         pass
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self._tail.append(line)
-            if "Iteration(" in line and not self._ready.is_set():
-                # a step served in the moment between vLLM's first /health and our read of its KV block
-                # count: wait (bounded) for that count rather than ship this step in other units
-                self._ready.wait(CAPACITY_WAIT_S)
-            event = self.parser.feed(line, read_ts=read_ts)
-            if event is not None:
-                self._emit(lambda event=event: self.placer.push(event))
-        self._emit(self.placer.flush)
+            with self._placing:
+                self._parse(line, read_ts)
+        with self._placing:
+            self._parse_held(force=True)
+            self._emit(self.placer.flush())
+
+    def _parse(self, line: str, read_ts: float) -> None:
+        """Feed one line; hold it (and every line after it, in order) while the KV block count is unknown.
+
+        A step served in the moment between vLLM's first /health and the read of its KV block count waits
+        (bounded by CAPACITY_WAIT_S) for that count rather than ship in other units; the lines wait, not the
+        reading: a stalled reader would fill the pipe and stall vLLM's own logging.
+        """
+        if self._held or ("Iteration(" in line and not self._ready.is_set()):
+            if not self._held:
+                self._held_since = time.monotonic()
+            self._held.append((line, read_ts))
+            self._parse_held(force=len(self._held) >= MAX_HELD_LINES)
+            return
+        if (event := self.parser.feed(line, read_ts=read_ts)) is not None:
+            self._emit(self.placer.push(event))
+
+    def _parse_held(self, *, force: bool = False) -> bool:
+        """Feed the held lines once the capacity is known or the wait is over; whether none is held now."""
+        if not self._held:
+            return True
+        if not (force or self._ready.is_set() or time.monotonic() - self._held_since > CAPACITY_WAIT_S):
+            return False
+        held, self._held = self._held, []
+        for line, read_ts in held:
+            if (event := self.parser.feed(line, read_ts=read_ts)) is not None:
+                self._emit(self.placer.push(event))
+        return True
 
     def _release(self) -> None:
         while not self._stopping.wait(RELEASE_EVERY_S):
-            self._emit(lambda: self.placer.release(time.time()))
+            with self._placing:
+                self._parse_held()
+                self._emit(self.placer.release(time.time()))
 
-    def _emit(self, placed: Callable[[], list[StepEvent]]) -> None:
-        """Run one placer call and hand what it released to the sink, both under the placer's lock."""
-        with self._placing:
-            events = placed()
-            if self._sink is not None:
-                for event in events:
-                    self._sink.emit(event)
+    def _emit(self, events: list[StepEvent]) -> None:
+        """Hand placed steps to the sink (the caller holds `_placing`: parser, placer and held lines)."""
+        if self._sink is not None:
+            for event in events:
+                self._sink.emit(event)
 
     def _watch(self) -> None:
         with httpx.Client(timeout=5.0) as client:

@@ -79,7 +79,10 @@ def test_scrape_only_and_kvpilot_engine_and_nothing(db_engine: Engine) -> None:
 
     both = q.engine_peaks(db_engine, start=T0, end=T0 + 60)
     assert both.kv_usage_peak == 0.8 and both.running_peak == 12
-    assert both.kv_usage_source == f"{KVPILOT_STEPS} + scrape samples every 15 s — sampled, not a peak"
+    assert both.kv_usage_source == KVPILOT_STEPS  # the source of the instance that holds the peak
+    _scrape(db_engine, "sglang-b", "kv_usage", [(45, 0.9)])
+    sampled_top = q.engine_peaks(db_engine, start=T0, end=T0 + 60)
+    assert sampled_top.kv_usage_peak == 0.9 and "sampled, not a peak" in sampled_top.kv_usage_source
 
     empty = q.engine_peaks(db_engine, start=T0 + 100, end=T0 + 200)
     assert (empty.kv_usage_peak, empty.running_peak, empty.waiting_peak, empty.steps) == (None, None, None, 0)
