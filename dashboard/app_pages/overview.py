@@ -141,7 +141,11 @@ left, right = st.columns(2)
 with left, ui.guarded("Throughput"):
     tp = serving.throughput(f)
     if tp.empty:
-        ui.empty("engine steps", "Step events come from kvpilot engines; scraped servers show token rates above.")
+        ui.empty(
+            "engine steps",
+            "Steps come from kvpilot engines and from vLLM's iteration log (`kvpilot vllm serve`); scraped "
+            "servers show token rates above.",
+        )
     else:
         long = tp.melt(
             id_vars=["instance", "time"],
@@ -156,6 +160,7 @@ with left, ui.guarded("Throughput"):
                 color="instance",
                 dash="kind",
                 title=f"Engine throughput (mean per {timewin.fmt_span(f.bucket_s)})",
+                subtitle="every step's tokens, in the bucket where the step ran (from its end and duration)",
                 y_title="tokens/s",
             ),
             width="stretch",
