@@ -7,9 +7,12 @@ So each figure comes from the step rows when the instance has them (vLLM's itera
 source says which, and a sampled figure says that it is a sample, not a peak.
 
 vLLM's iteration line carries no queue length (its step rows hold `queue_depth` 0), so for a vLLM the
-waiting figure is always the sampled `vllm:num_requests_waiting`. A step row's instance is a kvpilot engine
-when that instance also pushes sample events (kvpilot's engine samples its gauges; the vLLM adapter does
-not).
+waiting figure comes from its request rows (its `llm_request` spans): each request waited `queue_s` up to
+the moment it was scheduled, which is its end minus its decode and prefill times, and the most requests
+waiting at once is the most of those intervals that overlap (a preempted request's second wait is not in
+its span). Without request rows it is the sampled `vllm:num_requests_waiting`. A step row's instance is a
+kvpilot engine when that instance also pushes sample events (kvpilot's engine samples its gauges; the
+vLLM adapter does not).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, _bound, _dialect, bucket_expr
 from collector.queries.timeseries import series_points
-from collector.schema import SampleRow, StepRow
+from collector.schema import RequestRow, SampleRow, StepRow
 
 VLLM_STEPS = "vLLM iteration log (every step)"
+VLLM_SPANS = "vLLM spans (every request's time in the queue)"
 KVPILOT_STEPS = "kvpilot engine steps (every step)"
 NO_DATA = "no data in the window"
 
@@ -83,6 +87,9 @@ def engine_peaks(
     kv: list[tuple[float, str]] = []
     running: list[tuple[float, str]] = []
     waiting: list[tuple[float, str]] = []
+    queued = _queue_peaks(
+        db, start=start, end=end, instances=[n for n in step_peaks if n not in pushing], run_id=run_id
+    )
     for name, peaks in step_peaks.items():
         label = KVPILOT_STEPS if name in pushing else VLLM_STEPS
         if peaks.kv is not None:
@@ -90,13 +97,16 @@ def engine_peaks(
         running.append((peaks.running, label))
         if name in pushing:
             waiting.append((peaks.waiting, label))
+        elif name in queued:
+            waiting.append((queued[name], VLLM_SPANS))
     sampled_names = None if instances is None else [n for n in instances if n not in step_peaks]
     if sampled_names is None or sampled_names:
         kv += _sampled(db, "kv_usage", start, end, sampled_names, skip=set(step_peaks), pushing=pushing)
         running += _sampled(db, "running", start, end, sampled_names, skip=set(step_peaks), pushing=pushing)
-    waiting_names = None if instances is None else [n for n in instances if n not in pushing or n not in step_peaks]
+    counted = {n for n in step_peaks if n in pushing} | set(queued)
+    waiting_names = None if instances is None else [n for n in instances if n not in counted]
     if waiting_names is None or waiting_names:
-        skip = {n for n in step_peaks if n in pushing}
+        skip = counted
         waiting += _sampled(db, "queue_depth", start, end, waiting_names, skip=skip, pushing=pushing)
     kv_peak, kv_source = _highest(kv)
     running_peak, running_source = _highest(running)
@@ -195,6 +205,30 @@ def _step_peaks(
             name: _StepPeaks(None if kv is None else float(kv), int(running), int(waiting), int(n))
             for name, kv, running, waiting, n in conn.execute(stmt)
         }
+
+
+def _queue_peaks(db: Db, *, start: float, end: float, instances: Sequence[str], run_id: str | None) -> dict[str, int]:
+    """instance -> the most of its requests waiting at once, from each request's queue interval."""
+    if not instances:
+        return {}
+    r = RequestRow.__table__.c
+    conds: list[ColumnElement] = [r.ts >= start, r.ts < end, r.warmup.is_(False), r.instance.in_(instances)]
+    if run_id is not None:
+        conds.append(r.run_id == run_id)
+    scheduled = r.ts - r.decode_s - r.prefill_s
+    stmt = select(r.instance, scheduled - r.queue_s, scheduled).where(*conds, r.queue_s > 0)
+    edges: dict[str, list[tuple[float, int]]] = {}
+    with _bound(db) as conn:
+        for name, queued_at, scheduled_at in conn.execute(stmt):
+            edges.setdefault(name, []).extend(((float(queued_at), 1), (float(scheduled_at), -1)))
+    out = {}
+    for name, points in edges.items():
+        depth = top = 0
+        for _, step in sorted(points):  # at a tie the scheduling (-1) comes first: back to back is not both
+            depth += step
+            top = max(top, depth)
+        out[name] = top
+    return out
 
 
 def _sampling_instances(

@@ -7,7 +7,7 @@ from sqlalchemy import Engine, insert
 
 from collector import queries as q
 from collector.exposition import labels_json
-from collector.queries.engine_peaks import KVPILOT_STEPS, NO_DATA, VLLM_STEPS
+from collector.queries.engine_peaks import KVPILOT_STEPS, NO_DATA, VLLM_SPANS, VLLM_STEPS
 from collector.schema import SeriesPoint
 from tests.collector import evfactory as ev
 from tests.collector.test_queries_contract import ingest
@@ -98,3 +98,21 @@ def test_step_load_over_time_is_each_buckets_fullest_step(db_engine: Engine) -> 
     assert [b.running for b in buckets] == [21, 19, 1] and [b.steps for b in buckets] == [3, 2, 1]
     assert q.step_load_over_time(db_engine, start=T0, end=T0 + 60, bucket_s=1.0, run_id="other") == {}
     assert q.step_source(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"]) == VLLM_STEPS
+
+
+def test_a_vllms_waiting_peak_comes_from_its_requests_queue_times(db_engine: Engine) -> None:
+    _vllm(db_engine)
+    # scheduled = end - decode - prefill; waiting from scheduled - queue: [2, 5), [3, 4.8), [4.5, 6), [5, 7):
+    # three at once from 4.5 to 4.8
+    waits = [(2.0, 5.0), (3.0, 4.8), (4.5, 6.0), (5.0, 7.0)]
+    requests = [
+        ev.request(i, instance="vllm-a", run_id="vllm-r", ts=T0 + sched + 1.5, decode_s=1.0, prefill_s=0.5,
+                   queue_s=sched - queued, e2e_s=sched - queued + 1.6)
+        for i, (queued, sched) in enumerate(waits)
+    ]  # fmt: skip
+    requests.append(ev.request(9, instance="vllm-a", run_id="vllm-r", ts=T0 + 6.0, queue_s=0.0))  # never waited
+    requests.append(ev.request(8, instance="vllm-a", run_id="vllm-r", ts=T0 + 6.0, queue_s=3.0, warmup=True))
+    ingest(db_engine, requests, "vllm-spans")
+    p = q.engine_peaks(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"])
+    assert (p.waiting_peak, p.waiting_source) == (3, VLLM_SPANS)
+    assert p.running_peak == 21 and p.source == VLLM_STEPS  # the rest still from every step
