@@ -18,7 +18,7 @@ import pytest
 
 from collector.db import make_engine
 from collector.queries import engine_peaks
-from collector.queries.engine_peaks import VLLM_STEPS
+from collector.queries.engine_peaks import VLLM_SPANS, VLLM_STEPS
 from tests.vllm.peer import INSTANCE, VllmPeer
 from tests.vllm.test_live import prompt
 
@@ -79,3 +79,5 @@ def test_steps_end_at_the_first_tokens_of_the_spans_and_the_kv_peak_is_the_logs(
     # within 0.10 is what the operator needs; the rows hold whole blocks of 64, so within one block holds
     assert abs(peaks.kv_usage_peak - max(logged)) <= 1 / 64 + 1e-3, (peaks, max(logged))
     assert peaks.running_peak is not None and peaks.running_peak >= 4
+    # vLLM's line has no queue length: the waiting peak comes from the spans' time in the queue
+    assert peaks.waiting_source == VLLM_SPANS and peaks.waiting_peak is not None and peaks.waiting_peak >= 1
