@@ -256,12 +256,17 @@ class VllmLauncher:
         if (event := self.parser.feed(line, read_ts=read_ts)) is not None:
             self._emit(self.placer.push(event))
 
-    def _parse_held(self, *, force: bool = False) -> bool:
-        """Feed the held lines once the capacity is known or the wait is over; whether none is held now."""
+    def _parse_held(self, *, force: bool = False) -> None:
+        """Feed the held lines once the capacity is known or the wait is over (or `force`)."""
         if not self._held:
-            return True
-        if not (force or self._ready.is_set() or time.monotonic() - self._held_since > CAPACITY_WAIT_S):
-            return False
+            return
+        waited_out = time.monotonic() - self._held_since > CAPACITY_WAIT_S
+        if not (force or self._ready.is_set() or waited_out):
+            return
+        if not self._ready.is_set():
+            log.warning(
+                "vLLM's KV block count is still unknown; %d line(s) read before it count KV in tokens", len(self._held)
+            )
         held, self._held = self._held, []
         for line, read_ts in held:
             if (event := self.parser.feed(line, read_ts=read_ts)) is not None:
