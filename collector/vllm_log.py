@@ -23,6 +23,16 @@ row, the same row a kvpilot engine's step event makes (DESIGN.md):
   compile runs) bypasses the scheduler and logs no iteration lines.
 - Engines other than 000 (data-parallel ranks) get the instance `<instance>/dp<N>`.
 
+When a step ran: vLLM logs a step's line after the step, in its API server, once that server has taken
+the step's output; when the server falls behind, hundreds of lines come out in one burst. So a line's time
+is only a bound (the step ended before it), and `StepPlacer` places each step at the latest end that every
+bound allows with consecutive steps of one engine not overlapping (each lasted its elapsed time). The bound
+is, best first: the time vLLM put on the line — `LOG_TIME_PREFIX` (`%(created).6f`, the log record's
+creation time to the microsecond) set as `VLLM_LOGGING_PREFIX`, which vLLM's formatter expands (`kvpilot
+vllm serve` sets it; set it on a vLLM whose file `kvpilot collector tail` reads); with `ts_from_log`, the
+line's own time (whole seconds, so the bound is the end of that second); else the time the reader read it
+(`read_ts`, taken the moment the line arrived, from an unbuffered child read line by line).
+
 Other lines are skipped; a line that looks like an iteration line but does not parse is counted in
 `stats.unparsable` (a changed vLLM format shows up there instead of as silently missing steps). Lines are
 cut at `MAX_LINE_CHARS` before matching, so a pathological line costs bounded time.
@@ -33,11 +43,13 @@ from __future__ import annotations
 import datetime as dt
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from collector.events import StepEvent
 
+LOG_TIME_PREFIX = "%(created).6f "  # VLLM_LOGGING_PREFIX: vLLM's formatter expands it on every line
 MAX_LINE_CHARS = 16_384
 MAX_INSTANCE_CHARS = 190  # room for the `/dpN` suffix within the event's 200
 PERMILLE = 1000
@@ -52,6 +64,7 @@ _ITERATION = re.compile(
 )
 _CAPACITY = re.compile(r"[A-Za-z]{1,16}(?: \+ host)? KV cache size: (?P<tokens>\d{1,3}(?:,\d{3}){0,6}|\d{1,20}) tokens")
 _BLOCK_SIZE_ARG = re.compile(r"non-default args: \{.{0,8000}?'block_size': (?P<n>\d{1,7})[,}]")
+_PRECISE_TIME = re.compile(r"^(?P<epoch>\d{9,11}\.\d{1,9}) ")
 _LOG_TIME = re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<mon>\d\d)-(?P<day>\d\d) (?P<hms>\d\d:\d\d:\d\d) ")
 
 
@@ -87,9 +100,10 @@ class KvCapacity:
 class VllmLogParser:
     """Feed it vLLM's log lines in order; it returns a `StepEvent` for each iteration line.
 
-    `ts_from_log`: stamp steps with the line's own time (second resolution, local time, the year guessed
-    from the clock) — for a log file read after the fact. Otherwise steps get the time they were read,
-    which is the better clock for a live process.
+    Each step's `ts` is the bound its line gives (module docstring): the time vLLM prefixed it with, else
+    with `ts_from_log` the end of the line's own second (local time, the year guessed from the clock) —
+    for a log file read after the fact — else `read_ts`, the time the caller read the line (the clock
+    when not given). `StepPlacer` turns these bounds into step times.
     """
 
     def __init__(
@@ -120,7 +134,7 @@ class VllmLogParser:
             blocks=blocks or self.capacity.blocks,
         )
 
-    def feed(self, line: str) -> StepEvent | None:
+    def feed(self, line: str, *, read_ts: float | None = None) -> StepEvent | None:
         self.stats.lines += 1
         if len(line) > MAX_LINE_CHARS:
             self.stats.truncated += 1
@@ -143,7 +157,7 @@ class VllmLogParser:
         event = StepEvent(
             instance=self.instance if engine == 0 else f"{self.instance}/dp{engine}",
             run_id=self.run_id,
-            ts=self._timestamp(line),
+            ts=self._timestamp(line, read_ts),
             step=int(m["index"]),
             duration_s=elapsed_s,
             forward_s=elapsed_s,
@@ -167,8 +181,10 @@ class VllmLogParser:
         elif "non-default args" in line and (m := _BLOCK_SIZE_ARG.search(line)):
             self.capacity = KvCapacity(tokens=self.capacity.tokens, block_size=int(m["n"]), blocks=None)
 
-    def _timestamp(self, line: str) -> float:
-        now = self.clock()
+    def _timestamp(self, line: str, read_ts: float | None) -> float:
+        now = self.clock() if read_ts is None else read_ts
+        if (m := _PRECISE_TIME.match(line)) is not None:
+            return float(m["epoch"])
         if not self.ts_from_log or (m := _LOG_TIME.search(line)) is None:
             return now
         year = dt.datetime.fromtimestamp(now).year
@@ -178,4 +194,61 @@ class VllmLogParser:
                 stamp = stamp.replace(year=year - 1)
         except ValueError:  # 02-29 of another year, or a mangled field
             return now
-        return stamp.timestamp()
+        return stamp.timestamp() + 1.0  # logged within that second: the bound is its end
+
+
+class StepPlacer:
+    """Steps at the times they ran, from the bounds their lines give (module docstring).
+
+    Steps are held until the clock (`release(now)`) is `hold_s` past their bound, since a later line of
+    the same burst moves them earlier; then, per engine (instance), each step ends at
+    min(its bound, the next step's end - the next step's duration), and not before the previous step's
+    end plus its own duration (unless its bound says otherwise: a bound is a fact, a duration sum is
+    not). `flush()` releases everything (at the end of a read, at exit).
+    """
+
+    def __init__(self, *, hold_s: float = 2.0, max_pending: int = 50_000) -> None:
+        self.hold_s = hold_s
+        self.max_pending = max_pending
+        self._pending: dict[str, deque[StepEvent]] = {}
+        self._last_end: dict[str, float] = {}
+        self.moved = 0  # steps placed before their bound (lines that came out in a burst)
+
+    def push(self, event: StepEvent) -> list[StepEvent]:
+        """Hold `event`; return the steps its bound releases."""
+        self._pending.setdefault(event.instance, deque()).append(event)
+        return self.release(event.ts)
+
+    def release(self, now: float) -> list[StepEvent]:
+        return self._release(lambda e: e.ts <= now - self.hold_s)
+
+    def flush(self) -> list[StepEvent]:
+        return self._release(lambda _e: True)
+
+    def _release(self, ready: Callable[[StepEvent], bool]) -> list[StepEvent]:
+        out: list[StepEvent] = []
+        for instance, pending in self._pending.items():
+            count = 0
+            while count < len(pending) and (ready(pending[count]) or len(pending) - count > self.max_pending):
+                count += 1
+            if count:
+                out.extend(self._place(instance, pending, count))
+        return out
+
+    def _place(self, instance: str, pending: deque[StepEvent], count: int) -> list[StepEvent]:
+        steps = list(pending)
+        ends = [e.ts for e in steps]
+        for k in range(len(steps) - 2, -1, -1):
+            ends[k] = min(ends[k], ends[k + 1] - steps[k + 1].duration_s)
+        placed = []
+        last = self._last_end.get(instance)
+        for k in range(count):
+            step = pending.popleft()
+            end = ends[k] if last is None else min(step.ts, max(ends[k], last + step.duration_s))
+            if end < step.ts:
+                self.moved += 1
+                step = step.model_copy(update={"ts": end})
+            placed.append(step)
+            last = end
+        self._last_end[instance] = last  # type: ignore[assignment]
+        return placed

@@ -3,7 +3,8 @@
 Data arrives already downsampled in SQL (one row per bucket), so charts never aggregate in the browser.
 Time axes read 24-hour UTC (`HH:MM:SS`, with the date across days), never a 12-hour clock or a
 millisecond tick. A bucket's value holds until the next bucket (a step), never a smoothed curve that
-overshoots the data or dips below zero.
+overshoots the data or dips below zero, and never across time with no data: a line breaks where its points
+are more than `GAP_FACTOR` times their usual spacing apart (`break_gaps`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,38 @@ DATE_CLOCK = "%m-%d %H:%M"
 TIMESTAMP = "%Y-%m-%d %H:%M:%S"
 # A bucket starts at its time and holds until the next: draw what was measured, nothing in between.
 INTERPOLATE = "step-after"
+GAP_FACTOR = 2.0
+
+
+def break_gaps(df: pd.DataFrame, *, y: str, by: Sequence[str], time: str = "time") -> pd.DataFrame:
+    """`df` with a row of no value (y = None) one usual spacing after each point that a gap follows.
+
+    A gap is more than GAP_FACTOR times the line's median spacing between two points (a line of two
+    points has no usual spacing: it is left whole). The empty row ends the last bucket where its own
+    width would, and the chart's line stops there instead of drawing a level across time with no data.
+    """
+    if df.empty or time not in df:
+        return df
+    breaks = []
+    for _, group in df.sort_values(time).groupby(list(by), sort=False, dropna=False):
+        stamps = pd.to_datetime(group[time], utc=True)
+        spacing = stamps.diff().iloc[1:]
+        if len(spacing) < 2:
+            continue
+        usual = spacing.median()
+        if usual <= pd.Timedelta(0):
+            continue
+        gap_next = [*(spacing > GAP_FACTOR * usual).to_list(), False]  # the point before each gap
+        for _, row in group[gap_next].iterrows():
+            empty = row.copy()
+            empty[time] = row[time] + usual
+            empty[y] = None
+            breaks.append(empty)
+    if not breaks:
+        return df
+    out = pd.concat([df, pd.DataFrame(breaks)], ignore_index=True).sort_values(time, kind="stable")
+    out[y] = pd.to_numeric(out[y])  # NaN, which the chart's data carries as null: the line's break
+    return out
 
 
 def time_format(times: pd.Series | None) -> str:
@@ -82,12 +115,14 @@ def lines(
     log: bool = False,
     height: int = HEIGHT,
     thresholds: Sequence[Any] = (),
+    subtitle: str | None = None,
 ) -> alt.Chart | alt.LayerChart:
     """One line per `color` value over time (and per `dash` value, drawn dashed); `percent` formats 0..1 as %.
 
     `thresholds` (transform.Threshold: level, text) draw the levels alert rules fire at as dashed dark
-    rules, so a reader sees a peak against the line that pages them.
+    rules, so a reader sees a peak against the line that pages them. `subtitle`: where the data comes from.
     """
+    df = break_gaps(df, y=y, by=[color, dash] if dash else [color])
     fmt = ".0%" if percent else y_format
     scale = alt.Scale(domain=[0, 1]) if percent else alt.Scale(zero=True)
     if log:
@@ -111,7 +146,8 @@ def lines(
     top = float(df[y].max()) if not df.empty else 0.0
     drawn = [t for t in thresholds if percent or t.level <= 2 * top]
     far = [t for t in thresholds if t not in drawn]
-    heading = alt.TitleParams(title, subtitle=[f"{t.text} (far above)" for t in far]) if far else title
+    notes = ([subtitle] if subtitle else []) + [f"{t.text} (far above)" for t in far]
+    heading = alt.TitleParams(title, subtitle=notes) if notes else title
     chart = (
         alt.Chart(df, title=heading, height=height)
         .mark_line(point=len(df) < 40, interpolate=INTERPOLATE)

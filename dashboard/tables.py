@@ -161,7 +161,9 @@ SCRAPED_ENGINE_TABLE = {
     "running": Col("Running", "number"),
     "swapped": Col("Swapped", "number"),
     "KV usage": Col("KV now", "bar", width=110),
-    "KV peak": Col("KV peak", "bar", width=110, help="the highest sample in the window"),
+    "KV peak": Col(
+        "KV, highest sample", "bar", width=110, help="the highest sample in the window: sampled, not a peak"
+    ),
     "cold KV usage": Col("Cold KV now", "bar", width=110),
     "prefix hit rate": Col("Prefix hits", "bar", width=110),
     "preemptions": Col("Preemptions", "count", help="counter increase in the window"),
@@ -172,7 +174,9 @@ GPU_TABLE = {
     "labels": Col("Labels", width="medium"),
     "utilization": Col("Busy now", "bar", width=110),
     "memory": Col("Memory now", "bar", width=110),
-    "memory peak": Col("Memory peak", "bar", width=110, help="the highest sample in the window"),
+    "memory peak": Col(
+        "Memory, highest sample", "bar", width=110, help="the highest sample in the window: sampled, not a peak"
+    ),
     "memory used (GiB)": Col("Used", "gib"),
     "memory total (GiB)": Col("Total", "gib"),
     "power (W)": Col("Power", "number", unit="W"),

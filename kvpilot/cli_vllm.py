@@ -109,7 +109,8 @@ def serve_cmd(
     spooled = len(getattr(sink, "spool", ()))
     typer.echo(
         f"kvpilot: vLLM exited with {code}; {stats.iteration_lines} iteration lines, {stats.steps} steps "
-        f"({sent} acknowledged, {spooled} batch(es) waiting in the spool), {stats.unparsable} unparsable",
+        f"({sent} acknowledged, {spooled} batch(es) waiting in the spool), {stats.unparsable} unparsable, "
+        f"{launcher.placer.moved} placed before their line (lines that came out in a burst)",
         err=True,
     )
     raise typer.Exit(code if code >= 0 else 128 - code)

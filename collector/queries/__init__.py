@@ -24,6 +24,7 @@ from collector.queries.diagnosis import DETECTORS, diagnose, diagnosed_instances
 from collector.queries.diagnosis_base import KNOBS, TRAPS, Finding, Knob, Trap, study_command
 from collector.queries.diagnosis_kv import memory_wall, swap_thrashing
 from collector.queries.diagnosis_requests import bursts, cold_start, mixed_lengths
+from collector.queries.engine_peaks import EnginePeaks, StepLoadBucket, engine_peaks, step_load_over_time, step_source
 from collector.queries.engine_stats import (
     AllocOpBucket,
     AllocTrace,
@@ -87,6 +88,7 @@ __all__ = [
     "AllocOpBucket",
     "AllocTrace",
     "Db",
+    "EnginePeaks",
     "Finding",
     "Goodput",
     "GroupBy",
@@ -106,6 +108,7 @@ __all__ = [
     "Series",
     "SeriesId",
     "StageBucket",
+    "StepLoadBucket",
     "StoredStep",
     "TargetHealth",
     "ThroughputBucket",
@@ -121,6 +124,7 @@ __all__ = [
     "diagnose",
     "diagnosed_instances",
     "duplicate_steps",
+    "engine_peaks",
     "goodput",
     "group_key",
     "group_sum",
@@ -146,6 +150,8 @@ __all__ = [
     "series_points",
     "slowest_requests",
     "stage_breakdown_over_time",
+    "step_load_over_time",
+    "step_source",
     "stored_event_counts",
     "stored_requests",
     "stored_steps",

@@ -91,12 +91,16 @@ def throughput_over_time(
     instances: Sequence[str] | None = None,
     run_id: str | None = None,
 ) -> dict[str, list[ThroughputBucket]]:
-    """instance -> per-bucket engine throughput from step events (tokens/s, step time, busy fraction)."""
+    """instance -> per-bucket engine throughput from step events (tokens/s, step time, busy fraction).
+
+    A step counts in the bucket where it ran: by the middle of its run (its end `ts` minus half its
+    duration), so a bucket's tokens/s is what the steps that ran in it produced over its width.
+    """
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
     st = StepRow.__table__.c
     with _bound(db) as conn:
-        b = bucket_expr(st.ts, bucket_s, _dialect(conn)).label("bucket")
+        b = bucket_expr(st.ts - st.duration_s / 2, bucket_s, _dialect(conn)).label("bucket")
         conds = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
         if instances is not None:
             conds.append(st.instance.in_(instances))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import charts, timewin, ui
-from dashboard.data import alerting, catalog, kv, scraped, serving
+from dashboard.data import alerting, catalog, kv, load, scraped, serving
 from dashboard.tables import SCRAPED_ENGINE_TABLE, Col, show
 
 st.title("KV memory")
@@ -38,6 +38,25 @@ OPS = {
 }
 kv_rules = alerting.thresholds_for("kv_usage")
 
+with ui.guarded("KV usage peak"):
+    hot = load.over_time(f, ("kv_usage",))
+    if not hot.empty:
+        p = load.peaks(f)
+        st.markdown(load.figure("KV usage", ui.fmt_pct(p.kv_usage_peak), p.kv_usage_source))
+        st.altair_chart(
+            charts.lines(
+                hot,
+                y="value",
+                color="line",
+                y_title="used",
+                percent=True,
+                title="KV cache usage (hot tier)",
+                subtitle=load.describe(hot, per_bucket),
+                thresholds=kv_rules,
+            ),
+            width="stretch",
+        )
+
 with ui.guarded("KV usage"):
     usage = kv.usage(f)
     if usage.empty:
@@ -50,15 +69,16 @@ with ui.guarded("KV usage"):
         hot_peak = peak.get("hot tier usage")
         over = [t for t in kv_rules if t.op in (">", ">=") and hot_peak is not None and hot_peak > t.level]
         cols[0].metric(
-            "Hot tier peak",
+            "Hot tier, highest sample",
             ui.fmt_pct(hot_peak),
-            help="the highest KV usage sampled in the window: what a `kv_usage > threshold` rule sees",
+            help="the highest KV usage sampled in the window: what a `kv_usage > threshold` rule sees "
+            "(the peak over every step is above)",
         )
         cols[0].caption(
             f"mean {ui.fmt_pct(mean.get('hot tier usage'))}"
             + (f" · over {over[0].rule}'s {over[0].level:.0%}" if over else "")
         )
-        cols[1].metric("Cold tier peak", ui.fmt_pct(peak.get("cold tier usage")), help="host-memory tier")
+        cols[1].metric("Cold tier, highest sample", ui.fmt_pct(peak.get("cold tier usage")), help="host-memory tier")
         cols[1].caption(f"mean {ui.fmt_pct(mean.get('cold tier usage'))}")
         for col, name, what in (
             (cols[2], "internal waste", "allocated slots holding no token"),
@@ -77,7 +97,7 @@ with ui.guarded("KV usage"):
                 dash="series",
                 y_title="used",
                 percent=True,
-                title=f"Hot (device) and cold (host) tier usage (peak per {per_bucket})",
+                title=f"Hot (device) and cold (host) tier usage (highest sample per {per_bucket})",
                 thresholds=kv_rules,
             ),
             width="stretch",
@@ -118,7 +138,7 @@ if sel.scraped:
                         dash="series",
                         y_title="used",
                         percent=True,
-                        title=f"KV cache usage per engine (peak per {per_bucket})",
+                        title=f"KV cache usage per engine (highest scrape per {per_bucket}: sampled, not a peak)",
                         thresholds=kv_rules,
                     ),
                     width="stretch",
@@ -135,7 +155,7 @@ with ui.guarded("Accelerator memory"):
                 memory,
                 y="value",
                 color="line",
-                title=f"Accelerator memory per GPU (peak per {per_bucket})",
+                title=f"Accelerator memory per GPU (highest sample per {per_bucket})",
                 y_title="used",
                 percent=True,
                 thresholds=alerting.thresholds_for("memory_usage"),
@@ -154,7 +174,7 @@ with left, ui.guarded("Swap rate"):
                 swaps,
                 y="value",
                 color="line",
-                title=f"Swap rate (peak per {per_bucket})",
+                title=f"Swap rate (highest sample per {per_bucket})",
                 y_title="swaps/s",
                 y_format=".3~g",
                 thresholds=alerting.thresholds_for("swap_rate"),

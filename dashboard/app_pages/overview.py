@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import charts, timewin, ui
-from dashboard.data import alerting, catalog, scraped, serving
+from dashboard.data import alerting, catalog, load, scraped, serving
 from dashboard.tables import GPU_TABLE, SCRAPED_ENGINE_TABLE, Col, show
 
 st.title("Overview")
@@ -134,14 +134,18 @@ if sel.scraped:
             st.markdown("**Scraped engines** (one row per label set: engine, model)")
             show(engines, SCRAPED_ENGINE_TABLE)
         if not gpus.empty:
-            st.markdown("**Accelerators** (one row per GPU; peak = the highest value in the window)")
+            st.markdown("**Accelerators** (one row per GPU; highest sample = the highest value scraped in the window)")
             show(gpus, GPU_TABLE)
 
 left, right = st.columns(2)
 with left, ui.guarded("Throughput"):
     tp = serving.throughput(f)
     if tp.empty:
-        ui.empty("engine steps", "Step events come from kvpilot engines; scraped servers show token rates above.")
+        ui.empty(
+            "engine steps",
+            "Steps come from kvpilot engines and from vLLM's iteration log (`kvpilot vllm serve`); scraped "
+            "servers show token rates above.",
+        )
     else:
         long = tp.melt(
             id_vars=["instance", "time"],
@@ -156,16 +160,20 @@ with left, ui.guarded("Throughput"):
                 color="instance",
                 dash="kind",
                 title=f"Engine throughput (mean per {timewin.fmt_span(f.bucket_s)})",
+                subtitle="every step's tokens, in the bucket where the step ran (from its end and duration)",
                 y_title="tokens/s",
             ),
             width="stretch",
         )
 with right, ui.guarded("Queue and running"):
-    g = serving.gauges(f, ("queue_depth", "running"), agg="max")
+    g = load.over_time(f, ("running", "queue_depth"))
     if g.empty:
-        ui.empty("queue samples", "Engines sample queue depth and running sequences every telemetry interval.")
+        ui.empty("steps or queue samples", "Engine steps (or sampled gauges) say how many requests ran and waited.")
     else:
-        g["series"] = g["series"].str.replace("_", " ")
+        p = load.peaks(f)
+        running, waiting = (ui.fmt_num(v) for v in (p.running_peak, p.waiting_peak))
+        st.caption(f"{load.figure('Running', running, p.source)}; {load.figure('waiting', waiting, p.waiting_source)}")
+        g["series"] = g["series"].map({"running": "running", "queue_depth": "waiting"})
         st.altair_chart(
             charts.lines(
                 g,
@@ -173,7 +181,8 @@ with right, ui.guarded("Queue and running"):
                 color="line",
                 dash="series",
                 y_title="requests",
-                title=f"Queue depth and running sequences (peak per {timewin.fmt_span(f.bucket_s)})",
+                title="Requests running and waiting",
+                subtitle=load.describe(g, timewin.fmt_span(f.bucket_s)),
                 thresholds=alerting.thresholds_for("queue_depth"),
             ),
             width="stretch",
@@ -181,16 +190,19 @@ with right, ui.guarded("Queue and running"):
 
 left, right = st.columns(2)
 with left, ui.guarded("KV usage"):
-    kv = serving.gauges(f, ("kv_usage",), agg="max")
+    kv = load.over_time(f, ("kv_usage",))
     if kv.empty:
-        ui.empty("KV usage samples", "The KV memory page has the full picture once samples arrive.")
+        ui.empty("KV usage", "The KV memory page has the full picture once steps or samples arrive.")
     else:
+        p = load.peaks(f)
+        st.caption(load.figure("KV usage", ui.fmt_pct(p.kv_usage_peak), p.kv_usage_source))
         st.altair_chart(
             charts.lines(
                 kv,
                 y="value",
                 color="line",
-                title=f"KV cache usage (hot tier, peak per {timewin.fmt_span(f.bucket_s)})",
+                title="KV cache usage (hot tier)",
+                subtitle=load.describe(kv, timewin.fmt_span(f.bucket_s)),
                 y_title="used",
                 percent=True,
                 thresholds=alerting.thresholds_for("kv_usage"),
@@ -207,7 +219,7 @@ with right, ui.guarded("GPU memory"):
                 memory,
                 y="value",
                 color="line",
-                title=f"Accelerator memory per GPU (peak per {timewin.fmt_span(f.bucket_s)})",
+                title=f"Accelerator memory per GPU (highest sample per {timewin.fmt_span(f.bucket_s)})",
                 y_title="used",
                 percent=True,
                 thresholds=alerting.thresholds_for("memory_usage"),

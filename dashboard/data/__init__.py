@@ -5,6 +5,8 @@
 - `serving`: the overview's headline numbers, per-instance table and gauge charts.
 - `scraped`: what a scrape gives per label set: engine and GPU gauges, counter rates, histogram percentiles.
 - `latency`, `kv`: figures from per-request, step, sample and allocation events.
+- `load`: KV usage, requests running and waiting from every step where steps are stored (else sampled), with
+  their sources.
 - `alerting`, `tuning`: alert state, deliveries and silences (alerts package); proposals (tuner.proposals)
   and Optuna studies.
 

@@ -1,11 +1,13 @@
 """`kvpilot vllm serve`: run vLLM's OpenAI server with its telemetry wired to the collector.
 
 The launcher starts vLLM (`wiring.build_command`/`build_env`), reads its merged stdout/stderr line by line
-on one thread — each line goes on to `passthrough` (the launcher's stderr) and an optional log file, and
-each iteration line becomes a step event (`collector.vllm_log`) for the engine's HTTP sink (batches, an
-on-disk spool and retries: a collector that is down loses nothing) — and on a second thread waits for
-/health, reads the KV block count from /metrics and registers /metrics as a scrape target, retrying while
-the collector is unreachable.
+on one thread — each line is stamped the moment it arrives, goes on to `passthrough` (the launcher's
+stderr) and an optional log file, and each iteration line becomes a step event (`collector.vllm_log`)
+placed at the time the step ran (`StepPlacer`, from the time vLLM prefixed the line with) for the engine's
+HTTP sink (batches, an on-disk spool and retries: a collector that is down loses nothing) — on a second
+thread waits for /health, reads the KV block count from /metrics and registers /metrics as a scrape
+target, retrying while the collector is unreachable, and on a third releases the placed steps once no
+later line can move them.
 
 vLLM runs in its own session (process group), so a terminal's Ctrl-C reaches the launcher only and is
 forwarded once; `stop()` sends SIGTERM and, past the grace period, SIGKILLs the whole group (vLLM's
@@ -30,7 +32,8 @@ from typing import BinaryIO
 
 import httpx
 
-from collector.vllm_log import VllmLogParser, VllmLogStats
+from collector.events import StepEvent
+from collector.vllm_log import StepPlacer, VllmLogParser, VllmLogStats
 from engine.http_sink import HttpSink, SpoolLockedError, spool_dir_for
 from engine.sinks import EventSink
 from kvpilot.vllm.wiring import (
@@ -48,6 +51,8 @@ log = logging.getLogger("kvpilot.vllm")
 MAX_READ_BYTES = 64 * 1024  # one read of vLLM's output; a longer line arrives in pieces
 TAIL_LINES = 40  # kept for the error message when vLLM dies before serving
 CAPACITY_WAIT_S = 5.0
+MAX_HELD_LINES = 50_000
+RELEASE_EVERY_S = 0.5
 
 
 class VllmExitedError(RuntimeError):
@@ -82,6 +87,10 @@ class VllmLauncher:
         self.instance = options.instance or f"{os.uname().nodename}:{self.endpoint.port}"
         self.run_id = options.run_id or f"vllm-{uuid.uuid4().hex[:12]}"
         self.parser = VllmLogParser(instance=self.instance, run_id=self.run_id)
+        self.placer = StepPlacer()
+        self._placing = threading.Lock()  # the parser, the placer and the held lines
+        self._held: list[tuple[str, float]] = []  # lines read before the KV block count was known
+        self._held_since = 0.0
         traces_endpoint = f"{self.collector_url}/v1/traces" if options.traces else None
         self.command = build_command(options.python, options.vllm_args, traces_endpoint=traces_endpoint)
         self.env = build_env(
@@ -143,7 +152,12 @@ class VllmLauncher:
             self.close()
             raise VllmSetupError(f"cannot start {self.command[0]}: {exc.strerror or exc}") from None
         log.info("started vLLM (pid %d) as instance %s, run %s", self.proc.pid, self.instance, self.run_id)
-        for target, name in ((self._pump, "kvpilot-vllm-log"), (self._watch, "kvpilot-vllm-watch")):
+        threads = (
+            (self._pump, "kvpilot-vllm-log"),
+            (self._watch, "kvpilot-vllm-watch"),
+            (self._release, "kvpilot-vllm-steps"),
+        )
+        for target, name in threads:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -196,6 +210,9 @@ class VllmLauncher:
         self._stopping.set()
         for thread in self._threads[1:]:
             thread.join(timeout=5.0)
+        with self._placing:
+            self._parse_held(force=True)
+            self._emit(self.placer.flush())
         if self._sink is not None:
             self._sink.close()
         if self._log_fh is not None:
@@ -207,6 +224,7 @@ class VllmLauncher:
         assert self.proc is not None and self.proc.stdout is not None
         out = self.proc.stdout
         while raw := out.readline(MAX_READ_BYTES):
+            read_ts = time.time()  # before anything below can hold the line up
             for stream in (self.passthrough, self._log_fh):
                 if stream is not None:
                     try:
@@ -216,12 +234,55 @@ class VllmLauncher:
                         pass
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self._tail.append(line)
-            if "Iteration(" in line and not self._ready.is_set():
-                # a step served in the moment between vLLM's first /health and our read of its KV block
-                # count: wait (bounded) for that count rather than ship this step in other units
-                self._ready.wait(CAPACITY_WAIT_S)
-            event = self.parser.feed(line)
-            if event is not None and self._sink is not None:
+            with self._placing:
+                self._parse(line, read_ts)
+        with self._placing:
+            self._parse_held(force=True)
+            self._emit(self.placer.flush())
+
+    def _parse(self, line: str, read_ts: float) -> None:
+        """Feed one line; hold it (and every line after it, in order) while the KV block count is unknown.
+
+        A step served in the moment between vLLM's first /health and the read of its KV block count waits
+        (bounded by CAPACITY_WAIT_S) for that count rather than ship in other units; the lines wait, not the
+        reading: a stalled reader would fill the pipe and stall vLLM's own logging.
+        """
+        if self._held or ("Iteration(" in line and not self._ready.is_set()):
+            if not self._held:
+                self._held_since = time.monotonic()
+            self._held.append((line, read_ts))
+            self._parse_held(force=len(self._held) >= MAX_HELD_LINES)
+            return
+        if (event := self.parser.feed(line, read_ts=read_ts)) is not None:
+            self._emit(self.placer.push(event))
+
+    def _parse_held(self, *, force: bool = False) -> None:
+        """Feed the held lines once the capacity is known or the wait is over (or `force`)."""
+        if not self._held:
+            return
+        waited_out = time.monotonic() - self._held_since > CAPACITY_WAIT_S
+        if not (force or self._ready.is_set() or waited_out):
+            return
+        if not self._ready.is_set():
+            log.warning(
+                "vLLM's KV block count is still unknown; %d line(s) read before it count KV in tokens", len(self._held)
+            )
+        held, self._held = self._held, []
+        for line, read_ts in held:
+            if (event := self.parser.feed(line, read_ts=read_ts)) is not None:
+                self._emit(self.placer.push(event))
+        return True
+
+    def _release(self) -> None:
+        while not self._stopping.wait(RELEASE_EVERY_S):
+            with self._placing:
+                self._parse_held()
+                self._emit(self.placer.release(time.time()))
+
+    def _emit(self, events: list[StepEvent]) -> None:
+        """Hand placed steps to the sink (the caller holds `_placing`: parser, placer and held lines)."""
+        if self._sink is not None:
+            for event in events:
                 self._sink.emit(event)
 
     def _watch(self) -> None:

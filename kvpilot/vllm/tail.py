@@ -1,11 +1,14 @@
 """`kvpilot collector tail --file vllm.log`: ship the iteration lines of a vLLM that runs elsewhere.
 
-Each iteration line becomes a step event (`collector.vllm_log`, stamped with the line's own time) for the
-engine's HTTP sink, as `kvpilot vllm serve` does for a vLLM it starts. How far the file was read is kept in
-`<spool dir>/<instance>/tail-state.json` (with the run id and what the log said about the KV capacity) and
-is written only after the sink has handed every event of the lines before that offset to the collector or
-to its disk spool, so a restart resends nothing; a crash between the two resends at most one checkpoint's
-lines. A file that shrank below the offset or was replaced (another inode) is read from its start.
+Each iteration line becomes a step event (`collector.vllm_log`, placed by the line's own time: to the
+microsecond when vLLM ran with `VLLM_LOGGING_PREFIX='%(created).6f '` as `kvpilot vllm serve` sets it,
+else to the second) for the engine's HTTP sink, as `kvpilot vllm serve` does for a vLLM it starts.
+Steps are placed within each read (a burst of lines is read whole), so none is held across a checkpoint.
+How far the file was read is kept in `<spool dir>/<instance>/tail-state.json` (with the run id and what
+the log said about the KV capacity) and is written only after the sink has handed every event of the
+lines before that offset to the collector or to its disk spool, so a restart resends nothing; a crash
+between the two resends at most one checkpoint's lines. A file that shrank below the offset or was
+replaced (another inode) is read from its start.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from collector.vllm_log import MAX_LINE_CHARS, KvCapacity, VllmLogParser, VllmLogStats
+from collector.vllm_log import MAX_LINE_CHARS, KvCapacity, StepPlacer, VllmLogParser, VllmLogStats
 from engine.sinks import EventSink
 
 log = logging.getLogger("kvpilot.vllm")
@@ -81,6 +84,7 @@ class LogTail:
         self.state.run_id = run_id or self.state.run_id or f"vllm-{uuid.uuid4().hex[:12]}"
         capacity = KvCapacity(tokens=self.state.capacity_tokens, block_size=block_size or self.state.block_size)
         self.parser = VllmLogParser(instance=instance, run_id=self.state.run_id, capacity=capacity, ts_from_log=True)
+        self.placer = StepPlacer()
         self._fixed_block_size = block_size
         self._skipping = False  # inside an over-long line, dropping bytes until its newline
 
@@ -161,9 +165,12 @@ class LogTail:
             return
         event = self.parser.feed(raw.decode("utf-8", errors="replace").rstrip("\r"))
         if event is not None:
-            self.sink.emit(event)
+            for placed in self.placer.push(event):
+                self.sink.emit(placed)
 
     def _checkpoint(self) -> None:
+        for placed in self.placer.flush():
+            self.sink.emit(placed)
         self.sink.flush()
         if getattr(self.sink, "queued", 0):  # not all handed over yet: keep the old offset
             return

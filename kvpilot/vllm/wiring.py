@@ -19,6 +19,7 @@ from urllib.parse import quote
 import httpx
 
 from collector.scraper import parse_exposition
+from collector.vllm_log import LOG_TIME_PREFIX
 
 VLLM_PYTHON_ENV = "KVPILOT_VLLM_PYTHON"
 LOCAL_VENV = Path(".venv-vllm")  # `make vllm-venv`
@@ -111,8 +112,10 @@ def build_command(python: str, args: Sequence[str], *, traces_endpoint: str | No
 def build_env(
     base: Mapping[str, str], *, instance: str, run_id: str, token: str | None, traces: bool
 ) -> dict[str, str]:
-    """vLLM's environment: unbuffered output, and the OTLP exporter's settings (the user's own win)."""
+    """vLLM's environment: unbuffered output, each log line prefixed with the time vLLM logged it (to the
+    microsecond: a step's time comes from it), and the OTLP exporter's settings (the user's own win)."""
     env = {**base, "PYTHONUNBUFFERED": "1"}
+    env["VLLM_LOGGING_PREFIX"] = LOG_TIME_PREFIX + env.get("VLLM_LOGGING_PREFIX", "").removeprefix(LOG_TIME_PREFIX)
     level = env.get("VLLM_LOGGING_LEVEL", "INFO").upper()
     if level not in ("DEBUG", "INFO"):
         raise VllmSetupError(f"VLLM_LOGGING_LEVEL={level} hides the INFO iteration lines kvpilot reads")

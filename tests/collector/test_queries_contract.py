@@ -190,11 +190,16 @@ def test_bucketed_and_kv_over_time(db_engine: Engine) -> None:
 
 
 def test_throughput_over_time(db_engine: Engine) -> None:
-    ingest(db_engine, [ev.step(i, prefill_tokens=10, decode_tokens=5, busy_s=0.5) for i in range(20)], "steps")
+    steps = [ev.step(i, ts=T0 + i + 0.5, prefill_tokens=10, decode_tokens=5, busy_s=0.5) for i in range(20)]
+    ingest(db_engine, steps, "steps")
     tp = q.throughput_over_time(db_engine, start=T0, end=T0 + 20, bucket_s=10)["e0"]
     assert [t.steps for t in tp] == [10, 10]  # T0 is a multiple of 10
     assert tp[0].prefill_tokens_per_s == pytest.approx(10.0) and tp[0].decode_tokens_per_s == pytest.approx(5.0)
     assert tp[0].busy_fraction == pytest.approx(0.5)
+    # a 4-s step that ended just past a bucket's edge ran in the bucket before: its tokens count there
+    ingest(db_engine, [ev.step(31, instance="e9", duration_s=4.0, decode_tokens=400, prefill_tokens=0)], "long")
+    (long,) = q.throughput_over_time(db_engine, start=T0, end=T0 + 40, bucket_s=10, instances=["e9"])["e9"]
+    assert long.ts == T0 + 20 and long.decode_tokens_per_s == pytest.approx(40.0)
 
 
 def test_counter_increase_handles_resets(db_engine: Engine) -> None:

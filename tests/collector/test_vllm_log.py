@@ -8,6 +8,7 @@ tokens), `--enable-logging-iteration-details`. The live path is tested against a
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from sqlalchemy import text
 from collector.db import make_engine
 from collector.server import start_subprocess
 from collector.settings import CollectorSettings
-from collector.vllm_log import MAX_LINE_CHARS, KvCapacity, VllmLogError, VllmLogParser
+from collector.vllm_log import LOG_TIME_PREFIX, MAX_LINE_CHARS, KvCapacity, StepPlacer, VllmLogError, VllmLogParser
 from engine.http_sink import HttpSink
 from engine.sinks import MemorySink
 from kvpilot.vllm.tail import STATE_FILE, LogTail, tail_file
@@ -88,10 +89,69 @@ def test_timestamps_from_the_log_or_the_clock() -> None:
     _, (live,) = parse([line], clock=lambda: noon)
     assert live.ts == noon
     _, (logged,) = parse([line], clock=lambda: noon, ts_from_log=True)
-    assert logged.ts == dt.datetime(2026, 12, 3, 15, 2, 41).timestamp()
+    assert logged.ts == dt.datetime(2026, 12, 3, 15, 2, 42).timestamp()  # logged before 15:02:41's end
     new_year = dt.datetime(2027, 1, 2, 9, 0, 0).timestamp()
     _, (last_year,) = parse([line], clock=lambda: new_year, ts_from_log=True)
     assert dt.datetime.fromtimestamp(last_year.ts).year == 2026
+
+
+def test_the_time_vllm_put_on_the_line_wins_over_the_log_time_and_the_read_time() -> None:
+    prefix = LOG_TIME_PREFIX % {"created": 1796310161.123456}  # what vLLM's formatter makes of it
+    line = prefix + ITERATION_LINES[0]
+    for kw in ({}, {"ts_from_log": True}):
+        _, (step,) = parse([line], clock=lambda: 0.0, **kw)
+        assert step.ts == 1796310161.123456
+    parser = VllmLogParser(instance="vllm-a", run_id="r1", clock=lambda: 5.0)
+    assert parser.feed(ITERATION_LINES[0], read_ts=7.25).ts == 7.25  # type: ignore[union-attr]
+    assert parser.feed(ITERATION_LINES[1]).ts == 5.0  # type: ignore[union-attr]
+
+
+def _steps(stamps: list[float], durations: list[float], instance: str = "vllm-a") -> list:
+    line = ITERATION_LINES[0]
+    out = []
+    for i, (ts, d) in enumerate(zip(stamps, durations, strict=True)):
+        (step,) = parse([line], clock=lambda ts=ts: ts)[1]
+        out.append(step.model_copy(update={"step": i, "ts": ts, "duration_s": d, "instance": instance}))
+    return out
+
+
+def test_a_burst_of_lines_is_placed_back_to_back_before_its_last_line() -> None:
+    placer = StepPlacer(hold_s=2.0)
+    # a quiet step, then five lines read in one burst at t=10 (each step took 0.1 s), then a quiet one
+    steps = _steps([1.0, 10.0, 10.0, 10.0, 10.0, 10.0, 15.0], [0.05, 0.1, 0.1, 0.1, 0.1, 0.1, 0.05])
+    out = []
+    for step in steps:
+        out += placer.push(step)
+    assert [s.step for s in out] == [0, 1, 2, 3, 4, 5]  # the last one waits for its hold
+    assert placer.release(16.9) == [] and [s.step for s in placer.release(17.0)] == [6]
+    assert [s.ts for s in out] == pytest.approx([1.0, 9.6, 9.7, 9.8, 9.9, 10.0])
+    assert placer.moved == 4
+
+
+def test_placement_never_overlaps_released_steps_and_keeps_engines_apart() -> None:
+    placer = StepPlacer(hold_s=1.0)
+    first = placer.push(_steps([5.0], [0.2])[0]) + placer.flush()
+    assert [s.ts for s in first] == [5.0]
+    # a step read 0.1 s later lasted 0.2 s: it cannot end before 5.2, and its bound (5.1) is a fact that wins
+    (late,) = placer.push(_steps([5.1], [0.2])[0]) + placer.flush()
+    assert late.ts == 5.1
+    # the next one ends at least its duration after the last end
+    (nxt,) = placer.push(_steps([9.0], [0.3])[0]) + placer.flush()
+    assert nxt.ts == 9.0
+    other = _steps([9.0, 9.0], [0.5, 0.5], instance="vllm-a/dp1")
+    placed = [s for step in other for s in placer.push(step)] + placer.flush()
+    assert [s.ts for s in placed] == pytest.approx([8.5, 9.0])  # dp1 is its own engine
+
+
+def test_placing_a_real_log_by_its_second_stamps_makes_steps_that_never_overlap() -> None:
+    _, steps = parse(LINES, ts_from_log=True)
+    placer = StepPlacer()
+    placed = [s for step in steps for s in placer.push(step)] + placer.flush()
+    assert [s.step for s in placed] == list(range(33))
+    for before, after in itertools.pairwise(placed):
+        assert after.ts - before.ts >= after.duration_s - 1e-6  # epoch seconds: ~2e-7 s apart
+    for step, bound in zip(placed, steps, strict=True):
+        assert step.ts <= bound.ts
 
 
 def test_lines_that_look_like_iterations_but_do_not_parse_are_counted() -> None:

@@ -123,7 +123,7 @@ def test_a_kv_spike_shows_as_100_percent_against_the_rule(mixed: Seed, open_page
     monkeypatch.setenv("KVPILOT_DASHBOARD_RULE_FILES", str(DEMO_RULES))
     at = open_page(mixed.url, "kv_memory")
     no_exception(at)
-    assert metrics(at)["Hot tier peak"] == "100.0%"
+    assert metrics(at)["Hot tier, highest sample"] == "100.0%"
     assert "over MemoryPressure's 90%" in texts(at)
     f = at.session_state[ui.FILTERS_KEY]
     averaged = serving.gauges(f, ("kv_usage",))

@@ -180,3 +180,25 @@ def test_time_axes_read_24_hour_utc() -> None:
     spec = charts.lines(df, y="v", color="i", title="t", y_title="v").to_dict()
     assert spec["encoding"]["x"]["axis"]["format"] == "%H:%M:%S" and spec["encoding"]["x"]["scale"]["type"] == "utc"
     assert spec["mark"]["interpolate"] == "step-after"
+
+
+def test_lines_break_where_there_is_no_data() -> None:
+    import pandas as pd
+
+    from dashboard import charts
+
+    # line a: every second, then nothing for 20 s; line b (dashed series x) every 5 s without a gap
+    a = [(t, float(t)) for t in (*range(0, 6), *range(26, 30))]
+    b = [(t, 1.0) for t in range(0, 30, 5)]
+    rows = [("a", "x", t, v) for t, v in a] + [("b", "x", t, v) for t, v in b] + [("a", "y", 0, 1.0)]
+    df = pd.DataFrame(rows, columns=["i", "s", "ts", "v"])
+    df["time"] = pd.to_datetime(df["ts"], unit="s", utc=True)
+    out = charts.break_gaps(df, y="v", by=["i", "s"])
+    breaks = out[out["v"].isna()]
+    assert len(breaks) == 1 and breaks.iloc[0]["i"] == "a"  # b's 5-s spacing is its usual one, not a gap
+    # the break is one usual spacing after the last point before the gap: that bucket's end
+    assert breaks.iloc[0]["time"] == pd.Timestamp(6, unit="s", tz="UTC")
+    spec = charts.lines(df, y="v", color="i", dash="s", title="t", y_title="v").to_dict()
+    values = next(iter(spec["datasets"].values()))
+    assert sum(v["v"] is None for v in values) == 1  # the chart's data carries the break as null
+    assert charts.break_gaps(df.iloc[:0], y="v", by=["i"]).empty

@@ -57,6 +57,12 @@ def test_env_names_the_instance_and_run_and_carries_the_token_as_an_otlp_header(
     assert env["PYTHONUNBUFFERED"] == "1"
     plain = build_env({}, instance="i", run_id="r", token="t", traces=False)
     assert not any(k.startswith("OTEL_") for k in plain)
+    # every line carries the time vLLM logged it; an operator's own prefix follows ours, never doubled
+    assert plain["VLLM_LOGGING_PREFIX"] == "%(created).6f "
+    theirs = build_env({"VLLM_LOGGING_PREFIX": "[node-3] "}, instance="i", run_id="r", token=None, traces=False)
+    assert theirs["VLLM_LOGGING_PREFIX"] == "%(created).6f [node-3] "
+    again = build_env(theirs, instance="i", run_id="r", token=None, traces=False)
+    assert again["VLLM_LOGGING_PREFIX"] == "%(created).6f [node-3] "
     for bad in ({"VLLM_LOGGING_LEVEL": "warning"}, {"VLLM_CONFIGURE_LOGGING": "0"}):
         with pytest.raises(VllmSetupError):
             build_env(bad, instance="i", run_id="r", token=None, traces=True)

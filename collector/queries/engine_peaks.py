@@ -1,0 +1,269 @@
+"""The peaks of an engine's load — KV usage, requests running, requests waiting — and where each comes from.
+
+A peak is only a peak when every step was seen: a gauge scraped every few seconds misses the moment the
+batch was fullest (a vLLM whose iteration log showed 43 of 64 blocks in use read 0.24 from 5-s scrapes).
+So each figure comes from the step rows when the instance has them (vLLM's iteration log through
+`collector.vllm_log`, or kvpilot's engine's step events), and from sampled gauges only otherwise; the
+source says which, and a sampled figure says that it is a sample, not a peak.
+
+vLLM's iteration line carries no queue length (its step rows hold `queue_depth` 0), so for a vLLM the
+waiting figure comes from its request rows (its `llm_request` spans): each request waited `queue_s` up to
+the moment it was scheduled, which is its end minus its decode and prefill times, and the most requests
+waiting at once is the most of those intervals that overlap (a preempted request's second wait is not in
+its span). Without request rows it is the sampled `vllm:num_requests_waiting`. A step row's instance is a
+kvpilot engine when that instance also pushes sample events (kvpilot's engine samples its gauges; the
+vLLM adapter does not).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Float, cast, func, select
+from sqlalchemy.sql import ColumnElement
+
+from collector.queries._base import Db, _bound, _dialect, bucket_expr
+from collector.queries.timeseries import series_points
+from collector.schema import RequestRow, SampleRow, StepRow
+
+VLLM_STEPS = "vLLM iteration log (every step)"
+VLLM_SPANS = "vLLM spans (every request's time in the queue)"
+KVPILOT_STEPS = "kvpilot engine steps (every step)"
+NO_DATA = "no data in the window"
+
+
+def sampled_source(interval_s: float | None, *, scraped: bool) -> str:
+    """The label of a figure read from sampled gauges: how often they were sampled, and that it is no peak."""
+    what = "scrape samples" if scraped else "kvpilot engine samples"
+    every = f"every {interval_s:.3g} s" if interval_s is not None else "(a single sample)"
+    return f"{what} {every} — sampled, not a peak"
+
+
+@dataclass(frozen=True)
+class EnginePeaks:
+    """The highest load in the window over the selected instances, each figure with its source.
+
+    `source` is where the step-derived figures come from (a step source, or the sampled source when no
+    instance has steps); `kv_usage_source` and `waiting_source` can differ from it (a vLLM's waiting count
+    is always sampled). Each source is that of the instance holding the highest value (joined with " + "
+    when instances of different sources tie).
+    """
+
+    kv_usage_peak: float | None
+    kv_usage_source: str
+    running_peak: int | None
+    waiting_peak: int | None
+    waiting_source: str
+    source: str
+    steps: int  # step rows the step-derived figures were read from
+
+
+@dataclass(frozen=True)
+class _StepPeaks:
+    kv: float | None
+    running: int
+    waiting: int
+    steps: int
+
+
+def engine_peaks(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> EnginePeaks:
+    """KV usage, running and waiting peaks over `start <= ts < end` (warm-up steps left out).
+
+    With `run_id`, steps and engine samples are those of that run; scraped series carry no run and are
+    read over the window.
+    """
+    step_peaks = _step_peaks(db, start=start, end=end, instances=instances, run_id=run_id)
+    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    kv: list[tuple[float, str]] = []
+    running: list[tuple[float, str]] = []
+    waiting: list[tuple[float, str]] = []
+    queued = _queue_peaks(
+        db, start=start, end=end, instances=[n for n in step_peaks if n not in pushing], run_id=run_id
+    )
+    for name, peaks in step_peaks.items():
+        label = KVPILOT_STEPS if name in pushing else VLLM_STEPS
+        if peaks.kv is not None:
+            kv.append((peaks.kv, label))
+        running.append((peaks.running, label))
+        if name in pushing:
+            waiting.append((peaks.waiting, label))
+        elif name in queued:
+            waiting.append((queued[name], VLLM_SPANS))
+    sampled_names = None if instances is None else [n for n in instances if n not in step_peaks]
+    if sampled_names is None or sampled_names:
+        kv += _sampled(db, "kv_usage", start, end, sampled_names, skip=set(step_peaks), pushing=pushing)
+        running += _sampled(db, "running", start, end, sampled_names, skip=set(step_peaks), pushing=pushing)
+    counted = {n for n in step_peaks if n in pushing} | set(queued)
+    waiting_names = None if instances is None else [n for n in instances if n not in counted]
+    if waiting_names is None or waiting_names:
+        skip = counted
+        waiting += _sampled(db, "queue_depth", start, end, waiting_names, skip=skip, pushing=pushing)
+    kv_peak, kv_source = _highest(kv)
+    running_peak, running_source = _highest(running)
+    waiting_peak, waiting_source = _highest(waiting)
+    return EnginePeaks(
+        kv_usage_peak=kv_peak,
+        kv_usage_source=kv_source,
+        running_peak=None if running_peak is None else round(running_peak),
+        waiting_peak=None if waiting_peak is None else round(waiting_peak),
+        waiting_source=waiting_source,
+        source=running_source,
+        steps=sum(p.steps for p in step_peaks.values()),
+    )
+
+
+@dataclass(frozen=True)
+class StepLoadBucket:
+    """The fullest step of a bucket: KV usage, requests in the batch, requests waiting (kvpilot's engine)."""
+
+    ts: float
+    kv_usage: float | None
+    running: int
+    waiting: int
+    steps: int
+
+
+def step_load_over_time(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> dict[str, list[StepLoadBucket]]:
+    """instance -> per-bucket peaks over every step (warm-up left out): what a chart of peaks draws.
+
+    `waiting` is the step's queue depth, which only kvpilot's engine reports (0 for vLLM's steps).
+    """
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    st = StepRow.__table__.c
+    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
+    if instances is not None:
+        conds.append(st.instance.in_(instances))
+    if run_id is not None:
+        conds.append(st.run_id == run_id)
+    usage = func.max(cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0))
+    out: dict[str, list[StepLoadBucket]] = {}
+    with _bound(db) as conn:
+        b = bucket_expr(st.ts, bucket_s, _dialect(conn)).label("bucket")
+        stmt = (
+            select(st.instance, b, usage, func.max(st.num_seqs), func.max(st.queue_depth), func.count())
+            .where(*conds)
+            .group_by(st.instance, b)
+            .order_by(st.instance, b)
+        )
+        for name, bucket, kv, running, waiting, n in conn.execute(stmt):
+            out.setdefault(name, []).append(
+                StepLoadBucket(float(bucket), None if kv is None else float(kv), int(running), int(waiting), int(n))
+            )
+    return out
+
+
+def step_source(db: Db, *, start: float, end: float, instances: Sequence[str], run_id: str | None = None) -> str:
+    """What made these instances' step rows: vLLM's iteration log, kvpilot's engine, or both."""
+    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    return " + ".join(sorted({KVPILOT_STEPS if n in pushing else VLLM_STEPS for n in instances}))
+
+
+def _highest(found: list[tuple[float, str]]) -> tuple[float | None, str]:
+    """The highest value and the source of the instance(s) holding it."""
+    if not found:
+        return None, NO_DATA
+    top = max(v for v, _ in found)
+    return top, " + ".join(sorted({s for v, s in found if v == top}))
+
+
+def _step_peaks(
+    db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
+) -> dict[str, _StepPeaks]:
+    st = StepRow.__table__.c
+    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
+    if instances is not None:
+        conds.append(st.instance.in_(instances))
+    if run_id is not None:
+        conds.append(st.run_id == run_id)
+    usage = func.max(cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0))
+    stmt = (
+        select(st.instance, usage, func.max(st.num_seqs), func.max(st.queue_depth), func.count())
+        .where(*conds)
+        .group_by(st.instance)
+    )
+    with _bound(db) as conn:
+        return {
+            name: _StepPeaks(None if kv is None else float(kv), int(running), int(waiting), int(n))
+            for name, kv, running, waiting, n in conn.execute(stmt)
+        }
+
+
+def _queue_peaks(db: Db, *, start: float, end: float, instances: Sequence[str], run_id: str | None) -> dict[str, int]:
+    """instance -> the most of its requests waiting at once, from each request's queue interval."""
+    if not instances:
+        return {}
+    r = RequestRow.__table__.c
+    conds: list[ColumnElement] = [r.ts >= start, r.ts < end, r.warmup.is_(False), r.instance.in_(instances)]
+    if run_id is not None:
+        conds.append(r.run_id == run_id)
+    scheduled = r.ts - r.decode_s - r.prefill_s
+    stmt = select(r.instance, scheduled - r.queue_s, scheduled).where(*conds, r.queue_s > 0)
+    edges: dict[str, list[tuple[float, int]]] = {}
+    with _bound(db) as conn:
+        for name, queued_at, scheduled_at in conn.execute(stmt):
+            edges.setdefault(name, []).extend(((float(queued_at), 1), (float(scheduled_at), -1)))
+    out = {}
+    for name, points in edges.items():
+        depth = top = 0
+        for _, step in sorted(points):  # at a tie the scheduling (-1) comes first: back to back is not both
+            depth += step
+            top = max(top, depth)
+        out[name] = top
+    return out
+
+
+def _sampling_instances(
+    db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
+) -> set[str]:
+    """Instances that pushed sample events in the window: kvpilot engines."""
+    s = SampleRow.__table__.c
+    conds: list[ColumnElement] = [s.ts >= start, s.ts < end]
+    if instances is not None:
+        conds.append(s.instance.in_(instances))
+    if run_id is not None:
+        conds.append(s.run_id == run_id)
+    with _bound(db) as conn:
+        return {row[0] for row in conn.execute(select(s.instance).where(*conds).distinct())}
+
+
+def _sampled(
+    db: Db,
+    name: str,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None,
+    *,
+    skip: set[str],
+    pushing: set[str],
+) -> list[tuple[float, str]]:
+    """(highest sample, its source) per instance not in `skip`, from every label set of the gauge."""
+    by_instance: dict[str, list[tuple[float, float]]] = {}
+    for sid, points in series_points(db, name=name, start=start, end=end, instances=instances).items():
+        if sid.instance not in skip:
+            by_instance.setdefault(sid.instance, []).extend(points)
+    out = []
+    for inst, points in by_instance.items():
+        stamps = sorted({ts for ts, _ in points})
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        interval = statistics.median(gaps) if gaps else None
+        out.append((max(v for _, v in points), sampled_source(interval, scraped=inst not in pushing)))
+    return out

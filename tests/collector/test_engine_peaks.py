@@ -1,0 +1,118 @@
+"""collector.queries.engine_peaks on SQLite and PostgreSQL: peaks from every step where steps exist, sampled
+figures named as samples otherwise."""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, insert
+
+from collector import queries as q
+from collector.exposition import labels_json
+from collector.queries.engine_peaks import KVPILOT_STEPS, NO_DATA, VLLM_SPANS, VLLM_STEPS
+from collector.schema import SeriesPoint
+from tests.collector import evfactory as ev
+from tests.collector.test_queries_contract import ingest
+
+T0 = ev.T0
+
+
+def _scrape(engine: Engine, instance: str, name: str, points: list[tuple[float, float]], **labels: str) -> None:
+    rows = [
+        {"instance": instance, "name": name, "labels": labels_json(labels), "ts": T0 + t, "value": v} for t, v in points
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(SeriesPoint.__table__), rows)
+
+
+def _vllm(engine: Engine) -> None:
+    """A vLLM: steps from its iteration log (queue_depth 0, no samples) and its scraped gauges every 5 s."""
+    usage = [3, 9, 43, 40, 12, 5]  # of 64 blocks: the peak falls between two scrapes
+    seqs = [2, 5, 21, 19, 6, 1]
+    steps = [
+        ev.step(i, instance="vllm-a", run_id="vllm-r", ts=T0 + 1 + i * 0.4, kv_blocks_used=u, kv_blocks_total=64,
+                num_seqs=n, queue_depth=0)
+        for i, (u, n) in enumerate(zip(usage, seqs, strict=True))
+    ]  # fmt: skip
+    steps.append(ev.step(99, instance="vllm-a", run_id="vllm-r", ts=T0 + 2, kv_blocks_used=64, kv_blocks_total=64,
+                         num_seqs=40, warmup=True))  # fmt: skip
+    ingest(engine, steps, "vllm-steps")
+    _scrape(engine, "vllm-a", "kv_usage", [(0, 0.05), (5, 0.238), (10, 0.1)])
+    _scrape(engine, "vllm-a", "running", [(0, 1), (5, 7), (10, 2)])
+    _scrape(engine, "vllm-a", "queue_depth", [(0, 0), (5, 4), (10, 0)])
+
+
+def test_vllm_peaks_come_from_every_step_and_waiting_is_named_sampled(db_engine: Engine) -> None:
+    _vllm(db_engine)
+    p = q.engine_peaks(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"])
+    assert p.kv_usage_peak == 43 / 64 and p.kv_usage_source == VLLM_STEPS
+    assert p.running_peak == 21 and p.source == VLLM_STEPS
+    assert p.steps == 6  # the warm-up step is left out
+    assert p.waiting_peak == 4
+    assert p.waiting_source == "scrape samples every 5 s — sampled, not a peak"
+    # the run filter reads the same steps; another run has none, so the scrape is all there is
+    assert q.engine_peaks(db_engine, start=T0, end=T0 + 60, run_id="vllm-r").kv_usage_peak == 43 / 64
+    other = q.engine_peaks(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"], run_id="another")
+    assert other.kv_usage_peak == 0.238 and "sampled, not a peak" in other.kv_usage_source
+    assert other.running_peak == 7 and other.steps == 0
+
+
+def test_scrape_only_and_kvpilot_engine_and_nothing(db_engine: Engine) -> None:
+    _scrape(db_engine, "sglang-b", "kv_usage", [(0, 0.2), (15, 0.6), (30, 0.3)])
+    _scrape(db_engine, "sglang-b", "running", [(0, 3), (15, 9)])
+    p = q.engine_peaks(db_engine, start=T0, end=T0 + 60, instances=["sglang-b"])
+    assert (p.kv_usage_peak, p.running_peak, p.steps) == (0.6, 9, 0)
+    assert p.kv_usage_source == p.source == "scrape samples every 15 s — sampled, not a peak"
+    assert p.waiting_peak is None and p.waiting_source == NO_DATA
+
+    # a kvpilot engine: steps carry its queue, samples mark it as kvpilot's (their gauges are not the peak)
+    ingest(
+        db_engine,
+        [
+            ev.step(1, kv_blocks_used=30, kv_blocks_total=100, num_seqs=6, queue_depth=9),
+            ev.step(2, kv_blocks_used=80, kv_blocks_total=100, num_seqs=12, queue_depth=1),
+            ev.sample(3, kv_usage=0.5, queue_depth=2, running=4),
+        ],
+        "kvpilot",
+    )
+    k = q.engine_peaks(db_engine, start=T0, end=T0 + 60, instances=["e0"])
+    assert (k.kv_usage_peak, k.running_peak, k.waiting_peak) == (0.8, 12, 9)
+    assert k.kv_usage_source == k.source == k.waiting_source == KVPILOT_STEPS
+
+    both = q.engine_peaks(db_engine, start=T0, end=T0 + 60)
+    assert both.kv_usage_peak == 0.8 and both.running_peak == 12
+    assert both.kv_usage_source == KVPILOT_STEPS  # the source of the instance that holds the peak
+    _scrape(db_engine, "sglang-b", "kv_usage", [(45, 0.9)])
+    sampled_top = q.engine_peaks(db_engine, start=T0, end=T0 + 60)
+    assert sampled_top.kv_usage_peak == 0.9 and "sampled, not a peak" in sampled_top.kv_usage_source
+
+    empty = q.engine_peaks(db_engine, start=T0 + 100, end=T0 + 200)
+    assert (empty.kv_usage_peak, empty.running_peak, empty.waiting_peak, empty.steps) == (None, None, None, 0)
+    assert empty.kv_usage_source == empty.source == NO_DATA
+
+
+def test_step_load_over_time_is_each_buckets_fullest_step(db_engine: Engine) -> None:
+    _vllm(db_engine)  # steps at T0+1.0, 1.4, 1.8, 2.2, 2.6, 3.0 (and a warm-up at T0+2)
+    load = q.step_load_over_time(db_engine, start=T0, end=T0 + 60, bucket_s=1.0)
+    buckets = load["vllm-a"]
+    assert [b.ts for b in buckets] == [T0 + 1, T0 + 2, T0 + 3]
+    assert [b.kv_usage for b in buckets] == [43 / 64, 40 / 64, 5 / 64]
+    assert [b.running for b in buckets] == [21, 19, 1] and [b.steps for b in buckets] == [3, 2, 1]
+    assert q.step_load_over_time(db_engine, start=T0, end=T0 + 60, bucket_s=1.0, run_id="other") == {}
+    assert q.step_source(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"]) == VLLM_STEPS
+
+
+def test_a_vllms_waiting_peak_comes_from_its_requests_queue_times(db_engine: Engine) -> None:
+    _vllm(db_engine)
+    # scheduled = end - decode - prefill; waiting from scheduled - queue: [2, 5), [3, 4.8), [4.5, 6), [5, 7):
+    # three at once from 4.5 to 4.8
+    waits = [(2.0, 5.0), (3.0, 4.8), (4.5, 6.0), (5.0, 7.0)]
+    requests = [
+        ev.request(i, instance="vllm-a", run_id="vllm-r", ts=T0 + sched + 1.5, decode_s=1.0, prefill_s=0.5,
+                   queue_s=sched - queued, e2e_s=sched - queued + 1.6)
+        for i, (queued, sched) in enumerate(waits)
+    ]  # fmt: skip
+    requests.append(ev.request(9, instance="vllm-a", run_id="vllm-r", ts=T0 + 6.0, queue_s=0.0))  # never waited
+    requests.append(ev.request(8, instance="vllm-a", run_id="vllm-r", ts=T0 + 6.0, queue_s=3.0, warmup=True))
+    ingest(db_engine, requests, "vllm-spans")
+    p = q.engine_peaks(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"])
+    assert (p.waiting_peak, p.waiting_source) == (3, VLLM_SPANS)
+    assert p.running_peak == 21 and p.source == VLLM_STEPS  # the rest still from every step
