@@ -28,6 +28,8 @@ MIN_REQUESTS = 50  # fewer finished requests in the window: request-based checks
 MAX_ROWS = 200_000  # request rows read per check at most (the newest); the evidence says when it was cut
 MAX_POINTS = 600  # points per evidence series; thinned by keeping each bucket's peak
 EXAMPLES = 10  # requests listed as evidence
+IDLE_GAP_S = 10.0  # this long without a request is an idle gap, left out of rates and baselines
+NEAR = 0.8  # a figure at 80% of its threshold or more (still under it) is reported as "just under" it
 
 # Short and long requests mixed (15-25% compute lost): a wide spread of prompt sizes, and short requests
 # that waited for a long prefill wait clearly longer than short requests that did not.
@@ -258,6 +260,16 @@ def no_data(trap: str, instance: str, why: str, *, knob: str, **details: Any) ->
 
 
 # --- small helpers ---------------------------------------------------------------------------------------
+
+
+def versus(value: float, threshold: float, shown: str, name: str) -> str:
+    """How a figure under its threshold stands: "just under the mixing threshold 8" when it is close (a
+    reader should not read "alike" into 7.5 against 8), else "under the mixing threshold 8"."""
+    return f"{'just under' if near(value, threshold) else 'under'} the {name} {shown}"
+
+
+def near(value: float, threshold: float) -> bool:
+    return NEAR * threshold <= value < threshold
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float:
