@@ -1,4 +1,5 @@
-"""`kvpilot vllm serve` passes vLLM's output and exit code through when vLLM refuses its arguments.
+"""`kvpilot vllm serve` passes vLLM's output and exit code through when vLLM refuses its arguments, and
+takes its scrape target away when it is stopped cleanly.
 
 The session's vLLM (tests/vllm/test_live.py) covers a serving run and a SIGTERM ending in exit code 0.
 """
@@ -6,13 +7,15 @@ The session's vLLM (tests/vllm/test_live.py) covers a serving run and a SIGTERM 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.vllm.peer import REPO, vllm_python
+from tests.vllm.peer import ADMIN_TOKEN, REPO, start_peer, stop_peer, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -30,3 +33,20 @@ def test_vllm_refusing_its_arguments_is_its_exit_code_and_its_message(tmp_path: 
     assert done.returncode == 2, err[-2000:]
     assert "argument --dtype: invalid choice: 'nonsense'" in err  # vLLM's own words, passed through
     assert "kvpilot: vLLM exited with 2; 0 iteration lines, 0 steps" in err
+
+
+def test_a_clean_stop_deletes_the_scrape_target(tmp_path: Path, _sqlite_template: Path) -> None:
+    """SIGTERM to `kvpilot vllm serve`: vLLM exits by the signal it was forwarded, and its /metrics target
+    leaves the collector, so ScrapeTargetDown does not page for an engine that was shut down. (A crash keeps
+    the target: `stopped_cleanly` in test_wiring.)"""
+    peer = start_peer(tmp_path, _sqlite_template)  # returns once vLLM serves and its target is registered
+    try:
+        targets = f"{peer.collector_url}/v1/targets"
+        auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        assert [t["url"] for t in httpx.get(targets, headers=auth).json()] == [f"{peer.url}/metrics"]
+        peer.proc.send_signal(signal.SIGTERM)
+        assert peer.proc.wait(timeout=90) == 0, peer.kvpilot_log.read_text(errors="replace")[-3000:]
+        assert httpx.get(targets, headers=auth).json() == []
+        assert "scrape target" in peer.kvpilot_log.read_text() and "deleted" in peer.kvpilot_log.read_text()
+    finally:
+        stop_peer(peer)
