@@ -24,6 +24,7 @@ from collector.queries.diagnosis import DETECTORS, diagnose, diagnosed_instances
 from collector.queries.diagnosis_base import KNOBS, TRAPS, Finding, Knob, Trap, study_command
 from collector.queries.diagnosis_kv import memory_wall, swap_thrashing
 from collector.queries.diagnosis_requests import bursts, cold_start, mixed_lengths
+from collector.queries.engine_info import ENGINES, EngineInfo, EngineName, engine_infos
 from collector.queries.engine_stats import (
     AllocOpBucket,
     AllocTrace,
@@ -80,6 +81,7 @@ from collector.queries.timeseries import (
 __all__ = [
     "DEFAULT_QUANTILES",
     "DETECTORS",
+    "ENGINES",
     "EVENT_COUNTERS",
     "KNOBS",
     "SIMULATED_INSTANCE_PREFIX",
@@ -87,6 +89,8 @@ __all__ = [
     "AllocOpBucket",
     "AllocTrace",
     "Db",
+    "EngineInfo",
+    "EngineName",
     "Finding",
     "Goodput",
     "GroupBy",
@@ -121,6 +125,7 @@ __all__ = [
     "diagnose",
     "diagnosed_instances",
     "duplicate_steps",
+    "engine_infos",
     "goodput",
     "group_key",
     "group_sum",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import charts, timewin, ui
-from dashboard.data import alerting, catalog, kv, scraped, serving
+from dashboard.data import advice, alerting, catalog, kv, scraped, serving
 from dashboard.tables import SCRAPED_ENGINE_TABLE, Col, show
 
 st.title("KV memory")
@@ -164,7 +164,11 @@ with left, ui.guarded("Swap rate"):
 with right, ui.guarded("Prefix-cache hit rate"):
     hits = serving.gauges(f, ("prefix_hit_rate",))
     if hits.empty:
-        ui.empty("prefix-cache samples", "Enable the prefix cache (`cache.enable_prefix_cache: true`) to see it.")
+        names = tuple(sorted({*sel.pushed, *sel.scraped}))
+        ui.empty(
+            "prefix-cache samples",
+            advice.prefix_cache_hint(list(advice.engines(f.db_url, names).values()), advice.prefix_hits(f, names)),
+        )
     else:
         st.altair_chart(
             charts.lines(

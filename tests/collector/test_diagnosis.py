@@ -341,3 +341,27 @@ def test_diagnose_checks_every_trap_on_every_instance_with_data(db_engine: Engin
     assert [(f.instance, f.status) for f in found] == [("ghost", "no_data")]
     with pytest.raises(ValueError, match="unknown trap"):
         q.diagnose(db_engine, start=T0, end=T0 + 1.0, traps=["leaks"])
+
+
+def test_advice_is_in_the_instances_engines_terms(db_engine: Engine) -> None:
+    """A vLLM (its cache_config_info scraped) gets the vLLM study of its own arguments; kvpilot's engine (its
+    samples) the study over kvpilot's config key; the engine is on each finding."""
+    events = _bursty(0.2) + [{**e, "instance": "e1"} for e in _bursty(0.2)]
+    ingest(db_engine, [*events, ev.sample(0, instance="e1", ts=T0 + 1.0, prefix_hit_rate=0.3)])
+    config = {"engine": "0", "enable_prefix_caching": "True", "block_size": "16"}
+    with db_engine.begin() as conn:
+        conn.execute(
+            insert(SeriesPoint.__table__),
+            [{"instance": "e0", "name": "kv_cache_config_info", "labels": labels_json(config), "ts": T0, "value": 1.0}],
+        )
+    infos = q.engine_infos(db_engine, instances=["e0", "e1", "ghost"])
+    assert (infos["e0"].engine, infos["e0"].prefix_caching) == ("vllm", True)
+    assert (infos["e1"].engine, infos["e1"].prefix_caching) == ("kvpilot", True)
+    assert (infos["ghost"].engine, infos["ghost"].prefix_caching) == (None, None)
+    found = {f.instance: f for f in q.diagnose(db_engine, start=T0, end=T0 + 600.0, traps=["bursts"], now=NOW)}
+    vllm = shlex.split(found["e0"].study_command or "")
+    assert found["e0"].engine == "vllm" and vllm[:4] == ["kvpilot", "tune", "vllm", "study"]
+    assert vllm[vllm.index("--workload") + 1] == "stored:e0" and "--knob" not in vllm
+    kvpilot = shlex.split(found["e1"].study_command or "")
+    assert found["e1"].engine == "kvpilot" and kvpilot[:3] == ["kvpilot", "tune", "study"]
+    assert kvpilot[kvpilot.index("--knob") + 1] == "scheduler.max_num_batched_tokens"
