@@ -10,12 +10,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.vllm.peer import ADMIN_TOKEN, REPO, start_peer, stop_peer, vllm_python
+from collector.db import make_engine
+from collector.queries import engine_infos
+from tests.vllm.peer import ADMIN_TOKEN, INSTANCE, REPO, start_peer, stop_peer, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -44,9 +47,23 @@ def test_a_clean_stop_deletes_the_scrape_target(tmp_path: Path, _sqlite_template
         targets = f"{peer.collector_url}/v1/targets"
         auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         assert [t["url"] for t in httpx.get(targets, headers=auth).json()] == [f"{peer.url}/metrics"]
+        # Its scraped cache_config_info tells the dashboard's advice this is a vLLM and whether it caches prefixes.
+        said = _prefix_caching_on(httpx.get(f"{peer.url}/metrics").text)
+        db, deadline = make_engine(peer.db_url), time.monotonic() + 30
+        while (info := engine_infos(db, instances=[INSTANCE])[INSTANCE]).prefix_caching is None:
+            assert time.monotonic() < deadline, (info, peer.where())
+            time.sleep(0.5)
+        db.dispose()
+        assert (info.engine, info.prefix_caching) == ("vllm", said)
         peer.proc.send_signal(signal.SIGTERM)
         assert peer.proc.wait(timeout=90) == 0, peer.kvpilot_log.read_text(errors="replace")[-3000:]
         assert httpx.get(targets, headers=auth).json() == []
         assert "scrape target" in peer.kvpilot_log.read_text() and "deleted" in peer.kvpilot_log.read_text()
     finally:
         stop_peer(peer)
+
+
+def _prefix_caching_on(exposition: str) -> bool:
+    """What vLLM's own /metrics says: `vllm:cache_config_info{...,enable_prefix_caching="True",...} 1.0`."""
+    line = next(x for x in exposition.splitlines() if x.startswith("vllm:cache_config_info{"))
+    return 'enable_prefix_caching="True"' in line
