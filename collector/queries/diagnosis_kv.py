@@ -263,12 +263,13 @@ def memory_wall(
     )
     # Samples taken in an idle gap (no request arriving or in flight) would dilute the full share and the
     # means: with request rows, only the samples with traffic count (all of them where none falls in it).
+    # The peak is over every sample: leaving samples out can only hide one.
     traffic = in_flight_spans(rows)
     busy, busy_frag = inside(traffic, usage), inside(traffic, frag)
     idle_samples = len(usage) - len(busy) if busy else 0
     values = [v for _, v in busy or usage]
     full_share = sum(v >= KV_FULL for v in values) / len(values)
-    peak, mean = max(values), sum(v for v in values) / len(values)
+    peak, mean = max(v for _, v in usage), sum(values) / len(values)
     frag_values = [v for _, v in busy_frag or frag]
     frag_mean = sum(frag_values) / len(frag_values) if frag_values else None
     fragmented = frag_mean is not None and frag_mean >= FRAG_HIGH and peak >= FRAG_AT_USAGE
