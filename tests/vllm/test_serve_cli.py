@@ -7,6 +7,7 @@ The session's vLLM (tests/vllm/test_live.py) covers a serving run and a SIGTERM 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,8 +41,7 @@ def test_vllm_refusing_its_arguments_is_its_exit_code_and_its_message(tmp_path: 
 
 def test_a_clean_stop_deletes_the_scrape_target(tmp_path: Path, _sqlite_template: Path) -> None:
     """SIGTERM to `kvpilot vllm serve`: vLLM exits by the signal it was forwarded, and its /metrics target
-    leaves the collector, so ScrapeTargetDown does not page for an engine that was shut down. (A crash keeps
-    the target: `stopped_cleanly` in test_wiring.)"""
+    leaves the collector, so ScrapeTargetDown does not page for an engine that was shut down."""
     peer = start_peer(tmp_path, _sqlite_template)  # returns once vLLM serves and its target is registered
     try:
         targets = f"{peer.collector_url}/v1/targets"
@@ -59,6 +59,22 @@ def test_a_clean_stop_deletes_the_scrape_target(tmp_path: Path, _sqlite_template
         assert peer.proc.wait(timeout=90) == 0, peer.kvpilot_log.read_text(errors="replace")[-3000:]
         assert httpx.get(targets, headers=auth).json() == []
         assert "scrape target" in peer.kvpilot_log.read_text() and "deleted" in peer.kvpilot_log.read_text()
+    finally:
+        stop_peer(peer)
+
+
+def test_a_crash_keeps_the_scrape_target(tmp_path: Path, _sqlite_template: Path) -> None:
+    """vLLM killed by nobody's request (the OOM killer's SIGKILL): its target stays, so ScrapeTargetDown pages."""
+    peer = start_peer(tmp_path, _sqlite_template)
+    try:
+        found = re.search(rb"started vLLM \(pid (\d+)\)", peer.kvpilot_log.read_bytes())
+        assert found, peer.where()
+        os.killpg(int(found[1]), signal.SIGKILL)  # vLLM's whole process group, not its launcher
+        assert peer.proc.wait(timeout=90) == 128 + signal.SIGKILL, peer.where()
+        auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        listed = httpx.get(f"{peer.collector_url}/v1/targets", headers=auth).json()
+        assert [t["url"] for t in listed] == [f"{peer.url}/metrics"]
+        assert "its scrape target stays registered" in peer.kvpilot_log.read_text()
     finally:
         stop_peer(peer)
 
