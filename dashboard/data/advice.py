@@ -38,9 +38,12 @@ def prefix_hits(f: Filters, instances: tuple[str, ...]) -> dict[str, tuple[float
 
 
 def prefix_cache_hint(infos: Sequence[queries.EngineInfo], hits: dict[str, tuple[float, float]]) -> str:
-    """What to do about a missing prefix-cache hit rate, per instance in its engine's terms."""
+    """What to do about a missing prefix-cache hit rate, per instance in its engine's terms. Instances whose
+    engine is not known (a GPU exporter among them) get nothing of their own; when no engine is known, one line
+    names both engines' switches."""
     lines = []
-    for info in infos:
+    unknown = [info.instance for info in infos if info.engine is None]
+    for info in (i for i in infos if i.engine is not None):
         name = f"`{info.instance}`"
         if info.engine == "vllm" and info.prefix_caching:
             said = (
@@ -63,11 +66,8 @@ def prefix_cache_hint(infos: Sequence[queries.EngineInfo], hits: dict[str, tuple
             lines.append(f"{name}: enable the prefix cache (`{KVPILOT_PREFIX_KEY}`) to see it.")
         elif info.engine == "sglang":
             lines.append(f"{name}: SGLang's radix cache is on unless started with `--disable-radix-cache`.")
-        else:
-            lines.append(
-                f"{name}: the engine is not known here; kvpilot's engine: `{KVPILOT_PREFIX_KEY}`, vLLM: "
-                f"`{VLLM_PREFIX_FLAG}`."
-            )
+    if unknown and not lines:
+        lines.append(f"kvpilot's engine: `{KVPILOT_PREFIX_KEY}`; vLLM: `{VLLM_PREFIX_FLAG}`.")
     return " ".join(lines)
 
 
