@@ -189,7 +189,7 @@ with ui.guarded("Allocation trace"):
         if sel.scrape_only and not sel.pushed:
             st.caption("No allocation trace: the selected instances are only scraped (see the note above).")
         else:
-            ui.empty("allocation events", "Engines send alloc/free/swap/evict events when telemetry.trace_alloc is on.")
+            ui.empty("allocation events", advice.alloc_trace_hint(list(advice.engines(f.db_url, sel.pushed).values())))
     else:
         totals = ops.groupby("op")[["events", "blocks"]].sum()
         shown = [op for op in OPS if op in totals.index]

@@ -71,6 +71,15 @@ def prefix_cache_hint(infos: Sequence[queries.EngineInfo], hits: dict[str, tuple
     return " ".join(lines)
 
 
+def alloc_trace_hint(infos: Sequence[queries.EngineInfo]) -> str:
+    """Why there is no allocation trace: kvpilot's engine sends one when asked; vLLM keeps none."""
+    vllm = ", ".join(f"`{i.instance}`" for i in infos if i.engine == "vllm")
+    kvpilot = "The trace (alloc/free/swap/evict events) comes from kvpilot's engine with `telemetry.trace_alloc: true`"
+    if vllm and all(i.engine == "vllm" for i in infos):
+        return f"vLLM keeps no per-block allocation trace ({vllm}): its KV usage is charted above. {kvpilot}."
+    return kvpilot + (f"; vLLM ({vllm}) keeps none." if vllm else ".")
+
+
 def knob_text(knob: queries.Knob, engine_name: str | None) -> str:
     """The knob a finding points at, named as its engine names it (both where the engine is not known)."""
     if engine_name == "vllm":

@@ -38,3 +38,11 @@ def test_knob_text_names_the_engines_own_knob() -> None:
     warmup = q.KNOBS["warmup.requests"]
     assert advice.study_caption(warmup, "vllm", has_command=False).startswith("No study searches this on vLLM")
     assert "kvpilot engine serve --config" in advice.study_caption(warmup, "kvpilot", has_command=False)
+
+
+def test_alloc_trace_hint_does_not_send_a_vllm_to_kvpilots_config() -> None:
+    only_vllm = advice.alloc_trace_hint([_info("v1", "vllm", True)])
+    assert only_vllm.startswith("vLLM keeps no per-block allocation trace (`v1`)")
+    mixed = advice.alloc_trace_hint([_info("e0", "kvpilot", None), _info("v1", "vllm", True)])
+    assert mixed.startswith("The trace (alloc/free/swap/evict events) comes from kvpilot's engine with `telemetry")
+    assert mixed.endswith("; vLLM (`v1`) keeps none.")
