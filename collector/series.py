@@ -69,6 +69,7 @@ CANONICAL: dict[str, Canonical] = {
         _c("swapped", "gauge", "requests", "sequences swapped out"),
         _c("swap_rate", "gauge", "1/s", "swaps per second"),
         _c("prefix_hit_rate", "gauge", "ratio", "prefix cache hit rate"),
+        _c("kv_cache_config_info", "gauge", "info", "1, labelled with the engine's KV cache config (prefix caching)"),
         _c("generation_throughput", "gauge", "tokens/s", "tokens generated per second (engine's own estimate)"),
         _c("gpu_power_watts", "gauge", "watts", "accelerator power draw"),
         _c("gpu_temperature_celsius", "gauge", "celsius", "accelerator temperature"),
@@ -239,6 +240,13 @@ MAPPINGS: tuple[Mapping, ...] = (
     _m("vllm", "vllm:gpu_prefix_cache_queries_total", "prefix_cache_queries_total"),
     _m("vllm", "vllm:prefix_cache_hits_total", "prefix_cache_hits_total"),
     _m("vllm", "vllm:gpu_prefix_cache_hits_total", "prefix_cache_hits_total"),
+    # An info gauge (always 1): its labels say whether prefix caching is on and the block size and count.
+    _m(
+        "vllm",
+        "vllm:cache_config_info",
+        "kv_cache_config_info",
+        keep=("enable_prefix_caching", "block_size", "num_gpu_blocks"),
+    ),
     _m("vllm", "vllm:num_preemptions_total", "preemptions_total"),
     _m("vllm", "vllm:prompt_tokens_total", "prompt_tokens_total"),
     _m("vllm", "vllm:generation_tokens_total", "generation_tokens_total"),

@@ -12,7 +12,7 @@ import time
 import streamlit as st
 from pydantic import ValidationError
 
-from dashboard import auth, filters, settings, ui
+from dashboard import auth, filters, settings, timewin, ui
 from dashboard.data import base
 
 st.set_page_config(page_title="kvpilot", page_icon=":material/speed:", layout="wide")
@@ -55,6 +55,7 @@ with ui.guarded("Filters"):
         selection, window = resolved
         st.session_state[ui.FILTERS_KEY] = selection
         st.session_state[ui.WINDOW_KEY] = window.describe()
+        st.session_state[ui.LIVE_KEY] = window.label != timewin.CUSTOM
         st.session_state["kvpilot_full_run_at"] = time.time()
         page.run()
 

@@ -14,6 +14,7 @@ from dashboard.timewin import fmt_span
 
 FILTERS_KEY = "kvpilot_filters"
 WINDOW_KEY = "kvpilot_window_text"
+LIVE_KEY = "kvpilot_window_live"  # the window reaches the present (not a custom range in the past)
 
 
 def current_filters() -> Filters:
@@ -27,6 +28,11 @@ def current_filters() -> Filters:
 
 def window_text() -> str:
     return st.session_state.get(WINDOW_KEY, "the selected time range")
+
+
+def follows_present() -> bool:
+    """Whether the selected window is meant to reach now (a preset or 'Whole run', not a custom range)."""
+    return bool(st.session_state.get(LIVE_KEY, True))
 
 
 def page_caption(text: str) -> None:

@@ -269,6 +269,7 @@ def study_cmd(
     with _vllm_errors():
         from kvpilot.vllm import find_vllm_python
         from tuner.jobs import open_db, workload_factory, workload_kind
+        from tuner.storage import open_storage
         from tuner.vllm.backend import VllmBackend
         from tuner.vllm.calibrate import CalibrationError
         from tuner.vllm.space import load_vllm_space
@@ -296,7 +297,8 @@ def study_cmd(
         sp = load_vllm_space(space, base=base)
         python = find_vllm_python(vllm_python)
         name = study_name or f"tune-vllm-{uuid.uuid4().hex[:8]}"
-        db = open_db(_db_url(db_url))
+        url = _db_url(db_url)
+        db = open_db(url)
         try:
             _check_collector(collector_url, ingest_token)
             checked = _check_space(sp, space, base, python if arg_check else None, say=say)
@@ -328,6 +330,7 @@ def study_cmd(
                 min_steps=min_steps,
                 say=say,
                 progress=True,
+                storage=open_storage(url),  # the screen's study, listed on the dashboard's Tuning page
                 t0=t0,
             )
             try:
@@ -501,6 +504,7 @@ def screen_cmd(
         from kvpilot.vllm import VllmSetupError, find_vllm_python
         from tuner import workloads as WL
         from tuner.jobs import open_db, workload_factory, workload_kind
+        from tuner.storage import open_storage
         from tuner.vllm.space import load_vllm_space
         from tuner.vllm.tune import MAX_LIVE, MAX_SIM_TRIALS, calibrate_from_store, preview, sim_capacity_rps
 
@@ -525,7 +529,8 @@ def screen_cmd(
                 if vllm_python is not None:
                     raise
                 say(f"the space is not checked against vLLM: {exc}")
-        db = open_db(_db_url(db_url))
+        url = _db_url(db_url)
+        db = open_db(url)
         try:
             checked = _check_space(sp, space, base, python, say=say)
             profile = calibrate_from_store(
@@ -559,12 +564,14 @@ def screen_cmd(
                 seeds=seeds,
                 name=f"screen-{uuid.uuid4().hex[:8]}",
                 progress=True,
+                storage=open_storage(url),  # listed on the dashboard's Tuning page
             )
         finally:
             db.dispose()
         running = sim.baseline
         base_goodput = running.goodput if running else None
         data = {
+            "study": sim.name,  # kept in the database's Optuna storage: the dashboard's Tuning page lists it
             "instance": instance,
             "workload": wdesc,
             "space": checked,
@@ -601,6 +608,7 @@ def screen_cmd(
             + f"; space {checked}",
             f"  running config: {_num(base_goodput, ' goodput tokens/s')} predicted"
             + ("" if running is None or running.feasible else " (infeasible under the SLOs)"),
+            f"  study {sim.name}: on the dashboard's Tuning page",
         ]
         if not best:
             lines.append(f"  nothing to show: {_none_confirmed(sum(t.feasible for t in sim.completed))}")

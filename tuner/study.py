@@ -222,6 +222,14 @@ def _stored_measurement(trials: Sequence[optuna.trial.FrozenTrial], key: str) ->
     return None
 
 
+def tag_study(storage: Any, name: str, **attrs: str) -> None:
+    """Label a stored study (its user attributes): which engine it tunes and what ran it, for the readers that
+    list studies (the dashboard's Tuning page). A study without tags is kvpilot's engine's."""
+    study = optuna.load_study(study_name=name, storage=storage)
+    for key, value in attrs.items():
+        study.set_user_attr(key, value)
+
+
 def run_study(
     backend: Backend,
     space: SearchSpace,

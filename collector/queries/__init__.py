@@ -24,6 +24,7 @@ from collector.queries.diagnosis import DETECTORS, diagnose, diagnosed_instances
 from collector.queries.diagnosis_base import KNOBS, TRAPS, Finding, Knob, Trap, study_command
 from collector.queries.diagnosis_kv import memory_wall, swap_thrashing
 from collector.queries.diagnosis_requests import bursts, cold_start, mixed_lengths
+from collector.queries.engine_info import ENGINES, EngineInfo, EngineName, engine_infos
 from collector.queries.engine_peaks import EnginePeaks, StepLoadBucket, engine_peaks, step_load_over_time, step_source
 from collector.queries.engine_stats import (
     AllocOpBucket,
@@ -81,6 +82,7 @@ from collector.queries.timeseries import (
 __all__ = [
     "DEFAULT_QUANTILES",
     "DETECTORS",
+    "ENGINES",
     "EVENT_COUNTERS",
     "KNOBS",
     "SIMULATED_INSTANCE_PREFIX",
@@ -88,6 +90,8 @@ __all__ = [
     "AllocOpBucket",
     "AllocTrace",
     "Db",
+    "EngineInfo",
+    "EngineName",
     "EnginePeaks",
     "Finding",
     "Goodput",
@@ -124,6 +128,7 @@ __all__ = [
     "diagnose",
     "diagnosed_instances",
     "duplicate_steps",
+    "engine_infos",
     "engine_peaks",
     "goodput",
     "group_key",

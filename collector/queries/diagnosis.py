@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from sqlalchemy import select, union
 
 from collector.queries._base import Db, _bound
-from collector.queries.diagnosis_base import TRAPS, Finding
+from collector.queries.diagnosis_base import TRAPS, Finding, for_engine, study_hours
 from collector.queries.diagnosis_kv import memory_wall, swap_thrashing
 from collector.queries.diagnosis_requests import bursts, cold_start, mixed_lengths
+from collector.queries.engine_info import engine_infos
 from collector.schema import AllocRow, RequestRow, SampleRow, SeriesPoint, StepRow
 
 Detector = Callable[..., Finding]
@@ -61,7 +62,8 @@ def diagnose(
 ) -> list[Finding]:
     """Every trap (or those named) on every instance with data in the window, in TRAPS order then instance.
 
-    `now` dates the study commands (the tuner's collector workload reads the last hours before now).
+    `now` dates the study commands (the tuner's collector workload reads the last hours before now); each
+    finding carries its instance's engine, and its study command is that engine's (`for_engine`).
     """
     if end <= start:
         raise ValueError("end must be after start")
@@ -70,8 +72,14 @@ def diagnose(
         raise ValueError(f"unknown trap(s) {unknown}; one of {', '.join(TRAPS)}")
     now = time.time() if now is None else now
     names = diagnosed_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    engines = engine_infos(db, instances=names)
+    hours = study_hours(start, now)
     return [
-        DETECTORS[trap](db, instance=instance, start=start, end=end, run_id=run_id, now=now)
+        for_engine(
+            DETECTORS[trap](db, instance=instance, start=start, end=end, run_id=run_id, now=now),
+            engines[instance].engine,
+            hours=hours,
+        )
         for trap in (traps or TRAPS)
         for instance in names
     ]

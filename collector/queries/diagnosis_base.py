@@ -7,6 +7,7 @@ the series and requests that show it, and what it costs), it is not, or the stor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ MIN_REQUESTS = 50  # fewer finished requests in the window: request-based checks
 MAX_ROWS = 200_000  # request rows read per check at most (the newest); the evidence says when it was cut
 MAX_POINTS = 600  # points per evidence series; thinned by keeping each bucket's peak
 EXAMPLES = 10  # requests listed as evidence
+IDLE_GAP_S = 10.0  # this long without a request is an idle gap, left out of rates and baselines
+NEAR = 0.8  # a figure at 80% of its threshold or more (still under it) is reported as "just under" it
 
 # Short and long requests mixed (15-25% compute lost): a wide spread of prompt sizes, and short requests
 # that waited for a long prefill wait clearly longer than short requests that did not.
@@ -169,7 +172,8 @@ class Finding:
     `evidence` holds the figures compared with the thresholds; `series` the series that show it (name ->
     [(ts, value)]); `requests` a few requests that show it, worst first. `cost` says what is lost and how it
     was estimated, `cost_value` is that estimate in `cost_unit` (None where the data cannot give one).
-    `study_command` runs a tuning study over exactly `knob` (None for a knob no study can search).
+    `study_command` runs a tuning study over exactly `knob` (None for a knob no study can search) in the
+    instance's engine's terms (`for_engine`).
     """
 
     trap: str
@@ -185,6 +189,7 @@ class Finding:
     cost_unit: str = ""
     knob: str = ""
     study_command: str | None = None
+    engine: str | None = None  # the instance's engine ('kvpilot', 'vllm', ...; None: unknown), for the advice
 
     @property
     def present(self) -> bool:
@@ -198,6 +203,11 @@ class Finding:
 def study_hours(start: float, now: float) -> float:
     """Hours back from `now` that the tuner's collector workload must read to include the window's start."""
     return float(max(1, math.ceil((now - start) / 3600.0)))
+
+
+def study_name(trap: str, instance: str) -> str:
+    """The study a finding's command starts: the Tuning page lists it under this name."""
+    return f"diagnosis-{trap.replace('_', '-')}-{instance}"
 
 
 def study_command(knob: str, *, trap: str, instance: str, hours: float) -> str | None:
@@ -224,9 +234,36 @@ def study_command(knob: str, *, trap: str, instance: str, hours: float) -> str |
         "--trials",
         str(spec.trials),
         "--study-name",
-        f"diagnosis-{trap.replace('_', '-')}-{instance}",
+        study_name(trap, instance),
     ]
     return shlex.join(args)
+
+
+VLLM_CONFIG = "vllm-config.yaml"  # how the study command names the running vLLM's own --config file
+
+
+def vllm_study_command(*, trap: str, instance: str, hours: float) -> str:
+    """`kvpilot tune vllm study` replaying the instance's stored requests against vLLM's own arguments (its
+    search space covers the flags KNOBS names for vLLM); `--config` is the running vLLM's config file."""
+    args = ["kvpilot", "tune", "vllm", "study", "--config", VLLM_CONFIG, "--workload", f"stored:{instance}"]
+    args += [
+        "--instance",
+        instance,
+        "--hours",
+        f"{hours:g}",
+        "--study-name",
+        study_name(trap, instance),
+    ]
+    return shlex.join(args)
+
+
+def for_engine(found: Finding, engine: str | None, *, hours: float) -> Finding:
+    """The finding's advice in its engine's terms: a vLLM instance gets the vLLM study of its own arguments
+    (kvpilot's study searches kvpilot's config keys, which a vLLM does not read)."""
+    command = found.study_command
+    if engine == "vllm" and command is not None:
+        command = vllm_study_command(trap=found.trap, instance=found.instance, hours=hours)
+    return dataclasses.replace(found, engine=engine, study_command=command)
 
 
 def finding(
@@ -258,6 +295,16 @@ def no_data(trap: str, instance: str, why: str, *, knob: str, **details: Any) ->
 
 
 # --- small helpers ---------------------------------------------------------------------------------------
+
+
+def versus(value: float, threshold: float, shown: str, name: str) -> str:
+    """How a figure under its threshold stands: "just under the mixing threshold 8" when it is close (a
+    reader should not read "alike" into 7.5 against 8), else "under the mixing threshold 8"."""
+    return f"{'just under' if near(value, threshold) else 'under'} the {name} {shown}"
+
+
+def near(value: float, threshold: float) -> bool:
+    return NEAR * threshold <= value < threshold
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float:

@@ -33,7 +33,9 @@ from collector.queries.diagnosis_base import (
     step_rows,
     study_hours,
     thin,
+    versus,
 )
+from collector.queries.diagnosis_traffic import duration_s, in_flight_spans, inside
 from collector.queries.timeseries import increase_of, series_points
 from collector.schema import AllocRow, SampleRow, StepRow
 
@@ -141,7 +143,10 @@ def swap_thrashing(
             f"{peak:.0f}/s over {SWAP_SUSTAIN_S:g} s, from the {source}); {len(swapped)} requests were swapped."
         )
     else:
-        summary = f"No thrashing: swaps peaked at {peak:.1f}/s over {SWAP_SUSTAIN_S:g} s (from the {source})."
+        against = versus(peak, SWAP_RATE, f"{SWAP_RATE:g}/s", "thrashing threshold")
+        summary = (
+            f"No thrashing: swaps peaked at {peak:.1f}/s over {SWAP_SUSTAIN_S:g} s, {against} (from the {source})."
+        )
     if swapped and swap_total > 0:
         cost_value: float | None = swap_total / len(swapped)
         cost = (
@@ -256,13 +261,21 @@ def memory_wall(
     preemptions = _preemptions(
         db, instance=instance, start=start, end=end, run_id=run_id, from_requests=sum(r.preemptions for r in rows)
     )
-    values = [v for _, v in usage]
+    # Samples taken in an idle gap (no request arriving or in flight) would dilute the full share and the
+    # means: with request rows, only the samples with traffic count (all of them where none falls in it).
+    # The peak is over every sample: leaving samples out can only hide one.
+    traffic = in_flight_spans(rows)
+    busy, busy_frag = inside(traffic, usage), inside(traffic, frag)
+    idle_samples = len(usage) - len(busy) if busy else 0
+    values = [v for _, v in busy or usage]
     full_share = sum(v >= KV_FULL for v in values) / len(values)
-    peak, mean = max(values), sum(values) / len(values)
-    frag_mean = sum(v for _, v in frag) / len(frag) if frag else None
+    peak, mean = max(v for _, v in usage), sum(values) / len(values)
+    frag_values = [v for _, v in busy_frag or frag]
+    frag_mean = sum(frag_values) / len(frag_values) if frag_values else None
     fragmented = frag_mean is not None and frag_mean >= FRAG_HIGH and peak >= FRAG_AT_USAGE
+    sampled = "samples with traffic" if busy else "samples"
     reasons = [
-        *([f"KV usage >= {KV_FULL:.0%} in {full_share:.0%} of the samples"] if full_share >= KV_FULL_SHARE else []),
+        *([f"KV usage >= {KV_FULL:.0%} in {full_share:.0%} of the {sampled}"] if full_share >= KV_FULL_SHARE else []),
         *([f"{ooms} failed KV allocation(s)"] if ooms else []),
         *([f"{preemptions} preemption(s) with usage peaking at {peak:.0%}"] if preemptions and peak >= KV_FULL else []),
         *([f"fragmentation averaging {frag_mean:.0%} with usage up to {peak:.0%}"] if fragmented else []),
@@ -271,10 +284,16 @@ def memory_wall(
     if present:
         summary = "At the wall: " + "; ".join(reasons) + "."
     else:
-        summary = f"KV usage peaked at {peak:.0%} (mean {mean:.0%}); no failed allocations" + (
-            f", {preemptions} preemption(s)." if preemptions else ", no preemptions."
+        full = versus(full_share, KV_FULL_SHARE, f"{KV_FULL_SHARE:.0%}", "wall threshold")
+        summary = (
+            f"KV usage peaked at {peak:.0%} (mean {mean:.0%}), {versus(peak, KV_FULL, f'{KV_FULL:.0%}', 'full level')}"
+            + (f"; full in {full_share:.0%} of the {sampled}, {full}" if full_share else "")
+            + "; no failed allocations"
+            + (f", {preemptions} preemption(s)." if preemptions else ", no preemptions.")
         )
-    window_s = end - start
+    # A rate per second of the time with traffic (an idle gap is not a second of serving); the window
+    # where no request row says when traffic was.
+    window_s = duration_s(traffic) if duration_s(traffic) > 0 else end - start
     recomputed = sum(r.preemptions * r.prompt_tokens for r in preempted)
     worst = sorted(preempted, key=lambda r: (-r.preemptions, -r.e2e_s))[:EXAMPLES]
     series = {"KV usage": thin(usage)}
@@ -291,6 +310,8 @@ def memory_wall(
         evidence={
             "source": source,
             "samples": len(values),
+            "idle_samples_left_out": idle_samples,
+            "traffic_s": duration_s(traffic),
             "full_share": full_share,
             "usage_peak": peak,
             "usage_mean": mean,

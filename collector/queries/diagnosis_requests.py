@@ -31,6 +31,7 @@ from collector.queries.diagnosis_base import (
     Finding,
     finding,
     median,
+    near,
     nearest_rank,
     no_data,
     request_dicts,
@@ -38,7 +39,9 @@ from collector.queries.diagnosis_base import (
     step_rows,
     study_hours,
     thin,
+    versus,
 )
+from collector.queries.diagnosis_traffic import WAIT_COLUMNS, arrival_spans, seconds_of, waited_s
 from collector.queries.request_stats import _request_filter
 from collector.schema import RequestRow
 
@@ -91,6 +94,7 @@ def mixed_lengths(
     """
     trap, hours = "mixed_lengths", study_hours(start, now or time.time())
     cols = ("request_id", "ts", "prompt_tokens", "output_tokens", "queue_s", "prefill_s", "ttft_s")
+    cols += tuple(c for c in WAIT_COLUMNS if c not in cols)
     with _bound(db) as conn:
         rows, truncated = request_rows(conn, instance=instance, start=start, end=end, run_id=run_id, columns=cols)
         steps = step_rows(
@@ -107,7 +111,7 @@ def mixed_lengths(
     merged = _merge([(r.arrival + r.queue_s, r.arrival + r.queue_s + r.prefill_s) for r in long_])
     starts = [a for a, _ in merged]
     waits = [
-        (r, r.queue_s + r.prefill_s, _overlap(merged, starts, r.arrival, r.arrival + r.queue_s + r.prefill_s))
+        (r, waited_s(r) + r.prefill_s, _overlap(merged, starts, r.arrival, r.arrival + r.queue_s + r.prefill_s))
         for r in short
     ]
     behind = [(r, w) for r, w, o in waits if o > 0]
@@ -151,12 +155,21 @@ def mixed_lengths(
             f"waited behind a long prefill, a median {wait_behind * 1e3:.0f} ms to prefill done vs "
             f"{wait_clear * 1e3:.0f} ms for the others."
         )
+    elif near(spread, LENGTH_SPREAD):
+        against = versus(spread, LENGTH_SPREAD, f"{LENGTH_SPREAD:g}", "mixing threshold")
+        summary = (
+            f"Prompt tokens p90/p10 {spread:.1f} ({p10}-{p90} tokens), {against}: "
+            f"sizes vary, not quite enough to count as mixed; {len(behind)} short request(s) waited behind a long "
+            f"prefill, a median {wait_behind * 1e3:.0f} ms vs {wait_clear * 1e3:.0f} ms."
+        )
     elif spread < LENGTH_SPREAD:
         summary = f"Request sizes are alike: prompt tokens p90/p10 = {spread:.1f} (trap at {LENGTH_SPREAD:g})."
     else:
+        ratio = wait_behind / wait_clear if wait_clear > 0 else 0.0
         summary = (
             f"Prompts range {p10}-{p90} tokens ({spread:.0f}x) but short requests barely wait for long prefills: "
-            f"{len(behind)} behind one, median {wait_behind * 1e3:.0f} ms vs {wait_clear * 1e3:.0f} ms."
+            f"{len(behind)} behind one, median {wait_behind * 1e3:.0f} ms vs {wait_clear * 1e3:.0f} ms"
+            + (f", {ratio:.1f}x, just under the {HOL_RATIO:g}x threshold." if near(ratio, HOL_RATIO) else ".")
         )
     return finding(
         trap,
@@ -187,12 +200,14 @@ def bursts(
 ) -> Finding:
     """1-s windows with >= 4x the median arrival rate whose arrivals queued a median >= 50 ms.
 
-    The median is over every second from the first arrival to the last (empty seconds count), or the mean
-    where that median is 0 (sparse traffic). Cost: queue time of the burst arrivals above the median queue
-    time of the other arrivals (latency), and the requests refused during bursts.
+    The median is over the seconds with traffic (empty seconds between arrivals count; an idle gap of
+    IDLE_GAP_S or more does not), or the mean where that median is 0 (sparse traffic). Queue time is what
+    users waited (`waited_s`). Cost: queue time of the burst arrivals above the median queue time of the
+    other arrivals (latency), and the requests refused during bursts.
     """
     trap, hours = "bursts", study_hours(start, now or time.time())
     cols = ("request_id", "ts", "status", "prompt_tokens", "queue_s", "ttft_s", "e2e_s")
+    cols += tuple(c for c in WAIT_COLUMNS if c not in cols)
     with _bound(db) as conn:
         rows, truncated = request_rows(
             conn, instance=instance, start=start, end=end, run_id=run_id, columns=cols, statuses=None
@@ -202,22 +217,25 @@ def bursts(
         return no_data(trap, instance, why, knob=BURST_KNOB)
     counts = Counter(math.floor(r.arrival) for r in rows)
     first, last = min(counts), max(counts)
-    per_second = [counts.get(s, 0) for s in range(first, last + 1)]
+    traffic = seconds_of(arrival_spans(rows))  # idle gaps left out: they are not a baseline
+    per_second = [counts.get(s, 0) for s in traffic]
     baseline = float(median(per_second)) or len(rows) / len(per_second)
     basis = "median" if median(per_second) else "mean"  # sparse traffic: most seconds are empty
     burst_s = {s for s, n in counts.items() if n >= BURST_RATIO * baseline and n >= BURST_MIN_ARRIVALS}
     in_burst = [r for r in rows if math.floor(r.arrival) in burst_s]
     finished_burst = [r for r in in_burst if r.status == "finished"]
-    calm = [r.queue_s for r in rows if math.floor(r.arrival) not in burst_s and r.status == "finished"]
-    queue_burst, queue_calm = median([r.queue_s for r in finished_burst]), median(calm)
+    calm = [waited_s(r) for r in rows if math.floor(r.arrival) not in burst_s and r.status == "finished"]
+    queue_burst, queue_calm = median([waited_s(r) for r in finished_burst]), median(calm)
     refused = sum(r.status == "rejected" for r in in_burst)
-    added = [max(0.0, r.queue_s - queue_calm) for r in finished_burst]
+    added = [max(0.0, waited_s(r) - queue_calm) for r in finished_burst]
     present = bool(burst_s) and queue_burst >= BURST_QUEUE_S
     peak = max(per_second)
     evidence = {
         "requests": len(rows),
         "baseline_arrivals_per_s": baseline,
         "baseline": basis,
+        "traffic_seconds": len(traffic),
+        "idle_seconds": last - first + 1 - len(traffic),
         "peak_arrivals_per_s": peak,
         "peak_ratio": peak / baseline,
         "burst_seconds": len(burst_s),
@@ -227,22 +245,27 @@ def bursts(
         "refused_in_bursts": refused,
         "rows_truncated": truncated,
     }
+    of_traffic = f"the {basis} {baseline:.3g}/s of the {len(traffic)} s with traffic"
     if present:
         summary = (
-            f"{len(burst_s)} burst second(s) at up to {peak} arrivals/s ({peak / baseline:.1f}x the {basis} "
-            f"{baseline:.3g}/s); their {len(in_burst)} arrivals queued a median {queue_burst * 1e3:.0f} ms "
+            f"{len(burst_s)} burst second(s) at up to {peak} arrivals/s ({peak / baseline:.1f}x {of_traffic}); "
+            f"their {len(in_burst)} arrivals queued a median {queue_burst * 1e3:.0f} ms "
             f"(others {queue_calm * 1e3:.0f} ms)."
         )
     elif burst_s:
+        against = versus(queue_burst, BURST_QUEUE_S, f"{BURST_QUEUE_S * 1e3:g} ms", "burst queue threshold")
         summary = (
             f"{len(burst_s)} burst second(s) at up to {peak} arrivals/s, absorbed: their arrivals queued a median "
-            f"{queue_burst * 1e3:.0f} ms (trap at {BURST_QUEUE_S * 1e3:g} ms)."
+            f"{queue_burst * 1e3:.0f} ms, {against}."
         )
     else:
-        summary = (
-            f"No burst: the busiest second had {peak} arrival(s), {peak / baseline:.1f}x the {basis} {baseline:.3g}/s."
+        ratio = peak / baseline
+        summary = f"No burst: the busiest second had {peak} arrival(s), {ratio:.1f}x {of_traffic}" + (
+            f", {versus(ratio, BURST_RATIO, f'{BURST_RATIO:g}x', 'burst threshold')}."
+            if near(ratio, BURST_RATIO)
+            else "."
         )
-    worst = sorted(in_burst, key=lambda r: -r.queue_s)[:EXAMPLES]
+    worst = sorted(in_burst, key=lambda r: -waited_s(r))[:EXAMPLES]
     mean_added = sum(added) / len(added) if added else 0.0
     return finding(
         trap,
@@ -253,7 +276,7 @@ def bursts(
         hours=hours,
         severity="critical" if refused or queue_burst >= 10 * BURST_QUEUE_S else "warning",
         evidence=evidence,
-        series={"arrivals per second": thin([(float(s), float(n)) for s, n in enumerate(per_second, start=first)])},
+        series={"arrivals per second": thin([(float(t), float(counts.get(t, 0))) for t in range(first, last + 1)])},
         requests=request_dicts(worst),
         cost=(
             f"Latency: burst arrivals queued {mean_added * 1e3:.0f} ms more on average than the median queue time "
@@ -326,7 +349,12 @@ def cold_start(
     label = "TTFT" if metric == "ttft_s" else "e2e latency"
     summary = (
         f"Run {run}: the first {COLD_N} requests had a median {label} of {worst['cold_p50_s'] * 1e3:.0f} ms, "
-        f"{worst['ratio']:.1f}x the {worst['rest_p50_s'] * 1e3:.0f} ms of the {len(rows) - COLD_N} after them."
+        f"{worst['ratio']:.1f}x the {worst['rest_p50_s'] * 1e3:.0f} ms of the {len(rows) - COLD_N} after them"
+        + (
+            f", {versus(worst['ratio'], COLD_RATIO, f'{COLD_RATIO:g}x', 'cold-start threshold')}."
+            if not present
+            else "."
+        )
     )
     slowest = sorted(rows[:COLD_N], key=lambda x: -getattr(x, metric))[:EXAMPLES]
     return finding(

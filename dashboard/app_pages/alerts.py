@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 import streamlit as st
 
-from dashboard import alert_views, charts, settings, transform, ui
+from dashboard import alert_views, charts, settings, timewin, transform, ui
 from dashboard.data import alerting
 from dashboard.tables import Col, show
 
 st.title("Alerts")
 f = ui.current_filters()
-ui.page_caption("Alert state as the evaluator last wrote it; notifications in " + ui.window_text() + ".")
+ui.page_caption(
+    "Alert state as the evaluator last wrote it; notifications in "
+    + ui.window_text()
+    + (" and since, up to now." if ui.follows_present() else ".")
+)
 NO_EVALUATOR = (
     "Alert state is written by the evaluator: run `kvpilot alerts run --webhook URL` (or `--sink-port "
     "9095` for a local sink) against this database."
@@ -19,8 +25,24 @@ NO_EVALUATOR = (
 
 states = pd.DataFrame(columns=alerting.STATE_COLUMNS)
 silence_rows: list[dict] = []
+held: alerting.Lease | None = None
+now = time.time()
+live = True  # until the lease says otherwise (an unreadable database is said by the guard, not as "no evaluator")
 with ui.guarded("Alert state"):
     states = alerting.alert_states(f.db_url)
+    held = alerting.lease(f.db_url)
+    live = alerting.evaluating(held, now)
+    if not live:
+        last = (
+            f" (last held by `{held.holder}`, "
+            + (f"expired {timewin.fmt_ago(held.expires_at, now)})" if held.expires_at > 0 else "released)")
+            if held is not None and held.holder
+            else ""
+        )
+        st.warning(
+            f"**No evaluator holds the lease**{last}: nothing evaluates the rules now. {NO_EVALUATOR}",
+            icon=":material/warning:",
+        )
 with ui.guarded("Silences"):
     silence_rows = alerting.silences(f.db_url)
 active_matchers = [s["matchers"] for s in silence_rows if s["status"]["state"] == "active"]
@@ -65,10 +87,12 @@ STATE_TABLE = {
 
 st.subheader("Firing and pending")
 active = pd.concat([firing, pending])
-if states.empty:
-    st.info(f"**No alerts are pending or firing.** {NO_EVALUATOR}", icon=":material/info:")
+if active.empty and live and held is not None:
+    st.success(
+        f"No alerts are pending or firing (evaluator `{held.holder}` holds the lease).", icon=":material/check_circle:"
+    )
 elif active.empty:
-    st.success("No alerts are pending or firing.", icon=":material/check_circle:")
+    st.info("**No alerts are pending or firing** in the state the last evaluator left.", icon=":material/info:")
 else:
     show(active, {k: c for k, c in STATE_TABLE.items() if k != "resolved_at"})
 if not states.empty:
@@ -127,7 +151,9 @@ with ui.guarded("Rules"):
 
 st.subheader("Notification history")
 with ui.guarded("Notification history"):
-    history = alerting.alert_history(f.db_url, f.start, f.end)
+    # A window that reaches the present (a preset, 'Whole run') lists what was notified up to now: a page
+    # sent after the last event (an engine that went quiet, then down) belongs here.
+    history = alerting.alert_history(f.db_url, f.start, max(f.end, now) if ui.follows_present() else f.end)
     history = history[history["instance"].map(f.shows)]
     if history.empty:
         ui.empty(

@@ -11,7 +11,7 @@ import streamlit as st
 from collector import queries
 from collector.queries import diagnosis_base as rules
 from dashboard import charts, tables, ui
-from dashboard.data import diagnosis
+from dashboard.data import advice, diagnosis
 
 st.title("Diagnosis")
 f = ui.current_filters()
@@ -59,15 +59,10 @@ def _chart(finding: queries.Finding) -> None:
 
 def _knob(finding: queries.Finding) -> None:
     knob = queries.KNOBS[finding.knob]
-    st.markdown(f"**Knob:** `{knob.name}`: {knob.why}. vLLM: {knob.vllm}.")
+    st.markdown(advice.knob_text(knob, finding.engine))
+    st.caption(advice.study_caption(knob, finding.engine, finding.study_command is not None))
     if finding.study_command:
-        st.caption("A tuning study over exactly this knob, replaying this instance's stored traffic on the simulator:")
         st.code(finding.study_command, language="bash", wrap_lines=True)
-    else:
-        st.caption(
-            f"`{knob.name}` is not hot-reloadable, so no study can search it: set it in the engine config "
-            "(`kvpilot engine serve --config`) and restart."
-        )
 
 
 def _present(finding: queries.Finding) -> None:
@@ -117,5 +112,6 @@ with ui.guarded("Diagnosis"):
     st.caption(
         "Studies started with these commands appear on the Tuning page under their `diagnosis-...` study name. "
         "`--hours` reaches back from now to the window's start, so the replayed traffic includes anything stored "
-        "after the window. Drop `--knob` to search the whole space; add `--profile` for the instance's hardware."
+        "after the window. kvpilot's engine: drop `--knob` to search the whole space; add `--profile` for the "
+        "instance's hardware. vLLM: the study searches vLLM's own arguments (tuner/vllm/space.yml)."
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import charts, timewin, ui
-from dashboard.data import alerting, catalog, kv, load, scraped, serving
+from dashboard.data import advice, alerting, catalog, kv, load, scraped, serving
 from dashboard.tables import SCRAPED_ENGINE_TABLE, Col, show
 
 st.title("KV memory")
@@ -184,7 +184,11 @@ with left, ui.guarded("Swap rate"):
 with right, ui.guarded("Prefix-cache hit rate"):
     hits = serving.gauges(f, ("prefix_hit_rate",))
     if hits.empty:
-        ui.empty("prefix-cache samples", "Enable the prefix cache (`cache.enable_prefix_cache: true`) to see it.")
+        names = tuple(sorted({*sel.pushed, *sel.scraped}))
+        ui.empty(
+            "prefix-cache samples",
+            advice.prefix_cache_hint(list(advice.engines(f.db_url, names).values()), advice.prefix_hits(f, names)),
+        )
     else:
         st.altair_chart(
             charts.lines(
@@ -205,7 +209,7 @@ with ui.guarded("Allocation trace"):
         if sel.scrape_only and not sel.pushed:
             st.caption("No allocation trace: the selected instances are only scraped (see the note above).")
         else:
-            ui.empty("allocation events", "Engines send alloc/free/swap/evict events when telemetry.trace_alloc is on.")
+            ui.empty("allocation events", advice.alloc_trace_hint(list(advice.engines(f.db_url, sel.pushed).values())))
     else:
         totals = ops.groupby("op")[["events", "blocks"]].sum()
         shown = [op for op in OPS if op in totals.index]

@@ -34,10 +34,10 @@ with ui.guarded("Scrape targets"):
         if not row["enabled"]:
             return "disabled"
         if row["up"] is None or pd.isna(row["up"]):
-            return "unknown (never scraped)"
+            return "never scraped"
         if not row["up"]:
             return "down"
-        stale = row["last_scrape_at"] is not None and now - row["last_scrape_at"] > 3 * row["interval_s"]
+        stale = not pd.isna(row["last_scrape_at"]) and now - row["last_scrape_at"] > 3 * row["interval_s"]
         return "stale" if stale else "up"
 
     targets["health"] = targets.apply(health, axis=1)
@@ -48,7 +48,7 @@ with ui.guarded("Scrape targets"):
     cols[2].metric("Down", int(counts.get("down", 0)))
     cols[3].metric(
         "Stale / never scraped",
-        int(counts.get("stale", 0) + counts.get("unknown (never scraped)", 0)),
+        int(counts.get("stale", 0) + counts.get("never scraped", 0)),
         help="stale: no scrape for three intervals (is the collector's scraper running?)",
     )
     down = targets[targets["health"] == "down"]
@@ -58,21 +58,24 @@ with ui.guarded("Scrape targets"):
             icon=":material/cloud_off:",
         )
 
-    targets["last scrape"] = targets["last_scrape_at"].map(lambda ts: timewin.fmt_ago(ts, now))
+    # A float column holds a missing time as NaN, not None: "never", not "0 s ago".
+    targets["last scrape"] = targets["last_scrape_at"].map(lambda ts: timewin.fmt_ago(None if pd.isna(ts) else ts, now))
+    # What a reader scans for first (is it up, since when, why not) before where it is: the table fits its box,
+    # so no column hides behind a horizontal scroll.
     show(
         targets,
         {
             "health": Col("Health"),
-            "job": Col("Job"),
-            "instance": Col("Instance", width="medium"),
-            "labels": Col("Labels", width="medium", help="static target labels, added to every series"),
-            "url": Col("URL", "link", width="large"),
-            "last scrape": Col("Last scrape"),
-            "scrape_duration_s": Col("Took", "seconds", help="the last scrape"),
-            "interval_s": Col("Interval", "seconds"),
-            "sample_limit": Col("Sample limit", "count", help="samples a scrape may keep"),
-            "last_error": Col("Last error", width="large"),
-            "id": Col("Id", "count"),
+            "job": Col("Job", width="small"),
+            "instance": Col("Instance"),
+            "last scrape": Col("Last scrape", width="small"),
+            "scrape_duration_s": Col("Took", "seconds", width="small", help="the last scrape"),
+            "interval_s": Col("Interval", "seconds", width="small"),
+            "last_error": Col("Last error", width="medium"),
+            "labels": Col("Labels", width="small", help="static target labels, added to every series"),
+            "url": Col("URL", "link", width="medium"),
+            "sample_limit": Col("Sample limit", "count", width="small", help="samples a scrape may keep"),
+            "id": Col("Id", "count", width="small"),
         },
     )
 

@@ -23,6 +23,8 @@ with ui.guarded("Studies"):
         studies,
         {
             "study": Col("Study", width="large"),
+            "engine": Col("Engine", help="whose config the study searched: kvpilot's engine or vLLM's arguments"),
+            "kind": Col("Kind", help="a study; a vLLM screen (`kvpilot tune vllm screen`, simulated only)"),
             "directions": Col("Directions", width="medium"),
             "trials": Col("Trials", "count"),
             "started": Col("Started", "time"),
@@ -118,6 +120,7 @@ with ui.guarded("Proposals"):
         props,
         {
             "id": Col("Proposal", "count"),
+            "engine": Col("Engine", help="kvpilot: an engine config file; vllm: a vLLM `--config` file"),
             "status": Col("Status"),
             "study_name": Col("Study", width="large"),
             "instance": Col("Instance", width="medium"),
@@ -132,7 +135,8 @@ with ui.guarded("Proposals"):
         format_func=lambda i: f"#{i} ({props.set_index('id').loc[i, 'status']})",
     )
     p = props.set_index("id").loc[pid]
-    st.markdown(f"#### Proposal #{pid} — {p['status']}")
+    vllm = p["engine"] == "vllm"
+    st.markdown(f"#### Proposal #{pid} — {p['status']}" + (" (vLLM)" if vllm else ""))
     proposed = yaml.safe_load(p["config_yaml"] or "") or {}
 
     st.markdown("**Measured before / after**")
@@ -160,8 +164,11 @@ with ui.guarded("Proposals"):
 
     st.markdown("**Config diff against the running config**")
     running, source = None, ""
+    if vllm:  # the vLLM the study measured: its arguments, as the proposal's baseline recorded them
+        running = tuning.vllm_baseline(p["baseline_metrics"])
+        source = "vLLM config the study measured"
     with ui.guarded("Running config"):
-        configured = tuning.engines()
+        configured = {} if vllm else tuning.engines()
         if configured:
             engine_name = st.selectbox(
                 "Engine (GET /admin/config)",
@@ -174,12 +181,14 @@ with ui.guarded("Proposals"):
             running = tuning.running_config(engine_name)
             source = f"running engine {engine_name}"
     if running is None:
-        applied = props[(props["status"] == "applied") & (props["id"] != pid)]
+        applied = props[(props["status"] == "applied") & (props["id"] != pid) & (props["engine"] == p["engine"])]
         if not applied.empty:
             last = applied.iloc[0]
             running = yaml.safe_load(last["config_yaml"] or "") or {}
             source = f"last applied proposal #{last['id']}"
-    if running is None:
+    if running is None and vllm:
+        st.info("This vLLM proposal did not record the config its study measured.", icon=":material/info:")
+    elif running is None:
         st.info(
             "To diff this proposal against the config an engine runs now, name the engine in "
             "`KVPILOT_DASHBOARD_ENGINES=name=http://host:port` (and its admin token in `KVPILOT_ADMIN_TOKEN`).",
@@ -200,7 +209,12 @@ with ui.guarded("Proposals"):
                 },
             )
             st.code(transform.unified_diff(running, proposed, running_label=source), language="diff")
-    with st.expander("Proposal config (apply with `kvpilot engine serve --config proposal.yaml`)"):
+    apply = (
+        "vLLM's `--config` file: `kvpilot vllm serve -- --config proposal.yaml` (or `vllm serve --config`)"
+        if vllm
+        else "apply with `kvpilot engine serve --config proposal.yaml`"
+    )
+    with st.expander(f"Proposal config ({apply})"):
         st.code(p["config_yaml"], language="yaml")
     if p["report_md"]:
         with st.expander("Report", expanded=False):
@@ -222,7 +236,9 @@ with ui.guarded("Proposals"):
         if user is None:
             auth.need_writer("accept or reject proposals")
         st.caption(
-            f"Accepting records the decision; `kvpilot tune apply {pid} --engine-url URL` applies it to a "
+            "Accepting records the decision; restart vLLM with the config above (vLLM reads its arguments at start)."
+            if vllm
+            else f"Accepting records the decision; `kvpilot tune apply {pid} --engine-url URL` applies it to a "
             "running engine, or restart one with the config above."
         )
         if decision and user is not None:

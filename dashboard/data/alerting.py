@@ -15,7 +15,7 @@ from alerts.silences import SilenceIn, list_silences, parse_matcher
 from alerts.silences import create_silence as store_silence
 from alerts.silences import expire_silence as expire_stored_silence
 from alerts.state import INACTIVE
-from alerts.store import load_states, notification_bodies
+from alerts.store import Lease, load_states, notification_bodies, read_lease
 from collector.db import session_factory, session_scope
 from dashboard.data.base import TTL_S, DataUnavailable, engine
 
@@ -74,6 +74,18 @@ def alert_states(url: str) -> pd.DataFrame:
         for a in stored
     ]
     return pd.DataFrame(data, columns=STATE_COLUMNS)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def lease(url: str) -> Lease | None:
+    """The evaluator lease as stored (None: no evaluator ever ran against this database)."""
+    return read_lease(session_factory(engine(url)))
+
+
+def evaluating(held: Lease | None, now: float) -> bool:
+    """Whether an evaluator holds the lease now: only then is the alert state current (one that stopped
+    released it, one that died lets it expire)."""
+    return held is not None and bool(held.holder) and held.expires_at >= now
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 import streamlit as st
+import yaml
 from sqlalchemy import inspect
 from sqlalchemy.engine import make_url
 
@@ -20,6 +21,7 @@ from dashboard.data.base import TTL_S, DataUnavailable, engine
 
 PROPOSAL_COLUMNS = [
     "id",
+    "engine",  # whose config: `kvpilot` (an EngineConfig) or `vllm` (vLLM's --config file)
     "created_at",
     "updated_at",
     "status",
@@ -41,6 +43,21 @@ def proposals(url: str) -> pd.DataFrame:
 
     rows = list_proposals(engine(url), limit=PROPOSALS_SHOWN)
     return pd.DataFrame([{c: getattr(p, c) for c in PROPOSAL_COLUMNS} for p in rows], columns=PROPOSAL_COLUMNS)
+
+
+def vllm_baseline(baseline_metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The vLLM config a vLLM study measured as its baseline, in the proposal's own form (vLLM's `--config`
+    keys), so the two diff key by key; None where the proposal did not record it."""
+    from tuner.vllm.config import VllmConfig, VllmConfigError
+
+    recorded = (baseline_metrics or {}).get("config")
+    if not isinstance(recorded, dict):
+        return None
+    try:
+        return yaml.safe_load(VllmConfig.from_dict(recorded, source="baseline").to_config_yaml()) or {}
+    except (VllmConfigError, ValueError, TypeError) as exc:
+        log.warning("a vLLM proposal's baseline config is not readable: %s", exc)
+        return None
 
 
 def set_proposal_status(url: str, proposal_id: int, status: str, *, user: str) -> None:
@@ -180,13 +197,23 @@ def studies(url: str) -> pd.DataFrame:
     rows = [
         {
             "study": s.study_name,
+            "engine": study_engine(s.user_attrs),
+            "kind": s.user_attrs.get("kind", "study"),
             "directions": ", ".join(d.name.lower() for d in s.directions),
             "trials": s.n_trials,
             "started": s.datetime_start,
         }
         for s in summaries
     ]
-    return pd.DataFrame(rows, columns=["study", "directions", "trials", "started"])
+    return pd.DataFrame(rows, columns=["study", "engine", "kind", "directions", "trials", "started"])
+
+
+def study_engine(attrs: dict[str, Any]) -> str:
+    """Whose config a study searched: its `engine` tag (tuner.study.tag_study: vLLM's screens and studies), else
+    the backend it ran on (`vllm-...` for vLLM), else kvpilot's engine."""
+    if "engine" in attrs:
+        return str(attrs["engine"])
+    return "vllm" if str(attrs.get("backend", "")).startswith("vllm") else "kvpilot"
 
 
 @dataclass(frozen=True)

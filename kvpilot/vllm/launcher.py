@@ -42,8 +42,10 @@ from kvpilot.vllm.wiring import (
     VllmSetupError,
     build_command,
     build_env,
+    delete_target,
     read_kv_capacity,
     register_target,
+    stopped_cleanly,
 )
 
 log = logging.getLogger("kvpilot.vllm")
@@ -102,7 +104,8 @@ class VllmLauncher:
         )
         self.passthrough = passthrough
         self._sink = sink
-        self.target: str | None = None  # 'created' / 'exists' once registered
+        self.target: str | None = None  # 'created' / 'exists' once registered; 'deleted' after a clean stop
+        self._signals_sent: set[int] = set()  # what we asked vLLM to stop with: its exit by one is clean
         self.proc: subprocess.Popen[bytes] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._ready = threading.Event()
@@ -178,6 +181,7 @@ class VllmLauncher:
 
     def send_signal(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self._signals_sent.add(signum)
             self.proc.send_signal(signum)
 
     def wait(self, timeout_s: float | None = None) -> int:
@@ -203,7 +207,8 @@ class VllmLauncher:
         return code
 
     def close(self) -> None:
-        """Stop the threads and flush the sink (what the collector did not take stays in the spool)."""
+        """Stop the threads, take the scrape target away after a clean stop, and flush the sink (what the
+        collector did not take stays in the spool)."""
         if self._closed:
             return
         self._closed = True
@@ -213,6 +218,7 @@ class VllmLauncher:
         with self._placing:
             self._parse_held(force=True)
             self._emit(self.placer.flush())
+        self._deregister()
         if self._sink is not None:
             self._sink.close()
         if self._log_fh is not None:
@@ -338,6 +344,26 @@ class VllmLauncher:
                     warned = True
             self._stopping.wait(delay)
             delay = min(delay * 2, 30.0)
+
+    def _deregister(self) -> None:
+        """After a clean stop (vLLM exited 0 or by the signal it was sent) delete its scrape target: nobody
+        is paged for an engine that was shut down. After a crash the target stays, so ScrapeTargetDown pages."""
+        code = None if self.proc is None else self.proc.poll()
+        if self.target is None or not self.options.admin_token:
+            return
+        if not stopped_cleanly(code, self._signals_sent):
+            log.warning("vLLM exited with %s unasked: its scrape target stays registered (it will page)", code)
+            return
+        try:
+            with httpx.Client(timeout=5.0) as client:
+                delete_target(
+                    client, self.collector_url, token=self.options.admin_token, metrics_url=f"{self.url}/metrics"
+                )
+        except (httpx.HTTPError, TargetRegistrationError, ValueError, TypeError, KeyError) as exc:
+            log.warning("scrape target %s/metrics left on the collector %s: %s", self.url, self.collector_url, exc)
+            return
+        self.target = "deleted"
+        log.info("vLLM stopped cleanly: scrape target %s/metrics deleted from %s", self.url, self.collector_url)
 
     # --- process group ------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -153,11 +153,41 @@ def register_target(
         return "created"
     if resp.status_code == 409:
         return "exists"
+    raise _refusal(resp, f"collector refused the scrape target {metrics_url}")
+
+
+def delete_target(client: httpx.Client, collector_url: str, *, token: str, metrics_url: str) -> None:
+    """Delete the scrape target of `metrics_url` (found by its URL; none, or a 404, is as good: nothing is
+    left). Target writes are administration, so `token` is the admin token. httpx errors are transient;
+    a refusal (a bad token) raises TargetRegistrationError; a listing not in the collector's shape, ValueError."""
+    headers = {"Authorization": f"Bearer {token}"}
+    listed = client.get(f"{collector_url}/v1/targets", headers=headers)
+    if listed.status_code != 200:
+        raise _refusal(listed, "collector refused to list its scrape targets")
+    for target in listed.json():
+        if isinstance(target, dict) and target.get("url") == metrics_url:
+            resp = client.delete(f"{collector_url}/v1/targets/{int(target['id'])}", headers=headers)
+            if resp.status_code not in (204, 404):  # 404: gone already
+                raise _refusal(resp, f"collector refused to delete the scrape target {metrics_url}")
+
+
+def _refusal(resp: httpx.Response, what: str) -> TargetRegistrationError:
+    """The error for a refused call; a transient status (5xx, 429, 408, 425) raises httpx's instead."""
     if resp.status_code in (408, 425, 429) or resp.status_code >= 500:
         resp.raise_for_status()
-    raise TargetRegistrationError(
-        f"collector refused the scrape target {metrics_url} (HTTP {resp.status_code}): {_detail(resp)}"
-    )
+    return TargetRegistrationError(f"{what} (HTTP {resp.status_code}): {_detail(resp)}")
+
+
+def stopped_cleanly(code: int | None, signals_sent: Collection[int]) -> bool:
+    """Whether vLLM ended because it was asked to: it exited 0, or by a signal it was sent (SIGTERM, SIGINT;
+    as -n from Popen, or 128 + n as shells report it).
+
+    A clean stop takes its scrape target away (nobody is paged for an engine that was shut down); a crash
+    (any other exit, a SIGKILL nobody sent it) keeps it, so ScrapeTargetDown pages.
+    """
+    if code is None or not signals_sent:
+        return False
+    return code == 0 or -code in signals_sent or code - 128 in signals_sent
 
 
 def _detail(resp: httpx.Response) -> str:

@@ -138,6 +138,42 @@ def test_bursts_absorbed_or_absent_are_fine(db_engine: Engine) -> None:
     assert f.status == "absent" and f.evidence["burst_seconds"] == 0
 
 
+def test_bursts_baseline_leaves_an_idle_gap_out(db_engine: Engine) -> None:
+    """A replayed trace: 3 arrivals a second, 5 in some seconds, then 10 idle minutes, then traffic again.
+    Counted in, the idle seconds make the median 0 and every 5-arrival second a "burst"; left out, the
+    median is 3 and 5 is no burst."""
+    out = []
+    for s in [*range(60), *range(660, 720)]:
+        n = 5 if s % 10 == 0 else 3
+        out += [req(T0 + s + 0.1 + 0.15 * k, 10 * s + k, queue=0.08) for k in range(n)]
+    ingest(db_engine, out)
+    f = check(db_engine, "bursts", end=T0 + 900.0)
+    e = f.evidence
+    assert f.status == "absent" and e["burst_seconds"] == 0, f.summary
+    assert e["baseline"] == "median" and e["baseline_arrivals_per_s"] == 3
+    assert e["traffic_seconds"] == 120 and e["idle_seconds"] == 600
+    assert "1.7x the median 3/s of the 120 s with traffic" in f.summary
+    gap = [n for ts, n in f.series["arrivals per second"] if T0 + 100 < ts < T0 + 600]
+    assert gap and max(gap) == 0  # the evidence still shows the gap
+
+
+def test_findings_near_a_threshold_say_so(db_engine: Engine) -> None:
+    # prompts p10 100, p90 750: 7.5, just under 8; not "alike"
+    sizes = [100] * 50 + [300] * 35 + [750] * 15
+    ingest(db_engine, [req(T0 + 1.0 + 0.5 * n, n, prompt_tokens=p) for n, p in enumerate(sizes)])
+    f = check(db_engine, "mixed_lengths")
+    assert f.status == "absent" and f.evidence["spread_p90_p10"] == pytest.approx(7.5)
+    assert "alike" not in f.summary and "7.5" in f.summary and "just under the mixing threshold 8" in f.summary
+    # a busiest second 3.5x the median: just under the burst threshold 4x
+    out = []
+    for s in range(100):
+        out += [req(T0 + s + 0.05 + 0.1 * k, 100 * s + k, instance="e1") for k in range(7 if s == 50 else 2)]
+    ingest(db_engine, out)
+    f = check(db_engine, "bursts", instance="e1")
+    assert f.status == "absent" and "3.5x the median 2/s" in f.summary
+    assert "just under the burst threshold 4x" in f.summary
+
+
 # --- swap thrashing -------------------------------------------------------------------------------------
 
 
@@ -226,8 +262,20 @@ def test_memory_wall_present_when_kv_is_full_and_requests_are_preempted(db_engin
     e = f.evidence
     assert e["full_share"] == pytest.approx(0.3) and e["usage_peak"] == pytest.approx(0.97)
     assert e["failed_allocations"] == 1 and e["preemptions"] == 10 and e["preempted_requests"] == 5
-    assert f.cost_value == pytest.approx(5 * 2 * 600 / 600.0)
+    # per second with traffic (first arrival to last finish: 59.215 s), not per second of the 600-s window
+    assert e["traffic_s"] == pytest.approx(59.215) and e["idle_samples_left_out"] == 40
+    assert f.cost_value == pytest.approx(5 * 2 * 600 / 59.215)
     assert f.knob == "scheduler.max_num_seqs" and "KV usage" in f.series and "fragmentation" in f.series
+
+
+def test_memory_wall_leaves_samples_of_an_idle_gap_out(db_engine: Engine) -> None:
+    """Full in 5 of the 20 seconds with traffic (25%); the 80 idle seconds after it, at 0, would make it 5%."""
+    samples = [ev.sample(k, ts=T0 + k, kv_usage=(0.97 if k % 4 == 0 else 0.6) if k < 20 else 0.0) for k in range(100)]
+    requests = [req(T0 + 0.2 * n, n) for n in range(99)]  # arrivals over 0-19.6 s, each in flight 0.215 s
+    ingest(db_engine, [*samples, *requests])
+    f = check(db_engine, "memory_wall")
+    assert f.present and f.evidence["full_share"] == pytest.approx(0.25), f.summary
+    assert f.evidence["idle_samples_left_out"] == 80 and "of the samples with traffic" in f.summary
 
 
 def test_memory_wall_fragmentation_points_at_the_block_policy(db_engine: Engine) -> None:
@@ -293,3 +341,27 @@ def test_diagnose_checks_every_trap_on_every_instance_with_data(db_engine: Engin
     assert [(f.instance, f.status) for f in found] == [("ghost", "no_data")]
     with pytest.raises(ValueError, match="unknown trap"):
         q.diagnose(db_engine, start=T0, end=T0 + 1.0, traps=["leaks"])
+
+
+def test_advice_is_in_the_instances_engines_terms(db_engine: Engine) -> None:
+    """A vLLM (its cache_config_info scraped) gets the vLLM study of its own arguments; kvpilot's engine (its
+    samples) the study over kvpilot's config key; the engine is on each finding."""
+    events = _bursty(0.2) + [{**e, "instance": "e1"} for e in _bursty(0.2)]
+    ingest(db_engine, [*events, ev.sample(0, instance="e1", ts=T0 + 1.0, prefix_hit_rate=0.3)])
+    config = {"engine": "0", "enable_prefix_caching": "True", "block_size": "16"}
+    with db_engine.begin() as conn:
+        conn.execute(
+            insert(SeriesPoint.__table__),
+            [{"instance": "e0", "name": "kv_cache_config_info", "labels": labels_json(config), "ts": T0, "value": 1.0}],
+        )
+    infos = q.engine_infos(db_engine, instances=["e0", "e1", "ghost"])
+    assert (infos["e0"].engine, infos["e0"].prefix_caching) == ("vllm", True)
+    assert (infos["e1"].engine, infos["e1"].prefix_caching) == ("kvpilot", True)
+    assert (infos["ghost"].engine, infos["ghost"].prefix_caching) == (None, None)
+    found = {f.instance: f for f in q.diagnose(db_engine, start=T0, end=T0 + 600.0, traps=["bursts"], now=NOW)}
+    vllm = shlex.split(found["e0"].study_command or "")
+    assert found["e0"].engine == "vllm" and vllm[:4] == ["kvpilot", "tune", "vllm", "study"]
+    assert vllm[vllm.index("--workload") + 1] == "stored:e0" and "--knob" not in vllm
+    kvpilot = shlex.split(found["e1"].study_command or "")
+    assert found["e1"].engine == "kvpilot" and kvpilot[:3] == ["kvpilot", "tune", "study"]
+    assert kvpilot[kvpilot.index("--knob") + 1] == "scheduler.max_num_batched_tokens"

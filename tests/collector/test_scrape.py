@@ -36,6 +36,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # The exporters below listen on loopback, which the scraper refuses unless allowed (SSRF), as a deployment
 # that scrapes its own host sets KVPILOT_SCRAPE_ALLOW_NETS=127.0.0.0/8.
 LOOPBACK = AddressPolicy(LOOPBACK_NETS)
+VLLM_SERIES = 382  # stored series of fixtures/vllm_dp2.prom (cache_config_info included, one per engine)
 NOW = 1_760_000_000.0
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -143,7 +144,7 @@ def test_scraper_stores_labelled_series_and_health(db_engine: Engine, exporter: 
         assert len(scraper.due_targets(NOW + 10)) == 7
     finally:
         scraper.stop()
-    assert outcomes["vllm"].up and outcomes["vllm"].points == 380 and outcomes["vllm"].dropped == {}
+    assert outcomes["vllm"].up and outcomes["vllm"].points == VLLM_SERIES and outcomes["vllm"].dropped == {}
     assert not outcomes["broken"].up and not outcomes["err"].up and not outcomes["metrics"].up
     assert "HTTP 500" in (outcomes["err"].error or "")
 
@@ -232,15 +233,15 @@ def test_sample_limit_keeps_whole_histograms_counts_and_logs(
             (outcome,) = scraper.run_once()
     finally:
         scraper.stop()
-    assert outcome.up and outcome.dropped == {"sample_limit": 380 - outcome.points}
+    assert outcome.up and outcome.dropped == {"sample_limit": VLLM_SERIES - outcome.points}
     assert 100 - 17 < outcome.points <= 100
     rows = stored(db_engine, instance="vllm-0")
     series = [
         (n, labels) for n, labels, _, _ in rows if n not in ("up", "scrape_duration_seconds", "scrape_series_dropped")
     ]
     assert len(series) == outcome.points
-    # Every non-bucket series (62) is kept before any bucket, and a histogram is kept whole or not at all.
-    assert sum(not n.endswith("_bucket") for n, _ in series) == 62
+    # Every non-bucket series (64, two cache_config_info) is kept before any bucket; a histogram whole or not at all.
+    assert sum(not n.endswith("_bucket") for n, _ in series) == 64
     histograms: dict[tuple[str, str], int] = {}
     for n, labels in series:
         if n.endswith("_bucket"):
@@ -248,13 +249,14 @@ def test_sample_limit_keeps_whole_histograms_counts_and_logs(
             histograms[key] = histograms.get(key, 0) + 1
     assert histograms and all(count == 17 for count in histograms.values())  # 16 bounds and +Inf
     dropped = [v for n, _, _, v in rows if n == "scrape_series_dropped"]
-    assert dropped == [380.0 - outcome.points]
+    assert dropped == [VLLM_SERIES - outcome.points]
     assert registry.get_sample_value("kvpilot_collector_scrape_series_dropped_total", {"reason": "sample_limit"}) == (
-        380 - outcome.points
+        VLLM_SERIES - outcome.points
     )
     warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(warnings) == 1
-    assert f"dropped {380 - outcome.points} of 380 series" in warnings[0] and "sample_limit 100" in warnings[0]
+    assert f"dropped {VLLM_SERIES - outcome.points} of {VLLM_SERIES} series" in warnings[0]
+    assert "sample_limit 100" in warnings[0]
     health = target_row(db_engine, "vllm-0")
     assert health.up is True and (health.last_error or "").startswith("degraded: stored")
 

@@ -73,8 +73,14 @@ def test_vllm_series_keep_model_and_engine() -> None:
     for name in ("prefill_time_seconds", "decode_time_seconds", "inference_time_seconds", "request_prompt_tokens"):
         assert set(by_name(got, f"{name}_count")) == {e0, e1}
     assert by_name(got, "iteration_tokens_count") == {e0: 40.0, e1: 25.0}
+    # The cache config is an info series: its labels are what it says (is prefix caching on?), per engine.
+    configs = [json.loads(labels) for name, labels in got if name == "kv_cache_config_info"]
+    assert sorted(c["engine"] for c in configs) == ["0", "1"]
+    assert all(set(c) == {"engine", "enable_prefix_caching", "block_size", "num_gpu_blocks"} for c in configs)
     # Nothing else leaks into a label set: no info labels, no _created samples, no le outside buckets.
     for (name, labels), _ in got.items():
+        if name == "kv_cache_config_info":
+            continue
         keys = set(json.loads(labels))
         assert keys - {"le", "finished_reason", "status"} == {"engine", "model_name"}, (name, labels)
         assert ("le" in keys) == name.endswith("_bucket")

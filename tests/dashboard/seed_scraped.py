@@ -2,7 +2,7 @@
 
 - `vllm-a` (job vllm): a vLLM server with two engines, each its own label set (engine, model_name):
   queue, running and KV gauges, request/token/preemption counters, and a TTFT histogram
-  (`_bucket{le}`, `_sum`, `_count`).
+  (`_bucket{le}`, `_sum`, `_count`); prefix caching on (`cache_config_info`) with 40% of lookups hitting.
 - `dcgm-node1` (job dcgm, static target label node=node-1): a DCGM exporter with two GPUs, GPU 0 at 95%
   of its memory and GPU 1 at 75%; their average (85%) is what the dashboard must never show.
 
@@ -32,6 +32,8 @@ TTFT_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
 TTFT_PER_SCRAPE = {"0": [0.02] * 6 + [0.04] * 3 + [0.2], "1": [0.3] * 3 + [0.8, 2.0]}
 # Per scrape interval and engine: (queue depth, running, KV usage, finished 'stop', finished 'abort',
 # generation tokens, prompt tokens, preemptions).
+PREFIX_CONFIG = {"enable_prefix_caching": "True", "block_size": "16", "num_gpu_blocks": "1000"}
+PREFIX_LOOKUPS, PREFIX_HITS = 1000, 400  # prompt tokens per scrape interval and engine: 40% hit
 ENGINE_STEP = {"0": (3, 8, 0.92, 9, 1, 1000, 2000, 1), "1": (1, 4, 0.40, 5, 0, 500, 1000, 0)}
 
 
@@ -56,6 +58,10 @@ def _vllm(k: int, target_id: int) -> list[dict[str, Any]]:
             _row("vllm-a", "generation_tokens_total", labels, k, gen * k),
             _row("vllm-a", "prompt_tokens_total", labels, k, prompt * k),
             _row("vllm-a", "preemptions_total", labels, k, preempt * k),
+            # prefix caching on: vLLM says so in cache_config_info and counts hits (no hit-rate gauge)
+            _row("vllm-a", "kv_cache_config_info", {"engine": engine, **PREFIX_CONFIG}, k, 1.0),
+            _row("vllm-a", "prefix_cache_queries_total", labels, k, PREFIX_LOOKUPS * k),
+            _row("vllm-a", "prefix_cache_hits_total", labels, k, PREFIX_HITS * k),
         ]
         observed = TTFT_PER_SCRAPE[engine]
         for bound in TTFT_BOUNDS:

@@ -6,6 +6,7 @@ skipped with the reason; with KVPILOT_REQUIRE_CHROMIUM=1 (CI) a missing chromium
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -62,13 +63,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ink(png: Path) -> float:
-    """Fraction of clearly dark pixels: text and chart lines. A loading skeleton or blank page has ~0."""
+def _ink(png: Path, box: tuple[int, int, int, int] | None = None) -> float:
+    """Fraction of clearly dark pixels (in `box`, left-top-right-bottom, if given): text and chart lines. A
+    loading skeleton, a blank page or a table that drew no cells has ~0."""
     from PIL import Image
 
     with Image.open(png) as img:
-        hist = img.convert("L").histogram()
+        hist = (img.crop(box) if box else img).convert("L").histogram()
     return sum(hist[:160]) / max(1, sum(hist))
+
+
+# Tables draw their cells on a canvas: where a page has one, the box of its first must hold ink (text), not be
+# an empty frame. The targets table lists the seeded targets (tests/dashboard/seed.py).
+TABLE_BOX = (
+    "JSON.stringify((r => [r.left, r.top, r.right, r.bottom])"
+    "(document.querySelector('[data-testid=\"stDataFrame\"]').getBoundingClientRect()))"
+)
+TABLE_PAGES = ("targets", "alerts", "diagnosis")
 
 
 @pytest.fixture
@@ -122,6 +133,10 @@ def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path
                 shown_sim = [line for line in text.splitlines() if SIM in line and "left out" not in line.lower()]
                 if shown_sim:  # only where the page says it is left out
                     problems.append(f"{name}: the simulator's instance is shown: {shown_sim}")
+                if name in TABLE_PAGES:
+                    box = tuple(round(v) for v in json.loads(page.evaluate(TABLE_BOX)))
+                    if box[2] - box[0] < 100 or box[3] - box[1] < 60 or _ink(target, box) < 0.01:  # type: ignore[arg-type]
+                        problems.append(f"{name}: the first table drew nothing in {box}")
                 ink = _ink(target)
                 if target.stat().st_size < 20_000 or ink < 0.004:
                     problems.append(f"{name}: screenshot looks blank ({target.stat().st_size} bytes, ink {ink:.4f})")

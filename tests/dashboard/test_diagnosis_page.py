@@ -112,3 +112,30 @@ def test_storage_outage_on_the_diagnosis_page(seeded: Seed, open_page, monkeypat
     at = _open(open_page, seeded.url)
     no_exception(at)
     assert "database is unreachable (connection refused)" in texts(at)
+
+
+def test_advice_names_the_engines_own_knobs(sqlite_url: str, open_page) -> None:
+    """e0 runs vLLM (its cache_config_info was scraped): vLLM's flag and vLLM's study; e1 is kvpilot's engine."""
+    from sqlalchemy import insert
+
+    from collector.exposition import labels_json
+    from collector.schema import SeriesPoint
+
+    _traps_db(sqlite_url)
+    engine = make_engine(sqlite_url)
+    with engine.begin() as conn:
+        labels = labels_json({"engine": "0", "enable_prefix_caching": "True"})
+        conn.execute(
+            insert(SeriesPoint.__table__),
+            [{"instance": "e0", "name": "kv_cache_config_info", "labels": labels, "ts": T0, "value": 1.0}],
+        )
+    engine.dispose()
+    at = _open(open_page, sqlite_url)
+    no_exception(at)
+    said = texts(at)
+    assert "**Knob (vLLM):** `--max-num-batched-tokens`" in said
+    assert "**Knob:** `scheduler.max_num_seqs`" in said  # e1, kvpilot's engine
+    codes = [c.value for c in at.code]
+    assert any(c.startswith("kvpilot tune vllm study") and "stored:e0" in c for c in codes)
+    assert not any("--knob scheduler.max_num_batched_tokens" in c for c in codes)
+    assert any("--knob scheduler.max_num_seqs" in c and "--instance e1" in c for c in codes)

@@ -8,7 +8,14 @@ import pytest
 from dashboard import ui
 from tests.dashboard.conftest import metrics, no_exception, texts
 from tests.dashboard.seed import Seed
-from tests.dashboard.seed_scraped import ENGINE_STEP, GPU_MEMORY, SCRAPE_S, SCRAPES
+from tests.dashboard.seed_scraped import (
+    ENGINE_STEP,
+    GPU_MEMORY,
+    PREFIX_HITS,
+    PREFIX_LOOKUPS,
+    SCRAPE_S,
+    SCRAPES,
+)
 
 # Both engines' TTFT buckets merged, 19 scrape intervals of 15 observations each (seed_scraped.py):
 # cumulative 0.025 -> 114, 0.05 -> 171, 0.25 -> 190, 0.5 -> 247, 1.0 -> 266, 2.5 -> 285.
@@ -121,6 +128,18 @@ def test_kv_page_for_a_scraped_only_instance(seeded: Seed, open_page) -> None:
     assert "No allocation events" not in said
     engines = _table(at, "KV peak")
     assert sorted(engines["KV usage"]) == pytest.approx([0.40, 0.92])
+
+
+def test_kv_page_advice_for_a_vllm_with_prefix_caching_on_names_vllm(seeded: Seed, open_page) -> None:
+    """vLLM with `--enable-prefix-caching` has no hit-rate gauge: the page says the cache is on and gives the hit
+    share from vLLM's counters, never kvpilot's config key."""
+    at = open_page(seeded.url, "kv_memory")
+    at.multiselect(key="f_instances").set_value(["vllm-a"]).run()
+    no_exception(at)
+    said = texts(at)
+    assert "`vllm-a`: prefix caching is on (vLLM `--enable-prefix-caching`)" in said
+    assert f"{PREFIX_HITS / PREFIX_LOOKUPS:.0%} of {2 * PREFIX_LOOKUPS * INTERVALS:,} prompt tokens" in said
+    assert "cache.enable_prefix_cache" not in said
 
 
 def test_gpu_lines_are_named_by_what_tells_them_apart(seeded: Seed, open_page) -> None:

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 from typer.testing import CliRunner
 
@@ -16,6 +17,7 @@ from collector.db import make_engine
 from collector.events import RequestEvent, StepEvent
 from kvpilot.cli import app
 from tuner.metrics import store_events
+from tuner.storage import open_storage
 from tuner.vllm.config import VllmConfig
 
 from .test_vllm_sim import _synthetic_steps
@@ -103,6 +105,11 @@ def test_screen_ranks_configs_in_a_simulator_calibrated_from_stored_steps(setup:
     assert data["running"]["sim_goodput_tps"] > 0 and 1 <= len(data["top"]) <= 2
     predicted = [row["sim_goodput_tps"] for row in data["top"]]
     assert predicted == sorted(predicted, reverse=True)
+    # The screen's simulated study is kept beside the database, tagged as a vLLM screen (the Tuning page lists it).
+    storage = open_storage(setup["db"])
+    (kept,) = [x for x in optuna.get_all_study_summaries(storage) if x.study_name == data["study"]]
+    assert (kept.user_attrs["engine"], kept.user_attrs["kind"], kept.n_trials) == ("vllm", "screen", 8)
+    assert f"study {data['study']}: on the dashboard's Tuning page" in res.stdout
     for row in data["top"]:
         assert row["changed"] and row["sim_goodput_tps"] > 0
         proposal = VllmConfig.from_config_text(row["config_yaml"])  # what `vllm serve --config` would get

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kvpilot.vllm.wiring import (
     build_env,
     find_vllm_python,
     option_value,
+    stopped_cleanly,
 )
 
 runner = CliRunner()
@@ -107,3 +109,13 @@ def test_serve_refuses_clearly(args: list[str], needle: str, tmp_path: Path) -> 
     assert result.exit_code == 2 and needle in result.output, result.output
     assert "Traceback" not in result.output
     assert not any(os.scandir(tmp_path))  # refused before anything started or spooled
+
+
+def test_a_stop_is_clean_only_when_vllm_ends_by_what_it_was_asked() -> None:
+    term, intr = {signal.SIGTERM}, {signal.SIGINT}
+    assert stopped_cleanly(0, term) and stopped_cleanly(-signal.SIGTERM, term)
+    assert stopped_cleanly(128 + signal.SIGINT, intr)  # the shells' 130 after a forwarded Ctrl-C
+    assert not stopped_cleanly(1, term)  # it failed on its way down: a crash
+    assert not stopped_cleanly(-signal.SIGKILL, term)  # killed by someone else (the OOM killer)
+    assert not stopped_cleanly(0, set())  # exited on its own, unasked
+    assert not stopped_cleanly(-signal.SIGTERM, set()) and not stopped_cleanly(None, term)

@@ -36,7 +36,7 @@ from sqlalchemy import Engine
 from collector.queries import request_rates
 from engine import workload as W
 from kvpilot.vllm import LaunchOptions, VllmExitedError, VllmLauncher
-from kvpilot.vllm.wiring import VllmSetupError
+from kvpilot.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
 from tuner.backends import InfeasibleTrialError
 from tuner.metrics import SLO, TrialMetrics, trial_metrics
 from tuner.replay import Prepared, prepare_prompts, prepared_workload
@@ -307,17 +307,10 @@ class VllmBackend:
         kept in `stale_targets`: the collector would go on scraping a dead port. True when no target is left."""
         if not self.admin_token:
             return True
-        headers = {"Authorization": f"Bearer {self.admin_token}"}
         try:
-            with httpx.Client(timeout=5.0, headers=headers) as client:
-                listed = client.get(f"{self.collector_url}/v1/targets")
-                listed.raise_for_status()
-                for target in listed.json():
-                    if target.get("url") == metrics_url:
-                        resp = client.delete(f"{self.collector_url}/v1/targets/{target['id']}")
-                        if resp.status_code not in (204, 404):  # 404: gone already
-                            raise ValueError(f"DELETE answered HTTP {resp.status_code}")
-        except (httpx.HTTPError, ValueError, TypeError, KeyError) as exc:
+            with httpx.Client(timeout=5.0) as client:
+                delete_target(client, self.collector_url, token=self.admin_token, metrics_url=metrics_url)
+        except (httpx.HTTPError, TargetRegistrationError, ValueError, TypeError, KeyError) as exc:
             log.warning("scrape target %s left on the collector %s: %s", metrics_url, self.collector_url, exc)
             self.stale_targets.append(metrics_url)
             return False

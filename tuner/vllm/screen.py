@@ -27,7 +27,7 @@ from typing import Any
 from tuner.backends import Backend, InfeasibleTrialError
 from tuner.metrics import SLO, TrialMetrics, combine
 from tuner.prune import drop_noise_knobs, seed_measurer
-from tuner.study import StudyResult, run_study
+from tuner.study import StudyResult, run_study, tag_study
 from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import VllmSpace
 
@@ -122,20 +122,30 @@ def simulate(
     name: str,
     seed: int = 0,
     progress: bool = False,
+    storage: Any = None,
+    kind: str = "screen",
 ) -> StudyResult:
-    """The Optuna study over the space in the simulator (the running config is trial 0)."""
-    return run_study(
+    """The Optuna study over the space in the simulator (the running config is trial 0).
+
+    With `storage` (the database's, `tuner.storage.open_storage`) the study is kept there, tagged with the
+    engine (`vllm`) and what ran it (`kind`: a `screen`, or the screen of a `study`), so the dashboard's Tuning
+    page lists it beside kvpilot's studies; without, it lives in memory."""
+    result = run_study(
         sim_backend,
         space,
         base,
         name=f"{name}-sim",
         trials=sim_trials,
         slo=slo,
+        storage=storage,
         seed=seed,
         workload_seed=list(seeds),
         random_baseline=False,
         progress=progress,
     )
+    if storage is not None:
+        tag_study(storage, f"{name}-sim", engine="vllm", kind=kind)
+    return result
 
 
 def candidates(
@@ -180,10 +190,21 @@ def screen(
     seed: int = 0,
     progress: bool = False,
     min_effect: float = 0.01,
+    storage: Any = None,
 ) -> ScreenResult:
     """Screen `sim_trials` configs in the simulator, confirm the `top_k` best live (see the module docstring)."""
     sim = simulate(
-        sim_backend, space, base, sim_trials=sim_trials, slo=slo, seeds=seeds, name=name, seed=seed, progress=progress
+        sim_backend,
+        space,
+        base,
+        sim_trials=sim_trials,
+        slo=slo,
+        seeds=seeds,
+        name=name,
+        seed=seed,
+        progress=progress,
+        storage=storage,
+        kind="study",
     )
     result = ScreenResult(sim=sim, baseline=baseline, min_effect=min_effect)
     picked = candidates(sim_backend, space, base, sim, slo=slo, seeds=seeds, name=name, min_effect=min_effect)

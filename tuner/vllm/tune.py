@@ -244,6 +244,7 @@ class VllmTuning:
     min_steps: int = MIN_STEPS
     say: Say = lambda message: None
     progress: bool = False
+    storage: Any = None  # the Optuna storage the screen's study is kept in (None: memory)
     t0: float = field(default_factory=time.time)
     baseline: LiveMeasurement | None = None
     profile: VllmProfile | None = None
@@ -335,6 +336,7 @@ class VllmTuning:
             name=self.name,
             progress=self.progress,
             min_effect=b.min_effect,
+            storage=self.storage,
         )
         sim_base = self.screened.sim.baseline
         self.baseline.sim_goodput = sim_base.goodput if sim_base else None
@@ -486,12 +488,21 @@ def preview(
     name: str,
     progress: bool = False,
     min_effect: float = 0.01,
+    storage: Any = None,
 ) -> tuple[StudyResult, list[Candidate], float]:
     """The screen without vLLM: (the simulated study, the `top` configs `screen` would confirm live, pruned and
-    best first, seconds simulating)."""
+    best first, seconds simulating). With `storage` the simulated study is kept there (`simulate`)."""
     sim_backend = VllmSimBackend(profile, workload, db, slo)
     sim = simulate(
-        sim_backend, space, base, sim_trials=sim_trials, slo=slo, seeds=list(seeds), name=name, progress=progress
+        sim_backend,
+        space,
+        base,
+        sim_trials=sim_trials,
+        slo=slo,
+        seeds=list(seeds),
+        name=name,
+        progress=progress,
+        storage=storage,
     )
     picked = candidates(sim_backend, space, base, sim, slo=slo, seeds=list(seeds), name=name, min_effect=min_effect)
     best = sorted(itertools.islice(picked, top), key=lambda c: -c.sim_goodput)  # pruned: their own order
