@@ -111,8 +111,13 @@ def build_command(python: str, args: Sequence[str], *, traces_endpoint: str | No
 def build_env(
     base: Mapping[str, str], *, instance: str, run_id: str, token: str | None, traces: bool
 ) -> dict[str, str]:
-    """vLLM's environment: unbuffered output, and the OTLP exporter's settings (the user's own win)."""
-    env = {**base, "PYTHONUNBUFFERED": "1"}
+    """vLLM's environment: unbuffered output, and the OTLP exporter's settings (the user's own win).
+
+    kvpilot's own settings (`KVPILOT_*`) are left out: vLLM reads none of them, and some are credentials
+    (the collector's admin token, exported for `kvpilot vllm serve` itself) that vLLM has no business holding.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith("KVPILOT_")}
+    env["PYTHONUNBUFFERED"] = "1"
     level = env.get("VLLM_LOGGING_LEVEL", "INFO").upper()
     if level not in ("DEBUG", "INFO"):
         raise VllmSetupError(f"VLLM_LOGGING_LEVEL={level} hides the INFO iteration lines kvpilot reads")

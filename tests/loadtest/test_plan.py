@@ -69,7 +69,9 @@ def test_azure_trace_with_scaling(tmp_path: Path) -> None:
     )
     plan = load_trace(csv, time_scale=2.0, length_scale=2.0)
     assert [r.arrival_s for r in plan] == pytest.approx([0.0, 0.5, 2.0, 10.0])
-    assert [(r.prompt_tokens, r.max_tokens) for r in plan] == [(187, 22), (440, 22), (198, 54), (1500, 5)]
+    assert [(r.prompt_tokens, r.max_tokens) for r in plan] == [(187, 44), (440, 45), (198, 109), (1500, 10)]
+    scaled = load_trace(csv, time_scale=2.0, length_scale=2.0, output_scale=4.0)  # --output-scale, as in mixed
+    assert [r.max_tokens for r in scaled] == [11, 11, 27, 2]
     assert [r.kind for r in plan] == ["short", "medium", "short", "long"]
     assert len(load_trace(csv, time_scale=2.0, duration_s=5.0)) == 3
 
