@@ -75,3 +75,8 @@ def test_quick_burst_against_its_own_engine(tmp_path: Path) -> None:
     assert report["p99_s"] > 0 and report["util_fluctuation"] is not None
     assert report["passed"] == all(c["passed"] for c in report["criteria"].values())
     assert "RESULT" in result.output
+    assert "burst @ 6.0 req/s (--rate)" in result.output  # --quick's rate, and where it came from
+    tokens = report["tokens"]  # /generate: text is exact on the byte-level tokenizer, counts are the engine's
+    assert tokens["prompt_form"].startswith("text") and tokens["output_counted_by"] == "server"
+    assert tokens["output_served"] == tokens["output_planned"]  # ignore_eos
+    assert report["client_lateness"]["count"] == report["requests_sent"]
