@@ -104,7 +104,8 @@ class Shell:
 
 def _namespaces_allowed() -> bool:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        return subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=30).returncode == 0
+        probe = ["unshare", "-rn", "ip", "link", "set", "lo", "up"]  # as the shell's own start does
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
     return False
 
 
