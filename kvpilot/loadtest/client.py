@@ -5,9 +5,9 @@ stream, a connection failure) and `timeout` (no complete answer within the reque
 first streamed token as the client saw it; without streaming it is the server's own `ttft_s`.
 
 Token counts are the server's: `/generate`'s final chunk, and on the OpenAI API the `usage` that a stream
-carries in its last chunk when asked (`stream_options.include_usage`). Counting streamed chunks instead
-came out 11% low against vLLM, which puts several tokens in one chunk when its detokenizer holds a piece
-back; the chunk count is kept only for a server that sends no usage (`server_counted` says which).
+carries in its last chunk when asked (`stream_options.include_usage`). Counting streamed chunks with text
+instead came out 11% low against vLLM: a token whose text its detokenizer holds back arrives with a later
+one, in one chunk. The chunk count is kept only for a server that sends no usage (`server_counted`).
 Planned output lengths are sent as they are (`ignore_eos`, on both APIs), so a replay generates what its
 trace says.
 """
