@@ -1,11 +1,12 @@
 """Did the client send the plan: on time, and at the planned lengths?
 
 An open-loop load test measures the target under the plan's arrivals only while the client keeps to them.
-A client whose event loop is busy (parsing many streams on a loaded machine) sends late, the target sees a
-gentler load than planned, and its latency figures describe that gentler load. So the client measures its
-own lateness (when it began sending each request against the plan) and a run whose p99 lateness is over
-`LATENESS_LIMIT_S` says that its figures do not count (the `client_on_time` criterion fails). A 50 ms limit
-is a fraction of any TTFT worth measuring and far above the scheduling noise of an idle asyncio loop.
+A client whose event loop is busy (parsing many streams on a loaded machine) sends late, the target sees
+other arrivals than planned (gaps, then bunches), and its latency figures describe that other load. So the
+client measures its own lateness (when it began sending each request against the plan) and a run whose p99
+lateness is over `LATENESS_LIMIT_S` says that its figures do not count (the `client_on_time` criterion
+fails). A 50 ms limit is a fraction of any TTFT worth measuring and far above the scheduling noise of an idle
+asyncio loop.
 
 Token counts compare the plan with the server's own counts (`usage`), so a tokenizer that does not make the
 planned prompt lengths, or a server that stops early, shows here instead of in the latency figures.
@@ -41,8 +42,8 @@ def verdict(late: dict) -> str:
         return "nothing was sent"
     return (
         f"figures do not count: the client sent p99 {1000 * late['p99_s']:.1f} ms late (max "
-        f"{1000 * late['max_s']:.1f} ms, limit {1000 * LATENESS_LIMIT_S:.0f} ms), so the target saw less load than "
-        "planned; run the client on a less loaded machine or lower --rate"
+        f"{1000 * late['max_s']:.1f} ms, limit {1000 * LATENESS_LIMIT_S:.0f} ms), so the target saw other "
+        "arrivals than planned; run the client on a less loaded machine or lower --rate"
     )
 
 
