@@ -108,12 +108,14 @@ async def run_load(
     timeout = httpx.Timeout(opts.client.timeout_s, connect=min(10.0, opts.client.timeout_s))
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, httpx.AsyncClient(timeout=10.0) as side:
         opts, prompt_form = await with_prompts(side, base_url, plan, opts)
-        t0 = time.perf_counter()
+        scraper = Scraper(side, base_url, time.perf_counter(), interval_s=opts.scrape_interval_s)
+        await scraper.scrape_once()  # the baseline that counters are differenced against
+        # the plan's clock starts after that scrape (on a busy target it takes tens of ms): the first requests
+        # are then sent when planned, and their lateness is the client's, not its set-up's
+        t0 = scraper.t0 = time.perf_counter()
         wall_t0 = time.time()
-        scraper = Scraper(side, base_url, t0, interval_s=opts.scrape_interval_s)
         publisher = None
         stop_publish = asyncio.Event()
-        await scraper.scrape_once()  # the baseline that counters are differenced against
         background = [asyncio.create_task(scraper.run())]
         if opts.collector_url:
             publisher = Publisher(side, opts.collector_url, opts.client.run_id, wall_t0, token=opts.collector_token)
