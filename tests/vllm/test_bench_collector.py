@@ -5,6 +5,7 @@ empty and `vllm_requests_total` null."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -33,9 +34,13 @@ def test_the_bench_collector_registers_a_loopback_vllm_with_its_own_admin_token(
                 interval_s=5.0,
             )
             assert created == "created"
-            listed = client.get(
-                f"{collector.url}/v1/targets", headers={"Authorization": f"Bearer {settings.ingest_token}"}
-            )
-            assert [t["url"] for t in listed.json()] == ["http://127.0.0.1:9/metrics"]
+            # the collector commits a target after its 201 is on the wire (its session closes after the
+            # response), so a listing right after may not show it yet: wait for it, briefly
+            deadline, urls = time.monotonic() + 10.0, []
+            while time.monotonic() < deadline and not urls:
+                auth = {"Authorization": f"Bearer {settings.ingest_token}"}
+                urls = [t["url"] for t in client.get(f"{collector.url}/v1/targets", headers=auth).json()]
+                time.sleep(0.1)
+            assert urls == ["http://127.0.0.1:9/metrics"]
     finally:
         collector.stop()
