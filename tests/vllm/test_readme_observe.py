@@ -176,6 +176,8 @@ def test_the_readme_observes_a_real_vllm_from_start_to_finish(tmp_path: Path) ->
         assert answered, f"no load test summary in the shell's output:\n{out[-4000:]}"
         sent, ok = int(answered[1]), int(answered[2])
         assert sent == ok > 0, out[-4000:]
+        tokens = re.search(r"tokens planned/served\s+prompt (\d+)/(\d+), output (\d+)/(\d+)", out)
+        assert tokens and tokens[1] == tokens[2] and tokens[3] == tokens[4], out[-4000:]  # vLLM got the plan
         pids = [int(p) for p in (clone / "pids.txt").read_text().split()]
         assert len(pids) == 4, pids  # collector, alerts, vLLM, dashboard
 
