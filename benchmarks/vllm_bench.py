@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.engine_bench import bench_config, bench_workload, make_checkpoint
 from benchmarks.vllm_readback import StageSums, Wired, series_labels, snapshot, stage_sums, stored_requests
@@ -55,6 +56,10 @@ from kvpilot.loadtest.analysis import summarize
 from kvpilot.loadtest.client import ClientOptions
 from kvpilot.loadtest.plan import PlanOptions, plan_mixed
 from kvpilot.loadtest.runner import RunOptions, run_load
+
+if TYPE_CHECKING:
+    from collector.server import CollectorProcess
+    from collector.settings import CollectorSettings
 
 INSTANCE = "bench-vllm"
 TOKEN = "bench-vllm-token"
@@ -115,29 +120,38 @@ def run_vllm_bench(
         return {"benchmark": "vllm", "quick": quick, **_launch_and_measure(python, Path(tmp), shape, say)}
 
 
+def bench_collector(tmp: Path) -> tuple[CollectorSettings, CollectorProcess]:
+    """The bench's own collector on a fresh SQLite file: its ingest token, an admin token the launcher registers
+    vLLM's /metrics with, loopback targets allowed; none of it taken from the caller's environment."""
+    from collector.db import upgrade
+    from collector.server import start_subprocess
+    from kvpilot.vllm.workbench import local_collector_settings
+
+    db_url = f"sqlite:///{tmp / 'kvpilot.db'}"
+    upgrade(db_url)
+    settings = local_collector_settings(db_url, ingest_token=TOKEN, scrape_timeout_s=2.0, sqlite_synchronous="FULL")
+    return settings, start_subprocess(settings, log_path=tmp / "collector.log")
+
+
 def _launch_and_measure(python: str, tmp: Path, shape: Shape, say: Callable[[str], None]) -> dict:
     from sqlalchemy import create_engine
 
-    from collector.db import upgrade
-    from collector.server import free_port, start_subprocess
-    from collector.settings import CollectorSettings
-
     cfg = make_checkpoint(bench_config(True), tmp / "checkpoint")
-    db_url = f"sqlite:///{tmp / 'kvpilot.db'}"
-    upgrade(db_url)
-    settings = CollectorSettings(
-        db_url=db_url, ingest_token=TOKEN, port=free_port(), log_level="warning", scrape_timeout_s=2.0
-    )
-    collector = start_subprocess(settings, log_path=tmp / "collector.log")
-    db = create_engine(db_url)
+    settings, collector = bench_collector(tmp)
+    db = create_engine(settings.db_url)
     rounds: list[Round] = []
     mixed: dict | None = None
     labels: dict = {}
+    admin = settings.admin_token
     try:
         for r in range(max(1, shape.rounds)):
             started = time.time()
             say(f"[round {r + 1}/{shape.rounds}] starting vLLM through kvpilot's launcher and a plain one")
-            with _servers(python, cfg, tmp, r, collector.url, db, wired_first=r % 2 == 0) as (wired, plain, ups):
+            with _servers(python, cfg, tmp, r, collector.url, admin, db, wired_first=r % 2 == 0) as (
+                wired,
+                plain,
+                ups,
+            ):
                 say(f"      served after {ups['with']:.0f} s (with) and {ups['without']:.0f} s (without)")
                 one, load = _round(wired, plain, shape, say, mixed=r == 0)
                 one.startup_s = ups
@@ -152,7 +166,15 @@ def _launch_and_measure(python: str, tmp: Path, shape: Shape, say: Callable[[str
 
 @contextlib.contextmanager
 def _servers(
-    python: str, cfg: EngineConfig, tmp: Path, r: int, collector_url: str, db: object, *, wired_first: bool
+    python: str,
+    cfg: EngineConfig,
+    tmp: Path,
+    r: int,
+    collector_url: str,
+    admin_token: str | None,
+    db: object,
+    *,
+    wired_first: bool,
 ) -> Iterator[tuple[Wired, PlainVllm, dict[str, float]]]:
     """A wired and a plain vLLM, started one after the other (order alternating by round), warm, paused."""
     from collector.server import free_port
@@ -174,6 +196,7 @@ def _servers(
         python=python,
         collector_url=collector_url,
         ingest_token=TOKEN,
+        admin_token=admin_token,
         instance=instance,
         run_id=f"{instance}-run",
         labels={"node": socket.gethostname()},

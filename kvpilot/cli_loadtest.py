@@ -54,6 +54,9 @@ def loadtest_cmd(
     max_total_tokens: int = typer.Option(None, "--max-total-tokens", min=3, help="clip prompt + output"),
     api: str = typer.Option("generate", "--api", help="generate (/generate) | openai (/v1/completions)"),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="stream tokens (client-side TTFT)"),
+    ignore_eos: bool = typer.Option(
+        True, "--ignore-eos/--no-ignore-eos", help="generate the planned output lengths (a trace's) even past EOS"
+    ),
     request_timeout: str = typer.Option("60s", "--request-timeout", help="a request not answered by then fails"),
     max_concurrency: int = typer.Option(None, "--max-concurrency", min=1, help="cap on requests in flight"),
     windows: int = typer.Option(5, "--windows", min=2, help="windows for P99 drift and utilization"),
@@ -121,6 +124,7 @@ def loadtest_cmd(
             max_total_tokens=max_total_tokens,
             seed=seed,
             api=api,
+            ignore_eos=ignore_eos,
             stream=stream,
             timeout_s=parse_duration(request_timeout, "--request-timeout"),
             max_concurrency=max_concurrency,

@@ -18,6 +18,8 @@ through the collector's mapping (`scrape.py`), so they are the same for kvpilot'
   summed over its label sets), over the scrapes that saw its iteration count move; `util_signal` says which.
 - `no_errors`: every request was answered or cleanly refused with 429 (no other status, no broken stream,
   no timeout).
+- `client_on_time`: the client's p99 lateness (when it began sending against the plan) is <= 50 ms;
+  otherwise the target saw another load than planned and the run's figures do not count (`fidelity.py`).
 A criterion whose input the target does not expose is reported `passed: false` with the reason.
 """
 
@@ -28,6 +30,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from kvpilot.loadtest import fidelity
 from kvpilot.loadtest.client import RequestResult
 from kvpilot.loadtest.runner import RunResult
 from kvpilot.loadtest.scrape import MetricsSample, external_names
@@ -234,13 +237,25 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
         0,
         "requests neither answered nor refused with 429" + (f"; first: {(failed + timed_out)[0].error}" if bad else ""),
     )
-    criteria = {"no_oom": oom_crit, "p99_stable": p99_crit, "util_stable": util_crit, "no_errors": err_crit}
+    late_s = [r.lateness_s for r in results]
+    late = fidelity.lateness(late_s, percentile(late_s, 50), percentile(late_s, 99))
+    on_time = _criterion(late["on_time"], late["p99_s"], fidelity.LATENESS_LIMIT_S, fidelity.verdict(late))
+    criteria = {
+        "no_oom": oom_crit,
+        "p99_stable": p99_crit,
+        "util_stable": util_crit,
+        "no_errors": err_crit,
+        "client_on_time": on_time,
+    }
 
     wall = max(run.wall_s, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
     report = {
         "passed": all(c["passed"] for c in criteria.values()),
+        "figures_count": late["on_time"],
         "criteria": criteria,
+        "client_lateness": late,
+        "tokens": fidelity.tokens(results, run.prompt_form),
         "oom_events": oom_crit["value"],
         "p99_metric": metric,
         "p99_s": _r(percentile([v for r in ok if (v := metric_value(r, metric)) is not None], 99)),

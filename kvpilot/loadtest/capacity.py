@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
 from kvpilot.loadtest.client import ClientOptions, send
 from kvpilot.loadtest.plan import PlannedRequest
+from kvpilot.loadtest.prompts import fetch_token_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +43,12 @@ async def measure_capacity(
     base_url = base_url.rstrip("/")
     counts = {"ok": 0, "refused": 0, "other": 0}
     next_shape = 0
-    probe_opts = ClientOptions(
-        api=opts.api,
-        stream=opts.stream,
-        timeout_s=opts.timeout_s,
-        seed=opts.seed,
-        run_id=f"{opts.run_id}-capacity",
-        model=opts.model,
-    )
+    probe_opts = replace(opts, run_id=f"{opts.run_id}-capacity")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(opts.timeout_s)) as client:
+        if opts.api == "openai" and opts.token_pool is None:  # the probe's prompts as long as the run's
+            pool, _ = await fetch_token_pool(client, base_url, shapes, model=opts.model, seed=opts.seed)
+            probe_opts = replace(probe_opts, token_pool=pool)
         t0 = time.perf_counter()
         deadline = t0 + probe_s
 

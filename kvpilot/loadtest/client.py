@@ -3,6 +3,13 @@
 Outcomes: `ok` (200 and a complete answer), `refused` (a clean 429), `error` (any other status, a broken
 stream, a connection failure) and `timeout` (no complete answer within the request timeout). TTFT is the
 first streamed token as the client saw it; without streaming it is the server's own `ttft_s`.
+
+Token counts are the server's: `/generate`'s final chunk, and on the OpenAI API the `usage` that a stream
+carries in its last chunk when asked (`stream_options.include_usage`). Counting streamed chunks with text
+instead came out 11% low against vLLM: a token whose text its detokenizer holds back arrives with a later
+one, in one chunk. The chunk count is kept only for a server that sends no usage (`server_counted`).
+Planned output lengths are sent as they are (`ignore_eos`, on both APIs), so a replay generates what its
+trace says.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Literal
 import httpx
 
 from kvpilot.loadtest.plan import PlannedRequest, prompt_text
+from kvpilot.loadtest.prompts import prompt_ids
 
 Api = Literal["generate", "openai"]
 Outcome = Literal["ok", "refused", "error", "timeout"]
@@ -29,6 +37,8 @@ class ClientOptions:
     seed: int = 0
     run_id: str = "loadtest"
     model: str | None = None
+    ignore_eos: bool = True
+    token_pool: tuple[int, ...] | None = None  # the server's token ids: OpenAI prompts as ids (prompts.py)
 
 
 @dataclass(slots=True)
@@ -48,6 +58,9 @@ class RequestResult:
     server: dict = field(default_factory=dict)
     error: str | None = None
     slow: bool = False
+    served_prompt_tokens: int | None = None  # the server's own count (usage), when it gave one
+    server_counted: bool = False  # output_tokens is the server's count, not the client's count of chunks
+    lateness_s: float = 0.0  # how long after its planned arrival the client began sending it
 
     @property
     def e2e_s(self) -> float:
@@ -62,17 +75,29 @@ class RequestResult:
 
 
 def _body(req: PlannedRequest, opts: ClientOptions, request_id: str) -> dict:
-    prompt = prompt_text(req.prompt_tokens, req.index, opts.seed)
     if opts.api == "openai":
-        body: dict = {"prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0.0, "stream": opts.stream}
+        prompt: str | list[int] = (
+            prompt_ids(opts.token_pool, req.prompt_tokens, req.index, opts.seed)
+            if opts.token_pool
+            else prompt_text(req.prompt_tokens, req.index, opts.seed)
+        )
+        body: dict = {
+            "prompt": prompt,
+            "max_tokens": req.max_tokens,
+            "temperature": 0.0,
+            "stream": opts.stream,
+            "ignore_eos": opts.ignore_eos,
+        }
+        if opts.stream:
+            body["stream_options"] = {"include_usage": True}
         if opts.model:
             body["model"] = opts.model
         return body
     return {
-        "prompt": prompt,
+        "prompt": prompt_text(req.prompt_tokens, req.index, opts.seed),
         "max_tokens": req.max_tokens,
         "stream": opts.stream,
-        "ignore_eos": True,
+        "ignore_eos": opts.ignore_eos,
         "temperature": 0.0,
         "request_id": request_id,
     }
@@ -151,14 +176,18 @@ async def _exchange(
 def _stream_chunk(chunk: dict, opts: ClientOptions, res: RequestResult, t0: float) -> bool:
     """Account one SSE chunk; True when it is the final /generate chunk."""
     if opts.api == "openai":
-        choice = chunk["choices"][0]
-        if choice.get("text"):
-            res.output_tokens += 1  # one chunk per engine step for this request: at least one token
+        if chunk.get("usage"):  # the last chunk, with stream_options.include_usage (its choices are empty)
+            _usage(chunk["usage"], res)
+        choices = chunk.get("choices") or []
+        if choices and choices[0].get("text"):
+            if not res.server_counted:
+                res.output_tokens += 1  # at least one token per chunk: the fallback count, low
             if res.ttft_s is None:
                 res.ttft_s = time.perf_counter() - t0 - res.start_s
         return False
     if chunk.get("finished"):
         res.output_tokens = int(chunk["output_tokens"])
+        res.server_counted = True
         res.server = chunk.get("timings") or {}
         return True
     if chunk.get("token_ids") and res.ttft_s is None:
@@ -168,10 +197,19 @@ def _stream_chunk(chunk: dict, opts: ClientOptions, res: RequestResult, t0: floa
 
 def _non_stream(data: dict, opts: ClientOptions, res: RequestResult) -> None:
     if opts.api == "openai":
-        res.output_tokens = int(data["usage"]["completion_tokens"])
+        _usage(data["usage"], res)
     else:
         res.output_tokens = int(data["output_tokens"])
+        res.server_counted = True
         res.server = data.get("timings") or {}
         ttft = res.server.get("ttft_s")
         res.ttft_s = float(ttft) if ttft is not None else None
     res.outcome = "ok"
+
+
+def _usage(usage: dict, res: RequestResult) -> None:
+    """The OpenAI `usage` object: the server's own prompt and completion token counts."""
+    res.output_tokens = int(usage["completion_tokens"])
+    res.server_counted = True
+    if usage.get("prompt_tokens") is not None:
+        res.served_prompt_tokens = int(usage["prompt_tokens"])

@@ -40,7 +40,7 @@ def to_event(res: RequestResult, *, instance: str, run_id: str, wall_t0: float) 
         ts=wall_t0 + res.end_s,
         request_id=res.request_id,
         status=status,
-        prompt_tokens=res.prompt_tokens,
+        prompt_tokens=res.served_prompt_tokens if res.served_prompt_tokens is not None else res.prompt_tokens,
         output_tokens=res.output_tokens,
         queue_s=stage("queue_s"),
         prefill_s=stage("prefill_s"),

@@ -14,9 +14,15 @@ def _fmt(value: object, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
+def _header(report: dict) -> str:
+    """The scenario and the arrival rate the plan was made with (a trace's own, a share of capacity)."""
+    basis = f" ({report['rate_basis']})" if report.get("rate_basis") else ""
+    return f"{report.get('scenario')} @ {report.get('rate_per_s')} req/s{basis}, {report.get('duration_s')} s"
+
+
 def render_table(report: dict) -> str:
     rows: list[tuple[str, str]] = [
-        ("scenario", f"{report.get('scenario')} @ {report.get('rate_per_s')} req/s, {report.get('duration_s')} s"),
+        ("scenario", _header(report)),
         (
             "requests",
             f"sent {report['requests_sent']}, answered {report['requests_answered']}, "
@@ -29,6 +35,19 @@ def render_table(report: dict) -> str:
             f"{_fmt(report['throughput']['output_tokens_per_s'])} tok/s",
         ),
     ]
+    if "tokens" in report:
+        tok = report["tokens"]
+        rows.append(
+            (
+                "tokens planned/served",
+                f"prompt {tok['prompt_planned']}/{_fmt(tok['prompt_served'])}, output {tok['output_planned']}/"
+                f"{tok['output_served']} (output counted by {tok['output_counted_by']}; "
+                f"prompts as {tok['prompt_form']})",
+            )
+        )
+    if "client_lateness" in report:
+        late = report["client_lateness"]
+        rows.append(("client late p50/p99/max", " / ".join(_fmt(late[k], "s") for k in ("p50_s", "p99_s", "max_s"))))
     for name, stats in report["latency_s"].items():
         rows.append((f"{name} p50/p90/p99", " / ".join(_fmt(stats[k], "s") for k in ("p50", "p90", "p99"))))
     rows.append(("windows p99", ", ".join(_fmt(w["p99_s"], "s") for w in report["windows"])))
@@ -54,6 +73,8 @@ def render_table(report: dict) -> str:
         for name, check in f["checks"].items():
             mark = "PASS" if check["passed"] else "FAIL"
             rows.append((f"[{mark}] fault {name}", str(check["detail"])))
+    if report.get("figures_count") is False:
+        rows.append(("FIGURES DO NOT COUNT", report["criteria"]["client_on_time"]["detail"]))
     rows.append(("RESULT", "PASS" if report["passed"] else "FAIL"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

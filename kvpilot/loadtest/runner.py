@@ -14,12 +14,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
 from kvpilot.loadtest.client import ClientOptions, RequestResult, send
 from kvpilot.loadtest.plan import PlannedRequest
+from kvpilot.loadtest.prompts import fetch_token_pool
 from kvpilot.loadtest.publish import Publisher
 from kvpilot.loadtest.scrape import MetricsSample, Scraper
 
@@ -59,6 +60,7 @@ class RunResult:
     scrape_failures: int = 0
     published: dict | None = None
     actions: list[dict] = field(default_factory=list)
+    prompt_form: str = "text"
 
 
 class TargetUnreachableError(RuntimeError):
@@ -105,12 +107,15 @@ async def run_load(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(opts.client.timeout_s, connect=min(10.0, opts.client.timeout_s))
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, httpx.AsyncClient(timeout=10.0) as side:
-        t0 = time.perf_counter()
+        opts, prompt_form = await with_prompts(side, base_url, plan, opts)
+        scraper = Scraper(side, base_url, time.perf_counter(), interval_s=opts.scrape_interval_s)
+        await scraper.scrape_once()  # the baseline that counters are differenced against
+        # the plan's clock starts after that scrape (on a busy target it takes tens of ms): the first requests
+        # are then sent when planned, and their lateness is the client's, not its set-up's
+        t0 = scraper.t0 = time.perf_counter()
         wall_t0 = time.time()
-        scraper = Scraper(side, base_url, t0, interval_s=opts.scrape_interval_s)
         publisher = None
         stop_publish = asyncio.Event()
-        await scraper.scrape_once()  # the baseline that counters are differenced against
         background = [asyncio.create_task(scraper.run())]
         if opts.collector_url:
             publisher = Publisher(side, opts.collector_url, opts.client.run_id, wall_t0, token=opts.collector_token)
@@ -124,6 +129,10 @@ async def run_load(
 
         async def one(req: PlannedRequest) -> None:
             nonlocal late
+            # the client's own lateness: a loop busy elsewhere (a slow or overloaded client) sends late, and
+            # then the target is measured under another load than the plan's (a --max-concurrency wait for a
+            # slot comes after this, and is counted in late_starts instead)
+            dispatched_s = time.perf_counter() - t0
             delay = opts.slow_read_delay_s if _is_slow(req.index, opts.slow_share) else 0.0
             if sem is not None:
                 if sem.locked():
@@ -132,6 +141,7 @@ async def run_load(
                     res = await send(client, base_url, req, opts.client, t0=t0, read_delay_s=delay)
             else:
                 res = await send(client, base_url, req, opts.client, t0=t0, read_delay_s=delay)
+            res.lateness_s = max(0.0, dispatched_s - req.arrival_s)
             results.append(res)
             if publisher is not None:
                 publisher.add(res)
@@ -190,7 +200,21 @@ async def run_load(
             scraper.failures,
             published,
             done_log,
+            prompt_form,
         )
+
+
+async def with_prompts(
+    client: httpx.AsyncClient, base_url: str, plan: list[PlannedRequest], opts: RunOptions
+) -> tuple[RunOptions, str]:
+    """`opts` with the server's token pool for OpenAI prompts where it has one (prompts.py); and what the
+    prompts are. `/generate` (kvpilot's engine, a byte-level tokenizer) takes text of exactly the planned length."""
+    if opts.client.api != "openai":
+        return opts, "text (byte-level tokenizer: exact)"
+    if opts.client.token_pool is not None:
+        return opts, "token_ids"
+    pool, form = await fetch_token_pool(client, base_url, plan, model=opts.client.model, seed=opts.client.seed)
+    return replace(opts, client=replace(opts.client, token_pool=pool)), form
 
 
 async def _at(t0: float, action: TimedAction, log_to: list[dict]) -> None:

@@ -46,6 +46,7 @@ class LoadTestSpec:
     max_total_tokens: int | None = None
     seed: int = 0
     api: str = "generate"
+    ignore_eos: bool = True
     stream: bool = True
     timeout_s: float = 60.0
     max_concurrency: int | None = None
@@ -83,6 +84,7 @@ def make_plan(spec: LoadTestSpec, rate: float) -> list[PlannedRequest]:
             duration_s=spec.duration_s,
             time_scale=spec.trace_time_scale,
             length_scale=spec.length_scale,
+            output_scale=spec.output_scale,
             max_total_tokens=spec.max_total_tokens,
         )
     opts = PlanOptions(
@@ -104,6 +106,7 @@ def _client_opts(spec: LoadTestSpec, run_id: str) -> ClientOptions:
         timeout_s=spec.timeout_s,
         seed=spec.seed,  # type: ignore[arg-type]
         run_id=run_id,
+        ignore_eos=spec.ignore_eos,
     )
 
 
@@ -165,8 +168,9 @@ def run_loadtest(spec: LoadTestSpec) -> dict:
         "target": spec.target or "local engine (started by loadtest)",
         "run_id": run_id,
         "duration_s": spec.duration_s,
-        "rate_per_s": round(plan_rate, 3),
+        **_rate(spec, plan, plan_rate, capacity),
         "api": spec.api,
+        "ignore_eos": spec.ignore_eos,
         "stream": spec.stream,
         "seed": spec.seed,
         "quick": spec.quick,
@@ -195,3 +199,19 @@ def run_loadtest(spec: LoadTestSpec) -> dict:
                 workdir=Path(tmp),
             )
     return report
+
+
+def _rate(spec: LoadTestSpec, plan: list[PlannedRequest], plan_rate: float, capacity: dict | None) -> dict:
+    """The arrival rate the plan was made with, and where it came from: a trace has its own (--rate is
+    not used), `sustained` offers a share of capacity, the others --rate."""
+    if spec.scenario == "trace":
+        span = plan[-1].arrival_s if len(plan) > 1 else 0.0
+        rate = (len(plan) - 1) / span if span > 0 else float(len(plan))
+        return {
+            "rate_per_s": round(rate, 3),
+            "rate_basis": f"the trace's own at --trace-time-scale {spec.trace_time_scale:g}",
+        }
+    if capacity is not None:
+        source = "measured capacity" if capacity["measured"] else "--capacity"
+        return {"rate_per_s": round(plan_rate, 3), "rate_basis": f"{spec.capacity_share:g} x {source}"}
+    return {"rate_per_s": round(plan_rate, 3), "rate_basis": "--rate"}

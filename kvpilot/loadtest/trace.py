@@ -2,8 +2,9 @@
 
 TIMESTAMP is either a datetime (`2023-11-16 18:15:46.6805900`, the published files; 7 fractional digits
 are cut to microseconds) or plain seconds. Arrivals are offsets from the first row, divided by
-`time_scale` (2.0 replays twice as fast); token counts are divided by `length_scale` and clipped to
-`max_total_tokens`. Rows past `duration_s` (after scaling) are not sent.
+`time_scale` (2.0 replays twice as fast); prompt lengths are divided by `length_scale` and output
+lengths by `output_scale` (as in the synthetic scenarios), then clipped to `max_total_tokens`. Rows past
+`duration_s` (after scaling) are not sent.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def load_trace(
     duration_s: float | None = None,
     time_scale: float = 1.0,
     length_scale: float = 1.0,
+    output_scale: float = 1.0,
     max_total_tokens: int | None = None,
     max_requests: int | None = None,
 ) -> list[PlannedRequest]:
@@ -29,6 +31,8 @@ def load_trace(
         raise PlanError("--trace-time-scale", f"must be positive, got {time_scale}")
     if not length_scale > 0:
         raise PlanError("--length-scale", f"must be positive, got {length_scale}")
+    if not output_scale > 0:
+        raise PlanError("--output-scale", f"must be positive, got {output_scale}")
     try:
         rows = W.read_azure_trace(path)
     except W.TraceError as exc:
@@ -42,7 +46,7 @@ def load_trace(
         if max_requests is not None and len(out) >= max_requests:
             break
         prompt = max(2, round(context / length_scale))
-        output = max(1, round(generated / length_scale))
+        output = max(1, round(generated / output_scale))
         prompt, output = _clip(prompt, output, max_total_tokens)
         kind = "short" if context < 512 else "medium" if context <= 2048 else "long"
         out.append(PlannedRequest(len(out), arrival, prompt, output, kind))

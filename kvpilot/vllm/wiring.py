@@ -113,8 +113,13 @@ def build_env(
     base: Mapping[str, str], *, instance: str, run_id: str, token: str | None, traces: bool
 ) -> dict[str, str]:
     """vLLM's environment: unbuffered output, each log line prefixed with the time vLLM logged it (to the
-    microsecond: a step's time comes from it), and the OTLP exporter's settings (the user's own win)."""
-    env = {**base, "PYTHONUNBUFFERED": "1"}
+    microsecond: a step's time comes from it), and the OTLP exporter's settings (the user's own win).
+
+    kvpilot's own settings (`KVPILOT_*`) are left out: vLLM reads none of them, and some are credentials
+    (the collector's admin token, exported for `kvpilot vllm serve` itself) that vLLM has no business holding.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith("KVPILOT_")}
+    env["PYTHONUNBUFFERED"] = "1"
     env["VLLM_LOGGING_PREFIX"] = LOG_TIME_PREFIX + env.get("VLLM_LOGGING_PREFIX", "").removeprefix(LOG_TIME_PREFIX)
     level = env.get("VLLM_LOGGING_LEVEL", "INFO").upper()
     if level not in ("DEBUG", "INFO"):

@@ -44,6 +44,22 @@ def make_checkpoint(checkpoint: Path) -> Path:
     return checkpoint
 
 
+def local_collector_settings(db_url: str, **extra: object) -> CollectorSettings:
+    """A loopback collector for vLLMs launched next to it: an admin token of its own (registering a vLLM's
+    /metrics is administration) and loopback scrape targets allowed. Both are set here, not left to the
+    caller's environment, where a newcomer's shell has neither."""
+    fields: dict = {
+        "db_url": db_url,
+        "port": 0,
+        "log_level": "warning",
+        "sqlite_synchronous": "NORMAL",
+        "admin_token": secrets.token_urlsafe(24),
+        "scrape_allow_nets": "127.0.0.0/8",
+        **extra,
+    }
+    return CollectorSettings(**fields)
+
+
 @contextmanager
 def workbench(work: Path) -> Iterator[Workbench]:
     """Checkpoint, database and collector under `work`; the collector is stopped on the way out."""
@@ -51,19 +67,11 @@ def workbench(work: Path) -> Iterator[Workbench]:
     checkpoint = make_checkpoint(work / "checkpoint")
     db_url = f"sqlite:///{work / 'kvpilot.db'}"
     upgrade(db_url)
-    admin_token = secrets.token_urlsafe(24)
-    settings = CollectorSettings(
-        db_url=db_url,
-        port=0,
-        log_level="warning",
-        sqlite_synchronous="NORMAL",
-        admin_token=admin_token,
-        scrape_allow_nets="127.0.0.0/8",  # type: ignore[arg-type]
-    )
+    settings = local_collector_settings(db_url)
     collector = start_subprocess(settings, log_path=work / "collector.log")
     db = make_engine(db_url)
     try:
-        yield Workbench(work, checkpoint, db_url, db, collector.url, admin_token)
+        yield Workbench(work, checkpoint, db_url, db, collector.url, settings.admin_token or "")
     finally:
         db.dispose()
         collector.stop()

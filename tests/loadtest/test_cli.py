@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpilot.cli import app
+from kvpilot.loadtest.report import render_table
 
 runner = CliRunner()
 
@@ -75,3 +76,27 @@ def test_quick_burst_against_its_own_engine(tmp_path: Path) -> None:
     assert report["p99_s"] > 0 and report["util_fluctuation"] is not None
     assert report["passed"] == all(c["passed"] for c in report["criteria"].values())
     assert "RESULT" in result.output
+    assert "burst @ 6.0 req/s (--rate)" in result.output  # --quick's rate, and where it came from
+    tokens = report["tokens"]  # /generate: text is exact on the byte-level tokenizer, counts are the engine's
+    assert tokens["prompt_form"].startswith("text") and tokens["output_counted_by"] == "server"
+    assert tokens["output_served"] == tokens["output_planned"]  # ignore_eos
+    assert report["client_lateness"]["count"] == report["requests_sent"]
+
+
+def test_openai_api_on_a_server_without_tokenize_or_usage_says_what_it_counted() -> None:
+    """kvpilot's own engine on the OpenAI API: no /tokenize (text prompts, exact on its byte-level tokenizer) and
+    no usage in its stream (the client counts chunks); the report names both instead of passing them off as the
+    server's counts."""
+    from kvpilot.loadtest.session import LoadTestSpec, run_loadtest
+
+    spec = LoadTestSpec(
+        scenario="mixed", duration_s=4.0, rate=2.0, api="openai", length_scale=8.0, output_scale=8.0, windows=2,
+        progress=False,
+    )  # fmt: skip
+    report = run_loadtest(spec)
+    assert report["requests_answered"] == report["requests_sent"] > 0, report["errors_sample"]
+    tokens = report["tokens"]
+    assert tokens["prompt_form"].startswith("text (no token ids from POST /tokenize: HTTP 404"), tokens
+    assert tokens["output_counted_by"] == "client chunks" and tokens["prompt_served"] is None
+    assert 0 < tokens["output_served"] <= tokens["output_planned"]
+    assert "output counted by client chunks" in render_table(report)

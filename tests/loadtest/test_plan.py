@@ -6,6 +6,8 @@ import pytest
 
 from engine.tokenizer import ByteTokenizer
 from kvpilot.loadtest.plan import PlanError, PlanOptions, burst_window, plan_burst, plan_mixed, prompt_text
+from kvpilot.loadtest.report import _header
+from kvpilot.loadtest.session import LoadTestSpec, _rate, make_plan
 from kvpilot.loadtest.trace import load_trace
 
 
@@ -69,7 +71,9 @@ def test_azure_trace_with_scaling(tmp_path: Path) -> None:
     )
     plan = load_trace(csv, time_scale=2.0, length_scale=2.0)
     assert [r.arrival_s for r in plan] == pytest.approx([0.0, 0.5, 2.0, 10.0])
-    assert [(r.prompt_tokens, r.max_tokens) for r in plan] == [(187, 22), (440, 22), (198, 54), (1500, 5)]
+    assert [(r.prompt_tokens, r.max_tokens) for r in plan] == [(187, 44), (440, 45), (198, 109), (1500, 10)]
+    scaled = load_trace(csv, time_scale=2.0, length_scale=2.0, output_scale=4.0)  # --output-scale, as in mixed
+    assert [r.max_tokens for r in scaled] == [11, 11, 27, 2]
     assert [r.kind for r in plan] == ["short", "medium", "short", "long"]
     assert len(load_trace(csv, time_scale=2.0, duration_s=5.0)) == 3
 
@@ -87,3 +91,18 @@ def test_trace_in_seconds_and_errors(tmp_path: Path) -> None:
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\nyesterday,4,5\n")
     with pytest.raises(PlanError, match=r"b.csv:3"):
         load_trace(bad)
+
+
+def test_the_report_header_gives_the_rate_a_trace_is_replayed_at(tmp_path: Path) -> None:
+    """A trace sets its own arrivals: the header gives their rate (here 3 gaps in 3 s after the 2x speed-up),
+    not --rate's default, which a trace does not use."""
+    csv = tmp_path / "azure.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,100,10\n2,100,10\n4,100,10\n6,100,10\n")
+    spec = LoadTestSpec(scenario="trace", trace=csv, trace_time_scale=2.0, rate=4.0, output_scale=2.0)
+    plan = make_plan(spec, spec.rate)
+    assert [r.max_tokens for r in plan] == [5] * 4  # --output-scale divides a trace's outputs too
+    rate = _rate(spec, plan, spec.rate, None)
+    assert rate == {"rate_per_s": 1.0, "rate_basis": "the trace's own at --trace-time-scale 2"}
+    assert _header({**rate, "scenario": "trace", "duration_s": 60.0}).startswith("trace @ 1.0 req/s (the trace's own")
+    mixed = LoadTestSpec(scenario="mixed", rate=3.0)
+    assert _rate(mixed, make_plan(mixed, 3.0), 3.0, None)["rate_basis"] == "--rate"

@@ -8,7 +8,8 @@ import pytest
 from kvpilot.loadtest.analysis import analyze, counter_increase, fluctuation, percentile
 from kvpilot.loadtest.client import ClientOptions, RequestResult
 from kvpilot.loadtest.plan import PlannedRequest
-from kvpilot.loadtest.runner import RunOptions, RunResult, run_load
+from kvpilot.loadtest.report import render_table
+from kvpilot.loadtest.runner import RunOptions, RunResult, TimedAction, run_load
 from kvpilot.loadtest.scrape import MetricsSample, parse_metrics, read_metrics
 
 
@@ -188,3 +189,28 @@ def test_a_kvpilot_target_keeps_its_own_names() -> None:
     report = analyze(RunResult(results, _samples([0.8] * 11), 0.0, 10.0, 10.0), span_s=10.0)
     assert report["criteria"]["no_oom"]["basis"] == "oom_total"
     assert report["criteria"]["util_stable"]["basis"] == "utilization" == report["util_signal"]
+
+
+def test_a_client_that_sends_late_says_its_figures_do_not_count(fake_engine: tuple[str, dict]) -> None:
+    """The client's own lateness is measured: its event loop blocked for 0.8 s (as a client on an overloaded
+    machine is) sends the requests planned meanwhile late, and the run says its figures do not count."""
+    url, _state = fake_engine
+
+    async def block_the_client() -> None:
+        time.sleep(0.8)  # blocking on purpose: nothing else on the client's loop runs meanwhile
+
+    opts = RunOptions(progress=False, scrape_interval_s=0.1)
+    plan = _plan(40, 0.03)  # 1.2 s of arrivals; those planned in [0.1, 0.9) s wait for the loop
+    late_run = asyncio.run(run_load(url, plan, opts, actions=[TimedAction(0.1, "block", block_the_client)]))
+    late = analyze(late_run, span_s=1.2, windows=2)
+    lateness = late["client_lateness"]
+    assert lateness["count"] == 40 and lateness["p99_s"] >= 0.6, lateness
+    assert late["criteria"]["client_on_time"]["passed"] is False and late["figures_count"] is False
+    assert late["passed"] is False
+    assert "figures do not count" in late["criteria"]["client_on_time"]["detail"]
+    assert "FIGURES DO NOT COUNT" in render_table({**late, "scenario": "mixed", "rate_per_s": 50.0})
+
+    on_time = analyze(asyncio.run(run_load(url, plan, opts)), span_s=1.2, windows=2)
+    assert on_time["client_lateness"]["count"] == 40
+    assert on_time["client_lateness"]["p99_s"] < lateness["p99_s"] - 0.4  # the block, not the machine, made it late
+    assert on_time["figures_count"] is on_time["criteria"]["client_on_time"]["passed"]

@@ -57,7 +57,7 @@ def test_env_names_the_instance_and_run_and_carries_the_token_as_an_otlp_header(
     )
     assert env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "Authorization=Bearer%20s3cr%3Dt"
     assert env["PYTHONUNBUFFERED"] == "1"
-    plain = build_env({}, instance="i", run_id="r", token="t", traces=False)
+    plain = build_env({"KVPILOT_ADMIN_TOKEN": "a", "PATH": "/bin"}, instance="i", run_id="r", token="t", traces=False)
     assert not any(k.startswith("OTEL_") for k in plain)
     # every line carries the time vLLM logged it; an operator's own prefix follows ours, never doubled
     assert plain["VLLM_LOGGING_PREFIX"] == "%(created).6f "
@@ -65,6 +65,7 @@ def test_env_names_the_instance_and_run_and_carries_the_token_as_an_otlp_header(
     assert theirs["VLLM_LOGGING_PREFIX"] == "%(created).6f [node-3] "
     again = build_env(theirs, instance="i", run_id="r", token=None, traces=False)
     assert again["VLLM_LOGGING_PREFIX"] == "%(created).6f [node-3] "
+    assert plain["PATH"] == "/bin" and "KVPILOT_ADMIN_TOKEN" not in plain  # no kvpilot credential reaches vLLM
     for bad in ({"VLLM_LOGGING_LEVEL": "warning"}, {"VLLM_CONFIGURE_LOGGING": "0"}):
         with pytest.raises(VllmSetupError):
             build_env(bad, instance="i", run_id="r", token=None, traces=True)
