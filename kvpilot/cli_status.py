@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -101,19 +101,20 @@ def _firing(db_url: str, engine: Any, instance: str | None) -> list[dict[str, An
 
 def collect(db_url: str, *, instance: str | None, since: str | None, run_id: str | None, now: float) -> Status:
     """Everything the Overview's headline shows, for one window; raises typer.Exit(2) on bad input."""
+    from sqlalchemy.engine import make_url
+
     from collector import queries
     from collector.db import check_schema_current, make_engine
     from collector.errors import CollectorError
-    from sqlalchemy.engine import make_url
 
     try:
         url = make_url(db_url)
     except Exception:  # sqlalchemy's ArgumentError: not a URL at all
         raise _fail(f"--db-url: {db_url!r} is not a database URL") from None
     database = url.database or ""
-    if url.get_backend_name() == "sqlite" and database not in ("", ":memory:") and not database.startswith("file:"):
-        if not Path(database).expanduser().exists():  # opening it would create an empty file
-            raise _fail(f"--db-url: no database at {database} (start the collector or run `kvpilot demo`)")
+    local_file = url.get_backend_name() == "sqlite" and database not in ("", ":memory:")
+    if local_file and not database.startswith("file:") and not Path(database).expanduser().exists():
+        raise _fail(f"--db-url: no database at {database} (start the collector or run `kvpilot demo`)")
     try:
         engine = make_engine(db_url)
         check_schema_current(engine)
