@@ -110,7 +110,7 @@ def collect(db_url: str, *, instance: str | None, since: str | None, run_id: str
     try:
         url = make_url(db_url)
     except Exception:  # sqlalchemy's ArgumentError: not a URL at all
-        raise _fail(f"--db-url: {db_url!r} is not a database URL") from None
+        raise _fail("--db-url: not a database URL (e.g. sqlite:///kvpilot.db, postgresql+psycopg://...)") from None
     database = url.database or ""
     local_file = url.get_backend_name() == "sqlite" and database not in ("", ":memory:")
     if local_file and not database.startswith("file:") and not Path(database).expanduser().exists():
@@ -121,7 +121,8 @@ def collect(db_url: str, *, instance: str | None, since: str | None, run_id: str
     except CollectorError as exc:
         raise _fail(f"--db-url: {exc}") from None
     except Exception as exc:  # a malformed URL or a missing driver: say which option
-        raise _fail(f"--db-url: cannot open {db_url!r}: {type(exc).__name__}") from None
+        shown = url.render_as_string(hide_password=True)
+        raise _fail(f"--db-url: cannot open {shown}: {type(exc).__name__}") from None
     win = _window(engine, since=since, run_id=run_id, instance=instance, now=now)
     instances = [instance] if instance else None
     lat = queries.headline_latency(engine, start=win.start, end=win.end, instances=instances, run_id=win.run_id)
