@@ -11,6 +11,7 @@ from kvpilot.cli_dashboard import dashboard_cmd
 from kvpilot.cli_engine import engine_app
 from kvpilot.cli_loadtest import loadtest_cmd
 from kvpilot.cli_model import model_app
+from kvpilot.cli_status import status_cmd
 from kvpilot.cli_tune import sim_app, tune_app
 from kvpilot.cli_tune_vllm import tune_vllm_app
 from kvpilot.cli_vllm import vllm_app
@@ -30,6 +31,7 @@ app.add_typer(tune_app, name="tune", help="Tune the engine config: Optuna studie
 app.add_typer(sim_app, name="sim", help="The simulator: calibrate cost profiles, run what-ifs.")
 app.command("loadtest")(loadtest_cmd)
 app.command("dashboard")(dashboard_cmd)
+app.command("status")(status_cmd)
 
 
 def _version(value: bool) -> None:
