@@ -33,10 +33,13 @@ def test_command_adds_iteration_lines_and_the_span_endpoint_unless_given() -> No
         "--enable-logging-iteration-details",
         "--otlp-traces-endpoint",
         "http://c:8100/v1/traces",
+        "--middleware",
+        "kvpilot_arrival.ArrivalStamp",
     ]
     theirs = build_command("/py", ["--otlp-traces-endpoint=http://x/v1/traces"], traces_endpoint="http://c/v1/traces")
     assert theirs.count("--otlp-traces-endpoint") == 0 and "--otlp-traces-endpoint=http://x/v1/traces" in theirs
-    assert "--otlp-traces-endpoint" not in build_command("/py", [], traces_endpoint=None)
+    assert "--middleware" in theirs  # the arrival stamp rides on whichever endpoint the spans go to
+    assert not {"--otlp-traces-endpoint", "--middleware"} & set(build_command("/py", [], traces_endpoint=None))
     with pytest.raises(VllmSetupError, match="--disable-log-stats"):
         build_command("/py", ["--disable-log-stats"], traces_endpoint=None)
 
@@ -55,6 +58,10 @@ def test_env_names_the_instance_and_run_and_carries_the_token_as_an_otlp_header(
     )
     assert env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "Authorization=Bearer%20s3cr%3Dt"
     assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("kvpilot", "vllm", "asgi"))
+    assert build_env({"PYTHONPATH": "/mine"}, instance="i", run_id="r", token=None, traces=True)["PYTHONPATH"].endswith(
+        os.pathsep + "/mine"
+    )
     plain = build_env({}, instance="i", run_id="r", token="t", traces=False)
     assert not any(k.startswith("OTEL_") for k in plain)
     for bad in ({"VLLM_LOGGING_LEVEL": "warning"}, {"VLLM_CONFIGURE_LOGGING": "0"}):
