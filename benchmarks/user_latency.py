@@ -1,0 +1,253 @@
+"""Three vantage points on one real vLLM under bursts: a light client, vLLM's frontend histograms, stored rows.
+
+`python -m benchmarks.user_latency --work DIR` starts a collector (`kvpilot.vllm.workbench`) and a vLLM through
+`kvpilot vllm serve`'s launcher (CPU build, the tiny checkpoint, 16 MiB of KV), replays a trace of bursts
+whose prompts share a few long prefixes, and prints, side by side, the TTFT and e2e p50/p99 of:
+
+- the client: a light asyncio client on the same host, streaming; TTFT at the first chunk with text;
+- vLLM's frontend histograms (`vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`,
+  `vllm:request_queue_time_seconds`), the run's increase, at bucket precision;
+- the stored request rows: `collector.queries.headline_latency` (user-facing: from the HTTP arrival) and the
+  spans' own view (from vLLM's `arrival_time`), with the stage before the engine alone.
+
+`measure` is what tests/vllm drives against the session's vLLM. The load average is printed with the figures:
+on a shared host the client's own lag is part of what it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine
+
+from collector import queries
+from collector.histograms import bucket_quantile, parse_le
+from collector.scraper import parse_exposition
+from kvpilot.loadtest.analysis import percentile
+
+WORDS = "cache block queue token batch prefill decode step engine memory request tenant latency budget".split()
+HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+}
+SPAN_WAIT_S = 60.0  # vLLM's span processor exports every 5 s; the collector stores each export at once
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    at_s: float  # offset from the replay's start
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class ClientTiming:
+    ttft_s: float | None
+    e2e_s: float
+    ok: bool
+
+
+def shared_prefix_trace(
+    *, bursts: int, burst_size: int, gap_s: float, prefixes: int = 4, prefix_words: int = 120, seed: int = 0
+) -> list[TraceRequest]:
+    """Bursts of `burst_size` arrivals within 50 ms, `gap_s` apart; prompts are one of `prefixes` long shared
+    prefixes (a system prompt) plus a question of their own, outputs 8-32 tokens."""
+    rng = random.Random(seed)
+    heads = [" ".join(rng.choice(WORDS) for _ in range(prefix_words)) for _ in range(prefixes)]
+    out = []
+    for b in range(bursts):
+        for i in range(burst_size):
+            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40)))
+            out.append(
+                TraceRequest(
+                    at_s=b * gap_s + rng.uniform(0.0, 0.05),
+                    prompt=f"{rng.choice(heads)}\nquestion {b}-{i}: {question}",
+                    max_tokens=rng.randint(8, 32),
+                )
+            )
+    return sorted(out, key=lambda r: r.at_s)
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, req: TraceRequest, t0: float) -> ClientTiming:
+    await asyncio.sleep(max(0.0, t0 + req.at_s - time.perf_counter()))
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True, "ignore_eos": True}
+    start = time.perf_counter()
+    ttft = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return ClientTiming(None, time.perf_counter() - start, False)
+            async for line in resp.aiter_lines():
+                if ttft is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                    ttft = time.perf_counter() - start
+    except httpx.HTTPError:
+        return ClientTiming(ttft, time.perf_counter() - start, False)
+    return ClientTiming(ttft, time.perf_counter() - start, ttft is not None)
+
+
+async def replay(url: str, model: str, trace: list[TraceRequest]) -> list[ClientTiming]:
+    """Send every request at its offset, streaming; one connection each (no client-side queueing)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
+        t0 = time.perf_counter() + 0.1
+        return list(await asyncio.gather(*(_one(client, url, model, r, t0) for r in trace)))
+
+
+def _histograms(text: str) -> dict[str, dict[float, float]]:
+    """family -> le -> cumulative count, summed over label sets."""
+    wanted = {f + "_bucket": k for k, f in HISTOGRAMS.items()}
+    out: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    for name, labels, value in parse_exposition(text):
+        if name in wanted and "le" in labels:
+            out[wanted[name]][parse_le(labels["le"])] += value
+    return out
+
+
+def histogram_view(before: str, after: str) -> dict[str, dict[str, float | None]]:
+    """p50/p99 of each frontend histogram's increase between two scrapes (Prometheus's histogram_quantile)."""
+    b, a = _histograms(before), _histograms(after)
+    out = {}
+    for key in HISTOGRAMS:
+        buckets = sorted((le, a[key][le] - b.get(key, {}).get(le, 0.0)) for le in a.get(key, {}))
+        total = buckets[-1][1] if buckets else 0.0
+        out[key] = {
+            "p50": bucket_quantile(0.5, buckets) if total else None,
+            "p99": bucket_quantile(0.99, buckets) if total else None,
+        }
+    return out
+
+
+def _pair(values: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+
+
+def measure(
+    *, url: str, model: str, db: Engine, instance: str, trace: list[TraceRequest], settle_s: float = SPAN_WAIT_S
+) -> dict[str, Any]:
+    """Replay `trace` against `url` and read the three vantage points of the same requests."""
+    with httpx.Client(timeout=10.0) as http:
+        before = http.get(f"{url}/metrics").text
+        wall0 = time.time()
+        timings = asyncio.run(replay(url, model, trace))
+        wall1 = time.time()
+        load = os.getloadavg()
+        deadline = time.monotonic() + settle_s
+        window = {"start": wall0 - 1.0, "end": wall1 + 1.0, "instances": [instance]}
+        while True:  # every request's span stored, and vLLM's histograms counted them all
+            rows = queries.slowest_requests(db, metric="e2e", limit=10 * len(trace) + 10, **window)  # type: ignore[arg-type]
+            after = http.get(f"{url}/metrics").text
+            counted = sum(1 for t in timings if t.ok)
+            if len(rows) >= counted or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+    ok = [t for t in timings if t.ok]
+    headline = queries.headline_latency(db, **window)  # type: ignore[arg-type]
+    finished = [r for r in rows if r["status"] == "finished"]
+    frontend = [r["frontend_s"] for r in finished if r["frontend_s"] is not None]
+    return {
+        "requests": len(trace),
+        "client_ok": len(ok),
+        "stored": len(finished),
+        "loadavg_1m": round(load[0], 2),
+        "client": {"ttft": _pair([t.ttft_s for t in ok if t.ttft_s is not None]), "e2e": _pair([t.e2e_s for t in ok])},
+        "frontend_histograms": histogram_view(before, after),
+        "headline": {
+            "ttft": {"p50": headline.ttft_p50_s, "p99": headline.ttft_p99_s},
+            "e2e": {"p50": headline.e2e_p50_s, "p99": headline.e2e_p99_s},
+            "source": headline.source,
+        },
+        "spans_engine_view": {
+            "ttft": _pair([r["ttft_s"] for r in finished if r["ttft_s"] is not None]),
+            "e2e": _pair([r["e2e_s"] for r in finished]),
+            "queue": _pair([r["queue_s"] for r in finished]),
+        },
+        "before_engine": _pair(frontend),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The side-by-side table (milliseconds) the README shows."""
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:,.0f}"
+
+    rows = [
+        ("light client (same host)", result["client"]),
+        ("vLLM frontend histograms (buckets)", result["frontend_histograms"]),
+        ("spans, vLLM's view (from arrival_time)", result["spans_engine_view"]),
+        ("kvpilot headline (from HTTP arrival)", result["headline"]),
+    ]
+    lines = ["| vantage point | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---:|---:|---:|---:|"]
+    for name, view in rows:
+        t, e = view["ttft"], view["e2e"]
+        lines.append(f"| {name} | {ms(t['p50'])} | {ms(t['p99'])} | {ms(e['p50'])} | {ms(e['p99'])} |")
+    fe = result["before_engine"]
+    lines.append(f"\nbefore the engine (p50/p99): {ms(fe['p50'])} / {ms(fe['p99'])} ms")
+    lines.append(
+        f"{result['requests']} requests, {result['client_ok']} answered, {result['stored']} stored; "
+        f"load average (1 min) {result['loadavg_1m']}; source: {result['headline']['source']}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.vllm_server import server_args, server_env
+    from collector.server import free_port
+    from kvpilot.vllm import LaunchOptions, VllmLauncher, find_vllm_python
+    from kvpilot.vllm.workbench import workbench
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.user_latency", description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, default=Path("kvpilot-data/user-latency"))
+    parser.add_argument("--bursts", type=int, default=4)
+    parser.add_argument("--burst-size", type=int, default=64)
+    parser.add_argument("--gap-s", type=float, default=8.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    trace = shared_prefix_trace(bursts=args.bursts, burst_size=args.burst_size, gap_s=args.gap_s, seed=args.seed)
+    with workbench(args.work) as wb:
+        vllm_args = server_args(
+            wb.checkpoint,
+            port=free_port(),
+            max_model_len=512,
+            kv_cache_bytes=16 * 2**20,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+        )
+        vllm_args = [a for a in vllm_args if a != "--no-enable-prefix-caching"]  # shared prefixes: the cache on
+        options = LaunchOptions(
+            vllm_args=vllm_args,
+            python=find_vllm_python(),
+            collector_url=wb.collector_url,
+            admin_token=wb.admin_token,
+            instance="user-latency",
+            run_id="user-latency",
+            spool_dir=None,
+            log_file=args.work / "vllm.log",
+            env=server_env(),
+        )
+        launcher = VllmLauncher(options)
+        try:
+            launcher.start().wait_ready(420.0)
+            result = measure(url=launcher.url, model="bench", db=wb.db, instance="user-latency", trace=trace)
+        finally:
+            launcher.stop()
+            launcher.close()
+    print(table(result))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
