@@ -35,7 +35,7 @@ from collector.histograms import bucket_quantile, parse_le
 from collector.scraper import parse_exposition
 from kvpilot.loadtest.analysis import percentile
 
-WORDS = "cache block queue token batch prefill decode step engine memory request tenant latency budget".split()
+WORDS = ["cache", "block", "queue", "token", "batch", "prefill", "decode", "step", "engine", "memory", "request"]
 HISTOGRAMS = {
     "ttft": "vllm:time_to_first_token_seconds",
     "e2e": "vllm:e2e_request_latency_seconds",

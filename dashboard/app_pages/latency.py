@@ -196,11 +196,11 @@ with ui.guarded("Stage breakdown"):
         mean_swap = by_stage.loc["Swap", "mean (s)"] if "Swap" in by_stage.index else 0.0
         st.caption(
             "Before the engine: HTTP arrival to the engine's arrival stamp (vLLM: its API server reading the "
-            "request) · queue: arrival to first schedule · prefill: schedule to prompt processed · first-token gap: prefill "
-            "done to first token · decode: first token to finish, less the time swapped out · swap: time swapped "
-            "out to the host tier (the engine counts it inside the stage it interrupted; here it is a stage of its "
-            "own, while time preempted for recompute stays in decode). In this window requests were swapped "
-            f"{swaps:,} times, for a mean of {ui.fmt_s(mean_swap)} swapped out per request, and preempted "
+            "request) · queue: arrival to first schedule · prefill: schedule to prompt processed · first-token "
+            "gap: prefill done to first token · decode: first token to finish, less the time swapped out · "
+            "swap: time swapped out to the host tier (the engine counts it inside the stage it interrupted; "
+            "here it is a stage of its own, while time preempted for recompute stays in decode). In this window "
+            f"requests were swapped {swaps:,} times, for a mean of {ui.fmt_s(mean_swap)} swapped out per request, and preempted "
             f"{preemptions:,} times."
         )
 
