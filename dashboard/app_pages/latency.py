@@ -200,8 +200,8 @@ with ui.guarded("Stage breakdown"):
             "gap: prefill done to first token · decode: first token to finish, less the time swapped out · "
             "swap: time swapped out to the host tier (the engine counts it inside the stage it interrupted; "
             "here it is a stage of its own, while time preempted for recompute stays in decode). In this window "
-            f"requests were swapped {swaps:,} times, for a mean of {ui.fmt_s(mean_swap)} swapped out per request, and preempted "
-            f"{preemptions:,} times."
+            f"requests were swapped {swaps:,} times, for a mean of {ui.fmt_s(mean_swap)} swapped out per request, "
+            f"and preempted {preemptions:,} times."
         )
 
 st.subheader("Distributions")
