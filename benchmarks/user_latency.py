@@ -4,7 +4,8 @@
 `kvpilot vllm serve`'s launcher (CPU build, the tiny checkpoint, 16 MiB of KV), replays a trace of bursts
 whose prompts share a few long prefixes, and prints, side by side, the TTFT and e2e p50/p99 of:
 
-- the client: a light asyncio client on the same host, streaming; TTFT at the first chunk with text;
+- the client: a light asyncio client on the same host, streaming, its requests' bytes prepared and each
+  connection opened a second ahead, so that at send time it only writes; TTFT at the first chunk with text;
 - vLLM's frontend histograms (`vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`,
   `vllm:request_queue_time_seconds`), the run's increase, at bucket precision;
 - the stored request rows: `collector.queries.headline_latency` (user-facing: from the HTTP arrival) and the
@@ -53,6 +54,8 @@ class TraceRequest:
 
 @dataclass(frozen=True)
 class ClientTiming:
+    request_id: str  # sent as X-Request-Id: vLLM names the request (and its span) after it
+    sent: float  # wall clock, seconds
     ttft_s: float | None
     e2e_s: float
     ok: bool
@@ -79,30 +82,70 @@ def shared_prefix_trace(
     return sorted(out, key=lambda r: r.at_s)
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, req: TraceRequest, t0: float) -> ClientTiming:
-    await asyncio.sleep(max(0.0, t0 + req.at_s - time.perf_counter()))
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True, "ignore_eos": True}
-    start = time.perf_counter()
-    ttft = None
+OPEN_AHEAD_S = 1.0  # each request's connection is opened this long before it is sent (uvicorn keeps 5 s)
+TEXT = b'"text":"'
+
+
+def _request_bytes(host: str, port: int, model: str, req: TraceRequest, request_id: str) -> bytes:
+    body = json.dumps(
+        {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True, "ignore_eos": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nX-Request-Id: {request_id}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _has_text(buf: bytearray, pos: int) -> bool:
+    """A completion chunk with text in `buf` from `pos` on (`"text":"` followed by anything but its end)."""
+    i = buf.find(TEXT, pos)
+    while i >= 0:
+        if buf[i + len(TEXT) : i + len(TEXT) + 1] not in (b'"', b""):
+            return True
+        i = buf.find(TEXT, i + 1)
+    return False
+
+
+async def _one(host: str, port: int, data: bytes, at: float, request_id: str) -> ClientTiming:
+    """One streamed completion on its own connection, the bytes prepared beforehand: the client's work at
+    send time is one socket write, and reading is a byte search, so its own lag stays small."""
+    await asyncio.sleep(max(0.0, at - OPEN_AHEAD_S - time.perf_counter()))
+    reader, writer = await asyncio.open_connection(host, port)
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    sent, start = time.time(), time.perf_counter()
+    writer.write(data)
+    buf, ttft, ok = bytearray(), None, False
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                return ClientTiming(None, time.perf_counter() - start, False)
-            async for line in resp.aiter_lines():
-                if ttft is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                    ttft = time.perf_counter() - start
-    except httpx.HTTPError:
-        return ClientTiming(ttft, time.perf_counter() - start, False)
-    return ClientTiming(ttft, time.perf_counter() - start, ttft is not None)
+        while True:
+            chunk = await reader.read(65536)
+            if not chunk:
+                break
+            pos = max(0, len(buf) - 16)
+            buf += chunk
+            if ttft is None and _has_text(buf, pos):
+                ttft = time.perf_counter() - start
+            if b"data: [DONE]" in buf[pos:]:
+                ok = buf.startswith(b"HTTP/1.1 200")
+                break
+    except OSError:
+        ok = False
+    finally:
+        writer.close()
+    return ClientTiming(request_id, sent, ttft, time.perf_counter() - start, ok and ttft is not None)
 
 
-async def replay(url: str, model: str, trace: list[TraceRequest]) -> list[ClientTiming]:
-    """Send every request at its offset, streaming; one connection each (no client-side queueing)."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
-        t0 = time.perf_counter() + 0.1
-        return list(await asyncio.gather(*(_one(client, url, model, r, t0) for r in trace)))
+async def replay(url: str, model: str, trace: list[TraceRequest], tag: str) -> list[ClientTiming]:
+    """Send every request at its offset, streaming, each on a connection opened just before it."""
+    parsed = httpx.URL(url)
+    host, port = parsed.host, parsed.port or 80
+    prepared = [_request_bytes(host, port, model, r, f"{tag}-{i}") for i, r in enumerate(trace)]
+    t0 = time.perf_counter() + OPEN_AHEAD_S + 0.1
+    jobs = (
+        _one(host, port, data, t0 + r.at_s, f"{tag}-{i}")
+        for i, (r, data) in enumerate(zip(trace, prepared, strict=True))
+    )
+    return list(await asyncio.gather(*jobs))
 
 
 def _histograms(text: str) -> dict[str, dict[float, float]]:
@@ -133,14 +176,54 @@ def _pair(values: list[float]) -> dict[str, float | None]:
     return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
 
 
+def decompose(timings: list[ClientTiming], rows: list[dict[str, Any]], server: dict[str, dict]) -> dict[str, Any]:
+    """The client's TTFT split where it was spent, per request joined on its id (wall clock, one host).
+
+    to_server: client send to the ASGI app called (the API server's event loop reading and parsing it);
+    before_engine: to vLLM's arrival stamp; vllm_ttft: to vLLM's first-token stamp; to_socket: to the first
+    token's bytes handed to the server; to_client: to the client reading them (the client's own lag).
+    """
+    by_id = {r["request_id"]: r for r in rows}
+    parts: dict[str, list[float]] = defaultdict(list)
+    for t in timings:
+        row, srv = by_id.get(f"cmpl-{t.request_id}-0"), server.get(t.request_id)
+        if not (t.ok and row and srv and srv.get("first") and row["ttft_s"] is not None):
+            continue
+        arrival = row["ts"] - row["e2e_s"]
+        first_token = arrival + row["ttft_s"]
+        for name, value in (
+            ("to_server", srv["entry"] - t.sent),
+            ("before_engine", arrival - srv["entry"]),
+            ("vllm_ttft", row["ttft_s"]),
+            ("to_socket", srv["first"] - first_token),
+            ("to_client", t.sent + (t.ttft_s or 0.0) - srv["first"]),
+        ):
+            parts[name].append(value)
+    return {"joined": len(parts["vllm_ttft"]), **{k: _pair(v) for k, v in parts.items()}}
+
+
+def _server_times(path: Path | None) -> dict[str, dict]:
+    if path is None or not path.exists():
+        return {}
+    lines = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {d["id"]: d for d in lines if d.get("id")}
+
+
 def measure(
-    *, url: str, model: str, db: Engine, instance: str, trace: list[TraceRequest], settle_s: float = SPAN_WAIT_S
+    *,
+    url: str,
+    model: str,
+    db: Engine,
+    instance: str,
+    trace: list[TraceRequest],
+    settle_s: float = SPAN_WAIT_S,
+    timing_file: Path | None = None,
 ) -> dict[str, Any]:
     """Replay `trace` against `url` and read the three vantage points of the same requests."""
     with httpx.Client(timeout=10.0) as http:
         before = http.get(f"{url}/metrics").text
         wall0 = time.time()
-        timings = asyncio.run(replay(url, model, trace))
+        timings = asyncio.run(replay(url, model, trace, tag=f"ul{int(wall0)}"))
         wall1 = time.time()
         load = os.getloadavg()
         deadline = time.monotonic() + settle_s
@@ -158,6 +241,7 @@ def measure(
     frontend = [r["frontend_s"] for r in finished if r["frontend_s"] is not None]
     return {
         "requests": len(trace),
+        "window": {"start": wall0, "end": wall1},
         "client_ok": len(ok),
         "stored": len(finished),
         "loadavg_1m": round(load[0], 2),
@@ -174,6 +258,7 @@ def measure(
             "queue": _pair([r["queue_s"] for r in finished]),
         },
         "before_engine": _pair(frontend),
+        **({"decomposition": decompose(timings, finished, _server_times(timing_file))} if timing_file else {}),
     }
 
 
@@ -199,6 +284,12 @@ def table(result: dict[str, Any]) -> str:
         f"{result['requests']} requests, {result['client_ok']} answered, {result['stored']} stored; "
         f"load average (1 min) {result['loadavg_1m']}; source: {result['headline']['source']}"
     )
+    parts = result.get("decomposition")
+    if parts:
+        lines.append(f"\nthe client's TTFT, split ({parts['joined']} requests joined), p50 / p99 ms:")
+        for name in ("to_server", "before_engine", "vllm_ttft", "to_socket", "to_client"):
+            if name in parts:
+                lines.append(f"- {name}: {ms(parts[name]['p50'])} / {ms(parts[name]['p99'])}")
     return "\n".join(lines)
 
 
@@ -214,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-size", type=int, default=64)
     parser.add_argument("--gap-s", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decompose", action="store_true", help="also time the API server's side of each request")
     args = parser.parse_args(argv)
     trace = shared_prefix_trace(bursts=args.bursts, burst_size=args.burst_size, gap_s=args.gap_s, seed=args.seed)
     with workbench(args.work) as wb:
@@ -226,6 +318,15 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=2048,
         )
         vllm_args = [a for a in vllm_args if a != "--no-enable-prefix-caching"]  # shared prefixes: the cache on
+        env = server_env()
+        timing_file = None
+        if args.decompose:
+            timing_file = args.work / "server-times.jsonl"
+            timing_file.unlink(missing_ok=True)
+            vllm_args += ["--middleware", "kvpilot_bench_timing.ResponseTimes"]
+            here = str(Path(__file__).resolve().parent / "asgi")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+            env["KVPILOT_BENCH_TIMING_FILE"] = str(timing_file)
         options = LaunchOptions(
             vllm_args=vllm_args,
             python=find_vllm_python(),
@@ -235,12 +336,19 @@ def main(argv: list[str] | None = None) -> int:
             run_id="user-latency",
             spool_dir=None,
             log_file=args.work / "vllm.log",
-            env=server_env(),
+            env=env,
         )
         launcher = VllmLauncher(options)
         try:
             launcher.start().wait_ready(420.0)
-            result = measure(url=launcher.url, model="bench", db=wb.db, instance="user-latency", trace=trace)
+            result = measure(
+                url=launcher.url,
+                model="bench",
+                db=wb.db,
+                instance="user-latency",
+                trace=trace,
+                timing_file=timing_file,
+            )
         finally:
             launcher.stop()
             launcher.close()

@@ -108,3 +108,24 @@ def test_serve_refuses_clearly(args: list[str], needle: str, tmp_path: Path) -> 
     assert result.exit_code == 2 and needle in result.output, result.output
     assert "Traceback" not in result.output
     assert not any(os.scandir(tmp_path))  # refused before anything started or spooled
+
+
+def test_the_arrival_stamp_keeps_a_valid_trace_and_replaces_anything_else() -> None:
+    from kvpilot.vllm.asgi.kvpilot_arrival import stamped_headers
+
+    def stamp(*headers: tuple[bytes, bytes]) -> dict[bytes, bytes]:
+        out = stamped_headers(list(headers), 1_790_000_000.25)
+        assert [k for k, _ in out].count(b"traceparent") == 1 and [k for k, _ in out].count(b"tracestate") == 1
+        return dict(out)
+
+    fresh = stamp((b"content-type", b"application/json"))
+    assert fresh[b"content-type"] == b"application/json"
+    assert fresh[b"tracestate"] == b"kvpilot=t1790000000250000" and fresh[b"traceparent"].endswith(b"-01")
+    theirs = b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-00"  # not sampled: the client's choice, kept
+    kept = stamp((b"TraceParent", theirs), (b"tracestate", b"a=1, kvpilot=t5,bad member,b=2"))
+    assert kept[b"traceparent"] == theirs and kept[b"tracestate"] == b"kvpilot=t1790000000250000,a=1,b=2"
+    for invalid in (b"00-" + b"0" * 32 + b"-" + b"2" * 16 + b"-01", b"ff-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01"):
+        replaced = stamp((b"traceparent", invalid), (b"tracestate", b"a=1"))
+        assert replaced[b"traceparent"] != invalid and replaced[b"tracestate"] == b"kvpilot=t1790000000250000"
+    many = b",".join(b"k%d=v" % i for i in range(40))
+    assert stamp((b"traceparent", theirs), (b"tracestate", many))[b"tracestate"].count(b",") == 31
