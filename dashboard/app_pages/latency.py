@@ -69,6 +69,10 @@ def scraped_histograms() -> None:
                 "collector keeps their buckets once it scrapes them.",
             )
             return
+        st.caption(
+            "The engine's own view, precise to a bucket: vLLM's histograms start at its arrival stamp, after its "
+            "API server has read the request, so they leave out the time before the engine that users waited."
+        )
         show(
             table,
             {
