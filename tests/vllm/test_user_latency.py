@@ -2,8 +2,10 @@
 
 A light client on the same host (benchmarks.user_latency: asyncio, streaming, its connections opened before
 the load) measures TTFT; `collector.queries.headline_latency` over the stored spans (the HTTP arrival stamp
-of `kvpilot vllm serve` included) must agree with it, and the built-in UserTTFTHigh rule, its threshold set
-under what the load gives (copy of the built-in file, the documented way to set it), must page.
+of `kvpilot vllm serve` included) must agree with it, and the built-in UserTTFTHigh rule must page when its
+threshold (set in a copy of the built-in file, the documented way) is under what the load gave users, and
+stay quiet when it is well over it. The threshold follows the measured p99, as the load's TTFT depends on
+how fast and how busy the host is.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from tests.vllm.peer import INSTANCE, MODEL, VllmPeer
 
 pytestmark = pytest.mark.vllm
 
-THRESHOLD_S = 0.25  # the configured UserTTFTHigh threshold for this test: under what the bursts give
-
 
 class Clock:
     def __init__(self, now: float) -> None:
@@ -38,7 +38,7 @@ class Clock:
 def test_headline_ttft_agrees_with_a_light_client_and_the_user_rule_pages(vllm_peer: VllmPeer) -> None:
     db = make_engine(vllm_peer.db_url)
     try:
-        trace = shared_prefix_trace(bursts=3, burst_size=48, gap_s=6.0, seed=20)
+        trace = shared_prefix_trace(bursts=3, burst_size=64, gap_s=6.0, seed=20)
         # the rule reads a p99 per minute: start the load early in one, so that minute holds all of it
         if time.time() % TTFT_P99_BUCKET_S > 15.0:
             time.sleep(TTFT_P99_BUCKET_S - time.time() % TTFT_P99_BUCKET_S + 1.0)
@@ -51,11 +51,11 @@ def test_headline_ttft_agrees_with_a_light_client_and_the_user_rule_pages(vllm_p
         engine_only = result["spans_engine_view"]["ttft"]["p99"]
         assert ours >= engine_only  # the stage before the engine only adds
 
-        assert ours > THRESHOLD_S, f"the load did not break the threshold: p99 {ours}"
         start, end = result["window"]["start"], result["window"]["end"]
-        fired = _user_rule_states(db, start, end, THRESHOLD_S)
+        threshold = round(ours / 2, 3)  # a TTFT SLO this load breaks
+        fired = _user_rule_states(db, start, end, threshold)
         assert "firing" in {state for state, _ in fired}, fired
-        assert all(value > THRESHOLD_S for state, value in fired if state == "firing"), fired
+        assert all(value > threshold for state, value in fired if state == "firing"), fired
         assert _user_rule_states(db, start, end, 10 * ours) == [], "a threshold the load did not reach paged"
     finally:
         db.dispose()
