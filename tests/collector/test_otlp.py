@@ -234,7 +234,7 @@ def test_llm_request_spans_become_request_rows(client: TestClient, settings: Col
     engine.dispose()
 
 
-def test_the_http_arrival_stamp_comes_back_as_the_stage_before_the_engine(
+def test_the_http_arrival_and_first_bytes_come_back_on_the_span(
     client: TestClient, settings: CollectorSettings
 ) -> None:
     """The launcher's middleware stamps the headers; vLLM's span, their child, carries the stamp back."""
@@ -251,9 +251,17 @@ def test_the_http_arrival_stamp_comes_back_as_the_stage_before_the_engine(
         {},  # no middleware: not measured
         {"traceparent": client_trace[1].decode(), "tracestate": f"kvpilot=t{int((T0 + 3 + 5) * 1e6)}"},  # after
     ]
-    spans = make_spans([vllm_attributes(i) for i in range(4)], trace_headers=cases)
+    attrs = [vllm_attributes(i) for i in range(4)]
+    ttft = [a["gen_ai.latency.time_to_first_token"] for a in attrs]
+    attrs[0]["kvpilot.first_byte_time"] = T0 + ttft[0] + 0.04  # its first bytes 40 ms after vLLM's first token
+    attrs[1]["kvpilot.first_byte_time"] = T0 + 1 + ttft[1] - 0.5  # before vLLM's first token: not these bytes
+    spans = make_spans(attrs, trace_headers=cases)
     assert export(client, spans).status_code == 200
     stored = {row.request_id: row for row in rows(settings)}
+    assert stored["chatcmpl-0"].ttft_s == pytest.approx(ttft[0] + 0.04, abs=1e-5)
+    assert stored["chatcmpl-1"].ttft_s == pytest.approx(ttft[1]) and stored["chatcmpl-2"].ttft_s == pytest.approx(
+        ttft[2]
+    )
     assert stored["chatcmpl-0"].frontend_s == pytest.approx(0.25, abs=1e-5)
     assert stored["chatcmpl-1"].frontend_s == pytest.approx(0.5, abs=1e-5)
     assert stored["chatcmpl-2"].frontend_s is None and stored["chatcmpl-3"].frontend_s is None

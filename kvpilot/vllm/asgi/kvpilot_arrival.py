@@ -11,6 +11,13 @@ stamp comes back on the span itself: the collector's OTLP adapter (`collector.ot
 `span start - stamp` as the request's `frontend_s`. A `kvpilot` entry the client sent is replaced, never
 trusted.
 
+The other end of TTFT: vLLM stamps the first token when its output loop takes it from the engine, and under a
+burst the API server may need tens of milliseconds more to detokenize it and hand the chunk to the server. For
+a streamed response the middleware notes when the first body bytes went to the server, by trace id, and an
+OpenTelemetry span processor it adds to vLLM's tracer provider writes that time onto the request's
+`llm_request` span as it starts (`kvpilot.first_byte_time`, epoch seconds): vLLM makes the span when the
+request finishes, after its first bytes were sent. The collector then counts TTFT to those bytes.
+
 It runs inside vLLM's interpreter, so it imports nothing but the standard library (the launcher puts this
 directory on vLLM's PYTHONPATH).
 """
@@ -20,11 +27,15 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 KEY = "kvpilot"
 MAX_ENTRIES = 32  # W3C trace-context: at most 32 list members
+FIRST_BYTE_ATTRIBUTE = "kvpilot.first_byte_time"
+SPAN_NAME = "llm_request"
+MAX_PENDING = 10_000  # first-byte times waiting for their span; the oldest go first past it
 _TRACEPARENT = re.compile(rb"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _MEMBER = re.compile(
     rb"^[a-z0-9][a-z0-9_\-*/@]{0,255}=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]$"
@@ -34,6 +45,10 @@ Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
 
+_first_bytes: OrderedDict[int, float] = OrderedDict()  # trace id -> when its first streamed bytes were sent
+_processor_added = False
+
+
 class ArrivalStamp:
     """Stamp every HTTP request's arrival on its trace context before vLLM's own handlers see it."""
 
@@ -41,9 +56,60 @@ class ArrivalStamp:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope.get("type") == "http":
-            scope = {**scope, "headers": stamped_headers(list(scope.get("headers") or []), time.time())}
-        await self.app(scope, receive, send)
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = stamped_headers(list(scope.get("headers") or []), time.time())
+        traceparent = next(value for name, value in headers if name == b"traceparent")
+        _add_processor()
+        await self.app({**scope, "headers": headers}, receive, _first_byte_send(send, int(traceparent[3:35], 16)))
+
+
+def _first_byte_send(send: Any, trace_id: int) -> Any:
+    """`send`, noting when a streamed (text/event-stream) response hands its first body bytes to the server."""
+    streaming = False
+    noted = False
+
+    async def wrapped(message: MutableMapping[str, Any]) -> None:
+        nonlocal streaming, noted
+        kind = message.get("type")
+        if kind == "http.response.start":
+            content_type = dict(message.get("headers") or []).get(b"content-type", b"")
+            streaming = content_type.startswith(b"text/event-stream")
+        elif kind == "http.response.body" and streaming and not noted and message.get("body"):
+            noted = True
+            _first_bytes[trace_id] = time.time()
+            while len(_first_bytes) > MAX_PENDING:
+                _first_bytes.popitem(last=False)
+        await send(message)
+
+    return wrapped
+
+
+def _add_processor() -> None:
+    """Add the first-byte span processor to vLLM's tracer provider once it has one (OpenTelemetry's SDK)."""
+    global _processor_added
+    if _processor_added:
+        return
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import SpanProcessor
+    except ImportError:
+        _processor_added = True  # no OpenTelemetry SDK: vLLM exports no spans either
+        return
+    provider = trace.get_tracer_provider()
+    if not hasattr(provider, "add_span_processor"):
+        return  # vLLM has not set its provider yet
+
+    class FirstByteProcessor(SpanProcessor):
+        def on_start(self, span: Any, parent_context: Any = None) -> None:
+            if span.name == SPAN_NAME:
+                sent = _first_bytes.pop(span.get_span_context().trace_id, None)
+                if sent is not None:
+                    span.set_attribute(FIRST_BYTE_ATTRIBUTE, sent)
+
+    provider.add_span_processor(FirstByteProcessor())
+    _processor_added = True
 
 
 def stamped_headers(headers: list[tuple[bytes, bytes]], now: float) -> list[tuple[bytes, bytes]]:
