@@ -75,8 +75,10 @@ def decompose(timings: list[ClientTiming], rows: list[dict[str, Any]], server: d
     """The client's TTFT split where it was spent, per request joined on its id (wall clock, one host).
 
     to_server: client send to the ASGI app called (the API server's event loop reading and parsing it);
-    before_engine: to vLLM's arrival stamp; vllm_ttft: to vLLM's first-token stamp; to_socket: to the first
-    token's bytes handed to the server; to_client: to the client reading them (the client's own lag).
+    before_engine: to vLLM's arrival stamp; to_first_bytes: to the first token's bytes handed to the server
+    (the row's `ttft_s`; vLLM's own first-token stamp is earlier: its histograms' view); after_stamp: to the
+    bench middleware's own note of those bytes (about 0: a check that the stamp is where the bytes go out);
+    to_client: to the client reading them (the client's own lag).
     """
     by_id = {r["request_id"]: r for r in rows}
     parts: dict[str, list[float]] = defaultdict(list)
@@ -89,12 +91,12 @@ def decompose(timings: list[ClientTiming], rows: list[dict[str, Any]], server: d
         for name, value in (
             ("to_server", srv["entry"] - t.sent),
             ("before_engine", arrival - srv["entry"]),
-            ("vllm_ttft", row["ttft_s"]),
-            ("to_socket", srv["first"] - first_token),
+            ("to_first_bytes", row["ttft_s"]),
+            ("after_stamp", srv["first"] - first_token),
             ("to_client", t.sent + (t.ttft_s or 0.0) - srv["first"]),
         ):
             parts[name].append(value)
-    return {"joined": len(parts["vllm_ttft"]), **{k: _pair(v) for k, v in parts.items()}}
+    return {"joined": len(parts["to_first_bytes"]), **{k: _pair(v) for k, v in parts.items()}}
 
 
 def _server_times(path: Path | None) -> dict[str, dict]:
@@ -166,7 +168,7 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         ("light client (same host)", result["client"]),
         ("vLLM frontend histograms (buckets)", result["frontend_histograms"]),
-        ("spans, vLLM's view (from arrival_time)", result["spans_engine_view"]),
+        ("rows without the stage before the engine", result["spans_engine_view"]),
         ("kvpilot headline (from HTTP arrival)", result["headline"]),
     ]
     lines = ["| vantage point | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---:|---:|---:|---:|"]
@@ -182,7 +184,7 @@ def table(result: dict[str, Any]) -> str:
     parts = result.get("decomposition")
     if parts:
         lines.append(f"\nthe client's TTFT, split ({parts['joined']} requests joined), p50 / p99 ms:")
-        for name in ("to_server", "before_engine", "vllm_ttft", "to_socket", "to_client"):
+        for name in ("to_server", "before_engine", "to_first_bytes", "after_stamp", "to_client"):
             if name in parts:
                 lines.append(f"- {name}: {ms(parts[name]['p50'])} / {ms(parts[name]['p99'])}")
     return "\n".join(lines)
