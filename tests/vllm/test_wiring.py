@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,46 @@ def test_the_arrival_stamp_keeps_a_valid_trace_and_replaces_anything_else() -> N
         assert replaced[b"traceparent"] != invalid and replaced[b"tracestate"] == b"kvpilot=t1790000000250000"
     many = b",".join(b"k%d=v" % i for i in range(40))
     assert stamp((b"traceparent", theirs), (b"tracestate", many))[b"tracestate"].count(b",") == 31
+
+
+def test_the_first_streamed_bytes_go_on_the_request_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The middleware notes a streamed response's first bytes; its span processor writes them on llm_request."""
+    import asyncio
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from kvpilot.vllm.asgi import kvpilot_arrival as mw
+
+    provider, memory = TracerProvider(), InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    monkeypatch.setattr(mw, "_processor_added", False)
+    seen: dict[str, dict[str, str]] = {}
+
+    def app_for(name: str, content_type: bytes):  # type: ignore[no-untyped-def]
+        async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+            seen[name] = {k.decode(): v.decode() for k, v in scope["headers"]}
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
+            await send({"type": "http.response.body", "body": b"data: first\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+        return app
+
+    async def noop(_message: dict) -> None:
+        return None
+
+    for name, kind in (("stream", b"text/event-stream"), ("whole", b"application/json")):
+        asyncio.run(mw.ArrivalStamp(app_for(name, kind))({"type": "http", "headers": []}, None, noop))
+    tracer = provider.get_tracer("vllm")
+    for name in ("stream", "whole"):  # as vLLM does when the request finishes: a child of its trace headers
+        context = TraceContextTextMapPropagator().extract(seen[name])
+        tracer.start_span("llm_request", context=context).end()
+    spans = {format(s.context.trace_id, "032x"): s for s in memory.get_finished_spans()}
+    stream, whole = (spans[seen[n]["traceparent"][3:35]] for n in ("stream", "whole"))
+    assert abs(stream.attributes[mw.FIRST_BYTE_ATTRIBUTE] - time.time()) < 60
+    assert mw.FIRST_BYTE_ATTRIBUTE not in whole.attributes  # not streamed: its first bytes are its last
+    assert stream.context.trace_state.get("kvpilot", "").startswith("t") and not mw._first_bytes
