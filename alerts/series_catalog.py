@@ -18,7 +18,9 @@ from functools import cache
 from collector.series import BY_EXTERNAL, CANONICAL
 
 DERIVED_SERIES: dict[str, str] = {
-    "ttft_p99_seconds": "p99 of time to first token over the requests finished in each minute",
+    "ttft_p99_seconds": (
+        "p99 of time to first token over the requests finished in each minute, from the HTTP arrival (user-facing)"
+    ),
 }
 _BUCKET, _COUNT = "_bucket", "_count"
 

@@ -2,10 +2,11 @@
 
 `ttft_p99_seconds` is the nearest-rank p99 of each instance's minute of finished requests, a point at
 the minute's end: `collector.queries.latency_quantiles_over_time(group_by="instance")`, the very figure
-the dashboard's TTFT p99 chart shows. TTFTRegression asks for a day of it every evaluation, so the scan
-goes through the (instance, ts) index (an `instance IN (...)` of the instances seen in the window), and
-minutes older than `settle_s` are memoised: a settled minute's value does not change, so each tick only
-recomputes the recent ones.
+the dashboard's TTFT p99 chart shows, user-facing like `headline_latency` (from the HTTP arrival, the
+stage before the engine included): what UserTTFTHigh pages on. TTFTRegression asks for a day of it every
+evaluation, so the scan goes through the (instance, ts) index (an `instance IN (...)` of the instances seen
+in the window), and minutes older than `settle_s` are memoised: a settled minute's value does not change,
+so each tick only recomputes the recent ones.
 A request pushed more than `settle_s` after it finished is missed by an already-memoised minute.
 """
 

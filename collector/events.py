@@ -44,6 +44,15 @@ class RequestEvent(_Event):
 
     Stage durations are derived from monotonic stage timestamps inside the engine, so they never go
     negative when the wall clock steps; `ts` is the wall-clock time of the final stage.
+
+    `frontend_s` is the time before the engine's own clock starts: from the request's arrival at the
+    server's HTTP layer to the engine's arrival stamp (for vLLM: request parsing and the API server's event
+    loop before its renderer stamps `arrival_time`). `ttft_s` and `e2e_s` start at the engine's stamp, so
+    what a user waited is `frontend_s + ttft_s` (for vLLM started by `kvpilot vllm serve`, `ttft_s` runs to
+    the first token's bytes handed to the HTTP server: collector.otlp). 0 when the source's own arrival stamp
+    is the HTTP arrival (kvpilot's engine stamps it in its HTTP handler; a load generator's client clock);
+    None when it was not measured (a vLLM not started by `kvpilot vllm serve`): its TTFT and e2e then leave
+    that time out.
     """
 
     type: Literal["request"] = "request"
@@ -52,6 +61,7 @@ class RequestEvent(_Event):
     priority: NonNegInt = 1
     prompt_tokens: NonNegInt
     output_tokens: NonNegInt
+    frontend_s: NonNegFloat | None = None
     queue_s: NonNegFloat
     prefill_s: NonNegFloat
     ttft_s: NonNegFloat | None = None

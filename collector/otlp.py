@@ -19,6 +19,19 @@ Dedup: the batch's idempotency key hashes its spans' identities (trace_id, span_
 retried export is found whatever its encoding or compression; and `store_batch` claims each span in
 `otlp_spans`, so a span re-sent inside another export is not stored twice either.
 
+The stage before the engine: vLLM's span starts at its renderer's `arrival_time`, after the API server
+has read the HTTP request. `kvpilot vllm serve` stamps the HTTP arrival on the trace context
+(`kvpilot/vllm/asgi/kvpilot_arrival.py`), and the span carries it back in its tracestate as
+`kvpilot=t<epoch microseconds>`: `frontend_s` is the span's start minus that stamp. Without a stamp (vLLM
+started some other way), or with one that cannot be this span's (after its start, or more than
+`MAX_FRONTEND_S` before it), `frontend_s` stays None: not measured, never guessed.
+
+TTFT to the first bytes served: `kvpilot vllm serve`'s middleware also writes, on a streamed request's span,
+when its first bytes went to the HTTP server (`kvpilot.first_byte_time`, epoch seconds). vLLM stamps its
+first token earlier, when its output loop takes it from the engine; so `ttft_s` becomes the time from vLLM's
+arrival to those bytes (never less than vLLM's own figure, at most `MAX_FRONTEND_S` more), and `e2e_s` is
+at least that. Without the attribute, `ttft_s` is vLLM's `time_to_first_token`.
+
 Spans of other names are counted and ignored. An `llm_request` span that cannot be a request row (a
 required attribute missing, of the wrong type or out of range) is rejected alone and reported in the
 response's partial success by its position and the attribute's name, never by anything it contains; so is
@@ -74,8 +87,13 @@ _FIELD_ATTRIBUTE = {
     "instance": "the instance (from the resource attributes)",
     "run_id": RUN_ID_ATTRIBUTE,
     "ts": "the span's start time plus gen_ai.latency.e2e",
+    "frontend_s": "tracestate kvpilot (the HTTP arrival)",
 }
-_WANTED = {*REQUIRED_SECONDS.values(), *OPTIONAL_SECONDS.values(), *REQUIRED_COUNTS.values(), REQUEST_ID}
+ARRIVAL_STAMP_KEY = "kvpilot"
+FIRST_BYTE = "kvpilot.first_byte_time"
+MAX_FRONTEND_S = 3600.0
+CLOCK_SLACK_S = 0.001  # the stamp and vLLM's arrival_time read one clock, rounded to the microsecond
+_WANTED = {*REQUIRED_SECONDS.values(), *OPTIONAL_SECONDS.values(), *REQUIRED_COUNTS.values(), REQUEST_ID, FIRST_BYTE}
 _RESOURCE_WANTED = {"service.name", "service.instance.id", "host.name", "host.id", RUN_ID_ATTRIBUTE}
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 
@@ -298,8 +316,17 @@ def _span_event(
     if request_id is None or request_id.WhichOneof("value") != "string_value":
         raise _SpanRejected(f"{REQUEST_ID} missing or not a string")
     event["request_id"] = request_id.string_value
+    start = span.start_time_unix_nano / 1e9
+    event["frontend_s"] = frontend_seconds(span.trace_state, start)
+    first_byte = _number(attrs, FIRST_BYTE, required=False)
+    if first_byte is not None:
+        served = first_byte - start
+        engine_ttft = event["ttft_s"] if event["ttft_s"] is not None else 0.0
+        if -CLOCK_SLACK_S <= served - engine_ttft <= MAX_FRONTEND_S:
+            event["ttft_s"] = max(served, engine_ttft)
+            event["e2e_s"] = max(event["e2e_s"], event["ttft_s"])
     # the wall-clock time of the final stage, as kvpilot's engine stamps its request events
-    event["ts"] = span.start_time_unix_nano / 1e9 + event["e2e_s"]
+    event["ts"] = start + event["e2e_s"]
     if any(isinstance(value, str) and "\x00" in value for value in event.values()):
         raise _SpanRejected("NUL characters are not allowed in strings")
     try:
@@ -311,6 +338,19 @@ def _span_event(
     if window is not None and event["ts"] not in window:
         raise _SpanRejected(f"{_FIELD_ATTRIBUTE['ts']}: {window.message()}")
     return (trace_id, span_id), event
+
+
+def frontend_seconds(trace_state: str, engine_arrival: float) -> float | None:
+    """Seconds from kvpilot's HTTP arrival stamp in `trace_state` to vLLM's own arrival; None without one."""
+    for member in trace_state.split(","):
+        key, _, value = member.strip().partition("=")
+        if key != ARRIVAL_STAMP_KEY:
+            continue
+        if not (value.startswith("t") and value[1:].isdigit() and len(value) <= 20):
+            return None
+        seconds = engine_arrival - int(value[1:]) / 1e6
+        return max(0.0, seconds) if -CLOCK_SLACK_S <= seconds <= MAX_FRONTEND_S else None
+    return None
 
 
 def _number(attrs: dict[str, AnyValue], key: str, *, required: bool) -> float | None:

@@ -74,6 +74,7 @@ def time_x(df: pd.DataFrame, field: str = "time") -> alt.X:
 
 
 STAGE_COLORS = {
+    "before the engine": "#bab0ac",
     "queue": "#f58518",
     "prefill": "#4c78a8",
     "first-token gap": "#b279a2",

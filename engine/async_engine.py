@@ -72,10 +72,15 @@ class AsyncEngine:
     async def submit(
         self, prompt_ids: list[int], params: SamplingParams, priority: str | int, request_id: str | None = None
     ) -> RequestHandle:
-        """Queue a request; raises QueueFullError / InvalidRequestError if it is not admitted."""
+        """Queue a request; raises QueueFullError / InvalidRequestError if it is not admitted.
+
+        The arrival is stamped here, in the HTTP handler, so the time the request waits in the inbox while
+        a step runs counts in its queue time and TTFT: what its user waited, not what the engine saw.
+        """
         loop = asyncio.get_running_loop()
         handle = RequestHandle(loop, loop.create_future())
-        self._put("add", (handle, prompt_ids, params, priority, request_id))
+        arrival = self.engine.clock.now()
+        self._put("add", (handle, prompt_ids, params, priority, request_id, arrival))
         await handle.admitted
         return handle
 
@@ -123,9 +128,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                handle, prompt_ids, params, priority, request_id = payload
+                handle, prompt_ids, params, priority, request_id, arrival = payload
                 try:
-                    seq = self.engine.add_request(prompt_ids, params, priority=priority, request_id=request_id)
+                    seq = self.engine.add_request(
+                        prompt_ids, params, priority=priority, request_id=request_id, arrival=arrival
+                    )
                 except Exception as exc:
                     handle.loop.call_soon_threadsafe(_set_exception, handle.admitted, exc)
                     continue

@@ -108,6 +108,7 @@ class EventLogger:
             priority=req.priority,
             prompt_tokens=req.prompt_tokens,
             output_tokens=req.output_tokens,
+            frontend_s=0.0,  # the arrival is stamped in the HTTP handler (AsyncEngine.submit): nothing before it
             queue_s=req.queue_s,
             prefill_s=req.prefill_s,
             ttft_s=req.ttft_s,

@@ -3,7 +3,8 @@
 The trial's events are stored through the collector's ingest path (validation, one transaction per
 batch, idempotency key per trial and chunk) under the trial's run id; the objective is then computed
 with `collector.queries` over the trial's window: the same figures, from the same functions, as the
-dashboard and the rules show.
+dashboard and the rules show. TTFT and e2e, the SLOs' figures, are the user-facing ones
+(`collector.queries.headline_latency`: from the HTTP arrival, the stage before the engine included).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sqlalchemy import Engine
 
 from collector.events import event_to_json
 from collector.ingest import parse_batch, store_batch
-from collector.queries import alloc_trace, goodput, latency_percentiles, request_rates
+from collector.queries import alloc_trace, goodput, headline_latency, latency_percentiles, request_rates
 from engine.sinks import AnyEvent
 
 log = logging.getLogger("kvpilot.tuner.metrics")
@@ -159,28 +160,15 @@ def trial_metrics(
         run_id=run_id,
         instances=instances,
     )
-    lat = {
-        m: latency_percentiles(
-            db,
-            start=start,
-            end=end,
-            metric=m,
-            quantiles=(0.5, 0.99),
-            group_by="all",
-            run_id=run_id,
-            instances=instances,
-        )
-        for m in ("ttft", "tpot", "e2e")
-    }
+    tpot = latency_percentiles(
+        db, start=start, end=end, metric="tpot", quantiles=(0.99,), group_by="all", run_id=run_id, instances=instances
+    )
+    headline = headline_latency(db, start=start, end=end, run_id=run_id, instances=instances)
     rr = rates[0] if rates else None
     gg = good[0] if good else None
     tokens = gg.good_output_tokens if gg else 0
     preempt = rr.preemptions if rr else 0
     oom = alloc_trace(db, start=start, end=end, limit=0, run_id=run_id, instances=instances, ops=("oom",)).total
-
-    def q(metric: str, quantile: float) -> float | None:
-        stats = lat[metric]
-        return stats[0].quantiles.get(quantile) if stats else None
 
     requests = rr.requests if rr else 0
     return TrialMetrics(
@@ -195,11 +183,11 @@ def trial_metrics(
         goodput_rps=gg.good_per_s if gg else 0.0,
         good_fraction=gg.fraction if gg else 0.0,
         rejection_rate=(rr.rejected / requests) if rr and requests else 0.0,
-        ttft_p50_s=q("ttft", 0.5),
-        ttft_p99_s=q("ttft", 0.99),
-        tpot_p99_s=q("tpot", 0.99),
-        e2e_p50_s=q("e2e", 0.5),
-        e2e_p99_s=q("e2e", 0.99),
+        ttft_p50_s=headline.ttft_p50_s,
+        ttft_p99_s=headline.ttft_p99_s,
+        tpot_p99_s=tpot[0].quantiles.get(0.99) if tpot else None,
+        e2e_p50_s=headline.e2e_p50_s,
+        e2e_p99_s=headline.e2e_p99_s,
         oom=oom,
         preemptions=preempt,
     )

@@ -38,6 +38,7 @@ from collector.queries.engine_stats import (
     run_gauges_over_time,
     throughput_over_time,
 )
+from collector.queries.headline import HeadlineLatency, headline_latency
 from collector.queries.histogram_stats import (
     HistogramQuantiles,
     histogram_bases,
@@ -96,6 +97,7 @@ __all__ = [
     "Finding",
     "Goodput",
     "GroupBy",
+    "HeadlineLatency",
     "HistogramBin",
     "HistogramQuantiles",
     "InstanceInfo",
@@ -133,6 +135,7 @@ __all__ = [
     "goodput",
     "group_key",
     "group_sum",
+    "headline_latency",
     "histogram_bases",
     "histogram_quantiles",
     "histogram_quantiles_over_time",

@@ -14,7 +14,7 @@ from collector.db import translate_errors
 
 Db = Session | Connection | Engine
 GroupBy = Literal["instance", "run", "all"]
-LatencyMetric = Literal["ttft", "e2e", "queue", "prefill", "decode", "swap", "tpot"]
+LatencyMetric = Literal["ttft", "e2e", "frontend", "queue", "prefill", "decode", "swap", "tpot"]
 Points = dict[str, list[tuple[float, float]]]
 
 

@@ -10,7 +10,7 @@ from sqlalchemy import and_, case, func, literal, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, GroupBy, LatencyMetric, _bound, _dialect, bucket_expr
-from collector.queries.request_stats import _group_column, _metric_column, _request_filter
+from collector.queries.request_stats import _group_column, _metric_column, _request_filter, user_e2e, user_ttft
 from collector.schema import (
     RequestRow,
 )
@@ -124,11 +124,11 @@ def goodput(
     r = RequestRow.__table__.c
     good_conds: list[ColumnElement] = [r.status == "finished"]
     if ttft_slo_s is not None:
-        good_conds.append(and_(r.ttft_s.is_not(None), r.ttft_s <= ttft_slo_s))
+        good_conds.append(and_(r.ttft_s.is_not(None), user_ttft() <= ttft_slo_s))
     if tpot_slo_s is not None:
         good_conds.append(case((r.output_tokens > 1, r.decode_s <= tpot_slo_s * (r.output_tokens - 1)), else_=True))
     if e2e_slo_s is not None:
-        good_conds.append(r.e2e_s <= e2e_slo_s)
+        good_conds.append(user_e2e() <= e2e_slo_s)
     group = _group_column(group_by).label("g")
     stmt = (
         select(
@@ -185,7 +185,9 @@ def slowest_requests(
 class StageBucket:
     """Mean seconds per request stage in one bucket; the stacked stages add up to the mean end-to-end latency.
 
-    The stacked stages are queue, prefill, first-token gap, decode excluding swap and swap. The engine
+    The stacked stages are before the engine (`frontend_s`: HTTP arrival to the engine's arrival stamp, 0
+    where not measured), queue, prefill, first-token gap, decode excluding swap and swap; `e2e_s` is the
+    user-facing end to end (from the HTTP arrival). The engine
     counts time swapped out to the host tier inside the stage it interrupted, so `decode_excl_swap_s`
     is the mean of decode - swap per request (clamped at 0), `swap_s` the mean swap time, and
     `first_token_gap_s` what is left of e2e: e2e - queue - prefill - decode, prefill done to first
@@ -205,6 +207,7 @@ class StageBucket:
     e2e_s: float
     swaps: int
     preemptions: int
+    frontend_s: float = 0.0
 
 
 def stage_breakdown_over_time(
@@ -237,6 +240,7 @@ def stage_breakdown_over_time(
                 func.avg(r.e2e_s),
                 func.sum(r.swaps),
                 func.sum(r.preemptions),
+                func.avg(func.coalesce(r.frontend_s, 0.0)),
             )
             .where(*conds)
             .group_by(bucket)
@@ -244,8 +248,8 @@ def stage_breakdown_over_time(
         )
         rows = conn.execute(stmt).all()
     out = []
-    for b, n, queue, prefill, decode, decode_excl, swap, e2e, swaps, preemptions in rows:
-        queue, prefill, decode, e2e = float(queue), float(prefill), float(decode), float(e2e)
+    for b, n, queue, prefill, decode, decode_excl, swap, e2e, swaps, preemptions, frontend in rows:
+        queue, prefill, decode, e2e, frontend = float(queue), float(prefill), float(decode), float(e2e), float(frontend)
         decode_excl, swap = float(decode_excl), float(swap)
         out.append(
             StageBucket(
@@ -257,9 +261,10 @@ def stage_breakdown_over_time(
                 decode_excl_swap_s=decode_excl,
                 swap_s=swap,
                 decode_s=decode,
-                e2e_s=e2e,
+                e2e_s=e2e + frontend,
                 swaps=int(swaps or 0),
                 preemptions=int(preemptions or 0),
+                frontend_s=frontend,
             )
         )
     return out

@@ -1,5 +1,9 @@
 """Request latency: the one request filter and the one percentile definition (exact nearest rank, in SQL).
 
+TTFT and e2e are the user-facing figures: from the request's arrival at the server's HTTP layer, i.e. the
+engine's own `ttft_s`/`e2e_s` plus `frontend_s`, the stage before the engine (`user_ttft`, `user_e2e`).
+Where `frontend_s` was not measured (NULL) they are the engine's view; `headline_latency` says so.
+
 For n values sorted ascending, the q-quantile is the k-th value with k = ceil(q * n) (k >= 1). It is computed
 with ROW_NUMBER/COUNT window functions, which SQLite (>= 3.25) and PostgreSQL evaluate identically; the contract
 tests check both against a Python reference.
@@ -41,11 +45,24 @@ class LatencyStats:
     quantiles: dict[float, float | None]
 
 
+def user_ttft() -> ColumnElement:
+    """Time to first token as the user waited it: the stage before the engine, then the engine's TTFT."""
+    r = RequestRow.__table__.c
+    return r.ttft_s + func.coalesce(r.frontend_s, 0.0)
+
+
+def user_e2e() -> ColumnElement:
+    """End to end as the user waited it (from the HTTP arrival)."""
+    r = RequestRow.__table__.c
+    return r.e2e_s + func.coalesce(r.frontend_s, 0.0)
+
+
 def _metric_column(metric: LatencyMetric) -> ColumnElement:
     r = RequestRow.__table__.c
     columns: dict[str, ColumnElement] = {
-        "ttft": r.ttft_s,
-        "e2e": r.e2e_s,
+        "ttft": user_ttft(),
+        "e2e": user_e2e(),
+        "frontend": r.frontend_s,
         "queue": r.queue_s,
         "prefill": r.prefill_s,
         "decode": r.decode_s,
@@ -134,8 +151,9 @@ def latency_percentiles(
     statuses: Sequence[str] | None = ("finished",),
     include_warmup: bool = False,
 ) -> list[LatencyStats]:
-    """Exact nearest-rank quantiles of a request stage (ttft, e2e, queue, prefill, decode, swap, tpot) per group.
+    """Exact nearest-rank quantiles of a request stage (ttft, e2e, frontend, queue, prefill, decode, swap, tpot).
 
+    `ttft` and `e2e` are user-facing (from the HTTP arrival); `frontend` is the stage before the engine;
     `swap` is the time swapped out to the host tier, which also counts inside prefill or decode.
     """
     _check_quantiles(quantiles)

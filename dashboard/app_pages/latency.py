@@ -69,6 +69,10 @@ def scraped_histograms() -> None:
                 "collector keeps their buckets once it scrapes them.",
             )
             return
+        st.caption(
+            "The engine's own view, precise to a bucket: vLLM's histograms start at its arrival stamp, after its "
+            "API server has read the request, so they leave out the time before the engine that users waited."
+        )
         show(
             table,
             {
@@ -137,6 +141,11 @@ for col, stage in zip(cols[:3], ("TTFT", "TPOT", "End to end"), strict=True):
         )
         col.caption(f"p50 {ui.fmt_s(row['p50 (s)'])} · p90 {ui.fmt_s(row['p90 (s)'])}")
 cols[3].metric("Finished requests", f"{int(by_stage['requests'].max()):,}")
+with ui.guarded("Latency source"):
+    st.caption(
+        f"TTFT and end to end as users waited them, from the HTTP arrival; source: {latency.source(f)}. "
+        "'Before the engine' is the time from the HTTP arrival to the engine's own arrival stamp."
+    )
 show(
     summary,
     {
@@ -190,12 +199,13 @@ with ui.guarded("Stage breakdown"):
         swaps, preemptions = int(per_bucket["swaps"].sum()), int(per_bucket["preemptions"].sum())
         mean_swap = by_stage.loc["Swap", "mean (s)"] if "Swap" in by_stage.index else 0.0
         st.caption(
-            "Queue: arrival to first schedule · prefill: schedule to prompt processed · first-token gap: prefill "
-            "done to first token · decode: first token to finish, less the time swapped out · swap: time swapped "
-            "out to the host tier (the engine counts it inside the stage it interrupted; here it is a stage of its "
-            "own, while time preempted for recompute stays in decode). In this window requests were swapped "
-            f"{swaps:,} times, for a mean of {ui.fmt_s(mean_swap)} swapped out per request, and preempted "
-            f"{preemptions:,} times."
+            "Before the engine: HTTP arrival to the engine's arrival stamp (vLLM: its API server reading the "
+            "request) · queue: arrival to first schedule · prefill: schedule to prompt processed · first-token "
+            "gap: prefill done to first token · decode: first token to finish, less the time swapped out · "
+            "swap: time swapped out to the host tier (the engine counts it inside the stage it interrupted; "
+            "here it is a stage of its own, while time preempted for recompute stays in decode). In this window "
+            f"requests were swapped {swaps:,} times, for a mean of {ui.fmt_s(mean_swap)} swapped out per request, "
+            f"and preempted {preemptions:,} times."
         )
 
 st.subheader("Distributions")

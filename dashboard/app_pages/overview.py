@@ -23,11 +23,14 @@ with ui.guarded("Headline numbers"):
         )
         cols[1].caption(f"over {timewin.fmt_span(t['traffic_s'])} with traffic")
         cols[2].metric("Output tokens/s", ui.fmt_num(t["output_tokens_per_s"]), help="finished requests' tokens")
-        cols[3].metric("TTFT p99", ui.fmt_s(t["ttft_p99"]), help="time to first token, finished requests")
+        cols[3].metric(
+            "TTFT p99", ui.fmt_s(t["ttft_p99"]), help="time to first token from the HTTP arrival, finished requests"
+        )
         cols[3].caption(f"p50 {ui.fmt_s(t['ttft_p50'])}")
         cols[4].metric("TPOT p99", ui.fmt_s(t["tpot_p99"]), help="decode time per output token after the first")
         cols[4].caption(f"p50 {ui.fmt_s(t['tpot_p50'])}")
         failed = t["failed"] + t["rejected"] + t["aborted"]
+        st.caption(f"TTFT and e2e as users waited them; source: {t['latency_source']}.")
         scraped_rows = scraped.instance_rows(f)
         if scraped_rows:
             st.caption(
@@ -46,7 +49,8 @@ with ui.guarded("Headline numbers"):
         failed = t["failed"]
         st.caption(
             "From scraped counters and histogram buckets: percentiles are precise to a bucket's width "
-            "(the Latency page says what would give exact ones)."
+            "(the Latency page says what would give exact ones). vLLM's histograms start at its own "
+            "arrival stamp, after its API server has read the request: users waited longer."
         )
     cols[5].metric("Not finished", f"{failed:,}", help="failed, rejected or aborted requests")
     cols[5].caption(f"{failed / t['requests']:.1%} of requests" if t["requests"] else "no requests")

@@ -16,6 +16,7 @@ LATENCY_METRICS = {
     "ttft": "TTFT",
     "tpot": "TPOT",
     "e2e": "End to end",
+    "frontend": "Before the engine",
     "queue": "Queue",
     "prefill": "Prefill",
     "decode": "Decode",
@@ -23,14 +24,23 @@ LATENCY_METRICS = {
 }
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
-# The stacked stages, in stack order; they add up to the mean e2e. Decode excludes the swap stage.
+# The stacked stages, in stack order; they add up to the mean user-facing e2e. Decode excludes the swap stage.
 STAGES = {
+    "frontend_s": "before the engine",
     "queue_s": "queue",
     "prefill_s": "prefill",
     "first_token_gap_s": "first-token gap",
     "decode_excl_swap_s": "decode",
     "swap_s": "swap",
 }
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def source(f: Filters) -> str:
+    """Where the headline TTFT and e2e come from (`queries.headline_latency`), for the page to name."""
+    return queries.headline_latency(
+        engine(f.db_url), start=f.start, end=f.end, instances=f.instance_list, run_id=f.run_id
+    ).source
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -132,6 +142,7 @@ SLOWEST_COLUMNS = [
     "ts",
     "status",
     "metric_value",
+    "frontend_s",
     "queue_s",
     "prefill_s",
     "ttft_s",

@@ -76,7 +76,7 @@ def _per_s(amount: float, span_s: float) -> float:
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def totals(f: Filters) -> dict[str, Any]:
     """Headline numbers from per-request events: request counts, rates over the span with traffic,
-    TTFT/TPOT/e2e exact quantiles."""
+    TTFT/TPOT/e2e exact quantiles; TTFT and e2e user-facing (`queries.headline_latency`), its source named."""
     db = engine(f.db_url)
     rates = queries.request_rates(
         db, start=f.start, end=f.end, group_by="all", instances=f.instance_list, run_id=f.run_id
@@ -106,6 +106,8 @@ def totals(f: Filters) -> dict[str, Any]:
         )
         for q in QUANTILES:
             out[f"{metric}_p{round(q * 100)}"] = stats[0].quantiles[q] if stats else None
+    headline = queries.headline_latency(db, start=f.start, end=f.end, instances=f.instance_list, run_id=f.run_id)
+    out.update(ttft_p50=headline.ttft_p50_s, ttft_p99=headline.ttft_p99_s, latency_source=headline.source)
     return out
 
 

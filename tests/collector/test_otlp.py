@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from sqlalchemy import func, select
 
 from collector import otlp
@@ -100,6 +101,7 @@ def make_spans(
     resource: dict[str, str] | None = None,
     detect: bool = True,
     others: int = 0,
+    trace_headers: Sequence[dict[str, str]] | None = None,
 ) -> list[ReadableSpan]:
     """Finished SDK spans: one llm_request per attribute dict (start = arrival), then `others` other spans.
 
@@ -113,7 +115,9 @@ def make_spans(
     tracer = provider.get_tracer("vllm.v1.engine.output_processor")
     for i, attrs in enumerate(attributes):
         arrival = int((T0 + i) * 1e9)
-        span = tracer.start_span("llm_request", start_time=arrival, kind=SpanKind.SERVER)
+        # as vLLM does: the request's trace headers, extracted, are the span's parent context
+        context = TraceContextTextMapPropagator().extract(trace_headers[i]) if trace_headers else None
+        span = tracer.start_span("llm_request", start_time=arrival, kind=SpanKind.SERVER, context=context)
         span.set_attributes(attrs)
         span.end(end_time=arrival + 10**9)
     for j in range(others):
@@ -230,6 +234,40 @@ def test_llm_request_spans_become_request_rows(client: TestClient, settings: Col
         assert conn.execute(select(Instance.name, Instance.first_seen_ts)).one() == ("vllm-h200-0", stored[0].ts)
         assert conn.execute(select(Run.instance, Run.run_id)).one() == ("vllm-h200-0", "bench-7")
     engine.dispose()
+
+
+def test_the_http_arrival_and_first_bytes_come_back_on_the_span(
+    client: TestClient, settings: CollectorSettings
+) -> None:
+    """The launcher's middleware stamps the headers; vLLM's span, their child, carries the stamp back."""
+    from kvpilot.vllm.asgi.kvpilot_arrival import stamped_headers
+
+    def headers(raw: list[tuple[bytes, bytes]], arrival: float) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in stamped_headers(raw, arrival)}
+
+    client_trace = (b"traceparent", b"00-" + b"ab" * 16 + b"-" + b"cd" * 8 + b"-01")
+    forged = (b"tracestate", b"kvpilot=t1,vendor=x")
+    cases = [
+        headers([(b"content-type", b"application/json")], T0 - 0.25),  # 250 ms before vLLM's arrival (T0)
+        headers([client_trace, forged], T0 + 1 - 0.5),  # the client's trace kept, its kvpilot entry replaced
+        {},  # no middleware: not measured
+        {"traceparent": client_trace[1].decode(), "tracestate": f"kvpilot=t{int((T0 + 3 + 5) * 1e6)}"},  # after
+    ]
+    attrs = [vllm_attributes(i) for i in range(4)]
+    ttft = [a["gen_ai.latency.time_to_first_token"] for a in attrs]
+    attrs[0]["kvpilot.first_byte_time"] = T0 + ttft[0] + 0.04  # its first bytes 40 ms after vLLM's first token
+    attrs[1]["kvpilot.first_byte_time"] = T0 + 1 + ttft[1] - 0.5  # before vLLM's first token: not these bytes
+    spans = make_spans(attrs, trace_headers=cases)
+    assert export(client, spans).status_code == 200
+    stored = {row.request_id: row for row in rows(settings)}
+    assert stored["chatcmpl-0"].ttft_s == pytest.approx(ttft[0] + 0.04, abs=1e-5)
+    assert stored["chatcmpl-1"].ttft_s == pytest.approx(ttft[1]) and stored["chatcmpl-2"].ttft_s == pytest.approx(
+        ttft[2]
+    )
+    assert stored["chatcmpl-0"].frontend_s == pytest.approx(0.25, abs=1e-5)
+    assert stored["chatcmpl-1"].frontend_s == pytest.approx(0.5, abs=1e-5)
+    assert stored["chatcmpl-2"].frontend_s is None and stored["chatcmpl-3"].frontend_s is None
+    assert spans[1].context.trace_id == int("ab" * 16, 16) and "vendor=x" in cases[1]["tracestate"]
 
 
 @pytest.mark.parametrize(

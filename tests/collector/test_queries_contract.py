@@ -254,3 +254,29 @@ def test_pushed_rejections_and_ooms_read_as_counters(db_engine: Engine) -> None:
         oom = q.series_points(conn, name="oom_total", start=ev.T0, end=ev.T0 + 10)[SeriesId("e0")]
     assert [v for _, v in rejected] == [0, 0, 0, 1, 2, 3, 3, 3, 3, 3]
     assert [v for _, v in oom] == [0] * 7 + [1] * 3
+
+
+def test_headline_latency_is_user_facing_and_names_its_source(db_engine: Engine) -> None:
+    """TTFT/e2e from the HTTP arrival (engine stage + the stage before the engine); NULL stage named."""
+    rng = random.Random(11)
+    events, user_ttft, user_e2e = [], [], []
+    for i in range(120):
+        frontend = round(rng.uniform(0.0, 0.7), 6) if i % 4 else None  # a quarter not measured
+        ttft, e2e = round(rng.uniform(0.01, 0.3), 6), round(rng.uniform(0.4, 2.0), 6)
+        events.append(ev.request(i, instance="v", ttft_s=ttft, e2e_s=e2e, frontend_s=frontend))
+        user_ttft.append(ttft + (frontend or 0.0))
+        user_e2e.append(e2e + (frontend or 0.0))
+    events.append(ev.request(500, instance="v", ttft_s=5.0, e2e_s=9.0, frontend_s=1.0, status="failed"))
+    ingest(db_engine, events, "headline")
+    got = q.headline_latency(db_engine, start=T0 - 10, end=T0 + 10_000, instances=["v"])
+    assert got.requests == 120 and got.unmeasured == 30
+    assert got.ttft_p50_s == pytest.approx(nearest_rank(user_ttft, 0.5))
+    assert got.ttft_p99_s == pytest.approx(nearest_rank(user_ttft, 0.99))
+    assert got.e2e_p50_s == pytest.approx(nearest_rank(user_e2e, 0.5))
+    assert got.e2e_p99_s == pytest.approx(nearest_rank(user_e2e, 0.99))
+    assert "HTTP arrival" in got.source and "30 of 120" in got.source
+    none = q.headline_latency(db_engine, start=T0 - 10, end=T0 + 10_000, instances=["nobody"])
+    assert (none.requests, none.ttft_p99_s, none.source) == (0, None, "no finished requests in the window")
+    buckets = q.stage_breakdown_over_time(db_engine, start=T0 - 10, end=T0 + 10_000, bucket_s=30.0)
+    assert sum(b.e2e_s * b.requests for b in buckets) == pytest.approx(sum(user_e2e))  # user-facing e2e
+    assert all(b.e2e_s >= b.frontend_s + b.queue_s + b.prefill_s for b in buckets)

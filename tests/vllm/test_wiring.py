@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,13 @@ def test_command_adds_iteration_lines_and_the_span_endpoint_unless_given() -> No
         "--enable-logging-iteration-details",
         "--otlp-traces-endpoint",
         "http://c:8100/v1/traces",
+        "--middleware",
+        "kvpilot_arrival.ArrivalStamp",
     ]
     theirs = build_command("/py", ["--otlp-traces-endpoint=http://x/v1/traces"], traces_endpoint="http://c/v1/traces")
     assert theirs.count("--otlp-traces-endpoint") == 0 and "--otlp-traces-endpoint=http://x/v1/traces" in theirs
-    assert "--otlp-traces-endpoint" not in build_command("/py", [], traces_endpoint=None)
+    assert "--middleware" in theirs  # the arrival stamp rides on whichever endpoint the spans go to
+    assert not {"--otlp-traces-endpoint", "--middleware"} & set(build_command("/py", [], traces_endpoint=None))
     with pytest.raises(VllmSetupError, match="--disable-log-stats"):
         build_command("/py", ["--disable-log-stats"], traces_endpoint=None)
 
@@ -57,6 +61,10 @@ def test_env_names_the_instance_and_run_and_carries_the_token_as_an_otlp_header(
     )
     assert env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "Authorization=Bearer%20s3cr%3Dt"
     assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("kvpilot", "vllm", "asgi"))
+    assert build_env({"PYTHONPATH": "/mine"}, instance="i", run_id="r", token=None, traces=True)["PYTHONPATH"].endswith(
+        os.pathsep + "/mine"
+    )
     plain = build_env({"KVPILOT_ADMIN_TOKEN": "a", "PATH": "/bin"}, instance="i", run_id="r", token="t", traces=False)
     assert not any(k.startswith("OTEL_") for k in plain)
     # every line carries the time vLLM logged it; an operator's own prefix follows ours, never doubled
@@ -120,3 +128,67 @@ def test_a_stop_is_clean_only_when_vllm_ends_by_what_it_was_asked() -> None:
     assert not stopped_cleanly(-signal.SIGKILL, term)  # killed by someone else (the OOM killer)
     assert not stopped_cleanly(0, set())  # exited on its own, unasked
     assert not stopped_cleanly(-signal.SIGTERM, set()) and not stopped_cleanly(None, term)
+
+
+def test_the_arrival_stamp_keeps_a_valid_trace_and_replaces_anything_else() -> None:
+    from kvpilot.vllm.asgi.kvpilot_arrival import stamped_headers
+
+    def stamp(*headers: tuple[bytes, bytes]) -> dict[bytes, bytes]:
+        out = stamped_headers(list(headers), 1_790_000_000.25)
+        assert [k for k, _ in out].count(b"traceparent") == 1 and [k for k, _ in out].count(b"tracestate") == 1
+        return dict(out)
+
+    fresh = stamp((b"content-type", b"application/json"))
+    assert fresh[b"content-type"] == b"application/json"
+    assert fresh[b"tracestate"] == b"kvpilot=t1790000000250000" and fresh[b"traceparent"].endswith(b"-01")
+    theirs = b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-00"  # not sampled: the client's choice, kept
+    kept = stamp((b"TraceParent", theirs), (b"tracestate", b"a=1, kvpilot=t5,bad member,b=2"))
+    assert kept[b"traceparent"] == theirs and kept[b"tracestate"] == b"kvpilot=t1790000000250000,a=1,b=2"
+    for invalid in (b"00-" + b"0" * 32 + b"-" + b"2" * 16 + b"-01", b"ff-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01"):
+        replaced = stamp((b"traceparent", invalid), (b"tracestate", b"a=1"))
+        assert replaced[b"traceparent"] != invalid and replaced[b"tracestate"] == b"kvpilot=t1790000000250000"
+    many = b",".join(b"k%d=v" % i for i in range(40))
+    assert stamp((b"traceparent", theirs), (b"tracestate", many))[b"tracestate"].count(b",") == 31
+
+
+def test_the_first_streamed_bytes_go_on_the_request_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The middleware notes a streamed response's first bytes; its span processor writes them on llm_request."""
+    import asyncio
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from kvpilot.vllm.asgi import kvpilot_arrival as mw
+
+    provider, memory = TracerProvider(), InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    monkeypatch.setattr(mw, "_processor_added", False)
+    seen: dict[str, dict[str, str]] = {}
+
+    def app_for(name: str, content_type: bytes):  # type: ignore[no-untyped-def]
+        async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+            seen[name] = {k.decode(): v.decode() for k, v in scope["headers"]}
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
+            await send({"type": "http.response.body", "body": b"data: first\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+        return app
+
+    async def noop(_message: dict) -> None:
+        return None
+
+    for name, kind in (("stream", b"text/event-stream"), ("whole", b"application/json")):
+        asyncio.run(mw.ArrivalStamp(app_for(name, kind))({"type": "http", "headers": []}, None, noop))
+    tracer = provider.get_tracer("vllm")
+    for name in ("stream", "whole"):  # as vLLM does when the request finishes: a child of its trace headers
+        context = TraceContextTextMapPropagator().extract(seen[name])
+        tracer.start_span("llm_request", context=context).end()
+    spans = {format(s.context.trace_id, "032x"): s for s in memory.get_finished_spans()}
+    stream, whole = (spans[seen[n]["traceparent"][3:35]] for n in ("stream", "whole"))
+    assert abs(stream.attributes[mw.FIRST_BYTE_ATTRIBUTE] - time.time()) < 60
+    assert mw.FIRST_BYTE_ATTRIBUTE not in whole.attributes  # not streamed: its first bytes are its last
+    assert stream.context.trace_state.get("kvpilot", "").startswith("t") and not mw._first_bytes
