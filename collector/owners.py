@@ -28,6 +28,12 @@ class ReassignError(CollectorError):
 def adopt(engine: Engine, legacy: dict[str, str]) -> dict[str, int]:
     """Move instances owned by each `token:<fingerprint>` to its identity name; returns moved counts by name."""
     moved: dict[str, int] = {}
+    if not legacy:
+        return moved
+    held = select(func.count()).where(_OWNERS.c.owner.in_(sorted(legacy)))
+    with translate_errors(), engine.connect() as conn:
+        if not conn.execute(held).scalar_one():
+            return moved  # nothing to move: no write (the database may be read-only; /health says so)
     with translate_errors(), engine.begin() as conn:
         for fingerprint, name in sorted(legacy.items()):
             n = conn.execute(update(_OWNERS).where(_OWNERS.c.owner == fingerprint).values(owner=name)).rowcount

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collector.claims import CardinalityLimits, ClaimWindows
 from collector.db import check_schema_current, make_engine, redact, session_factory
-from collector.errors import CollectorError
+from collector.errors import CollectorError, StorageError
 from collector.events import EventBatch
 from collector.identities import IdentityStore
 from collector.netpolicy import AddressPolicy
@@ -74,7 +74,12 @@ def create_app(
             tokens_file=settings.tokens_file,
             registry=registry,
         )
-        for name, n in adopt(db, identities.legacy_owners()).items():
+        try:
+            adopted = adopt(db, identities.legacy_owners())
+        except StorageError as exc:  # serve anyway: /health reports the storage, the next start adopts them
+            log.warning("could not hand fingerprint-owned instances to their identities: %s", exc)
+            adopted = {}
+        for name, n in adopted.items():
             log.info("identity %s adopted %d instances owned by the fingerprint of one of its secrets", name, n)
         redact_logger("httpx")  # it logs every request's URL at INFO: a scrape URL may carry credentials
         state = CollectorState(

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from collector import otlp, otlpscan
 from collector.server import create_app
 from collector.settings import CollectorSettings
+from tests.collector import evfactory as ev
 from tests.collector.test_otlp import (
     AUTH,
     JSON,
@@ -35,7 +36,13 @@ from tests.collector.test_otlp import (
 
 @pytest.fixture
 def settings(sqlite_url: str) -> CollectorSettings:
-    return CollectorSettings(db_url=sqlite_url, ingest_token=TOKEN, scrape_enabled=False, otlp_max_spans=1000)
+    return CollectorSettings(
+        db_url=sqlite_url,
+        ingest_token=TOKEN,
+        scrape_enabled=False,
+        otlp_max_spans=1000,
+        raw_retention_days=ev.REPLAY_RETENTION_DAYS,
+    )
 
 
 @pytest.fixture

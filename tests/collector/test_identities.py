@@ -44,7 +44,13 @@ def db(sqlite_url: str) -> Iterator[Engine]:
 
 
 def client(sqlite_url: str, **kw: object) -> TestClient:
-    settings = CollectorSettings(db_url=sqlite_url, scrape_enabled=False, scrape_allow_nets="127.0.0.0/8", **kw)
+    settings = CollectorSettings(
+        db_url=sqlite_url,
+        scrape_enabled=False,
+        scrape_allow_nets="127.0.0.0/8",
+        raw_retention_days=ev.REPLAY_RETENTION_DAYS,
+        **kw,
+    )
     return TestClient(create_app(settings))
 
 

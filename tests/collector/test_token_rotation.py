@@ -71,7 +71,13 @@ def test_rotation_under_load_loses_nothing_and_is_never_409(sqlite_url: str, tmp
     [old_id] = secret_ids(file, "engine-a")
     token_file = tmp_path / "engine-a.token"
     token_file.write_text(old + "\n")
-    settings = CollectorSettings(db_url=sqlite_url, tokens_file=file, scrape_enabled=False, log_level="warning")
+    settings = CollectorSettings(
+        db_url=sqlite_url,
+        tokens_file=file,
+        scrape_enabled=False,
+        log_level="warning",
+        raw_retention_days=ev.REPLAY_RETENTION_DAYS,
+    )
     collector = start_subprocess(settings, log_path=tmp_path / "collector.log")
     sinks: list[HttpSink] = []
     try:
