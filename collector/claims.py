@@ -199,58 +199,55 @@ class Claims:
                 loc="events[].instance",
                 reason="too_many_instances",
             )
-        per_minute = limits.new_instances_per_minute
-        if len(new) > per_minute:
-            raise CardinalityError(
-                f"the batch names {len(new)} new instances; at most {per_minute} a minute",
-                loc="events[].instance",
-                reason="new_instances_rate",
-            )
-        window = self.windows.instances
-        if window.count(self.identity) + len(new) > per_minute:
-            raise CardinalityError(
-                f"instance {new[0]!r} would be new: at most {per_minute} new instances a minute"
-                " (KVPILOT_MAX_NEW_INSTANCES_PER_MINUTE)",
-                loc="events[].instance",
-                reason="new_instances_rate",
-                retry_after_s=window.retry_after(self.identity, len(new), per_minute),
-            )
+        _check_rate(
+            self.windows.instances,
+            self.identity,
+            len(new),
+            limits.new_instances_per_minute,
+            batch=f"the batch names {len(new)} new instances",
+            over=f"instance {new[0]!r} would be new: at most {{n}} new instances a minute"
+            " (KVPILOT_MAX_NEW_INSTANCES_PER_MINUTE)",
+            loc="events[].instance",
+            reason="new_instances_rate",
+        )
 
     def _check_new_runs(self, instance: str, n: int) -> None:
-        per_minute = self.windows.limits.new_runs_per_minute
-        if n > per_minute:
-            raise CardinalityError(
-                f"the batch starts {n} new runs of instance {instance!r}; at most {per_minute} a minute",
-                loc="events[].run_id",
-                reason="new_runs_rate",
-            )
-        window = self.windows.runs
-        if window.count(instance) + n > per_minute:
-            raise CardinalityError(
-                f"instance {instance!r} may start at most {per_minute} new runs a minute"
-                " (KVPILOT_MAX_NEW_RUNS_PER_MINUTE)",
-                loc="events[].run_id",
-                reason="new_runs_rate",
-                retry_after_s=window.retry_after(instance, n, per_minute),
-            )
+        _check_rate(
+            self.windows.runs,
+            instance,
+            n,
+            self.windows.limits.new_runs_per_minute,
+            batch=f"the batch starts {n} new runs of instance {instance!r}",
+            over=f"instance {instance!r} may start at most {{n}} new runs a minute (KVPILOT_MAX_NEW_RUNS_PER_MINUTE)",
+            loc="events[].run_id",
+            reason="new_runs_rate",
+        )
 
     def _check_identity_runs(self, n: int) -> None:
-        per_minute = self.windows.limits.new_runs_per_minute_per_identity
-        if n > per_minute:
-            raise CardinalityError(
-                f"the batch starts {n} new runs; an identity may start at most {per_minute} a minute",
-                loc="events[].run_id",
-                reason="new_runs_rate",
-            )
-        window = self.windows.identity_runs
-        if window.count(self.identity) + n > per_minute:
-            raise CardinalityError(
-                f"this identity may start at most {per_minute} new runs a minute across its instances"
-                " (KVPILOT_MAX_NEW_RUNS_PER_MINUTE_PER_IDENTITY)",
-                loc="events[].run_id",
-                reason="new_runs_rate",
-                retry_after_s=window.retry_after(self.identity, n, per_minute),
-            )
+        _check_rate(
+            self.windows.identity_runs,
+            self.identity,
+            n,
+            self.windows.limits.new_runs_per_minute_per_identity,
+            batch=f"the batch starts {n} new runs for one identity",
+            over="this identity may start at most {n} new runs a minute across its instances"
+            " (KVPILOT_MAX_NEW_RUNS_PER_MINUTE_PER_IDENTITY)",
+            loc="events[].run_id",
+            reason="new_runs_rate",
+        )
+
+
+def _check_rate(
+    window: RateWindow, key: str, n: int, per_minute: int, *, batch: str, over: str, loc: str, reason: str
+) -> None:
+    """One per-minute cardinality bound: a batch over it alone is a 422 (waiting does not help), a batch that
+    would take the last minute's count over it a 429 with the wait that frees enough room."""
+    if n > per_minute:
+        raise CardinalityError(f"{batch}; at most {per_minute} a minute", loc=loc, reason=reason)
+    if window.count(key) + n > per_minute:
+        raise CardinalityError(
+            over.format(n=per_minute), loc=loc, reason=reason, retry_after_s=window.retry_after(key, n, per_minute)
+        )
 
 
 def _owners(conn: Connection, instances: list[str]) -> dict[str, str]:

@@ -18,16 +18,17 @@ from collector.queries.diagnosis_base import IDLE_GAP_S
 Span = tuple[float, float]
 
 # The request columns `waited_s` reads (request_rows selects them).
-WAIT_COLUMNS: tuple[str, ...] = ("queue_s",)
+WAIT_COLUMNS: tuple[str, ...] = ("queue_s", "frontend_s")
 
 
 def waited_s(row: Any) -> float:
     """What the user waited before their request ran: the one place the findings' queue time comes from.
 
-    Today that is the engine's queue stage (`queue_s`); the time before the engine sees a request (an HTTP
-    frontend's own stage) is added here, with its column in WAIT_COLUMNS, once request rows carry it.
+    The engine's queue stage (`queue_s`) plus the time before the engine saw the request (`frontend_s`, the
+    HTTP server's own stage: a vLLM's API server reading and rendering it); rows without that stage (not
+    measured) count their queue alone.
     """
-    return float(row.queue_s)
+    return float(row.queue_s) + float(row.frontend_s or 0.0)
 
 
 def spans(intervals: Iterable[Span]) -> list[Span]:

@@ -133,6 +133,19 @@ class StepLoadBucket:
     steps: int
 
 
+def _step_conds(
+    *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
+) -> list[ColumnElement]:
+    """The step rows of a window (warm-up left out), for an instance list and run when given."""
+    st = StepRow.__table__.c
+    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
+    if instances is not None:
+        conds.append(st.instance.in_(instances))
+    if run_id is not None:
+        conds.append(st.run_id == run_id)
+    return conds
+
+
 def step_load_over_time(
     db: Db,
     *,
@@ -149,11 +162,7 @@ def step_load_over_time(
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
     st = StepRow.__table__.c
-    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
-    if instances is not None:
-        conds.append(st.instance.in_(instances))
-    if run_id is not None:
-        conds.append(st.run_id == run_id)
+    conds = _step_conds(start=start, end=end, instances=instances, run_id=run_id)
     usage = func.max(cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0))
     out: dict[str, list[StepLoadBucket]] = {}
     with _bound(db) as conn:
@@ -189,11 +198,7 @@ def _step_peaks(
     db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
 ) -> dict[str, _StepPeaks]:
     st = StepRow.__table__.c
-    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
-    if instances is not None:
-        conds.append(st.instance.in_(instances))
-    if run_id is not None:
-        conds.append(st.run_id == run_id)
+    conds = _step_conds(start=start, end=end, instances=instances, run_id=run_id)
     usage = func.max(cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0))
     stmt = (
         select(st.instance, usage, func.max(st.num_seqs), func.max(st.queue_depth), func.count())

@@ -129,6 +129,19 @@ def test_bursts_present_when_the_burst_waits(db_engine: Engine) -> None:
     )
 
 
+def test_bursts_count_the_wait_before_the_engine_as_waiting(db_engine: Engine) -> None:
+    """A vLLM's API server held the burst before its engine queued it: users waited, the queue did not show it."""
+    events = _bursty(0.005)
+    for e in events:
+        in_burst = T0 + 50 <= e["ts"] - e["e2e_s"] < T0 + 52
+        e["frontend_s"] = 0.3 if in_burst else 0.0
+    ingest(db_engine, events)
+    f = check(db_engine, "bursts")
+    assert f.present
+    assert f.evidence["burst_queue_p50_s"] == pytest.approx(0.305)
+    assert f.evidence["other_queue_p50_s"] == pytest.approx(0.005)
+
+
 def test_bursts_absorbed_or_absent_are_fine(db_engine: Engine) -> None:
     ingest(db_engine, _bursty(0.01))
     f = check(db_engine, "bursts")

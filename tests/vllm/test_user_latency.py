@@ -10,10 +10,13 @@ how fast and how busy the host is.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 
 import pytest
+from typer.testing import CliRunner
 
 from alerts.config import NotifierConfig
 from alerts.metrics import AlertMetrics
@@ -22,9 +25,11 @@ from alerts.runner import AlertEvaluator
 from alerts.sql_source import TTFT_P99_BUCKET_S, SqlSource
 from benchmarks.user_latency import measure, shared_prefix_trace, table
 from collector.db import make_engine, session_factory
+from kvpilot.cli import app
 from tests.vllm.peer import INSTANCE, MODEL, VllmPeer
 
 pytestmark = pytest.mark.vllm
+USAGE = re.compile(rb"Iteration\(\d+\): .* KV cache usage: (\d+(?:\.\d+)?)%")
 
 
 class Clock:
@@ -37,6 +42,7 @@ class Clock:
 
 def test_headline_ttft_agrees_with_a_light_client_and_the_user_rule_pages(vllm_peer: VllmPeer) -> None:
     db = make_engine(vllm_peer.db_url)
+    log_offset = vllm_peer.vllm_log.stat().st_size
     try:
         trace = shared_prefix_trace(bursts=3, burst_size=64, gap_s=6.0, seed=20)
         # the rule reads a p99 per minute: start the load early in one, so that minute holds all of it
@@ -50,6 +56,22 @@ def test_headline_ttft_agrees_with_a_light_client_and_the_user_rule_pages(vllm_p
         assert 0.75 <= ours / client <= 1.33 or abs(ours - client) <= 0.1, (client, ours)
         engine_only = result["spans_engine_view"]["ttft"]["p99"]
         assert ours >= engine_only  # the stage before the engine only adds
+
+        # `kvpilot status`, as an operator runs it over the load's window, says what the users saw
+        since_ms = math.ceil((time.time() - result["window"]["start"] + 0.5) * 1000)
+        args = ["status", "--db-url", vllm_peer.db_url, "--instance", INSTANCE, "--since", f"{since_ms}ms", "--json"]
+        out = CliRunner().invoke(app, args)
+        assert out.exit_code == 0, out.output
+        status = json.loads(out.output)
+        print(json.dumps({k: status[k] for k in ("requests", "ttft_p50_s", "ttft_p99_s", "kv_usage_peak")}))
+        assert status["requests"] == result["client_ok"]  # every request answered, none from before the load
+        assert 0.75 <= status["ttft_p99_s"] / client <= 1.33 or abs(status["ttft_p99_s"] - client) <= 0.1
+        assert status["ttft_source"] == result["headline"]["source"]
+        with vllm_peer.vllm_log.open("rb") as fh:
+            fh.seek(log_offset)
+            logged = [float(m[1]) / 100 for line in fh if (m := USAGE.search(line))]
+        assert logged and abs(status["kv_usage_peak"] - max(logged)) <= 0.10, (status["kv_usage_peak"], max(logged))
+        assert "every step" in status["kv_usage_source"]
 
         start, end = result["window"]["start"], result["window"]["end"]
         threshold = round(ours / 2, 3)  # a TTFT SLO this load breaks
