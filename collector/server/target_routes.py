@@ -18,8 +18,10 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Response
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, UrlConstraints, field_validator
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from collector.claims import claim_for_target, release_target
+from collector.db import translate_errors
 from collector.identities import Identity
 from collector.netpolicy import AddressRefusedError, ResolutionError
 from collector.queries import parse_labels
@@ -138,6 +140,7 @@ def create_target(body: TargetIn, state: StateDep, session: SessionDep, actor: A
         pushers=_pairable(state, actor),
         now=target.created_at,
     )
+    _commit(session)
     return target
 
 
@@ -172,4 +175,12 @@ def delete_target(target_id: TargetId, session: SessionDep) -> Response:
     if not deleted:
         raise HTTPException(404, f"no target {target_id}")
     release_target(session.connection(), target_id)
+    _commit(session)
     return Response(status_code=204)
+
+
+def _commit(session: Session) -> None:
+    """Commit before answering: the session dependency's own commit runs after the response is sent, so a
+    client listing targets right after a 201/204 could otherwise still see the old state."""
+    with translate_errors():
+        session.commit()
