@@ -44,10 +44,10 @@ STARTED, STOPPED = "__readme_started__", "__readme_stopped__"
 
 
 def readme_blocks(readme: Path = REPO / "README.md") -> list[str]:
-    """The `sh` blocks of the section, in order: the start block and the stop block."""
+    """The `sh` blocks of the section (up to its first subsection), in order: the start block and the stop block."""
     content = readme.read_text(encoding="utf-8")
     start = content.index(SECTION + "\n")
-    end = content.find("\n## ", start + len(SECTION))
+    end = content.find("\n##", start + len(SECTION))  # the next heading, a subsection's too
     section = content[start : end if end > 0 else len(content)]
     return re.findall(r"^```sh\n(.*?)^```$", section, flags=re.M | re.S)
 
