@@ -1,7 +1,7 @@
 """Serve an ASGI app (the alerts API) with uvicorn in a daemon thread: for `kvpilot alerts run`, demos, tests.
 
 Port 0 picks a free port; `.url` says which. `stop()` asks uvicorn to exit and joins the thread.
-As every kvpilot service (DESIGN.md, trust boundaries), the API binds loopback unless told otherwise and
+As every kvpilot service (docs/architecture.md, "Trust boundaries"), the API binds loopback unless told otherwise and
 refuses any other address without a token (`check_api_bind`).
 """
 

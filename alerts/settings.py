@@ -1,4 +1,4 @@
-"""The alerts service's settings (STYLE.md 10): environment variables with the `KVPILOT_ALERTS_` prefix.
+"""The alerts service's settings: environment variables with the `KVPILOT_ALERTS_` prefix.
 
 `KVPILOT_ALERTS_API_TOKEN`: the bearer token of the alerts API (`kvpilot alerts run --api-port`). Without
 one the API serves loopback only; with one, every route but /-/healthy and /-/ready needs

@@ -81,7 +81,7 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 
 @contextlib.contextmanager
 def translate_errors() -> Iterator[None]:
-    """The one place SQLAlchemy/driver errors become the collector's own (STYLE.md 9)."""
+    """The one place SQLAlchemy/driver errors become the collector's own."""
     try:
         yield
     except OperationalError as exc:

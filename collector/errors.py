@@ -1,4 +1,4 @@
-"""The collector's own exceptions: database errors are translated into these at one boundary (STYLE.md 9)."""
+"""The collector's own exceptions: database errors are translated into these at one boundary."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The versioned wire schema engines push to the collector.
 
-This module is the one contract between engine and collector (DESIGN.md): the engine builds these
+This module is the one contract between engine and collector (docs/architecture.md): the engine builds these
 objects, the collector validates and stores them. Every event carries `instance`, `run_id` and an
 epoch timestamp in UTC seconds so events from many engines can be merged and ordered.
 

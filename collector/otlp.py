@@ -1,6 +1,6 @@
 """OTLP traces -> request rows: vLLM's `llm_request` span becomes a request event like kvpilot's own engine's.
 
-The source adapter for vLLM's OpenTelemetry spans (DESIGN.md: a request row has one shape whatever its
+The source adapter for vLLM's OpenTelemetry spans (docs/architecture.md: a request row has one shape whatever its
 source). vLLM (v1 `OutputProcessor.do_tracing`) exports one SERVER span named `llm_request` per finished
 request: it starts at the request's arrival and carries the stages as `gen_ai.latency.*` attributes. Each
 becomes a `request` event validated exactly like a pushed one (`collector.validation.validate_event`), and

@@ -1,4 +1,4 @@
-"""Canonical series names and the one mapping from external Prometheus names to them (DESIGN.md).
+"""Canonical series names and the one mapping from external Prometheus names to them (docs/architecture.md).
 
 Every gauge or counter the collector stores, whether it came from an engine's own events or from a
 scrape of kvpilot, vLLM, SGLang or an NVIDIA DCGM exporter, is stored and queried under a canonical

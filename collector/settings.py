@@ -1,4 +1,4 @@
-"""The collector's one settings class (STYLE.md 10): environment variables with the `KVPILOT_` prefix.
+"""The collector's one settings class: environment variables with the `KVPILOT_` prefix.
 
 `KVPILOT_DB_URL` picks the database: SQLite by default, PostgreSQL (psycopg 3) by URL such as
 `postgresql+psycopg://user@host/db`. The same class feeds `kvpilot collector serve`, `kvpilot db ...`
@@ -7,7 +7,7 @@ and Alembic's env.py, so all three agree on which database they mean.
 `KVPILOT_OTLP_INSTANCE_MAP` (JSON, e.g. `{"vllm": "vllm-h200-0"}`) names the instance of OTLP spans by
 their `service.name`; see `collector.otlp` for the whole rule.
 
-Trust (DESIGN.md, Trust boundaries): engines hold `KVPILOT_INGEST_TOKEN` and may push (/v1/ingest,
+Trust (docs/architecture.md, "Trust boundaries"): engines hold `KVPILOT_INGEST_TOKEN` and may push (/v1/ingest,
 /v1/traces) and list targets, nothing else. Target administration (POST/DELETE /v1/targets) needs
 `KVPILOT_ADMIN_TOKEN`; without one it is refused, unless `KVPILOT_DEV_MODE=true` on a loopback-only
 collector. A non-loopback bind without an ingest token (or tokens file), or in dev mode, is refused at

@@ -7,7 +7,7 @@ vLLM 0.32 logs one INFO line per engine iteration (vllm/v1/metrics/loggers.py `_
     CPU KV cache usage: 19.0%
 
 (one line), and at start-up `CPU KV cache size: 8,192 tokens, ...` (`GPU` on CUDA). The mapping to a step
-row, the same row a kvpilot engine's step event makes (DESIGN.md):
+row, the same row a kvpilot engine's step event makes (docs/architecture.md):
 
 - `step`: the iteration index; `duration_s`, `forward_s` and `busy_s`: the elapsed time (vLLM measures the
   step as one span, so the three are equal); `num_seqs`: context + generation requests; `prefill_tokens`:

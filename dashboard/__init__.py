@@ -1,2 +1,2 @@
 """The Streamlit dashboard: `kvpilot dashboard`. Reads through collector.queries; writes only proposal status and
-silences (DESIGN.md)."""
+silences (docs/architecture.md)."""

@@ -1,4 +1,4 @@
-"""`kvpilot dashboard` entrypoint: page config, access, sidebar filters, routing with st.navigation (STYLE.md 14).
+"""`kvpilot dashboard` entrypoint: page config, access, sidebar filters, routing with st.navigation.
 
 Run it as `kvpilot dashboard` (or `streamlit run dashboard/app.py`, which listens on loopback by
 dashboard/.streamlit/config.toml); KVPILOT_DB_URL picks the database, dashboard/settings.py the rest.

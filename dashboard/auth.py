@@ -1,6 +1,6 @@
 """Who may read and who may write: the dashboard's authentication, checked once per browser session.
 
-The dashboard writes two things, silences and proposal decisions (DESIGN.md: administration needs a
+The dashboard writes two things, silences and proposal decisions (docs/architecture.md: administration needs a
 credential); everything else is reading. The rules:
 
 - Reads are open while Streamlit listens on loopback only (the default: dashboard/.streamlit/config.toml,

@@ -1,4 +1,4 @@
-"""The dashboard's one settings class (STYLE.md 10): what it may reach and who may change things.
+"""The dashboard's one settings class: what it may reach and who may change things.
 
 Everything here comes from the operator's environment, never from a visitor: the engines whose running
 config the Tuning page reads (`KVPILOT_DASHBOARD_ENGINES=name=url,...`, the admin token from

@@ -1,4 +1,4 @@
-"""One pydantic `EngineConfig` for the whole engine (DESIGN.md "Contracts").
+"""One pydantic `EngineConfig` for the whole engine (docs/architecture.md, "Contracts").
 
 A tuning proposal is a YAML file in this schema, so `kvpilot engine serve --config proposal.yaml`
 applies it. The tunable subset (`TUNABLE_FIELDS`) can be hot-reloaded through PUT /admin/config;

@@ -1,4 +1,4 @@
-"""Executors run one scheduled step. Injected (DESIGN.md "Engine inside"): `TorchExecutor` runs the
+"""Executors run one scheduled step. Injected (docs/architecture.md, "Engine inside"): `TorchExecutor` runs the
 model; the tuner's simulated executor predicts the step's cost and advances a virtual clock instead.
 
 The executor owns the KV memory (hot tensor on the device, cold tensor in host memory) and performs

@@ -5,7 +5,7 @@ One step: (1) the recycler may reclaim memory and name idle sequences the schedu
 grow, the worst running sequence is preempted (`recompute`: blocks freed, back to waiting; `swap`:
 blocks moved to the host tier) until it fits; (3) only if nothing was preempted, swapped sequences
 come back, then waiting ones are admitted (prefix-cache hits skip their cached tokens). The result is
-a `SchedulerOutput` the executor runs and `update` consumes — state flows forward, never back (STYLE.md 2).
+a `SchedulerOutput` the executor runs and `update` consumes — state flows forward, never back.
 
 Two options make it schedule as vLLM V1 does (the tuner's simulator of a vLLM): `enable_chunked_prefill=False`
 admits a prompt only when all of it (or all of its first `prefill_chunk_tokens`, vLLM's long-prefill threshold

@@ -1,6 +1,6 @@
 """Where telemetry events go. The engine hands typed events to an `EventSink` and never waits on it.
 
-Sinks are injected (STYLE.md 8): tests use `MemorySink`, `kvpilot engine serve` picks one from
+Sinks are injected: tests use `MemorySink`, `kvpilot engine serve` picks one from
 `TelemetryConfig.sink`; the HTTP sink that pushes to the collector lives in `engine.http_sink`.
 """
 

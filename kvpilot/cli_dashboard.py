@@ -55,7 +55,7 @@ def dashboard_command(*, port: int, host: str, headless: bool) -> list[str]:
 
 
 def check_bind(host: str) -> None:
-    """Refuse a non-loopback address without a write password (DESIGN.md: services bind loopback unless
+    """Refuse a non-loopback address without a write password (docs/architecture.md: services bind loopback unless
     configured otherwise and refuse a non-loopback bind without a token). ValueError says what to set."""
     from dashboard.auth import is_loopback
     from dashboard.settings import load

@@ -1,1 +1,1 @@
-"""Alembic migrations for collector.schema (the only way the schema changes; DESIGN.md)."""
+"""Alembic migrations for collector.schema (the only way the schema changes; docs/architecture.md)."""

@@ -1,4 +1,4 @@
-"""Shared database fixtures: every storage test runs on SQLite and on PostgreSQL (STYLE.md 13).
+"""Shared database fixtures: every storage test runs on SQLite and on PostgreSQL.
 
 PostgreSQL comes from KVPILOT_TEST_PG_URL (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test).
 Unset: PostgreSQL cases are skipped with the reason. KVPILOT_REQUIRE_PG=1 (CI): an unreachable server

@@ -1,6 +1,6 @@
 """The simulator: the engine's own scheduler, KV cache manager, recycler and telemetry, with an
 executor that predicts each step's cost from a profile and advances a virtual clock instead of
-running a model (DESIGN.md "Engine inside"). Same code, another executor.
+running a model (docs/architecture.md, "Engine inside"). Same code, another executor.
 """
 
 from __future__ import annotations

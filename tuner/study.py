@@ -1,4 +1,4 @@
-"""Optuna studies as ask -> measure -> tell (STYLE.md 12), the current config enqueued as trial 0.
+"""Optuna studies as ask -> measure -> tell, the current config enqueued as trial 0.
 
 Single-objective mode maximizes goodput (output tokens/s of requests meeting the TTFT and TPOT SLOs)
 subject to constraints set with `trial.set_constraint` (no KV OOM, rejections under a rate, p99 TTFT

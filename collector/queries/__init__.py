@@ -2,7 +2,7 @@
 
 Every function is keyword-only after its first argument, which may be a Session, a Connection or an
 Engine. Times are epoch seconds; windows are half-open, `start <= ts < end`. Each figure has one
-definition here; nobody else writes SQL over the telemetry tables (DESIGN.md).
+definition here; nobody else writes SQL over the telemetry tables (docs/architecture.md).
 
 Downsampling groups in SQL by `floor(ts / bucket_s) * bucket_s`: the value of a bucket is the average of
 the points in it.

@@ -1,4 +1,4 @@
-"""What the handlers get injected (STYLE.md 10): the collector's state, a session, and the three scopes.
+"""What the handlers get injected: the collector's state, a session, and the three scopes.
 
 `CollectorState` is built by the app's lifespan and set on `app.state.kvpilot`; handlers never reach for
 it otherwise, so a test can build an app on its own engine and metrics registry.

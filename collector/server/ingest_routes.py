@@ -1,6 +1,6 @@
 """POST /v1/ingest: one batch of wire events, stored atomically and idempotently.
 
-The handler stays thin (STYLE.md 10). Under admission control (`admission`: a slot, a byte budget, a
+The handler stays thin. Under admission control (`admission`: a slot, a byte budget, a
 turn at the storage stage) it reads and bounds the body (size, media type), inflates it in a worker
 thread, answers a retry whose Idempotency-Key is stored straight away (no parsing), and hands the rest
 to `collector.ingest` in a worker thread. A 202 is sent only after the batch's transaction committed:

@@ -1,6 +1,6 @@
 """POST /v1/traces: OTLP/HTTP trace export; vLLM's `llm_request` spans are stored as request rows.
 
-The handler stays thin (STYLE.md 10), as /v1/ingest's: the same ingest token, admission control
+The handler stays thin, as /v1/ingest's: the same ingest token, admission control
 (`admission`), body limits (wire and inflated; inflated in a worker thread), ownership and cardinality
 bounds (`collector.claims`) and storage path (`collector.otlp` turns spans into request events,
 `store_batch` stores them in a worker thread). Answers follow the OTLP/HTTP spec, in the request's

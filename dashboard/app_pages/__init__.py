@@ -1,1 +1,1 @@
-"""Dashboard pages, routed by dashboard/app.py with st.navigation (STYLE.md 14)."""
+"""Dashboard pages, routed by dashboard/app.py with st.navigation."""

@@ -11,9 +11,9 @@
   and Optuna studies.
 
 Pages call each function through its module (`from dashboard.data import latency; latency.summary(f)`),
-so tests monkeypatch that module's attribute (STYLE.md 14). Results are DataFrames with display-ready
+so tests monkeypatch that module's attribute. Results are DataFrames with display-ready
 column names, cached by their arguments for `TTL_S`. No SQL here: the collector's read package, the
-alerts package and the tuner own it (DESIGN.md). The only writes are proposal status and silences, and
+alerts package and the tuner own it (docs/architecture.md). The only writes are proposal status and silences, and
 they take the signed-in user (dashboard.auth) they are made by.
 
 What is shown is real traffic: the tuner's simulated and trial runs are told apart by one rule,

@@ -104,7 +104,7 @@ def running_config(name: str) -> dict[str, Any]:
     """The live config of the configured engine `name` from GET /admin/config (a read).
 
     The admin token goes only to a URL from the settings, redirects are not followed, and what the
-    engine answers is never shown: a failure says the status and what to check (DESIGN.md: no echo).
+    engine answers is never shown: a failure says the status and what to check (docs/architecture.md: no echo).
     """
     import httpx
 
@@ -163,7 +163,7 @@ def _optuna_storage(url: str) -> Any:
     optuna = _optuna()
     storage_url = study_storage_url(url)
     parsed = make_url(storage_url)
-    # Never create the storage or Optuna's tables from the dashboard: it only reads (DESIGN.md).
+    # Never create the storage or Optuna's tables from the dashboard: it only reads (docs/architecture.md).
     if parsed.get_backend_name() == "sqlite" and (
         not parsed.database or parsed.database == ":memory:" or not Path(parsed.database).exists()
     ):

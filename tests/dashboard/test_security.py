@@ -1,4 +1,4 @@
-"""The dashboard's trust boundaries (DESIGN.md): engine URLs from the settings only and nothing they answer
+"""The dashboard's trust boundaries (docs/architecture.md): engine URLs from the settings only and nothing they answer
 echoed; writes only for a signed-in user; loopback unless a password guards it."""
 
 from __future__ import annotations
