@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
 import random
 import time
 
@@ -68,9 +69,11 @@ def test_completions_become_one_step_row_per_iteration_line(vllm_peer: VllmPeer)
     assert sum(r.decode_tokens for r in rows) == output_tokens - len(jobs)
     assert max(r.num_seqs for r in rows) >= 2  # continuous batching ran requests together
     assert all(r.duration_s == r.forward_s == r.busy_s and 0 < r.duration_s < 60 for r in rows)
-    # 16 MiB of KV = 64 blocks of 128 tokens (read from vllm:cache_config_info); five requests hold some
+    # 16 MiB of KV = 64 blocks of 128 tokens (read from vllm:cache_config_info); the longest request alone
+    # held its tokens' blocks (how many requests overlapped depends on the host's speed, not on the mapping)
     assert {r.kv_blocks_total for r in rows} == {64}
-    assert max(r.kv_blocks_used for r in rows) >= len(jobs)
+    longest = max(r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] for r in results)
+    assert max(r.kv_blocks_used for r in rows) >= math.ceil(longest / 128)
     assert {(r.queue_depth, r.warmup, r.run_id) for r in rows} == {(0, False, "vllm-session")}
     steps = [r.step for r in rows]
     assert steps == list(range(steps[0], steps[0] + len(steps)))  # vLLM's iteration index, none missing
