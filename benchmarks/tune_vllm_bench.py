@@ -49,7 +49,8 @@ KV_BYTES = 16 * 2**20
 # 96 requests at once, as `tuner.jobs.capacity_rps` measures a kvpilot config) and written to the JSON before the
 # first tuning run. A config that serves more than the running one keeps its queue short and its requests within
 # the TTFT SLO; one that serves less falls behind.
-# History (README): a first plan, the `burst` scenario at a hand-set 12 req/s capacity, ran once on 2026-12-03;
+# History (docs/benchmarks.md): a first plan, the `burst` scenario at a hand-set 12 req/s capacity, ran once on
+# 2026-12-03;
 # the running config met every SLO on every request (p99 TTFT 0.2-1 s), so no config could gain anything. This
 # plan replaced it after that result was seen.
 WORKLOAD = {"scenario": "sustained", "load": 1.25, "duration_s": 10.0, "scale": 8.0, "output_range": [16, 128]}

@@ -160,7 +160,7 @@ def measure(
 
 
 def table(result: dict[str, Any]) -> str:
-    """The side-by-side table (milliseconds) the README shows."""
+    """The side-by-side table (milliseconds) docs/vllm.md shows."""
 
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:,.0f}"

@@ -619,7 +619,7 @@ def screen_cmd(
                 f"  {i}. {_num(row['sim_goodput_tps'], ' goodput tokens/s')}{gain}: {_changes(row['changed'])}{back}"
             )
         lines.append(
-            "  predictions only (the simulator misses vLLM's frontend; README 'Tuning a vLLM'): confirm live with "
-            "`kvpilot tune vllm study`"
+            "  predictions only (the simulator misses vLLM's frontend; docs/tuning.md 'Tuning a vLLM'): "
+            "confirm live with `kvpilot tune vllm study`"
         )
         _report(lines, data, json_path)

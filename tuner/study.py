@@ -133,8 +133,8 @@ def _tpe(seed: int, startup: int, *, multivariate: bool) -> optuna.samplers.Base
 
 
 # The samplers a study can use, by name; `kvpilot bench tuner` compares them all on its three landscapes and
-# DEFAULT_SAMPLER is its choice (the rule and the figures: benchmarks/tuner_bench.py, README). Every knob of the
-# spaces is categorical, which rules out QMC and CMA-ES here (both hand categorical parameters to random sampling);
+# DEFAULT_SAMPLER is its choice (the rule and the figures: benchmarks/tuner_bench.py, docs/benchmarks.md). Every knob of
+# the spaces is categorical, which rules out QMC and CMA-ES here (both hand categorical parameters to random sampling);
 # Optuna's GPSampler needs scipy, which kvpilot does not depend on.
 SAMPLERS: dict[str, str] = {
     "tpe": "TPE, multivariate with constant liar, 5 random start-up trials (10 from an 80-trial budget)",

@@ -9,7 +9,7 @@ request, no admission watermark (vLLM's scheduler `watermark` defaults to 0), ch
 (`enable_chunked_prefill`) and the long-prefill threshold applied only while another request runs or waits
 (`chunk_lone_prefill=False`), FCFS order (every request in one priority class), and no queue limit.
 
-What it does not capture (README "Tuning a vLLM"): vLLM's frontend (HTTP, detokenization, the API process's
+What it does not capture (docs/tuning.md, "Tuning a vLLM"): vLLM's frontend (HTTP, detokenization, the API process's
 own CPU use on a shared machine) beyond the per-step overhead the profile measured; attention cost by position
 (the iteration line has no per-request context, so the KV tokens held stand in for it); the priority policy's
 preemption by priority (all replayed requests share one class); `max_num_partial_prefills` (not in vLLM 0.32);
