@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import httpx
 
 from benchmarks.ingest import make_events
-from benchmarks.ingest_overload import TOKEN, _collector, _lost
+from benchmarks.ingest_overload import TOKEN, _collector, _lost, probe_health
 
 ADMIN = "bench-abuse-admin"
 TARGETS = {"peak_rss_mb": 512, "health_max_s": 0.5, "lost": 0}
@@ -161,12 +161,8 @@ class Watch:
 def _watch(url: str, watch: Watch, stop: threading.Event) -> None:
     with httpx.Client(base_url=url, timeout=10.0) as probe:
         while not stop.is_set():
-            started = time.perf_counter()
-            try:
-                ok = probe.get("/health").status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            watch.health_s.append(time.perf_counter() - started)
+            seconds, ok = probe_health(probe)
+            watch.health_s.append(seconds)
             watch.health_failures += not ok
             stop.wait(POLL_S)
 

@@ -97,17 +97,23 @@ async def _sender(client: httpx.AsyncClient, i: int, bodies: list[bytes], stats:
         n += 1
 
 
+def probe_health(probe: httpx.Client) -> tuple[float, bool]:
+    """One GET /health: (seconds it took, whether it answered 200); a connection error is a failure."""
+    started = time.perf_counter()
+    try:
+        ok = probe.get("/health").status_code == 200
+    except httpx.HTTPError:
+        ok = False
+    return time.perf_counter() - started, ok
+
+
 def _watch(url: str, pid: int, stats: LevelStats, stop: threading.Event) -> None:
     """In a thread of its own, so that the senders' event loop does not delay the probe's timing."""
     with httpx.Client(base_url=url, timeout=5.0) as probe:
         while not stop.is_set():
             stats.rss_mb.append(_rss_mb(pid))
-            started = time.perf_counter()
-            try:
-                ok = probe.get("/health").status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            stats.health_s.append(time.perf_counter() - started)
+            seconds, ok = probe_health(probe)
+            stats.health_s.append(seconds)
             stats.health_failures += not ok
             stop.wait(0.1)
 

@@ -21,6 +21,7 @@ DbOpt = typer.Option(None, "--db-url", help="database URL (default: KVPILOT_DB_U
 # A status over more than a month of raw rows is a history question, not a glance: the dashboard's job.
 MAX_SINCE_S = 31 * 86400.0
 TRAP_WORDS = {"present": "present", "absent": "not seen", "no_data": "not enough data"}
+TRAP_RANK = tuple(TRAP_WORDS)  # the order in which one instance's status outweighs another's
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def _window(db: Any, *, since: str | None, run_id: str | None, instance: str | N
         runs = [r for r in queries.list_runs(db, instance=instance) if r.run_id == run_id]
         if not runs:
             where = f" of instance {instance!r}" if instance else ""
-            raise _fail(f"--run: no run {run_id!r}{where} in this database (`kvpilot status --since 1d` lists none?)")
+            raise _fail(f"--run: no run {run_id!r}{where} in this database")
         start = min(r.first_seen_ts for r in runs)
         end = max(r.last_seen_ts for r in runs) + 1.0
         return Window(start, end, run_id, f"run {run_id}")
@@ -79,7 +80,7 @@ def _window(db: Any, *, since: str | None, run_id: str | None, instance: str | N
     return Window(now - seconds, now, None, f"last {text}")
 
 
-def _firing(db_url: str, engine: Any, instance: str | None) -> list[dict[str, Any]]:
+def _firing(engine: Any, instance: str | None) -> list[dict[str, Any]]:
     from alerts.store import current_alerts
     from collector.db import session_factory, session_scope
 
@@ -130,9 +131,8 @@ def collect(db_url: str, *, instance: str | None, since: str | None, run_id: str
     findings = queries.diagnose(engine, start=win.start, end=win.end, instances=instances, run_id=win.run_id, now=now)
     traps: dict[str, str] = {}
     for f in findings:  # over several instances: present anywhere wins, then not seen, then not enough data
-        rank = ("present", "absent", "no_data")
         old = traps.get(f.trap)
-        if old is None or rank.index(f.status) < rank.index(old):
+        if old is None or TRAP_RANK.index(f.status) < TRAP_RANK.index(old):
             traps[f.trap] = f.status
     return Status(
         window={"start": win.start, "end": win.end, "run_id": win.run_id, "text": win.text},
@@ -147,7 +147,7 @@ def collect(db_url: str, *, instance: str | None, since: str | None, run_id: str
         kv_usage_source=peaks.kv_usage_source,
         running_peak=peaks.running_peak,
         waiting_peak=peaks.waiting_peak,
-        alerts_firing=_firing(db_url, engine, instance),
+        alerts_firing=_firing(engine, instance),
         traps={trap: TRAP_WORDS[s] for trap, s in traps.items()},
     )
 

@@ -48,8 +48,8 @@ class EnginePeaks:
 
     `source` is where the step-derived figures come from (a step source, or the sampled source when no
     instance has steps); `kv_usage_source` and `waiting_source` can differ from it (a vLLM's waiting count
-    is always sampled). Each source is that of the instance holding the highest value (joined with " + "
-    when instances of different sources tie).
+    comes from its spans, or from samples without them). Each source is that of the instance holding the
+    highest value (joined with " + " when instances of different sources tie).
     """
 
     kv_usage_peak: float | None
@@ -106,8 +106,7 @@ def engine_peaks(
     counted = {n for n in step_peaks if n in pushing} | set(queued)
     waiting_names = None if instances is None else [n for n in instances if n not in counted]
     if waiting_names is None or waiting_names:
-        skip = counted
-        waiting += _sampled(db, "queue_depth", start, end, waiting_names, skip=skip, pushing=pushing)
+        waiting += _sampled(db, "queue_depth", start, end, waiting_names, skip=counted, pushing=pushing)
     kv_peak, kv_source = _highest(kv)
     running_peak, running_source = _highest(running)
     waiting_peak, waiting_source = _highest(waiting)
