@@ -128,6 +128,17 @@ def fluctuation(values: Sequence[float]) -> float | None:
     return statistics.pstdev(values) / mean
 
 
+def _util_detail(fluct: float | None, measured: Sequence[float], signal: str | None, signal_text: str | None) -> str:
+    if signal is None:
+        return "neither kvpilot_utilization nor a running-requests gauge exposed"
+    if fluct is not None:
+        return f"{len(measured)} windows with samples of the {signal_text}"
+    if len(measured) >= 2:
+        # the engine stepped in every window, yet each scrape read 0: requests too short to be caught running
+        return f"the {signal_text} read 0 in every scrape that saw the engine step, in all {len(measured)} windows"
+    return f"fewer than 2 windows with engine steps and samples of the {signal_text}"
+
+
 def counter_increase(samples: Sequence[MetricsSample], key: str) -> float | None:
     """Increase of a counter across the run, tolerating a reset (a restarted target)."""
     series = [s.values[key] for s in samples if key in s.values]
@@ -222,11 +233,7 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
         fluct is not None and fluct < UTIL_FLUCTUATION_LIMIT,
         _r(fluct, 4),
         UTIL_FLUCTUATION_LIMIT,
-        f"{len(measured)} windows with samples of the {signal_text}"
-        if fluct is not None
-        else "neither kvpilot_utilization nor a running-requests gauge exposed"
-        if signal is None
-        else f"fewer than 2 windows with engine steps and samples of the {signal_text}",
+        _util_detail(fluct, measured, signal, signal_text),
         signal,
     )
     oom_crit = oom_criterion(run.samples)

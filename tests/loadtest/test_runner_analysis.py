@@ -184,6 +184,14 @@ def test_a_vllm_target_is_judged_on_preemptions_and_running_requests_and_says_so
     assert (report["criteria"]["no_oom"]["passed"], report["criteria"]["no_oom"]["value"]) == (False, 3)
 
 
+def test_an_engine_stepping_while_every_scrape_reads_zero_running_says_so() -> None:
+    results = [_result(i, i * 0.1, 0.1) for i in range(100)]
+    report = analyze(RunResult(results, _vllm_samples([0.0] * 11, [0.0] * 11), 0.0, 10.0, 10.0), span_s=10.0, windows=2)
+    util = report["criteria"]["util_stable"]
+    assert (util["passed"], util["value"]) == (False, None)
+    assert "read 0 in every scrape that saw the engine step, in all 2 windows" in util["detail"]
+
+
 def test_a_kvpilot_target_keeps_its_own_names() -> None:
     results = [_result(i, i * 0.1, 0.1) for i in range(100)]
     report = analyze(RunResult(results, _samples([0.8] * 11), 0.0, 10.0, 10.0), span_s=10.0)

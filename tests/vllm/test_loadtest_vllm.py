@@ -27,7 +27,9 @@ def test_loadtest_openai_on_vllm_judges_no_oom_and_util_on_vllms_own_series(vllm
         duration_s=12.0,  # two 6-s windows: each sees vLLM step under a scrape even on a loaded CI machine
         rate=2.0,
         length_scale=8.0,
-        output_scale=8.0,
+        # 16-256 output tokens: requests long enough to be running when a 0.5-s scrape lands (at 4-64 a
+        # loaded CI machine once read 0 running in every scrape of both windows)
+        output_scale=2.0,
         max_total_tokens=400,  # the peer serves 512 tokens
         api="openai",
         windows=2,
