@@ -9,6 +9,7 @@ from kvpilot.cli_bench import bench_app
 from kvpilot.cli_collector import collector_app, db_app
 from kvpilot.cli_dashboard import dashboard_cmd
 from kvpilot.cli_engine import engine_app
+from kvpilot.cli_extras import require_extras
 from kvpilot.cli_loadtest import loadtest_cmd
 from kvpilot.cli_model import model_app
 from kvpilot.cli_status import status_cmd
@@ -53,12 +54,14 @@ def main(
 
 @app.command()
 def demo(
+    ctx: typer.Context,
     duration_s: float = typer.Option(30.0, "--duration", help="seconds of load (mixed, with a burst)"),
     keep_running: bool | None = typer.Option(
         None, "--keep-running/--exit", help="keep serving after the load until Ctrl-C (default: if a terminal)"
     ),
 ) -> None:
     """Run the whole loop on embedded defaults (SQLite, CPU)."""
+    require_extras(ctx, "engine", "dashboard", "tune")
     from kvpilot.demo import run_demo
 
     raise typer.Exit(run_demo(duration_s=duration_s, keep_running=keep_running))

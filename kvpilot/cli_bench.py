@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from kvpilot.cli_extras import require_extras
+
 bench_app = typer.Typer(no_args_is_help=True)
 
 JsonOpt = typer.Option(None, "--json", help="write the figures to this file as JSON")
@@ -27,6 +29,7 @@ VllmPythonOpt = typer.Option(None, "--vllm-python", help="Python with vLLM (KVPI
 
 @bench_app.command("engine")
 def bench_engine(
+    ctx: typer.Context,
     quick: bool = QuickVllmOpt,
     json_path: Path | None = JsonOpt,
     vllm: bool = typer.Option(
@@ -36,6 +39,7 @@ def bench_engine(
 ) -> None:
     """kvpilot's engine vs Hugging Face generate (static batching) and vLLM, one checkpoint, the mixed workload
     (--quick: ~7 min on 2 cores, vLLM's start-up included)."""
+    require_extras(ctx, "engine")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -48,10 +52,14 @@ def bench_engine(
 
 @bench_app.command("vllm")
 def bench_vllm(
-    quick: bool = QuickVllmOpt, json_path: Path | None = JsonOpt, vllm_python: str | None = VllmPythonOpt
+    ctx: typer.Context,
+    quick: bool = QuickVllmOpt,
+    json_path: Path | None = JsonOpt,
+    vllm_python: str | None = VllmPythonOpt,
 ) -> None:
     """A real vLLM launched by kvpilot under a mixed load: what the collector stored against what was sent and
     what vLLM counted, and the telemetry's cost in vLLM throughput (--quick: 2 rounds, ~8 min on 2 cores)."""
+    require_extras(ctx, "engine")
     from benchmarks.vllm_bench import run_vllm_bench
 
     try:
@@ -103,6 +111,7 @@ def bench_ingest(
 
 @bench_app.command("sim")
 def bench_sim(
+    ctx: typer.Context,
     quick: bool = QuickOpt,
     json_path: Path | None = JsonOpt,
     profile: str = typer.Option("cpu-2core", "--profile", help="calibrated CPU profile to check"),
@@ -115,6 +124,7 @@ def bench_sim(
     ),
 ) -> None:
     """Simulator fidelity: the same workloads on the torch engine and the simulator (throughput, p99 error)."""
+    require_extras(ctx, "tune")
     from benchmarks.sim_bench import run_sim_bench
 
     emit(run_sim_bench(quick=quick, profile=profile, recalibrate=recalibrate), json_path)
@@ -122,6 +132,7 @@ def bench_sim(
 
 @bench_app.command("tuner")
 def bench_tuner(
+    ctx: typer.Context,
     quick: bool = typer.Option(False, "--quick", help="shorter workloads and gain studies (minutes on 2 cores)"),
     json_path: Path | None = JsonOpt,
     profile: list[str] = typer.Option(
@@ -135,6 +146,7 @@ def bench_tuner(
     ),
 ) -> None:
     """Samplers compared on pinned landscapes (trials to within 2% of the exhaustive optimum); gain over default."""
+    require_extras(ctx, "tune")
     import dataclasses
 
     from benchmarks.tuner_bench import BenchConfig, run_tuner_bench
@@ -154,12 +166,14 @@ def bench_tuner(
 
 @bench_app.command("tune-vllm")
 def bench_tune_vllm(
+    ctx: typer.Context,
     quick: bool = typer.Option(False, "--quick", help="smaller budgets (within 15 minutes on 2 cores)"),
     json_path: Path | None = JsonOpt,
     vllm_python: str | None = typer.Option(None, "--vllm-python", help="vLLM's interpreter (default: as `vllm serve`)"),
     out_dir: Path | None = typer.Option(None, "--out-dir", help="where the run's DB, logs and proposal go"),
 ) -> None:
     """Tune a real vLLM: simulation-screened search vs a live-only search; gain held out on new seeds."""
+    require_extras(ctx, "tune")
     from benchmarks.tune_vllm_bench import run_tune_vllm_bench
 
     emit(run_tune_vllm_bench(quick=quick, json_path=json_path, python=vllm_python, out_dir=out_dir), json_path)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import typer
 
+from kvpilot.cli_extras import require_extras
+
 
 def app_path() -> Path:
     """dashboard/app.py wherever the `dashboard` package is installed (a checkout or site-packages)."""
@@ -129,6 +131,7 @@ def wait_until_healthy(base_url: str, *, timeout_s: float = 60.0, proc: subproce
 
 
 def dashboard_cmd(
+    ctx: typer.Context,
     db_url: str | None = typer.Option(
         None, "--db-url", help="database URL (default: KVPILOT_DB_URL or ./kvpilot-data/kvpilot.db)"
     ),
@@ -139,6 +142,7 @@ def dashboard_cmd(
     headless: bool = typer.Option(True, "--headless/--open", help="--open also opens a browser tab"),
 ) -> None:
     """Open the dashboard: latency by stage, KV memory, alerts, tuning proposals and scrape targets."""
+    require_extras(ctx, "dashboard")
     try:
         check_bind(host)
     except ValueError as exc:  # pydantic's ValidationError (a bad setting) is one too

@@ -9,6 +9,7 @@ import typer
 
 from engine.config import ConfigError, EngineConfig
 from engine.preflight import check_engine_config
+from kvpilot.cli_extras import require_extras
 
 engine_app = typer.Typer(no_args_is_help=True)
 
@@ -32,6 +33,7 @@ def load_config(path: Path | None, overrides: dict | None = None) -> EngineConfi
 
 @engine_app.command("serve")
 def serve(
+    ctx: typer.Context,
     config: Path | None = typer.Option(None, "--config", help="EngineConfig YAML (e.g. a tuning proposal)"),
     host: str | None = typer.Option(None, help="bind address (default from config: 127.0.0.1)"),
     port: int | None = typer.Option(None, help="port (default from config: 8000)"),
@@ -40,6 +42,7 @@ def serve(
     log_level: str = typer.Option("info", help="uvicorn and kvpilot log level"),
 ) -> None:
     """Serve /generate, /v1/completions, /metrics, /health and /admin/config."""
+    require_extras(ctx, "engine")
     import uvicorn
 
     from engine.factory import build_app

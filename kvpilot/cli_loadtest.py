@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 import typer
 
+from kvpilot.cli_extras import require_extras
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 FAULTS = ("collector-restart", "webhook-down", "kv-exhaustion", "slow-client")
@@ -111,6 +113,8 @@ def loadtest_cmd(
         raise _fail("--trace", "--scenario trace needs --trace FILE (Azure CSV)")
     if trace is not None and not trace.is_file():
         raise _fail("--trace", f"no such file: {trace}")
+    if target is None:  # --quick and --fault start their own engine here
+        require_extras(ctx, "engine")
     try:
         spec = LoadTestSpec(
             scenario=scenario,

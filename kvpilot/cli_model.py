@@ -7,11 +7,14 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
+from kvpilot.cli_extras import require_extras
+
 model_app = typer.Typer(no_args_is_help=True, add_completion=False)
 
 
 @model_app.command("init")
 def init_cmd(
+    ctx: typer.Context,
     directory: Path = typer.Argument(..., help="where to write the checkpoint (created if missing)"),
     vocab_size: int = typer.Option(
         2048, min=259, max=262_144, help="vocabulary (ids past what the corpus fills are reserved)"
@@ -30,6 +33,7 @@ def init_cmd(
     force: bool = typer.Option(False, "--force", help="replace the checkpoint files already in DIRECTORY"),
 ) -> None:
     """Write config.json, model.safetensors, generation_config.json and a locally trained BPE tokenizer."""
+    require_extras(ctx, "engine")
     from engine.checkpoint import VLLM_CPU_HEAD_SIZES, CheckpointInitError, init_checkpoint
     from engine.config import ModelConfig
     from engine.tokenizer_train import MAX_CORPUS_BYTES, TokenizerTrainError, builtin_corpus

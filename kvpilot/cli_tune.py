@@ -17,6 +17,8 @@ from typing import Any
 
 import typer
 
+from kvpilot.cli_extras import require_extras
+
 tune_app = typer.Typer(no_args_is_help=True)
 sim_app = typer.Typer(no_args_is_help=True)
 proposals_app = typer.Typer(no_args_is_help=True)
@@ -206,6 +208,7 @@ def _only_knobs(space, knobs: list[str]):  # type: ignore[no-untyped-def]
 
 @tune_app.command("study")
 def study_cmd(
+    ctx: typer.Context,
     trials: int = typer.Option(40, "--trials", help="trials in the study (and in the random baseline)"),
     backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
     sampler: str | None = typer.Option(
@@ -254,6 +257,7 @@ def study_cmd(
     verbose: bool = VerboseOpt,
 ) -> None:
     """Run (or join) an Optuna study on the simulator, the engine or a live engine; prints a summary."""
+    require_extras(ctx, "tune")
     _setup_logging(verbose)
     with _errors():
         import uuid
@@ -331,6 +335,7 @@ def study_cmd(
 
 @tune_app.command("nightly")
 def nightly_cmd(
+    ctx: typer.Context,
     trials: int = typer.Option(40, "--trials"),
     backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
     out_dir: Path = typer.Option(Path("kvpilot-data/proposals"), "--out-dir", help="proposal files go here"),
@@ -370,6 +375,7 @@ def nightly_cmd(
     verbose: bool = VerboseOpt,
 ) -> None:
     """Collector workload -> study -> confirmation -> a proposal (only if the gain holds)."""
+    require_extras(ctx, "tune")
     _setup_logging(verbose)
     with _errors():
         from tuner.nightly import run_nightly
@@ -407,6 +413,7 @@ def nightly_cmd(
 
 @tune_app.command("apply")
 def apply_cmd(
+    ctx: typer.Context,
     proposal_id: int = typer.Argument(..., help="proposal id"),
     engine_url: str = typer.Option("http://127.0.0.1:8000", "--engine-url"),
     admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
@@ -416,6 +423,7 @@ def apply_cmd(
     db_url: str | None = DbOpt,
 ) -> None:
     """Apply a proposal's tunables to a running engine through /admin/config (it must be the proposal's instance)."""
+    require_extras(ctx, "tune")
     _setup_logging(False)
     with _errors():
         from tuner.jobs import open_db
@@ -450,11 +458,13 @@ def _review(proposal_id: int, status: str, db_url: str | None) -> None:
 
 @proposals_app.command("list")
 def proposals_list(
+    ctx: typer.Context,
     status: str | None = typer.Option(None, "--status", help="pending | accepted | rejected | applied"),
     limit: int = typer.Option(50, "--limit"),
     db_url: str | None = DbOpt,
 ) -> None:
     """Proposals, newest first: id, status, engine (kvpilot or vllm), confirmed goodput gain, study."""
+    require_extras(ctx, "tune")
     with _errors():
         from tuner.jobs import open_db
         from tuner.proposals import list_proposals
@@ -472,9 +482,12 @@ def proposals_list(
 
 
 @proposals_app.command("show")
-def proposals_show(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+def proposals_show(
+    ctx: typer.Context, proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt
+) -> None:
     """A proposal's report (markdown) and its config (YAML: `kvpilot engine serve --config`, or for a vLLM
     proposal `vllm serve --config`)."""
+    require_extras(ctx, "tune")
     with _errors():
         from tuner.jobs import open_db
         from tuner.proposals import get_proposal
@@ -489,14 +502,20 @@ def proposals_show(proposal_id: int = typer.Argument(..., help="proposal id"), d
 
 
 @proposals_app.command("accept")
-def proposals_accept(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+def proposals_accept(
+    ctx: typer.Context, proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt
+) -> None:
     """Mark a pending proposal accepted (reviewed; `kvpilot tune apply ID` applies it)."""
+    require_extras(ctx, "tune")
     _review(proposal_id, "accepted", db_url)
 
 
 @proposals_app.command("reject")
-def proposals_reject(proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt) -> None:
+def proposals_reject(
+    ctx: typer.Context, proposal_id: int = typer.Argument(..., help="proposal id"), db_url: str | None = DbOpt
+) -> None:
     """Mark a pending or accepted proposal rejected (final)."""
+    require_extras(ctx, "tune")
     _review(proposal_id, "rejected", db_url)
 
 
@@ -505,6 +524,7 @@ def proposals_reject(proposal_id: int = typer.Argument(..., help="proposal id"),
 
 @sim_app.command("calibrate")
 def calibrate_cmd(
+    ctx: typer.Context,
     out: Path = typer.Option(Path("tuner/profiles/cpu-2core.json"), "--out", help="profile JSON to write"),
     name: str = typer.Option("cpu-2core", "--name"),
     config: Path | None = typer.Option(None, "--config", help="engine config to calibrate (default: CPU bench model)"),
@@ -513,6 +533,7 @@ def calibrate_cmd(
     verbose: bool = VerboseOpt,
 ) -> None:
     """Run the torch engine over a grid of batch shapes and fit the cost model."""
+    require_extras(ctx, "tune")
     _setup_logging(verbose)
     with _errors():
         from tqdm import tqdm
@@ -533,8 +554,9 @@ def calibrate_cmd(
 
 
 @sim_app.command("profiles")
-def profiles_cmd() -> None:
+def profiles_cmd(ctx: typer.Context) -> None:
     """List the shipped cost profiles."""
+    require_extras(ctx, "tune")
     with _errors():
         from tuner.profile import shipped_profiles
         from tuner.vllm.calibrate import VllmProfile, load_any_profile
@@ -547,6 +569,7 @@ def profiles_cmd() -> None:
 
 @sim_app.command("run")
 def sim_run_cmd(
+    ctx: typer.Context,
     profile: str = ProfileOpt,
     config: Path | None = ConfigOpt,
     set_: list[str] = typer.Option(
@@ -572,6 +595,7 @@ def sim_run_cmd(
     verbose: bool = VerboseOpt,
 ) -> None:
     """What-if: one config on the simulator (e.g. `--profile h200-llama3-8b --set scheduler.max_num_seqs=128`)."""
+    require_extras(ctx, "tune")
     _setup_logging(verbose)
     with _errors():
         import uuid

@@ -23,6 +23,7 @@ from typing import Any
 
 import typer
 
+from kvpilot.cli_extras import require_extras
 from kvpilot.cli_tune import (
     DbOpt,
     DurationOpt,
@@ -199,6 +200,7 @@ def _none_confirmed(sim_feasible: int) -> str:
 
 @tune_vllm_app.command("study")
 def study_cmd(
+    ctx: typer.Context,
     config: Path = ConfigOpt,
     model: Path | None = ModelOpt,
     space: Path | None = SpaceOpt,
@@ -263,6 +265,7 @@ def study_cmd(
     The running config live, a simulated screen, live confirmations (one vLLM restart each, about a minute on a CPU)
     and a held-out check. Exit codes: 0 a proposal written, 3 none (the running config stays), 2 bad input, 1 a
     failure while running."""
+    require_extras(ctx, "tune")
     _setup_logging(verbose)
     t0 = time.time()
     say = _sayer(t0)
@@ -460,6 +463,7 @@ def _study_lines(s: dict[str, Any]) -> list[str]:
 
 @tune_vllm_app.command("screen")
 def screen_cmd(
+    ctx: typer.Context,
     config: Path = ConfigOpt,
     instance: str = typer.Option(
         ..., "--instance", help="the vLLM instance whose stored steps (last --hours) calibrate the simulator"
@@ -497,6 +501,7 @@ def screen_cmd(
 
     The cost model is fitted from the steps the collector stored for --instance (a vLLM started by `kvpilot vllm
     serve` or shipped by `kvpilot collector tail`)."""
+    require_extras(ctx, "tune")
     _setup_logging(verbose)
     t0 = time.time()
     say = _sayer(t0)

@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 import typer
 
+from kvpilot.cli_extras import require_extras
+
 vllm_app = typer.Typer(no_args_is_help=True, add_completion=False)
 
 COLLECTOR_HELP = "collector base URL (KVPILOT_COLLECTOR_URL)"
@@ -118,6 +120,7 @@ def serve_cmd(
 
 @vllm_app.command("calibrate")
 def calibrate_cmd(
+    ctx: typer.Context,
     out: Path = typer.Option(Path("tuner/profiles/vllm-cpu-tiny.json"), "--out", help="profile JSON to write"),
     name: str | None = typer.Option(None, "--name", help="profile name (default: the file's stem)"),
     vllm_python: str | None = typer.Option(None, "--vllm-python", help="Python with vLLM (KVPILOT_VLLM_PYTHON)"),
@@ -126,6 +129,7 @@ def calibrate_cmd(
     ),
 ) -> None:
     """Fit a vLLM cost profile on this machine: vLLM serves calibration traffic, its iteration lines are the fit."""
+    require_extras(ctx, "tune")
     from kvpilot.vllm import VllmSetupError, find_vllm_python
     from kvpilot.vllm.calibrate import calibrate_vllm
     from tuner.vllm.calibrate import CalibrationError
