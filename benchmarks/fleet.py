@@ -14,7 +14,7 @@ What runs, in one database created fresh for the run (dropped after it):
   local webhook receiver: a few engines turn hot during the run, `alert_delivery_p99_s` runs from the
   first hot sample's timestamp (the condition true) to the receiver's receipt;
 - while the fleet pushes, the reads of the dashboard's Overview, Latency and KV pages (their
-  `collector.queries` calls) and of `kvpilot status`, round after round: `query_p95_s` per page.
+  `collector.queries` calls) and of `kvpilot status --instance`, round after round: `query_p95_s` per page.
 
 `ingest_lag_p99_s` is per pushed batch: from its oldest event's timestamp to the collector's answer, which
 comes after COMMIT. `lost` is what collectors acknowledged minus what the database holds. A fleet at ~50
@@ -52,7 +52,7 @@ ADMIN = "fleet-admin-token"
 RULES = """
 groups:
   - name: fleet
-    interval: 1s
+    interval: 2s
     rules:
       - alert: FleetQueueHigh
         expr: queue_depth > 100
@@ -71,7 +71,7 @@ class FleetConfig:
     history_events_per_instance: int = 600
     ceiling_batches: int = 100
     dcgm_nodes: int = 100
-    scrape_interval_s: float = 5.0
+    scrape_interval_s: float = 15.0  # the collector's default, and Prometheus's
     otlp_share: float = 0.1
     alert_trials: int = 5
 
@@ -130,16 +130,18 @@ def _scalar(engine: Any, sql: str) -> Any:
         return conn.execute(text(sql)).scalar_one()
 
 
-def _load_history(engine: Any, config: FleetConfig) -> dict[str, Any]:
+def _load_history(engine: Any, config: FleetConfig, batch_events: int = 5000) -> dict[str, Any]:
+    """Every instance's history through `store_batch` (COPY), several instances' events to a batch."""
     from collector.ingest import parse_batch, store_batch
 
     started = time.perf_counter()
     per_instance = fleet_load.history_events(config.instances, config.history_events_per_instance, time.time())
+    group = max(1, batch_events // max(1, config.history_events_per_instance))
     stored = 0
-    for i, events in enumerate(per_instance):
-        body = json.dumps({"events": events}).encode()
+    for g in range(0, len(per_instance), group):
+        body = json.dumps({"events": [e for events in per_instance[g : g + group] for e in events]}).encode()
         batch = parse_batch(body, max_events=100_000)
-        stored += store_batch(engine, batch, idempotency_key=f"history-{i}", content=body).events
+        stored += store_batch(engine, batch, idempotency_key=f"history-{g}", content=body).events
     elapsed = time.perf_counter() - started
     return {"history_events": stored, "history_load_events_per_s": round(stored / elapsed)}
 
@@ -232,8 +234,9 @@ def _register_targets(collector_url: str, dcgm_port: int, config: FleetConfig) -
 # --- reads under load --------------------------------------------------------------------------------
 
 
-def page_reads(url: str, engine: Any) -> dict[str, Callable[[float, float], Any]]:
-    """Per page, what it reads from collector.queries for one window (all instances)."""
+def page_reads(url: str, engine: Any, instances: int) -> dict[str, Callable[[float, float], Any]]:
+    """Per page, what it reads from collector.queries for one window (all instances); `kvpilot status` for
+    one instance of the fleet (over all of them its diagnosis runs queries per instance: minutes at 1,000)."""
     from collector import queries
     from kvpilot.cli_status import collect
 
@@ -254,26 +257,26 @@ def page_reads(url: str, engine: Any) -> dict[str, Callable[[float, float], Any]
         queries.alloc_trace(engine, start=start, end=end, limit=2000)
 
     def status(start: float, end: float) -> None:
-        collect(url, instance=None, since="1h", run_id=None, now=end)
+        collect(url, instance=fleet_load.instance_name(int(end) % instances), since="1h", run_id=None, now=end)
 
-    return {"overview": overview, "latency": latency, "kv": kv, "status": status}
+    return {"overview": overview, "latency": latency, "kv": kv, "status --instance": status}
 
 
-def _read_loop(url: str, stop: threading.Event, timings: dict[str, list[float]]) -> None:
+def _read_loop(url: str, instances: int, stop: threading.Event, timings: dict[str, list[float]]) -> None:
+    """Every page's reads in turn, whole rounds, until `stop` (the first round always completes)."""
     from collector.db import make_engine
 
     engine = make_engine(url, pool_size=2)
-    reads = page_reads(url, engine)
+    reads = page_reads(url, engine, instances)
     try:
-        while not stop.is_set():
+        while True:
             for page, read in reads.items():
                 end = time.time()
                 started = time.perf_counter()
                 read(end - 3600.0, end)
                 timings[page].append(time.perf_counter() - started)
-                if stop.is_set():
-                    break
-            stop.wait(1.0)
+            if stop.wait(1.0):
+                break
     finally:
         engine.dispose()
 
@@ -383,10 +386,11 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
         notifier = webhook_config([sink.url], group_wait_s=0.0, group_interval_s=1.0, group_by=["instance"])
         evaluators = []
         stop_reads = threading.Event()
-        timings: dict[str, list[float]] = {p: [] for p in ("overview", "latency", "kv", "status")}
-        reader = threading.Thread(target=_read_loop, args=(url, stop_reads, timings), daemon=True)
+        timings: dict[str, list[float]] = {p: [] for p in ("overview", "latency", "kv", "status --instance")}
+        reader = threading.Thread(target=_read_loop, args=(url, config.instances, stop_reads, timings), daemon=True)
         try:
             _register_targets(collectors[0].url, dcgm.server_address[1], config)
+            registered = time.time()
             for _ in range(2):
                 evaluators.append(
                     start_evaluator(url, rule_files=[rules], notifier=notifier, poll_s=0.25, lease_ttl_s=5.0)
@@ -403,7 +407,8 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
             sink.wait_for(turned_hot, timeout_s=60.0)
         finally:
             stop_reads.set()
-            reader.join(60.0)
+            reader.join(300.0)
+            scraped_until = time.time()
             for evaluator in evaluators:
                 evaluator.stop()
             for proc in collectors:
@@ -416,7 +421,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
     result["query_p95_s"] = {p: _round(percentile(v, 95)) for p, v in timings.items()}
     result["query_rounds"] = {p: len(v) for p, v in timings.items()}
     result["otlp_instances"] = plan["otlp_instances"]
-    result.update(_scrape_figures(engine, elapsed))
+    result.update(_scrape_figures(engine, scraped_s=scraped_until - registered))
     return result
 
 
@@ -474,10 +479,11 @@ def _alert_figures(sink: Any, reports: list[dict], plan: dict) -> dict[str, Any]
     }
 
 
-def _scrape_figures(engine: Any, elapsed: float) -> dict[str, Any]:
+def _scrape_figures(engine: Any, scraped_s: float) -> dict[str, Any]:
+    """Points stored per second since the targets were registered (the scraper ran that long)."""
     points = _scalar(engine, "SELECT count(*) FROM series_points WHERE target_id IS NOT NULL")
     up = _scalar(engine, "SELECT count(*) FROM scrape_targets WHERE up")
-    return {"scrape_targets_up": up, "scrape_points_per_s": round(points / elapsed, 1)}
+    return {"scrape_targets_up": up, "scrape_points": points, "scrape_points_per_s": round(points / scraped_s, 1)}
 
 
 def tiny_config() -> FleetConfig:

@@ -9,7 +9,8 @@ A sender process (`python -m benchmarks.fleet_load sender CONFIG`) plays a slice
 `batch_events`, POSTed with an Idempotency-Key kept across retries. When the machine cannot keep up, an
 instance's batch covers a longer interval, thinned to `batch_events` (the sink's queue would overflow the
 same way): what was offered and what was sent are both reported. Instances in `otlp_instances` send their
-requests as OTLP spans (POST /v1/traces, vLLM's attribute names) instead of request events.
+requests as OTLP spans (POST /v1/traces, vLLM's attribute names) instead of request events. The few `hot`
+engines (the alert trials: their queue jumps at a set time) each ship from a thread of their own.
 """
 
 from __future__ import annotations
@@ -325,11 +326,22 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                     with lock:
                         queue.append(engine)
 
+    def own_sink(engine: Engine) -> None:
+        """A hot engine ships on its own, every `min_interval_s`, as each engine's sink does: its alert's
+        delay is then the collector's, the evaluator's and the delivery's, not the shared pool's backlog."""
+        with httpx.Client(timeout=60.0) as client:
+            while time.time() < config["until"]:
+                time.sleep(max(0.0, last[engine.instance] + config["min_interval_s"] - time.time()))
+                ship(client, engine)
+
     while time.time() < config["start"]:
         time.sleep(0.01)
     begin = time.time()  # a sender that started late has no events from before it ran
     last.update((e.instance, begin) for e in engines)
+    hot_engines = [e for e in engines if e.hot_from is not None]
+    queue[:] = [e for e in engines if e.hot_from is None]
     threads = [threading.Thread(target=worker) for _ in range(config["threads"])]
+    threads += [threading.Thread(target=own_sink, args=(e,)) for e in hot_engines]
     for t in threads:
         t.start()
     for t in threads:

@@ -40,7 +40,7 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert result["alert_trials_planned"] == 2 and result["alert_trials"] >= 1
     assert result["alerts_delivered"] == result["alert_trials"] and result["alert_delivery_p99_s"] > 0
     assert result["alert_duplicate_posts"] == 0  # two evaluators, one lease: one notification each
-    assert set(result["query_p95_s"]) == {"overview", "latency", "kv", "status"}
+    assert set(result["query_p95_s"]) == {"overview", "latency", "kv", "status --instance"}
     assert all(v is not None and v > 0 for v in result["query_p95_s"].values())
     assert result["scrape_targets_up"] == 2 and result["scrape_points_per_s"] > 0
     assert result["db_mb_per_million_events"] > 0 and result["ingest_lag_p99_s"] > 0
