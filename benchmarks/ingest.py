@@ -6,7 +6,8 @@ What is measured, in one run:
 - a separate client process POSTing pre-serialized batches of 1,000 mixed events (request, step,
   alloc, sample in equal parts) over keep-alive connections, `CLIENT_CONCURRENCY` in flight;
 - the ceiling: the same rows through the raw driver's `executemany` (sqlite3 / psycopg), one
-  transaction per 1,000 rows with the same durability settings, no HTTP, no validation;
+  transaction per 1,000 rows with the same durability settings, no HTTP, no validation; on PostgreSQL
+  also through COPY FROM STDIN in binary and text format (the collector writes with binary COPY there);
 - `telemetry_overhead`: the engine's token throughput with the HTTP sink pushing to a live collector
   versus telemetry off (NullSink), same workload, runs interleaved to cancel drift: 1 - on/off,
   best run of each mode (also the median of the pairs, and the CPU the sink's own thread used).
@@ -211,30 +212,50 @@ def _rows(events: list[dict[str, Any]]) -> dict[str, list[tuple]]:
     return rows
 
 
-def _ceiling(db_url: str, bodies: list[Path], *, migrate: bool = False) -> float:
-    """Raw executemany of the same rows, commit per batch, same durability; returns events/s."""
+def _ceiling(db_url: str, bodies: list[Path], *, migrate: bool = False, writer: str = "executemany") -> float:
+    """The same rows through the raw driver, commit per batch, same durability, no HTTP; returns events/s.
+
+    `writer`: "executemany" (sqlite3 / psycopg) or, on PostgreSQL, "copy-binary" / "copy-text" (COPY FROM
+    STDIN, the statement collector.bulk builds)."""
     from collector.db import make_engine, upgrade
-    from collector.ingest import _insert_sql
 
     if migrate:
         upgrade(db_url)
-
     batches = [_rows(json.loads(p.read_bytes())["events"]) for p in bodies]
     engine = make_engine(db_url)
+    try:
+        elapsed = raw_write(engine, batches, writer)
+    finally:
+        engine.dispose()
+    return sum(len(r) for rows in batches for r in rows.values()) / elapsed
+
+
+def raw_write(engine: Any, batches: list[dict[str, list[tuple]]], writer: str) -> float:
+    """Seconds to write `batches` (event kind -> row tuples) with `writer`, one transaction per batch."""
+    from collector.bulk import copy_statement, executemany_sql, pg_types
+    from collector.ingest import EVENT_COLUMNS
+    from collector.schema import EVENT_TABLES
+
     raw = engine.raw_connection()
     try:
-        paramstyle = engine.dialect.paramstyle
         cur = raw.cursor()
         started = time.perf_counter()
         for rows in batches:
             for kind, kind_rows in rows.items():
-                cur.executemany(_insert_sql(paramstyle, kind), kind_rows)
+                table, cols = EVENT_TABLES[kind], EVENT_COLUMNS[kind]
+                if writer == "executemany":
+                    cur.executemany(executemany_sql(engine.dialect.paramstyle, table.name, cols), kind_rows)
+                    continue
+                fmt = writer.removeprefix("copy-")
+                with cur.copy(copy_statement(table.name, cols, fmt)) as copy:
+                    if fmt == "binary":
+                        copy.set_types(list(pg_types(table, cols)))
+                    for row in kind_rows:
+                        copy.write_row(row)
             raw.commit()
-        elapsed = time.perf_counter() - started
+        return time.perf_counter() - started
     finally:
         raw.close()
-        engine.dispose()
-    return len(bodies) * BATCH_EVENTS / elapsed
 
 
 # --- PostgreSQL --------------------------------------------------------------------------------------
@@ -267,6 +288,49 @@ def _pg_drop(base: str, schema: str) -> None:
     with admin.connect() as conn:
         conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
     admin.dispose()
+
+
+PG_WRITERS = ("executemany", "copy-binary", "copy-text")
+
+
+def _postgres_figures_none() -> dict[str, Any]:
+    keys = ["postgres_events_per_s", "postgres_ceiling_events_per_s", "postgres_ratio"]
+    keys += [f"postgres_{w.replace('-', '_')}_ceiling_events_per_s" for w in PG_WRITERS[1:]]
+    return dict.fromkeys(keys)
+
+
+def _postgres_figures(base: str, bodies_dir: Path, bodies: list[Path], root: Path) -> dict[str, Any]:
+    """HTTP ingest into PostgreSQL and the raw ceilings of each writer, each run in a fresh schema.
+
+    `postgres_ceiling_events_per_s` is executemany's (the figure this bench has always reported); the
+    COPY ceilings beside it are what the collector's own writer (binary COPY) can reach."""
+    from collector.db import upgrade
+
+    out = _postgres_figures_none()
+    http: list[tuple[float, float]] = []
+    ceilings: dict[str, list[float]] = {w: [] for w in PG_WRITERS}
+    for _attempt in range(INGEST_RUNS):
+        for target in ("http", *PG_WRITERS):
+            made = _pg_schema(base)
+            if made is None:
+                return out
+            schema, pg_url = made
+            try:
+                upgrade(pg_url)
+                if target == "http":
+                    http.append(_http_ingest(pg_url, bodies_dir, root / "collector-pg.log"))
+                else:
+                    ceilings[target].append(_ceiling(pg_url, bodies, writer=target))
+            finally:
+                _pg_drop(base, schema)
+    out["postgres_events_per_s"] = max(r for r, _ in http)
+    out["postgres_collector_cpu_us_per_event"] = min(c for _, c in http)
+    out["postgres_ceiling_events_per_s"] = max(ceilings["executemany"])
+    for writer in PG_WRITERS[1:]:
+        out[f"postgres_{writer.replace('-', '_')}_ceiling_events_per_s"] = max(ceilings[writer])
+    out["postgres_ratio"] = out["postgres_events_per_s"] / out["postgres_ceiling_events_per_s"]
+    out["postgres_ratio_vs_copy"] = out["postgres_events_per_s"] / out["postgres_copy_binary_ceiling_events_per_s"]
+    return out
 
 
 # --- telemetry overhead ------------------------------------------------------------------------------
@@ -418,34 +482,8 @@ def run_ingest_bench(quick: bool = False) -> dict[str, Any]:
         )
         result["sqlite_ratio"] = result["sqlite_events_per_s"] / result["sqlite_ceiling_events_per_s"]
 
-        result["postgres_events_per_s"] = None
-        result["postgres_ceiling_events_per_s"] = None
-        result["postgres_ratio"] = None
         base = _pg_base_url()
-        if base:
-            pg_runs: list[tuple[float, float]] = []
-            ceilings: list[float] = []
-            for _attempt in range(INGEST_RUNS):
-                for target in ("http", "ceiling"):
-                    made = _pg_schema(base)
-                    if made is None:
-                        break
-                    schema, pg_url = made
-                    try:
-                        upgrade(pg_url)
-                        if target == "http":
-                            pg_runs.append(_http_ingest(pg_url, bodies_dir, root / "collector-pg.log"))
-                        else:
-                            ceilings.append(_ceiling(pg_url, bodies))
-                    finally:
-                        _pg_drop(base, schema)
-            if pg_runs:
-                result["postgres_events_per_s"] = max(r for r, _ in pg_runs)
-                result["postgres_collector_cpu_us_per_event"] = min(c for _, c in pg_runs)
-            if ceilings:
-                result["postgres_ceiling_events_per_s"] = max(ceilings)
-            if pg_runs and ceilings:
-                result["postgres_ratio"] = result["postgres_events_per_s"] / result["postgres_ceiling_events_per_s"]
+        result.update(_postgres_figures(base, bodies_dir, bodies, root) if base else _postgres_figures_none())
 
         from collector.server import start_subprocess
         from collector.settings import CollectorSettings

@@ -1,7 +1,8 @@
 """Validate and store one ingest batch: atomic, idempotent, and fast (no ORM objects on the hot path).
 
-A batch is one transaction: the dedup record in `ingest_batches`, every event row (Core `insert()`
-executemany, one statement per event type) and the instance/run upserts commit together or not at all.
+A batch is one transaction: the dedup record in `ingest_batches`, every event row (`collector.bulk`: COPY
+on PostgreSQL, executemany on SQLite, one per event type) and the instance/run upserts commit together or
+not at all.
 So a retried batch either finds its key (stored once, reported as duplicate) or stores everything.
 
 Source adapters (OTLP spans) build their batch with `batch_from_events` from events validated one by one
@@ -26,6 +27,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from collector import fastdecode
+from collector.bulk import insert_rows
 from collector.claims import Claims
 from collector.db import translate_errors
 from collector.errors import CollectorError, IdempotencyConflictError
@@ -90,7 +92,7 @@ def format_errors(exc: ValidationError, limit: int = 20) -> list[dict[str, str]]
 
 @dataclass
 class ParsedBatch:
-    """A validated batch: per event type, row tuples in `EVENT_COLUMNS` order, ready for executemany."""
+    """A validated batch: per event type, row tuples in `EVENT_COLUMNS` order, ready for `collector.bulk`."""
 
     idempotency_key: str | None
     rows: dict[str, list[tuple]]
@@ -175,19 +177,6 @@ def _reject_time(body: bytes, window: TimeWindow) -> None:
     index = next((i for i, event in enumerate(events) if event["ts"] not in window), None)
     loc = "events" if index is None else f"events[{index}].ts"
     raise BatchValidationError([{"loc": loc, "msg": window.message(), "type": "time_window"}])
-
-
-@functools.cache
-def _insert_template(paramstyle: str, kind: str) -> str:
-    cols = EVENT_COLUMNS[kind]
-    mark = "?" if paramstyle == "qmark" else "%s"
-    table = EVENT_TABLES[kind].name
-    return f"INSERT INTO {table} (batch_id, {', '.join(cols)}) VALUES ({{batch_id}}, {', '.join([mark] * len(cols))})"
-
-
-def _insert_sql(paramstyle: str, kind: str, batch_id: int | None = None) -> str:
-    """The driver-level INSERT of one event table; `batch_id` is our own integer, inlined."""
-    return _insert_template(paramstyle, kind).format(batch_id="NULL" if batch_id is None else int(batch_id))
 
 
 def _spans(
@@ -279,9 +268,9 @@ def store_batch(
                     },
                 ).scalar_one()
                 for kind, kind_rows in rows.items():
-                    # Raw executemany of plain tuples: SQLAlchemy's per-row bind processing would cost
-                    # more than the driver itself. batch_id is an int we made, inlined as a literal.
-                    conn.exec_driver_sql(_insert_sql(conn.dialect.paramstyle, kind, int(batch_id)), kind_rows)
+                    insert_rows(
+                        conn, EVENT_TABLES[kind], EVENT_COLUMNS[kind], kind_rows, constants={"batch_id": int(batch_id)}
+                    )
                 if instances:
                     # Sorted, so concurrent batches take row locks in one order (no deadlocks on PostgreSQL).
                     dialect = conn.dialect.name

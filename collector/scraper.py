@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import Engine, insert, select, update
+from sqlalchemy import Engine, select, update
 
+from collector.bulk import insert_rows
 from collector.db import translate_errors
 from collector.errors import CollectorError
 from collector.exposition import Point, labels_json, map_samples
@@ -59,6 +60,7 @@ MAX_SAMPLE_LIMIT = 1_000_000
 MIN_PARSE_CAP = 20_000
 MAX_LABELS = 32
 MAX_LABEL_VALUE_CHARS = 256
+_POINT_COLUMNS = ("instance", "name", "labels", "ts", "value", "target_id")
 DROP_REASONS = ("sample_limit", "label_count", "label_value_length")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # Names a target label may not take: they are columns of their own or have a meaning on buckets.
@@ -315,16 +317,13 @@ class Scraper:
             ("scrape_duration_seconds", synthetic, duration),
             ("scrape_series_dropped", synthetic, float(n_dropped)),
         ]
-        rows = [
-            {"instance": target.instance, "name": n, "labels": lab, "ts": started, "value": v, "target_id": target.id}
-            for n, lab, v in series
-        ]
+        rows = [(target.instance, n, lab, started, v, target.id) for n, lab, v in series]
         health_error = error
         if up and n_dropped:
             health_error = f"degraded: stored {len(bounded.series)} of {bounded.offered} series ({_reasons(bounded)})"
         t = ScrapeTarget.__table__
         with translate_errors(), self.engine.begin() as conn:
-            conn.execute(insert(SeriesPoint.__table__), rows)
+            insert_rows(conn, SeriesPoint.__table__, _POINT_COLUMNS, rows)
             conn.execute(
                 upsert_statement(conn.dialect.name, "instances"),
                 [{"name": target.instance, "first_seen_ts": started, "last_seen_ts": started}],

@@ -109,6 +109,28 @@ def bench_ingest(
     emit(run_ingest_bench(quick=quick), json_path)
 
 
+@bench_app.command("fleet")
+def bench_fleet(
+    quick: bool = typer.Option(False, "--quick", help="a shorter run, still 1,000 instances and 2 collectors (~5 min)"),
+    json_path: Path | None = JsonOpt,
+    pg_url: str | None = typer.Option(
+        None,
+        "--pg-url",
+        help="PostgreSQL server to create the run's database on (KVPILOT_BENCH_PG_URL, KVPILOT_TEST_PG_URL, "
+        "else postgresql+psycopg://postgres@127.0.0.1:5432/test)",
+    ),
+) -> None:
+    """1,000 simulated engines, OTLP spans, a 100-node DCGM scrape and 2 alert evaluators against 2 collectors
+    on one PostgreSQL: events/s against COPY's ceiling, ingest lag, alert delivery, page reads, losses."""
+    from benchmarks.fleet import FleetBenchError, FleetConfig, pg_url_from_env, run_fleet_bench
+
+    try:
+        emit(run_fleet_bench(pg_url or pg_url_from_env(), FleetConfig.for_run(quick)), json_path)
+    except FleetBenchError as exc:
+        typer.echo(f"kvpilot bench fleet: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 @bench_app.command("sim")
 def bench_sim(
     ctx: typer.Context,

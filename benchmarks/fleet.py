@@ -1,0 +1,503 @@
+"""`kvpilot bench fleet`: a fleet of 1,000 engines against collectors sharing one PostgreSQL.
+
+What runs, in one database created fresh for the run (dropped after it):
+- a history of every instance loaded first through the fast path (`collector.ingest.store_batch`, COPY);
+- `copy_ceiling_events_per_s`: batches of 1,000 fleet events written by binary COPY alone into the same
+  tables, one transaction each, no HTTP and no validation (`benchmarks.ingest.raw_write`);
+- N >= 2 collectors (`python -m collector serve`, each its own process on a free loopback port), only the
+  first scraping (one scraper per deployment);
+- sender processes (`benchmarks.fleet_load`) spread over the collectors, each playing a slice of the
+  1,000 simulated engines as the HTTP sink ships them; a share of them send requests as OTLP spans;
+- a DCGM-like exporter for 100 nodes x 8 GPUs: one local HTTP server, a page per node, each page a scrape
+  target of the first collector;
+- two alert evaluators on the one lease (`alerts.runner.start_evaluator`), a rule on queue depth and a
+  local webhook receiver: a few engines turn hot during the run, `alert_delivery_p99_s` runs from the
+  first hot sample's timestamp (the condition true) to the receiver's receipt;
+- while the fleet pushes, the reads of the dashboard's Overview, Latency and KV pages (their
+  `collector.queries` calls) and of `kvpilot status --instance`, round after round: `query_p95_s` per page.
+
+`ingest_lag_p99_s` is per pushed batch: from its oldest event's timestamp to the collector's answer, which
+comes after COMMIT. `lost` is what collectors acknowledged minus what the database holds. A fleet at ~50
+steps/s per engine offers far more than a 2-core machine can carry; the senders send what the machine
+lets them (an instance's batch then spans a longer interval, thinned to 1,000 events as the sink's bounded
+queue would), and `events_per_s` is what was acknowledged, beside `offered_events_per_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+from benchmarks import fleet_load
+from kvpilot.loadtest.analysis import percentile
+
+DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+TOKEN = "fleet-ingest-token"
+ADMIN = "fleet-admin-token"
+RULES = """
+groups:
+  - name: fleet
+    interval: 2s
+    rules:
+      - alert: FleetQueueHigh
+        expr: queue_depth > 100
+        for: 0s
+        labels: {severity: page}
+"""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    instances: int = 1000
+    collectors: int = 2
+    senders: int = 2  # processes; each pushes to one collector
+    sender_threads: int = 4
+    live_s: float = 150.0
+    history_events_per_instance: int = 600
+    ceiling_batches: int = 100
+    dcgm_nodes: int = 100
+    scrape_interval_s: float = 15.0  # the collector's default, and Prometheus's
+    otlp_share: float = 0.1
+    alert_trials: int = 5
+
+    @classmethod
+    def for_run(cls, quick: bool) -> FleetConfig:
+        if quick:
+            return cls(live_s=60.0, history_events_per_instance=100, ceiling_batches=40, alert_trials=3)
+        return cls()
+
+
+class FleetBenchError(RuntimeError):
+    """The bench cannot run (no PostgreSQL, a collector that would not start)."""
+
+
+def pg_url_from_env() -> str:
+    return os.environ.get("KVPILOT_BENCH_PG_URL") or os.environ.get("KVPILOT_TEST_PG_URL") or DEFAULT_PG_URL
+
+
+def _say(message: str) -> None:
+    print(f"[bench fleet {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --- database ---------------------------------------------------------------------------------------
+
+
+def _fresh_database(base: str) -> str:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"kvp_fleet_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = create_engine(base, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        admin.dispose()
+    except Exception as exc:
+        shown = make_url(base).render_as_string(hide_password=True)
+        raise FleetBenchError(f"PostgreSQL at {shown} cannot create a database: {type(exc).__name__}: {exc}") from None
+    return make_url(base).set(database=name).render_as_string(hide_password=False)
+
+
+def _drop_database(base: str, url: str) -> None:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def _scalar(engine: Any, sql: str) -> Any:
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        return conn.execute(text(sql)).scalar_one()
+
+
+def _load_history(engine: Any, config: FleetConfig, batch_events: int = 5000) -> dict[str, Any]:
+    """Every instance's history through `store_batch` (COPY), several instances' events to a batch."""
+    from collector.ingest import parse_batch, store_batch
+
+    started = time.perf_counter()
+    per_instance = fleet_load.history_events(config.instances, config.history_events_per_instance, time.time())
+    group = max(1, batch_events // max(1, config.history_events_per_instance))
+    stored = 0
+    for g in range(0, len(per_instance), group):
+        body = json.dumps({"events": [e for events in per_instance[g : g + group] for e in events]}).encode()
+        batch = parse_batch(body, max_events=100_000)
+        stored += store_batch(engine, batch, idempotency_key=f"history-{g}", content=body).events
+    elapsed = time.perf_counter() - started
+    return {"history_events": stored, "history_load_events_per_s": round(stored / elapsed)}
+
+
+def _copy_ceiling(engine: Any, batches: int) -> float:
+    from benchmarks.ingest import raw_write
+    from collector.ingest import parse_batch
+
+    rng = random.Random(11)
+    rows = []
+    now = time.time()
+    for b in range(batches):
+        sim = fleet_load.Engine(f"ceiling-{b % 50}", "fleet-ceiling", rng)
+        events, _ = sim.events(now - 60, now, fleet_load.Rates(), cap=1000)
+        rows.append(parse_batch(json.dumps({"events": events}).encode(), max_events=100_000).rows)
+    elapsed = raw_write(engine, rows, "copy-binary")
+    return sum(len(r) for batch in rows for r in batch.values()) / elapsed
+
+
+# --- peers ------------------------------------------------------------------------------------------
+
+
+def _start_collectors(url: str, config: FleetConfig, logs: Path) -> list[Any]:
+    from collector.errors import CollectorError
+    from collector.server import start_subprocess
+    from collector.settings import CollectorSettings
+
+    procs = []
+    for k in range(config.collectors):
+        settings = CollectorSettings(
+            db_url=url,
+            port=0,
+            ingest_token=TOKEN,
+            admin_token=ADMIN,
+            scrape_enabled=k == 0,
+            scrape_allow_nets=("127.0.0.0/8",),
+            max_instances_per_identity=config.instances * 4,
+            max_new_instances_per_minute=config.instances * 4,
+            max_new_runs_per_minute_per_identity=config.instances * 4,
+            log_level="warning",
+        )
+        try:
+            procs.append(start_subprocess(settings, log_path=logs / f"collector-{k}.log", timeout_s=60.0))
+        except CollectorError as exc:
+            for proc in procs:
+                proc.stop()
+            raise FleetBenchError(f"collector {k}: {exc} (log: {logs / f'collector-{k}.log'})") from None
+    return procs
+
+
+class _DcgmHandler(BaseHTTPRequestHandler):
+    pages: ClassVar[dict[int, bytes]] = {}
+
+    def do_GET(self) -> None:
+        match = re.fullmatch(r"/node/(\d+)/metrics", self.path)
+        page = self.pages.get(int(match.group(1))) if match else None
+        self.send_response(200 if page else 404)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(page or b"")))
+        self.end_headers()
+        self.wfile.write(page or b"")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _start_dcgm(nodes: int) -> ThreadingHTTPServer:
+    rng = random.Random(3)
+    handler = type("DcgmHandler", (_DcgmHandler,), {"pages": {n: fleet_load.dcgm_page(n, rng) for n in range(nodes)}})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _register_targets(collector_url: str, dcgm_port: int, config: FleetConfig) -> None:
+    with httpx.Client(headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30.0) as client:
+        for n in range(config.dcgm_nodes):
+            target = {
+                "url": f"http://127.0.0.1:{dcgm_port}/node/{n}/metrics",
+                "job": "dcgm",
+                "instance": f"node-{n:03d}",
+                "interval_s": config.scrape_interval_s,
+                "labels": {"node": f"node-{n:03d}"},
+            }
+            resp = client.post(f"{collector_url}/v1/targets", json=target)
+            if resp.status_code != 201:
+                raise FleetBenchError(f"registering scrape target {n}: {resp.status_code} {resp.text[:200]}")
+
+
+# --- reads under load --------------------------------------------------------------------------------
+
+
+def page_reads(url: str, engine: Any, instances: int) -> dict[str, Callable[[float, float], Any]]:
+    """Per page, what it reads from collector.queries for one window (all instances); `kvpilot status` for
+    one instance of the fleet (over all of them its diagnosis runs queries per instance: minutes at 1,000)."""
+    from collector import queries
+    from kvpilot.cli_status import collect
+
+    def overview(start: float, end: float) -> None:
+        queries.headline_latency(engine, start=start, end=end)
+        queries.engine_peaks(engine, start=start, end=end)
+        queries.step_load_over_time(engine, start=start, end=end, bucket_s=60.0)
+
+    def latency(start: float, end: float) -> None:
+        for metric in ("ttft", "e2e"):
+            queries.latency_percentiles(engine, start=start, end=end, metric=metric, group_by="all")
+            queries.latency_quantiles_over_time(engine, start=start, end=end, bucket_s=60.0, metric=metric)
+        queries.stage_breakdown_over_time(engine, start=start, end=end, bucket_s=300.0)
+
+    def kv(start: float, end: float) -> None:
+        queries.kv_over_time(engine, start=start, end=end, bucket_s=60.0)
+        queries.alloc_ops_over_time(engine, start=start, end=end, bucket_s=300.0)
+        queries.alloc_trace(engine, start=start, end=end, limit=2000)
+
+    def status(start: float, end: float) -> None:
+        collect(url, instance=fleet_load.instance_name(int(end) % instances), since="1h", run_id=None, now=end)
+
+    return {"overview": overview, "latency": latency, "kv": kv, "status --instance": status}
+
+
+def _read_loop(url: str, instances: int, stop: threading.Event, timings: dict[str, list[float]]) -> None:
+    """Every page's reads in turn, whole rounds, until `stop` (the first round always completes)."""
+    from collector.db import make_engine
+
+    engine = make_engine(url, pool_size=2)
+    reads = page_reads(url, engine, instances)
+    try:
+        while True:
+            for page, read in reads.items():
+                end = time.time()
+                started = time.perf_counter()
+                read(end - 3600.0, end)
+                timings[page].append(time.perf_counter() - started)
+            if stop.wait(1.0):
+                break
+    finally:
+        engine.dispose()
+
+
+# --- senders ---------------------------------------------------------------------------------------
+
+
+def _sender_configs(config: FleetConfig, collector_urls: list[str], start: float) -> tuple[list[dict], dict]:
+    names = [fleet_load.instance_name(i) for i in range(config.instances)]
+    otlp = set(names[:: max(1, round(1 / config.otlp_share))]) if config.otlp_share > 0 else set()
+    step = max(1, config.instances // max(1, config.alert_trials))
+    hot_names = [names[1 + j * step] for j in range(config.alert_trials) if 1 + j * step < len(names)]
+    hot = {name: start + config.live_s * (0.2 + 0.3 * j / max(1, len(hot_names))) for j, name in enumerate(hot_names)}
+    out = []
+    for k in range(config.senders):
+        mine = names[k :: config.senders]
+        out.append(
+            {
+                "url": collector_urls[k % len(collector_urls)],
+                "token": TOKEN,
+                "instances": mine,
+                "otlp_instances": sorted(otlp & set(mine)),
+                "hot": {n: t for n, t in hot.items() if n in mine},
+                "rates": asdict(fleet_load.Rates()),
+                "batch_events": 1000,
+                "min_interval_s": 1.0,
+                "threads": config.sender_threads,
+                "start": start,
+                "until": start + config.live_s,
+            }
+        )
+    return out, {"otlp_instances": len(otlp), "hot": hot}
+
+
+def _run_senders(configs: list[dict], timeout_s: float) -> list[dict]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.fleet_load", "sender", json.dumps(c)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for c in configs
+    ]
+    reports = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=timeout_s)
+        if proc.returncode != 0:
+            raise FleetBenchError(f"a sender exited with {proc.returncode}")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+# --- entry point -------------------------------------------------------------------------------------
+
+
+def run_fleet_bench(pg_url: str, config: FleetConfig, progress: Callable[[str], None] = _say) -> dict[str, Any]:
+    """Run the fleet against a fresh database on the PostgreSQL at `pg_url`; returns the figures."""
+    from collector.db import make_engine, upgrade
+
+    if config.collectors < 2 or config.instances < config.collectors:
+        raise FleetBenchError("the fleet needs at least 2 collectors and an instance per collector")
+    load_start = os.getloadavg()
+    url = _fresh_database(pg_url)
+    progress(f"database {url.rsplit('/', 1)[-1]} created; migrating")
+    try:
+        upgrade(url)
+        engine = make_engine(url)
+        try:
+            empty_bytes = _scalar(engine, "SELECT pg_database_size(current_database())")
+            result = _run(url, engine, config, progress)
+            stored_rows = sum(
+                _scalar(engine, f"SELECT count(*) FROM {t}")
+                for t in ("requests", "steps", "alloc_events", "samples", "gaps", "series_points")
+            )
+            used = _scalar(engine, "SELECT pg_database_size(current_database())") - empty_bytes
+            result["db_rows"] = stored_rows
+            result["db_mb_per_million_events"] = round(used / 2**20 / stored_rows * 1e6, 1) if stored_rows else None
+        finally:
+            engine.dispose()
+    finally:
+        _drop_database(pg_url, url)
+    load_end = os.getloadavg()
+    result["load_average"] = {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in load_end]}
+    result["cpu_count"] = os.cpu_count()
+    result["config"] = asdict(config)
+    return result
+
+
+def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    from alerts.config import webhook_config
+    from alerts.runner import start_evaluator
+    from alerts.sink import run_webhook_sink
+
+    result: dict[str, Any] = {"instances": config.instances, "collectors": config.collectors}
+    progress(f"loading a history of {config.instances} instances x {config.history_events_per_instance} events")
+    result.update(_load_history(engine, config))
+    progress("COPY ceiling (no HTTP)")
+    result["copy_ceiling_events_per_s"] = round(_copy_ceiling(engine, config.ceiling_batches))
+    with tempfile.TemporaryDirectory(prefix="kvpilot-bench-fleet-") as tmp:
+        root = Path(tmp)
+        progress(f"starting {config.collectors} collectors, {config.dcgm_nodes} DCGM targets, 2 alert evaluators")
+        collectors = _start_collectors(url, config, root)
+        dcgm = _start_dcgm(config.dcgm_nodes)
+        sink = run_webhook_sink(port=0, log_payloads=False)
+        rules = root / "rules.yml"
+        rules.write_text(RULES)
+        notifier = webhook_config([sink.url], group_wait_s=0.0, group_interval_s=1.0, group_by=["instance"])
+        evaluators = []
+        stop_reads = threading.Event()
+        timings: dict[str, list[float]] = {p: [] for p in ("overview", "latency", "kv", "status --instance")}
+        reader = threading.Thread(target=_read_loop, args=(url, config.instances, stop_reads, timings), daemon=True)
+        try:
+            _register_targets(collectors[0].url, dcgm.server_address[1], config)
+            registered = time.time()
+            for _ in range(2):
+                evaluators.append(
+                    start_evaluator(url, rule_files=[rules], notifier=notifier, poll_s=0.25, lease_ttl_s=5.0)
+                )
+            start = time.time() + 3.0
+            configs, plan = _sender_configs(config, [c.url for c in collectors], start)
+            progress(f"{config.senders} sender processes pushing for {config.live_s:.0f} s")
+            reader.start()
+            reports = _run_senders(configs, timeout_s=config.live_s + 120.0)
+            elapsed = time.time() - start
+            stop_reads.set()
+            turned_hot = sum(len(r["first_hot"]) for r in reports)
+            progress(f"waiting for the notifications of the {turned_hot} engines that turned hot")
+            sink.wait_for(turned_hot, timeout_s=60.0)
+        finally:
+            stop_reads.set()
+            reader.join(300.0)
+            scraped_until = time.time()
+            for evaluator in evaluators:
+                evaluator.stop()
+            for proc in collectors:
+                proc.stop()
+            dcgm.shutdown()
+            sink.stop()
+    result.update(_ingest_figures(engine, reports, elapsed, config))
+    result["ratio"] = round(result["events_per_s"] / result["copy_ceiling_events_per_s"], 3)
+    result.update(_alert_figures(sink, reports, plan))
+    result["query_p95_s"] = {p: _round(percentile(v, 95)) for p, v in timings.items()}
+    result["query_rounds"] = {p: len(v) for p, v in timings.items()}
+    result["otlp_instances"] = plan["otlp_instances"]
+    result.update(_scrape_figures(engine, scraped_s=scraped_until - registered))
+    return result
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: FleetConfig) -> dict[str, Any]:
+    from sqlalchemy import func, select
+
+    from collector.schema import EVENT_TABLES
+
+    acked: dict[str, int] = {}
+    for report in reports:
+        for kind, n in report["acked"].items():
+            acked[kind] = acked.get(kind, 0) + n
+    stored = {}
+    with engine.connect() as conn:
+        for kind, table in EVENT_TABLES.items():
+            query = select(func.count()).select_from(table).where(table.c.run_id == fleet_load.LIVE_RUN)
+            stored[kind] = conn.execute(query).scalar_one()
+    lags = [lag for report in reports for lag in report["lags"]]
+    total = sum(acked.values())
+    return {
+        "events_per_s": round(total / elapsed),
+        "offered_events_per_s": round(sum(r["offered"] for r in reports) / elapsed),
+        "nominal_events_per_s": round(config.instances * fleet_load.Rates().total),
+        "live_s": round(elapsed, 1),
+        "acked_events": acked,
+        "stored_events": stored,
+        "lost": total - sum(stored.values()),
+        "unacked_events": sum(r["unacked"] for r in reports),
+        "batches": len(lags),
+        "ingest_lag_p50_s": _round(percentile(lags, 50)),
+        "ingest_lag_p99_s": _round(percentile(lags, 99)),
+        "sender_failures": [f for r in reports for f in r["failures"]][:5],
+    }
+
+
+def _alert_figures(sink: Any, reports: list[dict], plan: dict) -> dict[str, Any]:
+    first_hot = {name: ts for r in reports for name, ts in r["first_hot"].items()}
+    received: dict[str, float] = {}
+    for got in sink.received:
+        for alert in got.payload.get("alerts", []):
+            name = alert["labels"].get("instance")
+            if alert.get("status") == "firing" and name in first_hot:
+                received.setdefault(name, got.at)
+    delays = [received[n] - first_hot[n] for n in received]
+    return {
+        "alert_trials": len(first_hot),  # hot engines whose hot sample was sent (and acknowledged)
+        "alert_trials_planned": len(plan["hot"]),
+        "alerts_delivered": len(delays),
+        "alert_delivery_p99_s": _round(percentile(delays, 99)),
+        "alert_duplicate_posts": sink.duplicates,
+    }
+
+
+def _scrape_figures(engine: Any, scraped_s: float) -> dict[str, Any]:
+    """Points stored per second since the targets were registered (the scraper ran that long)."""
+    points = _scalar(engine, "SELECT count(*) FROM series_points WHERE target_id IS NOT NULL")
+    up = _scalar(engine, "SELECT count(*) FROM scrape_targets WHERE up")
+    return {"scrape_targets_up": up, "scrape_points": points, "scrape_points_per_s": round(points / scraped_s, 1)}
+
+
+def tiny_config() -> FleetConfig:
+    """Seconds, not minutes: what the test runs."""
+    return replace(
+        FleetConfig(),
+        instances=24,
+        senders=2,
+        sender_threads=2,
+        live_s=12.0,
+        history_events_per_instance=20,
+        ceiling_batches=2,
+        dcgm_nodes=2,
+        scrape_interval_s=1.0,
+        otlp_share=0.25,
+        alert_trials=2,
+    )

@@ -1,0 +1,54 @@
+"""`kvpilot bench fleet` end to end on a tiny fleet: 2 collectors on one PostgreSQL, senders, OTLP, a scrape,
+two evaluators and the page reads; every figure present and nothing acknowledged lost."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from benchmarks.fleet import run_fleet_bench, tiny_config
+from kvpilot.cli import app
+from tests.conftest import PG_ENV
+
+KEYS = (
+    "instances",
+    "collectors",
+    "events_per_s",
+    "copy_ceiling_events_per_s",
+    "ratio",
+    "ingest_lag_p99_s",
+    "alert_delivery_p99_s",
+    "query_p95_s",
+    "db_mb_per_million_events",
+    "lost",
+    "load_average",
+)
+
+
+@pytest.mark.postgres
+def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) -> None:
+    messages: list[str] = []
+    result = run_fleet_bench(os.environ[PG_ENV], tiny_config(), progress=messages.append)
+    assert set(KEYS) <= set(result), set(KEYS) - set(result)
+    assert result["instances"] == 24 and result["collectors"] == 2
+    assert result["lost"] == 0 and result["unacked_events"] == 0, result["sender_failures"]
+    assert sum(result["acked_events"].values()) > 1000 and result["events_per_s"] > 0
+    assert result["acked_events"]["request"] > 0 and result["otlp_instances"] == 6
+    assert result["copy_ceiling_events_per_s"] > 0 and result["ratio"] > 0
+    assert result["alert_trials_planned"] == 2 and result["alert_trials"] >= 1
+    assert result["alerts_delivered"] == result["alert_trials"] and result["alert_delivery_p99_s"] > 0
+    assert result["alert_duplicate_posts"] == 0  # two evaluators, one lease: one notification each
+    assert set(result["query_p95_s"]) == {"overview", "latency", "kv", "status --instance"}
+    assert all(v is not None and v > 0 for v in result["query_p95_s"].values())
+    assert result["scrape_targets_up"] == 2 and result["scrape_points_per_s"] > 0
+    assert result["db_mb_per_million_events"] > 0 and result["ingest_lag_p99_s"] > 0
+    assert any("sender processes" in m for m in messages)
+
+
+def test_unreachable_postgres_is_refused_with_a_clear_message() -> None:
+    out = CliRunner().invoke(app, ["bench", "fleet", "--pg-url", "postgresql+psycopg://postgres@127.0.0.1:9/none"])
+    assert out.exit_code == 2
+    assert "kvpilot bench fleet: PostgreSQL at postgresql+psycopg://postgres@127.0.0.1:9/none" in out.output
+    assert "Traceback" not in out.output
