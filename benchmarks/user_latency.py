@@ -33,7 +33,7 @@ from benchmarks.light_client import ClientTiming, TraceRequest, replay, shared_p
 from collector import queries
 from collector.histograms import bucket_quantile, parse_le
 from collector.scraper import parse_exposition
-from kvpilot.loadtest.analysis import percentile
+from plumbing.percentile import nearest_rank
 
 HISTOGRAMS = {
     "ttft": "vllm:time_to_first_token_seconds",
@@ -68,7 +68,7 @@ def histogram_view(before: str, after: str) -> dict[str, dict[str, float | None]
 
 
 def _pair(values: list[float]) -> dict[str, float | None]:
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+    return {"p50": nearest_rank(values, 0.5), "p99": nearest_rank(values, 0.99)}
 
 
 def decompose(timings: list[ClientTiming], rows: list[dict[str, Any]], server: dict[str, dict]) -> dict[str, Any]:

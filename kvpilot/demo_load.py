@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from engine import workload as W
+from plumbing.percentile import nearest_rank
 
 BURST_FACTOR = 6.0  # +500%
 
@@ -157,9 +157,9 @@ async def drive_demo_load(
         "errors": errors,
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall if wall else 0.0,
-        "p50_s": statistics.median(e2e),
+        "p50_s": nearest_rank(e2e, 0.5),
         "p99_s": e2e[min(len(e2e) - 1, round(0.99 * (len(e2e) - 1)))],
-        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p50_s": nearest_rank(ttft, 0.5),
         "burst_start_s": gate.start_s,
         "burst_s": gate.length_s,
         "burst_outcome": gate.outcome,
