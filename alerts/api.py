@@ -40,7 +40,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from alerts import api_errors
 from alerts.alertmanager import rfc3339
-from alerts.body_limit import BodyLimit
 from alerts.config import NotifierConfig, resolve_routes, routes_for
 from alerts.metrics import AlertMetrics
 from alerts.settings import AlertsSettings
@@ -67,6 +66,7 @@ from alerts.silences import (
 )
 from alerts.store import current_alerts
 from collector.db import make_engine, session_factory
+from plumbing.body_limit import BodyLimitMiddleware
 
 SILENCE_RETENTION_S = 120 * 3600.0  # Alertmanager's --data.retention default
 MAX_ID_CHARS = 64  # ids are UUIDs (36)
@@ -345,7 +345,7 @@ def create_api_app(
         resend_s=notifier.alertmanager_resend_s if notifier is not None else 60.0,
         settings=settings,
     )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(api)
     api_errors.install(app)
 

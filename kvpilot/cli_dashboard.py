@@ -18,6 +18,8 @@ from pathlib import Path
 
 import typer
 
+from plumbing import bind
+
 
 def app_path() -> Path:
     """dashboard/app.py wherever the `dashboard` package is installed (a checkout or site-packages)."""
@@ -57,17 +59,15 @@ def dashboard_command(*, port: int, host: str, headless: bool) -> list[str]:
 def check_bind(host: str) -> None:
     """Refuse a non-loopback address without a write password (docs/architecture.md: services bind loopback unless
     configured otherwise and refuse a non-loopback bind without a token). ValueError says what to set."""
-    from dashboard.auth import is_loopback
     from dashboard.settings import load
 
-    if is_loopback(host):
-        return
-    if load().password is None:
-        raise ValueError(
-            f"refusing to serve the dashboard on {host or 'every interface'} without a password: set "
-            "KVPILOT_DASHBOARD_PASSWORD (12+ characters; visitors sign in with it), or keep the default "
-            "--host 127.0.0.1 behind an authenticating proxy (KVPILOT_DASHBOARD_TRUST_PROXY_HEADER)"
-        )
+    bind.check_bind(
+        host,
+        has_credential=bind.is_loopback(host) or load().password is not None,  # settings read only when needed
+        service="the dashboard",
+        missing="a password: set KVPILOT_DASHBOARD_PASSWORD (12+ characters; visitors sign in with it), or keep "
+        "the default --host 127.0.0.1 behind an authenticating proxy (KVPILOT_DASHBOARD_TRUST_PROXY_HEADER)",
+    )
 
 
 def _env(db_url: str | None) -> dict[str, str]:

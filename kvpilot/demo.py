@@ -91,29 +91,14 @@ def _interruptible() -> Iterator[threading.Event]:
 
 
 def _serve_engine(cfg: dict, stack: _Stack) -> str:
-    import uvicorn
-
     from engine.config import EngineConfig
     from engine.factory import build_app
+    from plumbing.serving import serve_in_thread
 
     app = build_app(EngineConfig.from_dict(cfg, source="demo engine config"))
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=cfg["server"]["port"], log_level="warning", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, name="kvpilot-demo-engine", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("demo engine did not start")
-        time.sleep(0.05)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(15)
-
-    stack.push("engine", stop)
-    return f"http://127.0.0.1:{cfg['server']['port']}"
+    server = serve_in_thread(app, port=cfg["server"]["port"], name="kvpilot-demo-engine", timeout_s=60.0)
+    stack.push("engine", lambda: server.stop(15.0))
+    return server.url
 
 
 def _fresh_admin_token() -> str:
