@@ -29,7 +29,6 @@ import torch
 
 from benchmarks.vllm_server import PlainVllm, server_args, sigterm_as_exit, vllm_python_or_reason
 from benchmarks.vllm_server import send_burst as vllm_burst
-from collector.server import free_port
 from engine import workload as W
 from engine.checkpoint import VLLM_CPU_HEAD_SIZES, init_checkpoint
 from engine.config import EngineConfig
@@ -38,6 +37,7 @@ from engine.sequence import SamplingParams
 from engine.sinks import NullSink
 from engine.stats import FinishedRequest, IterationStats
 from plumbing.percentile import nearest_rank
+from plumbing.process import free_port
 
 POLICIES = {
     "fixed-16": {"block_policy": "fixed", "block_size": 16},

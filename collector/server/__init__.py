@@ -13,8 +13,9 @@
 """
 
 from collector.server.app import create_app
-from collector.server.process import CollectorProcess, free_port, start_subprocess, stop_process
+from collector.server.process import CollectorProcess, start_subprocess
 from collector.server.run import check_bind_safety, run_in_thread, serve
+from plumbing.process import free_port  # tuner/vllm imports it from here
 
 __all__ = [
     "CollectorProcess",
@@ -24,5 +25,4 @@ __all__ = [
     "run_in_thread",
     "serve",
     "start_subprocess",
-    "stop_process",
 ]

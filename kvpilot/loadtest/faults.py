@@ -28,7 +28,6 @@ from pathlib import Path
 
 import httpx
 
-from collector.server import free_port
 from kvpilot.loadtest import verify
 from kvpilot.loadtest.analysis import analyze
 from kvpilot.loadtest.local import LocalEngine, load_engine_config, merge, start_engine
@@ -37,6 +36,7 @@ from kvpilot.loadtest.runner import RunOptions, RunResult, TimedAction, run_load
 from kvpilot.loadtest.scrape import parse_metrics
 from kvpilot.loadtest.session import LoadTestSpec, _client_opts
 from plumbing.percentile import nearest_rank
+from plumbing.process import free_port
 
 FAULTS = ("collector-restart", "webhook-down", "kv-exhaustion", "slow-client")
 SLOW_SHARE = 0.25

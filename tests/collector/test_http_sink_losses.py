@@ -16,9 +16,10 @@ from sqlalchemy import text
 
 from collector.db import make_engine
 from collector.events import RequestEvent, SampleEvent
-from collector.server import free_port, run_in_thread
+from collector.server import run_in_thread
 from collector.settings import CollectorSettings
 from engine.http_sink import HttpSink
+from plumbing.process import free_port
 from plumbing.serving import ThreadServer
 from tests.collector import evfactory as ev
 

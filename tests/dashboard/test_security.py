@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typer.testing import CliRunner
 from collector.db import make_engine
 from collector.schema import AlertSilence, Proposal
 from dashboard import auth, settings
+from plumbing.process import free_port
 from tests.dashboard.conftest import APP, PASSWORD, metrics, no_exception, sign_in, texts
 from tests.dashboard.seed import Seed
 
@@ -205,9 +205,7 @@ def test_streamlit_run_from_anywhere_listens_on_loopback(tmp_path: Path) -> None
     """`streamlit run dashboard/app.py` (the entrypoint's docstring) takes dashboard/.streamlit/config.toml."""
     config = tomllib.loads((APP.parent / ".streamlit" / "config.toml").read_text())
     assert config["server"]["address"] == "127.0.0.1"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", str(APP), "--server.port", str(port)],
         cwd=tmp_path,  # not the repository: no project-level config applies
