@@ -40,18 +40,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from alerts import api_errors
 from alerts.alertmanager import rfc3339
-from alerts.body_limit import BodyLimit
 from alerts.config import NotifierConfig, resolve_routes, routes_for
+from alerts.matchers import MAX_NAME_CHARS, MAX_VALUE_CHARS, Matcher, has_control_chars
 from alerts.metrics import AlertMetrics
 from alerts.settings import AlertsSettings
 from alerts.silences import (
     MAX_MATCHERS,
-    MAX_NAME_CHARS,
-    MAX_VALUE_CHARS,
     Author,
     Comment,
     SilenceIn,
-    SilenceMatcher,
     SilenceRejected,
     TooManySilences,
     active_silences_by_id,
@@ -59,7 +56,6 @@ from alerts.silences import (
     create_silence,
     expire_silence,
     get_silence,
-    has_control_chars,
     list_silences,
     parse_matcher,
     silenced_by,
@@ -67,6 +63,7 @@ from alerts.silences import (
 )
 from alerts.store import current_alerts
 from collector.db import make_engine, session_factory
+from plumbing.body_limit import BodyLimitMiddleware
 
 SILENCE_RETENTION_S = 120 * 3600.0  # Alertmanager's --data.retention default
 MAX_ID_CHARS = 64  # ids are UUIDs (36)
@@ -83,7 +80,7 @@ class PostableSilence(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: Annotated[str, Field(max_length=MAX_ID_CHARS, pattern=r"^[!-~]*$")] | None = None
-    matchers: Annotated[list[SilenceMatcher], Field(min_length=1, max_length=MAX_MATCHERS)]
+    matchers: Annotated[list[Matcher], Field(min_length=1, max_length=MAX_MATCHERS)]
     startsAt: dt.datetime
     endsAt: dt.datetime
     createdBy: Author
@@ -169,7 +166,7 @@ def _unprocessable(loc: list[str], message: str) -> HTTPException:
     return HTTPException(422, [{"loc": loc, "msg": message, "type": "value_error"}])
 
 
-def _filters(state: StateDep, filter: Annotated[list[str] | None, Query()] = None) -> list[SilenceMatcher]:
+def _filters(state: StateDep, filter: Annotated[list[str] | None, Query()] = None) -> list[Matcher]:
     """Alertmanager's `filter` parameters: label matchers such as alertname="X" or instance=~"gpu.*"."""
     texts = filter or []
     if len(texts) > state.settings.max_filters:
@@ -186,7 +183,7 @@ def _filters(state: StateDep, filter: Annotated[list[str] | None, Query()] = Non
 
 SessionDep = Annotated[Session, Depends(_session)]
 NowDep = Annotated[float, Depends(_now)]
-FiltersDep = Annotated[list[SilenceMatcher], Depends(_filters)]
+FiltersDep = Annotated[list[Matcher], Depends(_filters)]
 api = APIRouter(prefix="/api/v2", dependencies=[Depends(_authorized)])
 
 
@@ -213,7 +210,7 @@ def _silence_order(silence: dict[str, Any]) -> tuple:
     return (2, -silence["endsAt"])
 
 
-def _matches_filters(matchers: list[dict[str, Any]], filters: list[SilenceMatcher]) -> bool:
+def _matches_filters(matchers: list[dict[str, Any]], filters: list[Matcher]) -> bool:
     """A silence passes a filter when it has an equal matcher (Alertmanager's silence filtering)."""
     wanted = [f.model_dump() for f in filters]
     stored = [{"isRegex": False, "isEqual": True, **m} for m in matchers]
@@ -345,7 +342,7 @@ def create_api_app(
         resend_s=notifier.alertmanager_resend_s if notifier is not None else 60.0,
         settings=settings,
     )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(api)
     api_errors.install(app)
 

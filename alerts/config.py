@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from alerts.durations import parse_duration
-from alerts.regex import RegexError, check, full_match
+from alerts.matchers import Matcher
 
 DurationS = Annotated[float, Field(ge=0)]
 
@@ -34,40 +34,6 @@ class Receiver(BaseModel):
     max_alerts: Annotated[int, Field(ge=0)] = 0
     secret: str | None = None
     timeout_s: Annotated[float, Field(gt=0)] = 10.0
-
-
-class Matcher(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    value: str
-    is_regex: bool = False
-    is_equal: bool = True
-
-    @model_validator(mode="after")
-    def _regex_compiles(self) -> Matcher:
-        if self.is_regex:
-            try:
-                check(self.value)
-            except RegexError as exc:
-                raise ValueError(f"matcher {self.name}: {exc}") from None
-        return self
-
-    def matches(self, labels: dict[str, str]) -> bool:
-        actual = labels.get(self.name, "")
-        hit = full_match(self.value, actual) if self.is_regex else actual == self.value
-        return hit if self.is_equal else not hit
-
-    @property
-    def match_type(self) -> int:
-        """labels.MatchType: =, !=, =~, !~ in that order (the last key when Alertmanager sorts matchers)."""
-        return (0 if self.is_equal else 1) + (2 if self.is_regex else 0)
-
-    def text(self) -> str:
-        """labels.Matcher.String(): the value escaped as OpenMetrics does (backslash, newline, double quote)."""
-        op = ("=", "!=", "=~", "!~")[self.match_type]
-        escaped = self.value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-        return f'{self.name}{op}"{escaped}"'
 
 
 class Route(BaseModel):

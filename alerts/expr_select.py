@@ -13,7 +13,7 @@ import math
 
 from alerts.expr_ast import Matcher, MatrixSelector, VectorSelector
 from alerts.expr_values import NAME, Labels, Points, SeriesSource, Vector, is_stale, with_name
-from alerts.regex import full_match
+from alerts.matchers import label_matches
 from alerts.series_catalog import resolve
 
 
@@ -77,16 +77,7 @@ def matrix(source: SeriesSource, node: MatrixSelector, ts: float) -> list[tuple[
 def _all_match(matchers: tuple[Matcher, ...], name: str, labels: Labels) -> bool:
     present = dict(labels)
     present[NAME] = name
-    return all(matches(m.op, m.value, present.get(m.label, "")) for m in matchers)
-
-
-def matches(op: str, pattern: str, value: str) -> bool:
-    if op == "=":
-        return value == pattern
-    if op == "!=":
-        return value != pattern
-    full = full_match(pattern, value)
-    return full if op == "=~" else not full
+    return all(label_matches(m.op, m.value, present.get(m.label, "")) for m in matchers)
 
 
 def _unscaled(pts: Points, scale: float) -> Points:

@@ -54,7 +54,7 @@ from collector.db import make_engine, session_factory, translate_errors
 from collector.errors import StorageError
 
 if TYPE_CHECKING:
-    from alerts.api_server import ApiServer
+    from plumbing.serving import ThreadServer
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class EvaluatorHandle:
     """A background thread running `AlertEvaluator.tick` every `poll_s`; `stop()` joins it and steps down."""
 
     def __init__(
-        self, evaluator: AlertEvaluator, engine: Engine | None, poll_s: float, api: ApiServer | None = None
+        self, evaluator: AlertEvaluator, engine: Engine | None, poll_s: float, api: ThreadServer | None = None
     ) -> None:
         self.evaluator = evaluator
         self.engine = engine

@@ -1,6 +1,6 @@
 """Silences as Alertmanager has them: label matchers and a time window; CRUD for the API, the CLI, the dashboard.
 
-Bounded as Alertmanager's validation is and then some: matchers are RE2 (alerts.regex), at least one must
+Bounded as Alertmanager's validation is and then some: matchers (alerts.matchers) are RE2, at least one must
 not match the empty string (a silence of `alertname=~".*"` would mute everything), names are label names,
 and names, values, comment, author and the matcher count have maximum sizes; strings hold no control
 characters (NUL cannot even be stored on PostgreSQL; values and comments may hold tabs and newlines).
@@ -22,14 +22,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from alerts.regex import RegexError, check, full_match
+from alerts.matchers import Matcher, has_control_chars, text_without_controls
 from collector.schema import AlertSilence
 
 log = logging.getLogger(__name__)
 
-LABEL_NAME = r"^[a-zA-Z_][a-zA-Z0-9_]*$"
-MAX_NAME_CHARS = 256
-MAX_VALUE_CHARS = 1024
 MAX_MATCHERS = 32
 MAX_CREATED_BY_CHARS = 200
 MAX_COMMENT_CHARS = 4096
@@ -38,29 +35,14 @@ DEFAULT_MAX_SILENCES = 1000
 EVERYTHING = "at least one matcher must not match the empty string (this silence would mute every alert)"
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_CONTROL_BUT_WHITESPACE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-
-
-def has_control_chars(text: str, *, multiline: bool = False) -> bool:
-    """Whether `text` holds a control character (tab, LF and CR allowed when `multiline`)."""
-    return (_CONTROL_BUT_WHITESPACE if multiline else _CONTROL).search(text) is not None
-
-
 def _one_line(text: str) -> str:
     if has_control_chars(text):
         raise ValueError("control characters (such as NUL or a newline) are not allowed")
     return text
 
 
-def _text(text: str) -> str:
-    if has_control_chars(text, multiline=True):
-        raise ValueError("control characters (such as NUL) are not allowed; tabs and newlines are")
-    return text
-
-
 Author = Annotated[str, Field(min_length=1, max_length=MAX_CREATED_BY_CHARS), AfterValidator(_one_line)]
-Comment = Annotated[str, Field(max_length=MAX_COMMENT_CHARS), AfterValidator(_text)]
+Comment = Annotated[str, Field(max_length=MAX_COMMENT_CHARS), AfterValidator(text_without_controls)]
 
 
 class SilenceRejected(ValueError):
@@ -79,32 +61,7 @@ class TooManySilences(SilenceRejected):
         self.retry_after_s = retry_after_s
 
 
-class SilenceMatcher(BaseModel):
-    """Alertmanager API v2's matcher fields (name, value, isRegex, isEqual)."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=LABEL_NAME)]
-    value: Annotated[str, Field(max_length=MAX_VALUE_CHARS), AfterValidator(_text)]
-    isRegex: bool = False
-    isEqual: bool = True
-
-    @model_validator(mode="after")
-    def _regex_compiles(self) -> SilenceMatcher:
-        if self.isRegex:
-            try:
-                check(self.value)
-            except RegexError as exc:
-                raise ValueError(f"matcher {self.name}: {exc}") from None
-        return self
-
-    def matches(self, labels: dict[str, str]) -> bool:
-        actual = labels.get(self.name, "")
-        hit = full_match(self.value, actual) if self.isRegex else actual == self.value
-        return hit if self.isEqual else not hit
-
-
-def check_matchers(matchers: list[SilenceMatcher]) -> list[SilenceMatcher]:
+def check_matchers(matchers: list[Matcher]) -> list[Matcher]:
     """Alertmanager's rule: a silence whose every matcher matches the empty string matches every alert."""
     if matchers and all(m.matches({}) for m in matchers):
         raise ValueError(EVERYTHING)
@@ -114,7 +71,7 @@ def check_matchers(matchers: list[SilenceMatcher]) -> list[SilenceMatcher]:
 class SilenceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    matchers: Annotated[list[SilenceMatcher], Field(min_length=1, max_length=MAX_MATCHERS)]
+    matchers: Annotated[list[Matcher], Field(min_length=1, max_length=MAX_MATCHERS)]
     startsAt: Annotated[float, Field(allow_inf_nan=False)]
     endsAt: Annotated[float, Field(allow_inf_nan=False)]
     createdBy: Author
@@ -132,13 +89,13 @@ class SilenceIn(BaseModel):
 _MATCHER = re.compile(r'^\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"?(.*?)"?\s*$')
 
 
-def parse_matcher(text: str) -> SilenceMatcher:
+def parse_matcher(text: str) -> Matcher:
     """`alertname=MemoryPressure`, `instance=~"gpu.*"`, `severity!=info` (amtool's syntax)."""
     match = _MATCHER.match(text)
     if not match:
         raise ValueError(f"bad matcher {text!r} (use name=value, name!=value, name=~regex, name!~regex)")
     name, op, value = match.groups()
-    return SilenceMatcher(name=name, value=value, isRegex="~" in op, isEqual=not op.startswith("!"))
+    return Matcher(name=name, value=value, isRegex="~" in op, isEqual=not op.startswith("!"))
 
 
 def _human(seconds: float) -> str:
@@ -276,33 +233,33 @@ def list_silences(
     return out
 
 
-def _stored_matchers(row: AlertSilence) -> list[SilenceMatcher] | None:
+def _stored_matchers(row: AlertSilence) -> list[Matcher] | None:
     """A stored silence's matchers; None (the silence is ignored, and said so) if today's rules refuse them,
     e.g. a pattern stored before matchers were RE2."""
     try:
-        return [SilenceMatcher.model_validate(m) for m in row.matchers]
+        return [Matcher.model_validate(m) for m in row.matchers]
     except ValidationError as exc:
         log.warning("silence %s ignored: its matchers are no longer valid: %s", row.id, exc.errors()[0]["msg"])
         return None
 
 
-def active_silences_by_id(session: Session, now: float) -> dict[str, list[SilenceMatcher]]:
+def active_silences_by_id(session: Session, now: float) -> dict[str, list[Matcher]]:
     rows = session.execute(
         select(AlertSilence).where(AlertSilence.starts_at <= now, AlertSilence.ends_at > now).order_by(AlertSilence.id)
     ).scalars()
     return {row.id: matchers for row in rows if (matchers := _stored_matchers(row)) is not None}
 
 
-def active_silences(session: Session, now: float) -> list[list[SilenceMatcher]]:
+def active_silences(session: Session, now: float) -> list[list[Matcher]]:
     return list(active_silences_by_id(session, now).values())
 
 
-def silenced_by(labels: dict[str, str], silences: dict[str, list[SilenceMatcher]]) -> list[str]:
+def silenced_by(labels: dict[str, str], silences: dict[str, list[Matcher]]) -> list[str]:
     """Ids of the silences muting an alert with `labels` (Alertmanager's status.silencedBy)."""
     return [sid for sid, matchers in silences.items() if all(m.matches(labels) for m in matchers)]
 
 
-def is_silenced(labels: dict[str, str], silences: list[list[SilenceMatcher]]) -> bool:
+def is_silenced(labels: dict[str, str], silences: list[list[Matcher]]) -> bool:
     return any(all(m.matches(labels) for m in matchers) for matchers in silences)
 
 

@@ -16,8 +16,6 @@ for an Idempotency-Key it already had (what a receiver without dedup would show 
 
 from __future__ import annotations
 
-import math
-import statistics
 import sys
 import tempfile
 import threading
@@ -35,6 +33,7 @@ from alerts.sql_source import SqlSource
 from collector.db import make_engine, session_factory, upgrade
 from collector.ingest import parse_batch, store_batch
 from collector.schema import AlertNotification
+from plumbing.percentile import nearest_rank
 
 LATENCY_RULES = """
 groups:
@@ -46,11 +45,6 @@ groups:
         for: 1s
         labels: {severity: page}
 """
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
 
 
 def _latency(trials: int) -> dict:
@@ -105,8 +99,8 @@ def _latency(trials: int) -> dict:
         "trials": trials,
         "delivered": len(latencies),
         "duplicates": sink.duplicates,
-        "delivery_p50_s": round(statistics.median(latencies), 4),
-        "delivery_p99_s": round(_percentile(latencies, 0.99), 4),
+        "delivery_p50_s": round(nearest_rank(latencies, 0.5), 4),
+        "delivery_p99_s": round(nearest_rank(latencies, 0.99), 4),
         "delivery_max_s": round(max(latencies), 4),
         "eval_interval_s": groups[0].interval_s,
         "for_s": hold_s,
@@ -261,7 +255,7 @@ def _sql_ttft(requests_per_s: float, ticks: int = 5) -> dict:
     return {
         "sql_ttft_rows": 4 * per_instance,
         "sql_ttft_first_eval_s": round(times[0], 3),
-        "sql_ttft_next_eval_p50_s": round(statistics.median(times[1:]), 4),
+        "sql_ttft_next_eval_p50_s": round(nearest_rank(times[1:], 0.5), 4),
     }
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +29,6 @@ import torch
 
 from benchmarks.vllm_server import PlainVllm, server_args, sigterm_as_exit, vllm_python_or_reason
 from benchmarks.vllm_server import send_burst as vllm_burst
-from collector.server import free_port
 from engine import workload as W
 from engine.checkpoint import VLLM_CPU_HEAD_SIZES, init_checkpoint
 from engine.config import EngineConfig
@@ -38,6 +36,8 @@ from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from engine.sinks import NullSink
 from engine.stats import FinishedRequest, IterationStats
+from plumbing.percentile import nearest_rank
+from plumbing.process import free_port
 
 POLICIES = {
     "fixed-16": {"block_policy": "fixed", "block_size": 16},
@@ -78,12 +78,6 @@ def bench_workload(quick: bool) -> list[W.WorkloadRequest]:
     if quick:
         return W.mixed(64, seed=1, scale=8, output_range=(16, 128))
     return W.mixed(192, seed=1, scale=4, output_range=(16, 256))
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q * (len(ordered) - 1))))
-    return ordered[rank]
 
 
 def run_kvpilot(cfg: EngineConfig, reqs: list[W.WorkloadRequest]) -> dict:
@@ -327,11 +321,11 @@ def _measure(
         "hf_tokens_per_s": round(hf["tokens_per_s"], 1),
         "ratio": round(main["tokens_per_s"] / hf["tokens_per_s"], 3),
         **_vllm_figures(main, best_vllm, server, skipped),
-        "p50_s": round(statistics.median(main["e2e"]), 4),
-        "p99_s": round(_percentile(main["e2e"], 0.99), 4),
-        "ttft_p50_s": round(statistics.median(main["ttft"]), 4),
-        "hf_p50_s": round(statistics.median(hf["e2e"]), 4),
-        "hf_p99_s": round(_percentile(hf["e2e"], 0.99), 4),
+        "p50_s": round(nearest_rank(main["e2e"], 0.5), 4),
+        "p99_s": round(nearest_rank(main["e2e"], 0.99), 4),
+        "ttft_p50_s": round(nearest_rank(main["ttft"], 0.5), 4),
+        "hf_p50_s": round(nearest_rank(hf["e2e"], 0.5), 4),
+        "hf_p99_s": round(nearest_rank(hf["e2e"], 0.99), 4),
         "waste": waste,
         "tokens_per_s_by_policy": per_policy_tps,
         "outside_forward_share": round(main["outside_forward_share"], 4),
@@ -357,7 +351,7 @@ def _vllm_figures(main: dict, served: dict | None, server: PlainVllm | None, ski
     return {
         "vllm_tokens_per_s": round(served["tokens_per_s"], 1),
         "ratio_vs_vllm": round(main["tokens_per_s"] / served["tokens_per_s"], 3),
-        "vllm_p50_s": round(statistics.median(served["e2e"]), 4),
-        "vllm_p99_s": round(_percentile(served["e2e"], 0.99), 4),
+        "vllm_p50_s": round(nearest_rank(served["e2e"], 0.5), 4),
+        "vllm_p99_s": round(nearest_rank(served["e2e"], 0.99), 4),
         "vllm": _vllm_facts(server),
     }

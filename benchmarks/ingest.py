@@ -377,9 +377,9 @@ def _emit_cost_ns(n: int = 200_000) -> dict[str, float]:
     alone; that thread's own CPU is `telemetry_sink_thread_cpu_fraction`.
     """
     from collector.events import StepEvent
-    from collector.server import free_port
     from engine.http_sink import HttpSink
     from engine.sinks import NullSink
+    from plumbing.process import free_port
 
     event = StepEvent.model_construct(**make_events(2)[1])
     parked = {"batch_size": n + 1, "flush_interval_s": 3600.0, "queue_size": n + 1, "spool_max_bytes": 0}

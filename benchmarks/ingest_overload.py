@@ -20,7 +20,6 @@ import gzip
 import json
 import os
 import random
-import statistics
 import tempfile
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import httpx
 
 from benchmarks.ingest import _cpu_seconds, make_events
+from plumbing.percentile import nearest_rank
 
 LEVELS = (4, 64, 256)
 BATCH_EVENTS = 5000
@@ -185,12 +185,6 @@ def _lost(db_url: str, acked: dict[str, int]) -> int:
     return sum(max(0, n - rows.get(batch_ids.get(key, -1), 0)) for key, n in acked.items())
 
 
-def _p99(values: list[float]) -> float:
-    if len(values) < 2:
-        return values[0] if values else float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[98]
-
-
 def _collector(root: Path, name: str, **overrides: Any):  # type: ignore[no-untyped-def]
     """A fresh collector process on its own SQLite file; `overrides` are CollectorSettings fields."""
     from collector.db import upgrade
@@ -219,7 +213,7 @@ def _run_level(root: Path, senders: int, bodies: list[bytes], duration_s: float)
         "duration_s": duration_s,
         "accepted_events_per_s": sum(stats.acked.values()) / duration_s,
         "rejected_share": (stats.answers[429] + stats.answers[503]) / answered if answered else 0.0,
-        "health_p99_s": _p99(stats.health_s),
+        "health_p99_s": nearest_rank(stats.health_s, 0.99),
         "health_failures": stats.health_failures,
         "peak_rss_mb": max(stats.rss_mb, default=0.0),
         "lost": _lost(db_url, stats.acked),
@@ -241,7 +235,7 @@ def _run_padded(root: Path, senders: int, duration_s: float) -> dict[str, Any]:
         "senders": senders,
         "wire_bytes": len(body),
         "inflated_mib": 60,
-        "health_p99_s": _p99(stats.health_s),
+        "health_p99_s": nearest_rank(stats.health_s, 0.99),
         "peak_rss_mb": max(stats.rss_mb, default=0.0),
         "lost": _lost(db_url, stats.acked),
         "drain_s": drain_s,

@@ -13,7 +13,6 @@ error."""
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from engine import workload as W
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
+from plumbing.percentile import nearest_rank
 from tuner import workloads as WL
 from tuner.calibrate import GridRunner, fit, jitter_quantiles
 from tuner.jobs import capacity_rps
@@ -44,12 +44,6 @@ CASES = (
 SIM_RUNS = 10  # simulator runs per workload with step-time jitter (a few seconds in all)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = max(1, math.ceil(q * len(ordered)))  # nearest rank, as collector.queries computes it
-    return ordered[min(len(ordered), k) - 1]
-
-
 def _figures(results: list[ReplayResult]) -> dict:
     """Means over the runs; latency percentiles over all their requests pooled (the p99 of one run of
     160 requests is its second-slowest request, of three runs pooled the fifth)."""
@@ -62,9 +56,9 @@ def _figures(results: list[ReplayResult]) -> dict:
         "duration_s": round(sum(res.duration_s for res in results) / n, 4),
         "busy_s": round(sum(res.busy_s for res in results) / n, 4),
         "throughput_tps": round(sum(tps) / n, 2),
-        "e2e_p50_s": round(_percentile(e2e, 0.5), 4),
-        "e2e_p99_s": round(_percentile(e2e, 0.99), 4),
-        "ttft_p99_s": round(_percentile(ttft, 0.99), 4),
+        "e2e_p50_s": round(nearest_rank(e2e, 0.5), 4),
+        "e2e_p99_s": round(nearest_rank(e2e, 0.99), 4),
+        "ttft_p99_s": round(nearest_rank(ttft, 0.99), 4),
         "steps": round(sum(res.steps for res in results) / n, 1),
     }
 

@@ -33,7 +33,7 @@ from benchmarks.light_client import ClientTiming, TraceRequest, replay, shared_p
 from collector import queries
 from collector.histograms import bucket_quantile, parse_le
 from collector.scraper import parse_exposition
-from kvpilot.loadtest.analysis import percentile
+from plumbing.percentile import nearest_rank
 
 HISTOGRAMS = {
     "ttft": "vllm:time_to_first_token_seconds",
@@ -68,7 +68,7 @@ def histogram_view(before: str, after: str) -> dict[str, dict[str, float | None]
 
 
 def _pair(values: list[float]) -> dict[str, float | None]:
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+    return {"p50": nearest_rank(values, 0.5), "p99": nearest_rank(values, 0.99)}
 
 
 def decompose(timings: list[ClientTiming], rows: list[dict[str, Any]], server: dict[str, dict]) -> dict[str, Any]:
@@ -192,9 +192,9 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.vllm_server import server_args, server_env
-    from collector.server import free_port
     from kvpilot.vllm import LaunchOptions, VllmLauncher, find_vllm_python
     from kvpilot.vllm.workbench import workbench
+    from plumbing.process import free_port
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.user_latency", description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, default=Path("kvpilot-data/user-latency"))

@@ -177,8 +177,8 @@ def _servers(
     wired_first: bool,
 ) -> Iterator[tuple[Wired, PlainVllm, dict[str, float]]]:
     """A wired and a plain vLLM, started one after the other (order alternating by round), warm, paused."""
-    from collector.server import free_port
     from kvpilot.vllm import LaunchOptions, VllmLauncher
+    from plumbing.process import free_port
 
     def args(port: int) -> list[str]:
         return server_args(

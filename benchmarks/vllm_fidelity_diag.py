@@ -35,6 +35,7 @@ from engine import workload as W
 from engine.config import ModelConfig
 from kvpilot.vllm import find_vllm_python
 from kvpilot.vllm.workbench import workbench
+from plumbing.percentile import nearest_rank
 from tuner import workloads as WL
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
@@ -138,13 +139,6 @@ def _loadavg() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-def _q(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def step_stats(steps: list[StoredStep], profile: VllmProfile, window_s: float) -> dict[str, Any]:
     """What a replay's steps look like: how many, how big, how long, and the time between them."""
     if not steps:
@@ -197,8 +191,8 @@ def request_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ):
         out[name] = {
             "mean": round(1000 * statistics.mean(vals), 1),
-            "p50": round(1000 * (_q(vals, 0.5) or 0), 1),
-            "p99": round(1000 * (_q(vals, 0.99) or 0), 1),
+            "p50": round(1000 * (nearest_rank(vals, 0.5) or 0), 1),
+            "p99": round(1000 * (nearest_rank(vals, 0.99) or 0), 1),
         }
     return out
 
@@ -213,8 +207,8 @@ def arrival_lag(rows: list[dict[str, Any]], planned: list[float]) -> dict[str, A
     return {
         "matched": True,
         "mean_ms": round(1000 * statistics.mean(lag), 1),
-        "p50_ms": round(1000 * (_q(lag, 0.5) or 0), 1),
-        "p90_ms": round(1000 * (_q(lag, 0.9) or 0), 1),
+        "p50_ms": round(1000 * (nearest_rank(lag, 0.5) or 0), 1),
+        "p90_ms": round(1000 * (nearest_rank(lag, 0.9) or 0), 1),
         "max_ms": round(1000 * max(lag), 1),
     }
 
@@ -262,8 +256,8 @@ def lag_breakdown(rec_replay: dict[str, Any], rows: list[dict[str, Any]]) -> dic
         "matched": len(server),
         "post_to_stamp_ms": {
             "mean": round(1000 * statistics.mean(server), 1),
-            "p50": round(1000 * (_q(server, 0.5) or 0), 1),
-            "p90": round(1000 * (_q(server, 0.9) or 0), 1),
+            "p50": round(1000 * (nearest_rank(server, 0.5) or 0), 1),
+            "p90": round(1000 * (nearest_rank(server, 0.9) or 0), 1),
             "max": round(1000 * max(server), 1),
         },
     }

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from kvpilot.vllm.wiring import API_SERVER_MODULE, VllmSetupError, find_vllm_python
+from plumbing.process import spawn, wait_healthy
 
 SERVED_NAME = "bench"
 STARTUP_TIMEOUT_S = 600.0  # ~90 s on a loaded 2-core machine (torch.compile of the model at start)
@@ -92,21 +93,6 @@ def sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:] if log_path and log_path.exists() else ""
-                raise VllmSetupError(f"vLLM exited with {proc.returncode} before serving:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise VllmSetupError(f"vLLM did not answer {url}/health within {timeout_s:.0f} s")
-            time.sleep(0.5)
-
-
 @dataclass
 class PlainVllm:
     """`python -m vllm.entrypoints.openai.api_server ARGS` in its own process group, output to `log_path`."""
@@ -125,17 +111,12 @@ class PlainVllm:
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> PlainVllm:
         """Start and wait for /health; `startup_s` is the time that took."""
         t0 = time.perf_counter()
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [self.python, "-m", API_SERVER_MODULE, *self.args],
-                env=server_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        command = [self.python, "-m", API_SERVER_MODULE, *self.args]
+        self.proc = spawn(command, log_path=self.log_path, env=server_env(), new_session=True)
         try:
-            wait_healthy(self.url, self.proc, timeout_s, self.log_path)
+            wait_healthy(
+                f"{self.url}/health", self.proc, timeout_s=timeout_s, what="vLLM", log_path=self.log_path, poll_s=0.5
+            )
         except BaseException:
             self.stop()
             raise

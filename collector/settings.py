@@ -37,6 +37,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from plumbing.bind import is_loopback
+
 DEFAULT_DB_URL = "sqlite:///./kvpilot-data/kvpilot.db"
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -150,12 +152,7 @@ class CollectorSettings(BaseSettings):
     @property
     def loopback_only(self) -> bool:
         """Whether the collector listens on a loopback address only (nobody else can reach it)."""
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
-        except ValueError:
-            return False
+        return is_loopback(self.host)
 
     @property
     def docs_enabled(self) -> bool:

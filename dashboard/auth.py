@@ -36,6 +36,7 @@ import streamlit as st
 
 from dashboard import settings as settings_mod
 from dashboard.signin_guard import GuardLimits, SignInGuard
+from plumbing.bind import is_loopback
 
 USER_KEY = "kvpilot_user"
 CLIENT_KEY = "kvpilot_client"
@@ -48,17 +49,6 @@ USER_NAME = re.compile(r"[\w][\w .@+-]{0,63}")
 def bind_address() -> str | None:
     """The address Streamlit listens on (None or '' means every interface)."""
     return st.get_option("server.address")
-
-
-def is_loopback(address: str | None) -> bool:
-    if not address:
-        return False  # Streamlit's default: every interface
-    if address == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def request_headers() -> Mapping[str, str]:

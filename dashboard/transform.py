@@ -216,9 +216,9 @@ def matcher_text(matchers: list[dict[str, Any]]) -> str:
 
 def matches(matchers: list[dict[str, Any]], labels: dict[str, str]) -> bool:
     """Whether a silence's matchers (stored dicts) all match these labels (Alertmanager's rules)."""
-    from alerts.silences import SilenceMatcher
+    from alerts.matchers import Matcher
 
-    return all(SilenceMatcher.model_validate(m).matches(labels) for m in matchers)
+    return all(Matcher.model_validate(m).matches(labels) for m in matchers)
 
 
 @dataclass(frozen=True)

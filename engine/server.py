@@ -24,10 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.async_engine import AsyncEngine, RequestHandle
-from engine.body_limit import BodyLimitMiddleware
 from engine.config import PRIORITY_CLASSES, ConfigError, ModelConfig
 from engine.llm_engine import InvalidRequestError, LLMEngine, QueueFullError
 from engine.sequence import SamplingParams
+from plumbing.body_limit import BodyLimitMiddleware
 
 log = logging.getLogger("kvpilot.engine.server")
 MAX_CHARS_PER_TOKEN = 64

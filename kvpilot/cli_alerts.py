@@ -119,12 +119,12 @@ def run_cmd(
     ),
 ) -> None:
     """Evaluate rules against the database and deliver notifications (one active evaluator per DB)."""
-    from alerts.api_server import UnsafeBindError
     from alerts.config import load_notifier_config
     from alerts.durations import DurationError, parse_duration
     from alerts.runner import start_evaluator
     from alerts.sink import run_webhook_sink
     from collector.errors import StorageError
+    from plumbing.bind import UnsafeBindError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     groups = _load(rules)

@@ -1,9 +1,9 @@
 """`kvpilot dashboard`: the Streamlit app (`streamlit run dashboard/app.py` underneath), and a programmatic start.
 
-proc = start_dashboard("sqlite:///kvpilot-data/kvpilot.db", port=8501)
-wait_until_healthy("http://127.0.0.1:8501")   # raises TimeoutError with the dashboard's output
+proc = start_dashboard("sqlite:///kvpilot-data/kvpilot.db", port=8501, log_path="dashboard.log")
+plumbing.process.wait_healthy("http://127.0.0.1:8501" + HEALTH_PATH, proc, timeout_s=60, log_path="dashboard.log")
 ...
-proc.terminate(); proc.wait()
+plumbing.process.stop_process(proc)
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import typer
 
 from kvpilot.cli_extras import require_extras
+from plumbing import bind
+from plumbing.process import spawn
+
+HEALTH_PATH = "/_stcore/health"  # Streamlit's: 200 once the app serves
 
 
 def app_path() -> Path:
@@ -59,17 +62,15 @@ def dashboard_command(*, port: int, host: str, headless: bool) -> list[str]:
 def check_bind(host: str) -> None:
     """Refuse a non-loopback address without a write password (docs/architecture.md: services bind loopback unless
     configured otherwise and refuse a non-loopback bind without a token). ValueError says what to set."""
-    from dashboard.auth import is_loopback
     from dashboard.settings import load
 
-    if is_loopback(host):
-        return
-    if load().password is None:
-        raise ValueError(
-            f"refusing to serve the dashboard on {host or 'every interface'} without a password: set "
-            "KVPILOT_DASHBOARD_PASSWORD (12+ characters; visitors sign in with it), or keep the default "
-            "--host 127.0.0.1 behind an authenticating proxy (KVPILOT_DASHBOARD_TRUST_PROXY_HEADER)"
-        )
+    bind.check_bind(
+        host,
+        has_credential=bind.is_loopback(host) or load().password is not None,  # settings read only when needed
+        service="the dashboard",
+        missing="a password: set KVPILOT_DASHBOARD_PASSWORD (12+ characters; visitors sign in with it), or keep "
+        "the default --host 127.0.0.1 behind an authenticating proxy (KVPILOT_DASHBOARD_TRUST_PROXY_HEADER)",
+    )
 
 
 def _env(db_url: str | None) -> dict[str, str]:
@@ -96,38 +97,7 @@ def start_dashboard(
     if not app_path().is_file():
         raise FileNotFoundError(f"dashboard app not found at {app_path()}")
     check_bind(host)
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
-    try:
-        return subprocess.Popen(
-            dashboard_command(port=port, host=host, headless=headless),
-            env=_env(db_url),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    finally:
-        if log_path:
-            out.close()
-
-
-def wait_until_healthy(base_url: str, *, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll Streamlit's /_stcore/health until it answers ok; fail fast if `proc` exits first."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"dashboard exited with status {proc.returncode} before becoming healthy")
-        try:
-            response = httpx.get(f"{base_url}/_stcore/health", timeout=2.0)
-            if response.status_code == 200:
-                return
-            last = f"HTTP {response.status_code}"
-        except httpx.HTTPError as exc:
-            last = str(exc)
-        time.sleep(0.25)
-    raise TimeoutError(f"dashboard at {base_url} not healthy after {timeout_s:.0f} s ({last})")
+    return spawn(dashboard_command(port=port, host=host, headless=headless), log_path=log_path, env=_env(db_url))
 
 
 def dashboard_cmd(

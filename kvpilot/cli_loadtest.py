@@ -85,11 +85,11 @@ def loadtest_cmd(
 ) -> None:
     """Open-loop load against an engine; exit 0 only when every pass criterion holds."""
     from engine.config import ConfigError
-    from kvpilot.loadtest.local import LocalProcessError
     from kvpilot.loadtest.plan import PlanError
     from kvpilot.loadtest.publish import PublishError
     from kvpilot.loadtest.report import render_table, write_json
     from kvpilot.loadtest.session import LoadTestSpec, run_loadtest
+    from plumbing.process import ProcessStartError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     explicit = {name for name in ctx.params if _source_name(ctx, name) not in (None, "DEFAULT")}
@@ -168,7 +168,7 @@ def loadtest_cmd(
         raise _fail(exc.option, str(exc).split(": ", 1)[-1]) from None
     except ConfigError as exc:
         raise _fail("--engine-config", str(exc)) from None
-    except (LocalProcessError, PublishError) as exc:
+    except (ProcessStartError, PublishError) as exc:
         typer.echo(f"kvpilot loadtest: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(render_table(report), err=True)

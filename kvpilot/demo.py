@@ -91,29 +91,14 @@ def _interruptible() -> Iterator[threading.Event]:
 
 
 def _serve_engine(cfg: dict, stack: _Stack) -> str:
-    import uvicorn
-
     from engine.config import EngineConfig
     from engine.factory import build_app
+    from plumbing.serving import serve_in_thread
 
     app = build_app(EngineConfig.from_dict(cfg, source="demo engine config"))
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=cfg["server"]["port"], log_level="warning", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, name="kvpilot-demo-engine", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("demo engine did not start")
-        time.sleep(0.05)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(15)
-
-    stack.push("engine", stop)
-    return f"http://127.0.0.1:{cfg['server']['port']}"
+    server = serve_in_thread(app, port=cfg["server"]["port"], name="kvpilot-demo-engine", timeout_s=60.0)
+    stack.push("engine", lambda: server.stop(15.0))
+    return server.url
 
 
 def _fresh_admin_token() -> str:
@@ -136,8 +121,8 @@ def _start_dashboard(db_url: str, engine_url: str, admin_token: str, port: int, 
     import os
     import socket
 
-    from collector.server import free_port, stop_process
-    from kvpilot.cli_dashboard import start_dashboard, wait_until_healthy
+    from kvpilot.cli_dashboard import HEALTH_PATH, start_dashboard
+    from plumbing.process import ProcessStartError, free_port, stop_process, wait_healthy
 
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:  # taken: take any free port instead
@@ -149,13 +134,14 @@ def _start_dashboard(db_url: str, engine_url: str, admin_token: str, port: int, 
     os.environ["KVPILOT_ENGINE_URL"] = engine_url
     os.environ["KVPILOT_ADMIN_TOKEN"] = admin_token
     os.environ.setdefault("KVPILOT_DASHBOARD_RULE_FILES", str(DEMO_RULES))
-    proc = start_dashboard(db_url, port=port, log_path=DATA_DIR / "dashboard.log")
+    log_path = DATA_DIR / "dashboard.log"
+    proc = start_dashboard(db_url, port=port, log_path=log_path)
 
     stack.push("dashboard", lambda: stop_process(proc))
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_healthy(url, timeout_s=60, proc=proc)
-    except (RuntimeError, TimeoutError) as exc:
+        wait_healthy(url + HEALTH_PATH, proc, timeout_s=60, what="dashboard", log_path=log_path, poll_s=0.25)
+    except ProcessStartError as exc:
         log.warning("dashboard did not start: %s", exc)
         return None
     _say(f"dashboard on {url}")
@@ -168,12 +154,13 @@ def run_demo(duration_s: float = 20.0, *, keep_running: bool | None = None, dash
     from alerts.runner import start_evaluator
     from alerts.sink import run_webhook_sink
     from collector.db import upgrade
-    from collector.server import free_port, run_in_thread
+    from collector.server import run_in_thread
     from collector.settings import CollectorSettings
     from kvpilot import demo_alerts as DA
     from kvpilot.demo_load import drive_demo_load
     from kvpilot.demo_report import dashboard_line, print_summary, wait_for_stored
     from kvpilot.demo_tune import run_demo_tuning
+    from plumbing.process import free_port
 
     DATA_DIR.mkdir(exist_ok=True)
     db_path = (DATA_DIR / "kvpilot.db").resolve()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from engine import workload as W
+from plumbing.percentile import nearest_rank
 
 BURST_FACTOR = 6.0  # +500%
 
@@ -147,7 +147,7 @@ async def drive_demo_load(
             say(f"load: waiting for {len(pending)} requests in flight")
             await asyncio.gather(*pending)
     wall = time.monotonic() - t0
-    e2e = sorted(r["timings"]["e2e_s"] for r in results) or [0.0]
+    e2e = [r["timings"]["e2e_s"] for r in results] or [0.0]
     ttft = [r["timings"]["ttft_s"] for r in results if r["timings"]["ttft_s"] is not None] or [0.0]
     tokens = sum(r["output_tokens"] for r in results)
     return {
@@ -157,9 +157,9 @@ async def drive_demo_load(
         "errors": errors,
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall if wall else 0.0,
-        "p50_s": statistics.median(e2e),
-        "p99_s": e2e[min(len(e2e) - 1, round(0.99 * (len(e2e) - 1)))],
-        "ttft_p50_s": statistics.median(ttft),
+        "p50_s": nearest_rank(e2e, 0.5),
+        "p99_s": nearest_rank(e2e, 0.99),
+        "ttft_p50_s": nearest_rank(ttft, 0.5),
         "burst_start_s": gate.start_s,
         "burst_s": gate.length_s,
         "burst_outcome": gate.outcome,

@@ -22,6 +22,7 @@ from sqlalchemy import Engine
 
 from engine import workload as W
 from engine.config import EngineConfig
+from plumbing.lengths import clip_lengths
 
 log = logging.getLogger("kvpilot.tuner.workloads")
 
@@ -66,13 +67,6 @@ class WorkloadOptions:
         return self
 
 
-def _clip(prompt: int, output: int, max_total: int | None) -> tuple[int, int]:
-    if max_total is None or prompt + output <= max_total:
-        return prompt, output
-    output = max(1, min(output, max_total // 4))
-    return max(2, min(prompt, max_total - output)), output
-
-
 def _kind(prompt: int) -> str:
     return "short" if prompt < 512 else "medium" if prompt <= 2048 else "long"
 
@@ -103,7 +97,7 @@ def scenario(name: str, capacity_rps: float, opts: WorkloadOptions, *, seed: int
 
 
 def _clipped(r: W.WorkloadRequest, max_total: int | None) -> W.WorkloadRequest:
-    prompt, output = _clip(r.prompt_tokens, r.output_tokens, max_total)
+    prompt, output = clip_lengths(r.prompt_tokens, r.output_tokens, max_total)
     if (prompt, output) == (r.prompt_tokens, r.output_tokens):
         return r
     return W.WorkloadRequest(r.arrival_s, prompt, output, r.priority, r.prefix_group, r.kind)
@@ -137,7 +131,7 @@ def load_trace(path: str | Path, opts: WorkloadOptions) -> list[W.WorkloadReques
             break
         prompt = max(2, round(context / opts.length_scale))
         output = max(1, round(generated / opts.length_scale))
-        prompt, output = _clip(prompt, output, opts.max_total_tokens)
+        prompt, output = clip_lengths(prompt, output, opts.max_total_tokens)
         out.append(W.WorkloadRequest(arrival, prompt, output, 1, None, _kind(context)))
     return out
 
@@ -174,7 +168,7 @@ class FittedWorkload:
                 prompt, output, prio = rng.choice(self.shapes)
                 prompt = max(2, round(prompt / opts.length_scale))
                 output = max(1, round(output / opts.length_scale))
-                prompt, output = _clip(prompt, output, opts.max_total_tokens)
+                prompt, output = clip_lengths(prompt, output, opts.max_total_tokens)
                 out.append(W.WorkloadRequest(t, prompt, output, prio, None, _kind(prompt)))
         return out
 
@@ -278,7 +272,7 @@ def stored_traffic(
             break
         p = max(2, round(prompt / opts.length_scale))
         o = max(1, round(output / opts.length_scale))
-        p, o = _clip(p, o, opts.max_total_tokens)
+        p, o = clip_lengths(p, o, opts.max_total_tokens)
         out.append(W.WorkloadRequest(at, p, o, prio, None, _kind(prompt)))
     return out
 

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Row
 
 from collector.queries.request_stats import _request_filter
 from collector.schema import RequestRow, StepRow
+from plumbing.percentile import nearest_rank
 
 Status = Literal["present", "absent", "no_data"]
 Severity = Literal["critical", "warning", "ok", "unknown"]
@@ -307,13 +308,9 @@ def near(value: float, threshold: float) -> bool:
     return NEAR * threshold <= value < threshold
 
 
-def nearest_rank(values: Sequence[float], q: float) -> float:
-    """The read package's quantile (request_stats): the ceil(q * n)-th smallest value; `values` sorted."""
-    return values[max(1, math.ceil(q * len(values))) - 1]
-
-
 def median(values: Sequence[float]) -> float:
-    return nearest_rank(sorted(values), 0.5) if values else 0.0
+    """The nearest-rank p50 (the read package's percentile definition); 0.0 without values."""
+    return nearest_rank(values, 0.5) or 0.0
 
 
 def thin(points: Points, max_points: int = MAX_POINTS, agg: Callable[[list[float]], float] = max) -> Points:

@@ -32,7 +32,6 @@ from collector.queries.diagnosis_base import (
     finding,
     median,
     near,
-    nearest_rank,
     no_data,
     request_dicts,
     request_rows,
@@ -44,6 +43,7 @@ from collector.queries.diagnosis_base import (
 from collector.queries.diagnosis_traffic import WAIT_COLUMNS, arrival_spans, seconds_of, waited_s
 from collector.queries.request_stats import _request_filter
 from collector.schema import RequestRow
+from plumbing.percentile import nearest_rank
 
 MIXED_KNOB = "scheduler.prefill_chunk_tokens"
 BURST_KNOB = "scheduler.max_num_batched_tokens"

@@ -8,15 +8,16 @@
   administration), either (reading); `errors`: `Rejected`, the documented error shape, `RefusalLog`;
 - `admission`: the bounds on pushes in flight (requests, bytes, time waiting for the database);
 - `run`: `serve` (blocking) and `run_in_thread` (demo, tests: `handle = run_in_thread(settings)` ...
-  `handle.stop()`); `process`: `start_subprocess(settings)` for a separate process that can be killed.
+  `handle.stop()`, a plumbing.serving.ThreadServer); `process`: `start_subprocess(settings)` for a separate
+  process that can be killed.
 """
 
 from collector.server.app import create_app
-from collector.server.process import CollectorProcess, free_port, start_subprocess, stop_process
-from collector.server.run import CollectorHandle, check_bind_safety, run_in_thread, serve
+from collector.server.process import CollectorProcess, start_subprocess
+from collector.server.run import check_bind_safety, run_in_thread, serve
+from plumbing.process import free_port  # tuner/vllm imports it from here
 
 __all__ = [
-    "CollectorHandle",
     "CollectorProcess",
     "check_bind_safety",
     "create_app",
@@ -24,5 +25,4 @@ __all__ = [
     "run_in_thread",
     "serve",
     "start_subprocess",
-    "stop_process",
 ]

@@ -4,33 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-
-import httpx
 
 from collector.errors import CollectorError
 from collector.settings import CollectorSettings
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if the child has not exited within `timeout_s`; reaps it either way."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+from plumbing.process import ProcessStartError, free_port, spawn, stop_process, wait_healthy
 
 
 @dataclass
@@ -49,11 +29,7 @@ class CollectorProcess:
         self.proc.wait()
 
 
-def start_subprocess(
-    settings: CollectorSettings, *, timeout_s: float = 30.0, log_path: str | os.PathLike | None = None
-) -> CollectorProcess:
-    """Run a collector in a child process on settings.port (0: a free port); returns once /health answers."""
-    port = settings.port or free_port(settings.host)
+def _env(settings: CollectorSettings, port: int) -> dict[str, str]:
     env = {**os.environ}
     for name, value in settings.model_dump(mode="json").items():
         key = f"KVPILOT_{name.upper()}"
@@ -66,19 +42,20 @@ def start_subprocess(
         else:
             env[key] = str(value)
     env["KVPILOT_PORT"] = str(port)
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "collector", "serve"], env=env, stdout=out, stderr=out)
+    return env
+
+
+def start_subprocess(
+    settings: CollectorSettings, *, timeout_s: float = 30.0, log_path: str | os.PathLike | None = None
+) -> CollectorProcess:
+    """Run a collector in a child process on settings.port (0: a free port); returns once /health answers."""
+    port = settings.port or free_port(settings.host)
+    proc = spawn([sys.executable, "-m", "collector", "serve"], log_path=log_path, env=_env(settings, port))
     url = f"http://{settings.host}:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise CollectorError(f"collector exited with {proc.returncode} before serving")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return CollectorProcess(url=url, port=port, proc=proc)
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise CollectorError(f"collector did not answer on {url} within {timeout_s}s")
-        time.sleep(0.05)
+    try:
+        wait_healthy(f"{url}/health", proc, timeout_s=timeout_s, what="collector", log_path=log_path, poll_s=0.05)
+    except ProcessStartError as exc:
+        proc.kill()
+        proc.wait()
+        raise CollectorError(str(exc)) from None
+    return CollectorProcess(url=url, port=port, proc=proc)

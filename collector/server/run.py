@@ -5,10 +5,6 @@ ingest token or in dev mode (`check_bind_safety`)."""
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
-from dataclasses import dataclass
 
 import uvicorn
 
@@ -17,6 +13,7 @@ from collector.db import check_schema_current, make_engine
 from collector.errors import CollectorError
 from collector.server.app import create_app
 from collector.settings import CollectorSettings
+from plumbing.serving import ServeError, ThreadServer, serve_in_thread
 
 log = logging.getLogger("kvpilot.collector")
 
@@ -60,46 +57,22 @@ def serve(settings: CollectorSettings) -> None:
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
 
 
-@dataclass
-class CollectorHandle:
-    """A collector serving in a background thread of this process."""
-
-    url: str
-    port: int
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=timeout_s)
-
-    def __enter__(self) -> CollectorHandle:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop()
-
-
-def run_in_thread(settings: CollectorSettings, *, timeout_s: float = 30.0) -> CollectorHandle:
+def run_in_thread(settings: CollectorSettings, *, timeout_s: float = 30.0) -> ThreadServer:
     """Start a collector on `settings.host:settings.port` (port 0 picks a free one); returns when it serves.
 
-    Raises SchemaOutdatedError before starting if the database is not at head.
+    Raises SchemaOutdatedError before starting if the database is not at head, CollectorError if it cannot
+    listen or does not start.
     """
     check_bind_safety(settings)
     _check_database(settings)
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(settings), log_level=settings.log_level, access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvpilot-collector", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise CollectorError("collector did not start (see its log)")
-        time.sleep(0.02)
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    return CollectorHandle(url=f"http://{host}:{port}", port=port, server=server, thread=thread)
+    try:
+        return serve_in_thread(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            name="kvpilot-collector",
+            log_level=settings.log_level,
+            timeout_s=timeout_s,
+        )
+    except ServeError as exc:
+        raise CollectorError(f"collector: {exc}") from None

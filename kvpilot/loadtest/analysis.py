@@ -26,7 +26,6 @@ A criterion whose input the target does not expose is reported `passed: false` w
 from __future__ import annotations
 
 import itertools
-import math
 import statistics
 from collections.abc import Sequence
 
@@ -34,6 +33,7 @@ from kvpilot.loadtest import fidelity
 from kvpilot.loadtest.client import RequestResult
 from kvpilot.loadtest.runner import RunResult
 from kvpilot.loadtest.scrape import MetricsSample, external_names
+from plumbing.percentile import nearest_rank
 
 P99_DRIFT_LIMIT = 0.20
 UTIL_FLUCTUATION_LIMIT = 0.15
@@ -51,15 +51,6 @@ LATENCY_METRICS = ("e2e", "ttft", "tpot")
 MIN_WINDOW_REQUESTS = 5
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100), as collector.queries computes it."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
 def metric_value(res: RequestResult, metric: str) -> float | None:
     if metric == "ttft":
         return res.ttft_s
@@ -75,9 +66,9 @@ def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
     return {
         "count": len(vals),
         "mean": _r(statistics.fmean(vals)),
-        "p50": _r(percentile(vals, 50)),
-        "p90": _r(percentile(vals, 90)),
-        "p99": _r(percentile(vals, 99)),
+        "p50": _r(nearest_rank(vals, 0.5)),
+        "p90": _r(nearest_rank(vals, 0.9)),
+        "p99": _r(nearest_rank(vals, 0.99)),
         "max": _r(max(vals)),
     }
 
@@ -200,7 +191,7 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
                 "sent": len(in_win),
                 "answered": sum(r.outcome == "ok" for r in in_win),
                 "refused": sum(r.outcome == "refused" for r in in_win),
-                "p99_s": _r(percentile(vals, 99)),
+                "p99_s": _r(nearest_rank(vals, 0.99)),
                 "n_latency": len(vals),
             }
         )
@@ -245,7 +236,7 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
         "requests neither answered nor refused with 429" + (f"; first: {(failed + timed_out)[0].error}" if bad else ""),
     )
     late_s = [r.lateness_s for r in results]
-    late = fidelity.lateness(late_s, percentile(late_s, 50), percentile(late_s, 99))
+    late = fidelity.lateness(late_s, nearest_rank(late_s, 0.5), nearest_rank(late_s, 0.99))
     on_time = _criterion(late["on_time"], late["p99_s"], fidelity.LATENESS_LIMIT_S, fidelity.verdict(late))
     criteria = {
         "no_oom": oom_crit,
@@ -265,7 +256,7 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
         "tokens": fidelity.tokens(results, run.prompt_form),
         "oom_events": oom_crit["value"],
         "p99_metric": metric,
-        "p99_s": _r(percentile([v for r in ok if (v := metric_value(r, metric)) is not None], 99)),
+        "p99_s": _r(nearest_rank([v for r in ok if (v := metric_value(r, metric)) is not None], 0.99)),
         "p99_first_window_s": first["p99_s"],
         "p99_last_window_s": last["p99_s"],
         "p99_drift": _r(drift, 4),

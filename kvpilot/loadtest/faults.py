@@ -28,14 +28,15 @@ from pathlib import Path
 
 import httpx
 
-from collector.server import free_port
 from kvpilot.loadtest import verify
-from kvpilot.loadtest.analysis import analyze, percentile
+from kvpilot.loadtest.analysis import analyze
 from kvpilot.loadtest.local import LocalEngine, load_engine_config, merge, start_engine
 from kvpilot.loadtest.plan import PlanOptions, plan_burst, plan_mixed
 from kvpilot.loadtest.runner import RunOptions, RunResult, TimedAction, run_load
 from kvpilot.loadtest.scrape import parse_metrics
 from kvpilot.loadtest.session import LoadTestSpec, _client_opts
+from plumbing.percentile import nearest_rank
+from plumbing.process import free_port
 
 FAULTS = ("collector-restart", "webhook-down", "kv-exhaustion", "slow-client")
 SLOW_SHARE = 0.25
@@ -355,8 +356,8 @@ def slow_client(spec: LoadTestSpec, engine_cfg: dict, workdir: Path, run_id: str
         run = asyncio.run(run_load(engine.url, _plan(spec), opts))
     slow = [r for r in run.results if r.slow]
     fast = [r for r in run.results if not r.slow and r.outcome == "ok"]
-    fast_tpot = percentile([t for r in fast if (t := r.tpot_s) is not None], 99)
-    slow_e2e = percentile([r.e2e_s for r in slow if r.outcome == "ok"], 50)
+    fast_tpot = nearest_rank([t for r in fast if (t := r.tpot_s) is not None], 0.99)
+    slow_e2e = nearest_rank([r.e2e_s for r in slow if r.outcome == "ok"], 0.5)
     checks = {
         "answered_or_refused": verify.answered_or_refused(run.results),
         "full_answers": verify.full_answers(run.results),

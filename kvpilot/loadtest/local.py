@@ -12,14 +12,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import yaml
 
-from collector.server import free_port, stop_process
+from plumbing.process import ProcessStartError, free_port, spawn, stop_process, wait_healthy
 
 TINY_ENGINE: dict = {
     "device": "cpu",
@@ -27,10 +25,6 @@ TINY_ENGINE: dict = {
     "warmup": {"requests": 8},  # a served engine is warm; --cold-start measures the difference
     "telemetry": {"sink": "none"},
 }
-
-
-class LocalProcessError(RuntimeError):
-    """A child engine that would not start; the message carries the tail of its log."""
 
 
 def merge(base: dict, patch: dict) -> dict:
@@ -62,12 +56,6 @@ class LocalEngine:
     def stop(self, timeout_s: float = 10.0) -> None:
         stop_process(self.proc, timeout_s)
 
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
     def __enter__(self) -> LocalEngine:
         return self
 
@@ -78,7 +66,9 @@ class LocalEngine:
 def start_engine(
     config: dict, *, workdir: Path | None = None, timeout_s: float = 120.0, name: str = "engine"
 ) -> LocalEngine:
-    """Write `config` (an EngineConfig dict) to a file, serve it on a free port, wait for /health."""
+    """Write `config` (an EngineConfig dict) to a file, serve it on a free port, wait for /health.
+
+    ProcessStartError (with the tail of the engine's log) when it exits first or does not answer in time."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpilot-loadtest-"))
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -91,36 +81,22 @@ def start_engine(
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvpilot.cli",
-                "engine",
-                "serve",
-                "--config",
-                str(cfg_path),
-                "--log-level",
-                "warning",
-            ],
-            stdout=log,
-            stderr=log,
-            env=env,
-            cwd=workdir,
-        )
-    url = f"http://127.0.0.1:{port}"
-    engine = LocalEngine(url, port, proc, workdir, log_path)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise LocalProcessError(f"{name} exited with {proc.returncode} before serving:\n{engine.log_tail()}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return engine
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            engine.stop()
-            raise LocalProcessError(f"{name} did not answer /health within {timeout_s}s:\n{engine.log_tail()}")
-        time.sleep(0.1)
+    command = [
+        sys.executable,
+        "-m",
+        "kvpilot.cli",
+        "engine",
+        "serve",
+        "--config",
+        str(cfg_path),
+        "--log-level",
+        "warning",
+    ]
+    proc = spawn(command, log_path=log_path, env=env, cwd=workdir)
+    engine = LocalEngine(f"http://127.0.0.1:{port}", port, proc, workdir, log_path)
+    try:
+        wait_healthy(f"{engine.url}/health", proc, timeout_s=timeout_s, what=name, log_path=log_path)
+    except ProcessStartError:
+        engine.stop()
+        raise
+    return engine

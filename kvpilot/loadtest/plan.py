@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 from engine import workload
+from plumbing.lengths import clip_lengths
 
 SCENARIOS = ("mixed", "burst", "sustained", "trace")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz     "
@@ -57,17 +58,10 @@ def prompt_text(tokens: int, index: int, seed: int = 0) -> str:
     return "q" + body[1:] if body[0] == " " else body
 
 
-def _clip(prompt: int, output: int, limit: int | None) -> tuple[int, int]:
-    if limit is None or prompt + output <= limit:
-        return prompt, output
-    output = max(1, min(output, limit // 4))
-    return max(2, limit - output), output
-
-
 def _from_workload(reqs: list[workload.WorkloadRequest], opts: PlanOptions) -> list[PlannedRequest]:
     out = []
     for i, r in enumerate(reqs):
-        prompt, output = _clip(r.prompt_tokens, r.output_tokens, opts.max_total_tokens)
+        prompt, output = clip_lengths(r.prompt_tokens, r.output_tokens, opts.max_total_tokens)
         out.append(PlannedRequest(i, r.arrival_s, prompt, output, r.kind))
     return out
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import workload as W
-from kvpilot.loadtest.plan import PlanError, PlannedRequest, _clip
+from kvpilot.loadtest.plan import PlanError, PlannedRequest
+from plumbing.lengths import clip_lengths
 
 COLUMNS = W.TRACE_COLUMNS
 
@@ -47,7 +48,7 @@ def load_trace(
             break
         prompt = max(2, round(context / length_scale))
         output = max(1, round(generated / output_scale))
-        prompt, output = _clip(prompt, output, max_total_tokens)
+        prompt, output = clip_lengths(prompt, output, max_total_tokens)
         kind = "short" if context < 512 else "medium" if context <= 2048 else "long"
         out.append(PlannedRequest(len(out), arrival, prompt, output, kind))
     return out

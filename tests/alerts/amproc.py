@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from alerts.sink import Received, WebhookSink
+from plumbing.process import ProcessStartError, free_port, spawn, stop_process, wait_healthy
 
 EXTERNAL_URL = "http://localhost:9093"
 
@@ -37,56 +35,33 @@ def alertmanager_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def run_alertmanager(tmp_path: Path, config_text: str, external_url: str = EXTERNAL_URL) -> Iterator[str]:
     """Start Alertmanager on `config_text` (YAML, or JSON, which is YAML too); yields its base URL."""
     binary = alertmanager_binary()
     config = tmp_path / "alertmanager.yml"
     config.write_text(config_text, encoding="utf-8")
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "alertmanager.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.path={tmp_path / 'am-data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--cluster.listen-address=",
-                f"--web.external-url={external_url}",
-                "--log.level=warn",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    command = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.path={tmp_path / 'am-data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--cluster.listen-address=",
+        f"--web.external-url={external_url}",
+        "--log.level=warn",
+    ]
+    proc = spawn(command, log_path=log_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"alertmanager exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"alertmanager not ready on {url} after 20 s:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
+        try:
+            wait_healthy(f"{url}/-/ready", proc, timeout_s=20, what="alertmanager", log_path=log_path, poll_s=0.05)
+        except ProcessStartError as exc:
+            pytest.fail(str(exc))
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, 5)
 
 
 def wait_received(sink: WebhookSink, match: Callable[[Any], bool], timeout_s: float = 15.0) -> Received:

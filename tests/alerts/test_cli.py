@@ -56,17 +56,15 @@ def test_silence_roundtrip(sqlite_url):
 
 def test_run_serves_the_api(sqlite_url):
     """`kvpilot alerts run --api-port`: silences posted over HTTP are what `kvpilot alerts silence list` shows."""
-    import socket
     import threading
     import time
 
     import httpx
 
     from alerts.alertmanager import rfc3339
+    from plumbing.process import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     done: dict = {}
     thread = threading.Thread(
         target=lambda: done.setdefault(

@@ -7,7 +7,6 @@ every transition happens at a known tick and every value equals what was seeded.
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections import defaultdict
 
@@ -20,6 +19,7 @@ from alerts.runner import AlertEvaluator
 from alerts.sql_source import SqlSource
 from collector.db import session_factory
 from collector.ingest import parse_batch, store_batch
+from plumbing.percentile import nearest_rank
 from tests.alerts.conftest import FakeClock
 from tests.collector import evfactory
 
@@ -109,11 +109,6 @@ def _requests(instance: str, minute_end: float, ttfts: list[float], **kw) -> lis
     ]
 
 
-def _nearest_rank_p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(0.99 * len(ordered))) - 1]
-
-
 def test_ttft_p99_per_minute_equals_nearest_rank_and_memo_follows_new_data(db_engine):
     rng = random.Random(3)
     expected: dict[str, dict[float, float]] = defaultdict(dict)
@@ -123,7 +118,7 @@ def test_ttft_p99_per_minute_equals_nearest_rank_and_memo_follows_new_data(db_en
         for instance, n in (("e0", 1 + minute * 7), ("e1", 3)):
             values = [round(rng.uniform(0.01, 2.0), 4) for _ in range(n)]
             events += _requests(instance, end, values)
-            expected[instance][end] = _nearest_rank_p99(values)
+            expected[instance][end] = nearest_rank(values, 0.99)
         events += _requests("e0", end, [99.0], warmup=True)  # warmup requests do not count
         events += _requests("e0", end, [None], status="failed")  # nor requests without a first token
     _ingest(db_engine, events)

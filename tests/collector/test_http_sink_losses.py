@@ -16,9 +16,11 @@ from sqlalchemy import text
 
 from collector.db import make_engine
 from collector.events import RequestEvent, SampleEvent
-from collector.server import CollectorHandle, free_port, run_in_thread
+from collector.server import run_in_thread
 from collector.settings import CollectorSettings
 from engine.http_sink import HttpSink
+from plumbing.process import free_port
+from plumbing.serving import ThreadServer
 from tests.collector import evfactory as ev
 
 TOKEN = "right-token"
@@ -45,7 +47,7 @@ def request(i: int) -> RequestEvent:
     )
 
 
-def start_collector(db_url: str, port: int) -> CollectorHandle:
+def start_collector(db_url: str, port: int) -> ThreadServer:
     settings = CollectorSettings(
         db_url=db_url, ingest_token=TOKEN, port=port, scrape_enabled=False, raw_retention_days=ev.REPLAY_RETENTION_DAYS
     )

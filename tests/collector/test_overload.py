@@ -21,9 +21,10 @@ from sqlalchemy import func, select
 from collector import ingest
 from collector.db import make_engine
 from collector.schema import IngestBatch
-from collector.server import CollectorHandle, run_in_thread
 from collector.server import ingest_routes as ingest_routes_module
+from collector.server import run_in_thread
 from collector.settings import CollectorSettings
+from plumbing.serving import ThreadServer
 from tests.collector import evfactory as ev
 
 TOKEN = "s3cret"
@@ -60,10 +61,10 @@ def shut(monkeypatch: pytest.MonkeyPatch) -> Iterator[Shut]:
 
 
 @pytest.fixture
-def serve(sqlite_url: str) -> Iterator[Callable[..., CollectorHandle]]:
-    handles: list[CollectorHandle] = []
+def serve(sqlite_url: str) -> Iterator[Callable[..., ThreadServer]]:
+    handles: list[ThreadServer] = []
 
-    def start(**overrides: Any) -> CollectorHandle:
+    def start(**overrides: Any) -> ThreadServer:
         settings = CollectorSettings(
             db_url=sqlite_url,
             ingest_token=TOKEN,

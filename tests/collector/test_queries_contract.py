@@ -13,6 +13,7 @@ from collector.exposition import labels_json
 from collector.ingest import parse_batch, store_batch
 from collector.queries import SeriesId
 from collector.schema import ScrapeTarget, SeriesPoint
+from plumbing.percentile import nearest_rank
 from tests.collector import evfactory as ev
 
 T0 = ev.T0
@@ -21,12 +22,6 @@ T0 = ev.T0
 def ingest(engine: Engine, events: list[dict], key: str) -> None:
     raw = ev.body(events)
     store_batch(engine, parse_batch(raw, max_events=100_000), idempotency_key=key, content=raw)
-
-
-def nearest_rank(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    k = max(1, math.ceil(p * len(ordered)))
-    return ordered[k - 1]
 
 
 @pytest.fixture

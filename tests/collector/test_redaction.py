@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 
 from collector.queries import target_health
 from collector.redact import redact_text, redact_url
-from collector.server import create_app, free_port
+from collector.server import create_app
 from collector.settings import CollectorSettings
+from plumbing.process import free_port
 
 ADMIN = {"Authorization": "Bearer adm1n"}
 SECRETS = ("hunter2", "tok-123", "sig-456")

@@ -15,9 +15,10 @@ import pytest
 from sqlalchemy import text
 
 from collector.db import make_engine
-from collector.server import CollectorProcess, free_port, start_subprocess
+from collector.server import CollectorProcess, start_subprocess
 from collector.settings import CollectorSettings
 from engine.http_sink import HttpSink
+from plumbing.process import free_port
 from tests.collector import evfactory as ev
 
 TOKEN = "reliable"

@@ -120,7 +120,7 @@ def target_row(engine: Engine, instance: str) -> Any:
 
 
 def test_scraper_stores_labelled_series_and_health(db_engine: Engine, exporter: str) -> None:
-    from collector.server import free_port
+    from plumbing.process import free_port
 
     add_targets(
         db_engine,

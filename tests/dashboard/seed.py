@@ -6,7 +6,6 @@ Optuna study. `Seed` keeps the raw values so tests compute the expected numbers 
 from __future__ import annotations
 
 import json
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -44,12 +43,6 @@ class Seed:
 
     def finished(self, instance: str | None = None) -> list[dict[str, Any]]:
         return [r for r in self.requests if r["status"] == "finished" and instance in (None, r["instance"])]
-
-
-def nearest_rank(values: list[float], q: float) -> float:
-    """The reference quantile collector.queries promises: the ceil(q*n)-th smallest value."""
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
 
 
 def _requests() -> list[dict[str, Any]]:

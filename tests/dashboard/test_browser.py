@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpilot.cli_dashboard import dashboard_url, wait_until_healthy
+from kvpilot.cli_dashboard import HEALTH_PATH, dashboard_url
+from plumbing.process import ProcessStartError, free_port, wait_healthy
 from tests.dashboard.cdp import chromium_page
 from tests.dashboard.seed import seed_database
 from tests.dashboard.seed_sim import SIM, add_simulated_and_spike
@@ -57,12 +57,6 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ink(png: Path, box: tuple[int, int, int, int] | None = None) -> float:
     """Fraction of clearly dark pixels (in `box`, left-top-right-bottom, if given): text and chart lines. A
     loading skeleton, a blank page or a table that drew no cells has ~0."""
@@ -97,7 +91,7 @@ def chromium() -> str:
 def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path: Path) -> None:
     seed_database(sqlite_url)
     add_simulated_and_spike(sqlite_url)
-    port = _free_port()
+    port = free_port()
     base = dashboard_url("127.0.0.1", port)
     log = tmp_path / "dashboard.log"
     # The real command, as an engineer types it (the console script; `python -m kvpilot.cli` where absent).
@@ -112,9 +106,9 @@ def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path
         )
     try:
         try:
-            wait_until_healthy(base, timeout_s=90, proc=proc)
-        except (TimeoutError, RuntimeError) as exc:
-            pytest.fail(f"{exc}\n{log.read_text()[-3000:]}")
+            wait_healthy(base + HEALTH_PATH, proc, timeout_s=90, what="dashboard", log_path=log)
+        except ProcessStartError as exc:
+            pytest.fail(str(exc))
         SHOTS.mkdir(parents=True, exist_ok=True)
         problems = []
         with chromium_page(chromium, tmp_path / "chromium-profile") as page:

@@ -12,8 +12,9 @@ from sqlalchemy import inspect, select
 from collector.db import make_engine
 from collector.schema import AlertSilence, Proposal
 from dashboard import ui
+from plumbing.percentile import nearest_rank
 from tests.dashboard.conftest import PAGE_FILES, PASSWORD, metrics, no_exception, sign_in, table_with, texts
-from tests.dashboard.seed import OPS, TRIALS, Seed, nearest_rank, pareto_trials, seed_database
+from tests.dashboard.seed import OPS, TRIALS, Seed, pareto_trials, seed_database
 
 
 def _ttfts(seed: Seed, instance: str | None = None) -> list[float]:

@@ -12,8 +12,8 @@ from sqlalchemy import Engine
 
 from collector import queries
 from collector.ingest import parse_batch, store_batch
+from plumbing.percentile import nearest_rank
 from tests.collector import evfactory as ev
-from tests.dashboard.seed import nearest_rank
 
 T0 = ev.T0
 

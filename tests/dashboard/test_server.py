@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 
-from kvpilot.cli_dashboard import dashboard_url, start_dashboard, wait_until_healthy
+from kvpilot.cli_dashboard import HEALTH_PATH, dashboard_url, start_dashboard
+from plumbing.process import free_port, wait_healthy
 
 
 def test_start_dashboard_serves_and_stops(sqlite_url: str, tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path / "dashboard.log"
     proc = start_dashboard(sqlite_url, port, log_path=log)
     try:
         base = dashboard_url("127.0.0.1", port)
-        wait_until_healthy(base, timeout_s=90, proc=proc)
+        wait_healthy(base + HEALTH_PATH, proc, timeout_s=90, what="dashboard", log_path=log)
         page = httpx.get(f"{base}/", timeout=10)
         assert page.status_code == 200 and "<noscript>" in page.text  # Streamlit's app shell
         assert f"127.0.0.1:{port}" in log.read_text()  # Streamlit announces the address it serves

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 from typer.testing import CliRunner
 
-from collector.server import free_port
 from kvpilot.cli import app
+from plumbing.process import free_port, wait_healthy
 from tests.engine.conftest import TINY_MODEL
 
 runner = CliRunner()
@@ -78,15 +77,7 @@ def test_engine_serve_applies_a_proposal_file(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise AssertionError("engine did not come up")
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout_s=60, what="engine")
         r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200
         conf = httpx.get(f"http://127.0.0.1:{port}/admin/config", headers={"Authorization": "Bearer t0k"}).json()

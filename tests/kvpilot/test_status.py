@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from collector.db import upgrade
 from kvpilot.cli import app
-from tests.dashboard.seed import nearest_rank, seed_database
+from plumbing.percentile import nearest_rank
+from tests.dashboard.seed import seed_database
 
 runner = CliRunner()
 

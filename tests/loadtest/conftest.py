@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from plumbing.serving import serve_in_thread
 
 FAKE_METRICS = """# TYPE kvpilot_utilization gauge
 kvpilot_utilization {util}
@@ -75,15 +73,5 @@ def fake_engine_app(state: dict) -> FastAPI:
 @pytest.fixture
 def fake_engine() -> Iterator[tuple[str, dict]]:
     state: dict = {"requests": 0, "steps": 0, "oom": 0, "behaviour": lambda body: "ok", "util": lambda: 0.8}
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(fake_engine_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", state
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(fake_engine_app(state), name="fake-engine", lifespan="off", timeout_s=10.0) as server:
+        yield server.url, state

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kvpilot.loadtest.analysis import analyze, counter_increase, fluctuation, percentile
+from kvpilot.loadtest.analysis import analyze, counter_increase, fluctuation
 from kvpilot.loadtest.client import ClientOptions, RequestResult
 from kvpilot.loadtest.plan import PlannedRequest
 from kvpilot.loadtest.report import render_table
@@ -118,8 +118,6 @@ def test_unmeasured_criteria_fail_with_a_reason() -> None:
 
 
 def test_helpers() -> None:
-    assert percentile([3, 1, 2, 4], 50) == 2 and percentile([], 99) is None
-    assert percentile(list(range(1, 101)), 99) == 99
     samples = [MetricsSample(i, {"oom_total": v}) for i, v in enumerate([0, 2, 5, 1, 3])]  # reset after 5
     assert counter_increase(samples, "oom_total") == 5 + 1 + 2
     text = (

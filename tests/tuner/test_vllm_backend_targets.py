@@ -11,11 +11,12 @@ import httpx
 import pytest
 
 from collector.db import make_engine
-from collector.server import CollectorHandle, run_in_thread
+from collector.server import run_in_thread
 from collector.settings import CollectorSettings
 from engine.workload import WorkloadRequest
 from kvpilot.vllm import VllmExitedError
 from kvpilot.vllm.wiring import register_target
+from plumbing.serving import ThreadServer
 from tuner.backends import InfeasibleTrialError
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
@@ -27,7 +28,7 @@ TRIAL_URL = "http://127.0.0.1:9"  # a trial vLLM's address; nothing is scraped (
 
 
 @pytest.fixture
-def collector(sqlite_url: str) -> Iterator[CollectorHandle]:
+def collector(sqlite_url: str) -> Iterator[ThreadServer]:
     settings = CollectorSettings(
         db_url=sqlite_url,
         ingest_token=TOKEN,
@@ -52,7 +53,7 @@ class _StoppedLauncher:
         return 0
 
 
-def _backend(collector: CollectorHandle, sqlite_url: str, admin_token: str | None) -> VllmBackend:
+def _backend(collector: ThreadServer, sqlite_url: str, admin_token: str | None) -> VllmBackend:
     return VllmBackend(
         workload=lambda seed: [WorkloadRequest(0.0, 8, 4)],
         db=make_engine(sqlite_url),
@@ -64,7 +65,7 @@ def _backend(collector: CollectorHandle, sqlite_url: str, admin_token: str | Non
     )
 
 
-def _register(collector: CollectorHandle) -> None:
+def _register(collector: ThreadServer) -> None:
     with httpx.Client(timeout=5.0) as client:
         created = register_target(
             client,
@@ -78,14 +79,14 @@ def _register(collector: CollectorHandle) -> None:
     assert created == "created"
 
 
-def _targets(collector: CollectorHandle) -> list[str]:
+def _targets(collector: ThreadServer) -> list[str]:
     resp = httpx.get(f"{collector.url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5.0)
     resp.raise_for_status()
     return [t["url"] for t in resp.json()]
 
 
 def test_a_stopped_trials_scrape_target_is_deleted_with_the_admin_token(
-    collector: CollectorHandle, sqlite_url: str
+    collector: ThreadServer, sqlite_url: str
 ) -> None:
     from tuner.vllm.backend import Launch, _Server
 
@@ -101,7 +102,7 @@ def test_a_stopped_trials_scrape_target_is_deleted_with_the_admin_token(
 
 
 def test_a_refused_delete_is_logged_and_counted(
-    collector: CollectorHandle, sqlite_url: str, caplog: pytest.LogCaptureFixture
+    collector: ThreadServer, sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     _register(collector)
     # The ingest token where the admin token belongs (what the backend used to delete with): the collector refuses
@@ -118,7 +119,7 @@ def test_a_refused_delete_is_logged_and_counted(
 
 
 def test_the_trials_launcher_registers_with_the_admin_token_and_a_refused_start_leaves_no_target(
-    collector: CollectorHandle, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+    collector: ThreadServer, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import tuner.vllm.backend as backend_module
 

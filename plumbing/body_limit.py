@@ -3,7 +3,8 @@
 FastAPI reads and JSON-decodes the whole body before a handler (or pydantic's max_length) can look at it,
 so a 64 MB prompt costs memory and event-loop time even when it is refused in the end. This ASGI
 middleware answers 413 from the Content-Length header alone, and for a chunked body stops reading as
-soon as the running total passes the limit.
+soon as the running total passes the limit. The engine and the alerts API mount it; the refusal names the field
+(`{"detail": {"field": "body", "message": ...}}`) and `on_refused` lets a service count refusals.
 """
 
 from __future__ import annotations
