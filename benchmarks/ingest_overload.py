@@ -191,7 +191,7 @@ def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def _collector(root: Path, name: str, **overrides: Any):  # type: ignore[no-untyped-def]
+def _collector(root: Path, name: str, **overrides: Any):
     """A fresh collector process on its own SQLite file; `overrides` are CollectorSettings fields."""
     from collector.db import upgrade
     from collector.server import start_subprocess

@@ -22,7 +22,7 @@ class BlockSizePolicy:
 
     @classmethod
     def from_config(cls, cfg: CacheConfig) -> BlockSizePolicy:
-        return cls(cfg.block_policy, cfg.block_size, tuple(cfg.dynamic_thresholds), tuple(cfg.dynamic_sizes))
+        return cls(cfg.block_policy, cfg.block_size, cfg.dynamic_thresholds, cfg.dynamic_sizes)
 
     @classmethod
     def fixed(cls, size: int) -> BlockSizePolicy:
