@@ -41,11 +41,14 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_FOR_TESTS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
+# mypy checks the packages [tool.mypy] names in pyproject.toml; .mypy_cache makes a rerun take seconds
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/kvpilot bench engine --quick --json bench-engine.json

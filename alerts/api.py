@@ -226,7 +226,10 @@ def get_silences(session: SessionDep, now: NowDep, filters: FiltersDep) -> list[
 
 @api.post("/silences")
 def post_silence(body: PostableSilence, session: SessionDep, now: NowDep, state: StateDep) -> SilenceCreated:
-    bounds = {"max_duration_s": state.settings.max_silence_duration_s, "max_silences": state.settings.max_silences}
+    bounds: dict[str, Any] = {
+        "max_duration_s": state.settings.max_silence_duration_s,
+        "max_silences": state.settings.max_silences,
+    }
     try:
         if body.id:
             if not update_silence(session, body.id, body.to_silence(), now=now, **bounds):
@@ -315,12 +318,12 @@ def create_api_app(
     token = token if token is not None else settings.api_token
     if (db_url is None) == (engine is None):
         raise ValueError("pass exactly one of db_url or engine")
-    owned = make_engine(db_url) if engine is None else None
+    owned = make_engine(db_url) if db_url is not None else None
     bound = engine if engine is not None else owned
     assert bound is not None
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI):  # type: ignore[no-untyped-def]
+    async def lifespan(_app: FastAPI):
         yield
         if owned is not None:
             owned.dispose()

@@ -60,6 +60,6 @@ async def storage_error(request: Request, exc: Exception) -> JSONResponse:
 
 def install(app: FastAPI) -> None:
     """Answer refused input and database errors as above."""
-    app.add_exception_handler(RequestValidationError, invalid_request)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, invalid_request)  # type: ignore[arg-type]  # Starlette's handler type takes any Exception
     app.add_exception_handler(StorageError, storage_error)
     app.add_exception_handler(SQLAlchemyError, storage_error)

@@ -21,7 +21,7 @@ DurationS = Annotated[float, Field(ge=0)]
 def _duration(value: object) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
-    return parse_duration(value)  # type: ignore[arg-type]
+    return parse_duration(value)
 
 
 class Receiver(BaseModel):

@@ -33,7 +33,7 @@ from alerts.metrics import AlertMetrics
 from alerts.outbox import claim_due
 from alerts.outbox import list_notifications as list_notifications
 from alerts.store import Lease, LeaseLostError, fence, renew
-from collector.db import translate_errors
+from collector.db import rowcount, translate_errors
 from collector.schema import AlertNotification, AlertNotificationAttempt
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class DeliveryWorker:
                 )
                 .values(claim_expires_at=renewed.expires_at)
             )
-            if still_ours.rowcount != 1:
+            if rowcount(still_ours) != 1:
                 session.rollback()
                 raise LeaseLostError(f"notification {row.idempotency_key} is no longer claimed by {lease.holder}")
             session.commit()

@@ -216,7 +216,9 @@ class Dispatcher:
                 labels=i.alert.labels,
                 annotations=i.alert.annotations,
                 starts_at=i.alert.fired_at or i.alert.active_at,
-                ends_at=i.alert.resolved_at if i.status == "resolved" else valid_until,
+                ends_at=i.alert.resolved_at
+                if i.status == "resolved" and i.alert.resolved_at is not None
+                else valid_until,
                 generator=i.generator_url,
             )
             for i in live

@@ -24,8 +24,9 @@ class DurationError(ValueError):
     """A duration string that Prometheus would reject too."""
 
 
-def parse_duration(text: str | int | float) -> float:
-    """Seconds of a Prometheus duration; numbers are refused so that `for: 5` is not silently 5 seconds."""
+def parse_duration(text: object) -> float:
+    """Seconds of a Prometheus duration; numbers (and any non-string) are refused so that `for: 5` is not silently 5
+    seconds."""
     if isinstance(text, bool) or not isinstance(text, str):
         raise DurationError(f"duration must be a string like '5m', got {text!r}")
     if text == "0":

@@ -35,7 +35,7 @@ def binary(node: Binary, lhs: Vector | float, rhs: Vector | float) -> Vector | f
     op = node.op
     if isinstance(lhs, float) and isinstance(rhs, float):
         value = apply(op, lhs, rhs)
-        return (1.0 if value else 0.0) if op in COMPARISONS else value  # type: ignore[return-value]
+        return (1.0 if value else 0.0) if op in COMPARISONS else value
     if isinstance(lhs, float) or isinstance(rhs, float):
         return _scalar_vector(node, lhs, rhs)
     if op in ("and", "or", "unless"):
@@ -99,7 +99,7 @@ def _vector_vector(node: Binary, lhs: Vector, rhs: Vector) -> Vector:
             if metric in inserted:
                 raise EvalError("multiple matches for labels: grouping labels must ensure unique matches")
             inserted.add(metric)
-        out[metric] = result  # type: ignore[assignment]
+        out[metric] = result
     return out
 
 
@@ -172,7 +172,7 @@ def _scalar_vector(node: Binary, lhs: Vector | float, rhs: Vector | float) -> Ve
         return out
     for labels, value in vec.items():
         result = apply(op, value, scalar) if vector_on_left else apply(op, scalar, value)
-        out[drop_name(labels)] = float(result) if op in COMPARISONS else result  # type: ignore[assignment]
+        out[drop_name(labels)] = float(result) if op in COMPARISONS else result
     return unique(out, len(vec), op)
 
 

@@ -168,11 +168,12 @@ class _Parser:
             raise ExprSyntaxError("on/ignoring only apply between two vectors", node.line, node.column)
         if node.group is not None and node.op in SET_OPS:
             raise ExprSyntaxError(f'no grouping allowed for "{node.op}" operation', node.line, node.column)
-        for label in node.include if node.on is not None else ():
-            if label in node.on:  # type: ignore[operator]
-                raise ExprSyntaxError(
-                    f"label {label!r} must not occur in ON and GROUP clause at once", node.line, node.column
-                )
+        if node.on is not None:
+            for label in node.include:
+                if label in node.on:
+                    raise ExprSyntaxError(
+                        f"label {label!r} must not occur in ON and GROUP clause at once", node.line, node.column
+                    )
         return node
 
     def label_list(self) -> tuple[str, ...]:

@@ -214,7 +214,7 @@ def promtool_test_file(test_doc: dict[str, Any], exported_rules: str) -> dict[st
     out["rule_files"] = [exported_rules]
     tests = []
     for test in test_doc.get("tests") or []:
-        new_inputs = []
+        new_inputs: list[dict[str, str]] = []
         for entry in test.get("input_series") or []:
             name, labels = parse_series(str(entry["series"]))
             translated = promtool_test_inputs(name, str(entry.get("values", "")))

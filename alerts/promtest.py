@@ -140,7 +140,7 @@ def run_test_file(path: str | Path) -> TestReport:
 
 def _duration(value: object, what: str) -> float:
     try:
-        return parse_duration(value if isinstance(value, str) else str(value) if value == 0 else value)  # type: ignore[arg-type]
+        return parse_duration(value if isinstance(value, str) else str(value) if value == 0 else value)
     except DurationError as exc:
         raise TestFileError(f"{what}: {exc}") from exc
 

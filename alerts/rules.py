@@ -32,6 +32,7 @@ An unknown name is an error naming the closest canonical and external names.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,7 +85,7 @@ class RuleGroup:
     limit: int = 0
 
 
-def load_rule_files(paths: list[str | Path], *, default_interval_s: float = DEFAULT_INTERVAL_S) -> list[RuleGroup]:
+def load_rule_files(paths: Sequence[str | Path], *, default_interval_s: float = DEFAULT_INTERVAL_S) -> list[RuleGroup]:
     problems: list[str] = []
     groups: list[RuleGroup] = []
     for path in paths:
@@ -187,13 +188,13 @@ def _load_group(gnode: yaml.Node, filename: str, default_interval_s: float, prob
         rule = _load_rule(rnode, filename, name, problems)
         if rule is None:
             continue
-        key = (rule.name, tuple(sorted(rule.labels.items())))
-        if key in seen:
+        rule_key = (rule.name, tuple(sorted(rule.labels.items())))
+        if rule_key in seen:
             problems.append(
                 f"{rule.source}: group {name!r}: alert {rule.name!r} with the same labels is already "
-                f"defined at {seen[key]}"
+                f"defined at {seen[rule_key]}"
             )
-        seen.setdefault(key, rule.source)
+        seen.setdefault(rule_key, rule.source)
         rules.append(rule)
     return RuleGroup(name, interval_s, tuple(rules), filename, limit)
 
@@ -238,7 +239,7 @@ def _load_rule(rnode: yaml.Node, filename: str, group: str, problems: list[str])
     else:
         expr_node = r["expr"][1]
         expr_text = str(expr_node.value) if isinstance(expr_node, yaml.ScalarNode) else ""
-        if not expr_text.strip():
+        if not isinstance(expr_node, yaml.ScalarNode) or not expr_text.strip():
             problems.append(f"{_where(filename, expr_node)}: rule {name!r}: expr must be a non-empty string")
         else:
             expr = _parse_rule_expr(expr_text, expr_node, filename, name, problems)

@@ -44,7 +44,7 @@ class WebhookSink:
 
     @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
+        host, port = self.server.socket.getsockname()[:2]  # server_address, typed without its family
         return f"http://{host}:{port}/"
 
     def wait_for(self, count: int, timeout_s: float) -> bool:

@@ -117,7 +117,7 @@ class RuleState:
         return [a for a in self.active.values() if a.state == FIRING]
 
 
-def _render(template, labels, value, external_labels, external_url, rule: str, key: str) -> str:  # type: ignore[no-untyped-def]
+def _render(template, labels, value, external_labels, external_url, rule: str, key: str) -> str:
     try:
         return template.render(labels, value, external_labels, external_url)
     except TemplateError as exc:

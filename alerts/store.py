@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.state import FIRING, PENDING, ActiveAlert
-from collector.db import translate_errors
+from collector.db import rowcount, translate_errors
 from collector.schema import AlertEvaluatorLease, AlertNotification, AlertState
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def try_acquire(factory: sessionmaker[Session], *, holder: str, now: float, ttl_
             .where(lease_t.c.holder == current.holder)  # compare-and-set against what we read
             .values(**values)
         )
-        if result.rowcount != 1:
+        if rowcount(result) != 1:
             session.rollback()
             return None
         token = session.execute(select(lease_t.c.token).where(lease_t.c.id == LEASE_ID)).scalar_one()
@@ -107,7 +107,7 @@ def _fenced_update(session: Session, lease: Lease, now: float, **values: float) 
         )
         .values(**values)
     )
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         raise LeaseLostError(f"lease lost by {lease.holder} (token {lease.token})")
 
 
@@ -171,7 +171,7 @@ def delete_rules_except(session: Session, rules: set[str]) -> int:
     result = session.execute(
         delete(AlertState).where(AlertState.rule.not_in(list(rules))) if rules else delete(AlertState)
     )
-    return result.rowcount or 0
+    return rowcount(result) or 0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _ACTION = re.compile(r"\{\{(-?)(.*?)(-?)\}\}", re.S)
@@ -272,7 +273,7 @@ def _printf(value: object, fmt: str = "%v") -> str:
         raise TemplateError(f"printf {fmt!r} cannot format {value!r}") from exc
 
 
-_FUNCS = {
+_FUNCS: dict[str, Callable[..., str]] = {
     "humanize": lambda v: humanize(v),
     "humanizePercentage": lambda v: humanize_percentage(v),
     "humanizeDuration": lambda v: humanize_duration(v),

@@ -346,7 +346,7 @@ def _thread_cpu_s(native_id: int | None) -> float:
         return 0.0
 
 
-def _engine_throughput(sink_factory, n_requests: int, max_tokens: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def _engine_throughput(sink_factory, n_requests: int, max_tokens: int) -> tuple[float, float]:
     """(tokens/s of one fixed workload, CPU seconds the sink's own thread used during it)."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine

@@ -185,7 +185,7 @@ def _lost(db_url: str, acked: dict[str, int]) -> int:
     return sum(max(0, n - rows.get(batch_ids.get(key, -1), 0)) for key, n in acked.items())
 
 
-def _collector(root: Path, name: str, **overrides: Any):  # type: ignore[no-untyped-def]
+def _collector(root: Path, name: str, **overrides: Any):
     """A fresh collector process on its own SQLite file; `overrides` are CollectorSettings fields."""
     from collector.db import upgrade
     from collector.server import start_subprocess

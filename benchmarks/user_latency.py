@@ -124,16 +124,16 @@ def measure(
         wall1 = time.time()
         load = os.getloadavg()
         deadline = time.monotonic() + settle_s
-        window = {"start": wall0 - 1.0, "end": wall1 + 1.0, "instances": [instance]}
+        window: dict[str, Any] = {"start": wall0 - 1.0, "end": wall1 + 1.0, "instances": [instance]}
         while True:  # every request's span stored, and vLLM's histograms counted them all
-            rows = queries.slowest_requests(db, metric="e2e", limit=10 * len(trace) + 10, **window)  # type: ignore[arg-type]
+            rows = queries.slowest_requests(db, metric="e2e", limit=10 * len(trace) + 10, **window)
             after = http.get(f"{url}/metrics").text
             counted = sum(1 for t in timings if t.ok)
             if len(rows) >= counted or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
     ok = [t for t in timings if t.ok]
-    headline = queries.headline_latency(db, **window)  # type: ignore[arg-type]
+    headline = queries.headline_latency(db, **window)
     finished = [r for r in rows if r["status"] == "finished"]
     frontend = [r["frontend_s"] for r in finished if r["frontend_s"] is not None]
     return {

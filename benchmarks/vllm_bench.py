@@ -58,6 +58,8 @@ from kvpilot.loadtest.plan import PlanOptions, plan_mixed
 from kvpilot.loadtest.runner import RunOptions, run_load
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
     from collector.server import CollectorProcess
     from collector.settings import CollectorSettings
 
@@ -172,7 +174,7 @@ def _servers(
     r: int,
     collector_url: str,
     admin_token: str | None,
-    db: object,
+    db: Engine,
     *,
     wired_first: bool,
 ) -> Iterator[tuple[Wired, PlainVllm, dict[str, float]]]:
@@ -227,7 +229,7 @@ def _servers(
         wired = Wired(
             url=launcher.url,
             model="bench",
-            db=db,  # type: ignore[arg-type]
+            db=db,
             instance=instance,
             run_id=options.run_id or "",
             log_path=tmp / f"{instance}.log",

@@ -90,7 +90,7 @@ def _timed_posts(sent: list[dict[str, Any]]) -> None:
             sent.append({"id": rid, "post": t, "answer": time.time()})
         return resp
 
-    httpx.AsyncClient.post = post  # type: ignore[method-assign]
+    httpx.AsyncClient.post = post  # type: ignore[method-assign]  # stamps every request the benchmark sends
 
 
 def record(work: Path, *, loads: list[float], duration_s: float) -> dict[str, Any]:

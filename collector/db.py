@@ -12,13 +12,14 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import CursorResult, Result, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -38,6 +39,12 @@ def migrations_dir() -> Path:
 
 def redact(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows an UPDATE or DELETE run through a Session matched: the Session types its result as a plain Result,
+    but for DML it is a CursorResult."""
+    return cast(CursorResult[Any], result).rowcount
 
 
 def is_sqlite(url_or_engine: str | Engine) -> bool:
@@ -63,7 +70,7 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL", pool_size: int = 
             raise ValueError(f"sqlite_synchronous must be FULL, NORMAL or EXTRA, got {sqlite_synchronous!r}")
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_pragmas(dbapi_conn, _record) -> None:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute(f"PRAGMA synchronous={synchronous}")

@@ -13,11 +13,11 @@ a batch that holds one (422, the unknown `type` named), so senders put a new typ
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 
 RequestStatus = Literal["finished", "failed", "rejected", "aborted"]
 AllocOp = Literal["alloc", "free", "swap_out", "swap_in", "evict", "recycle", "oom"]

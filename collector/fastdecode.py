@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 try:
     import msgspec
 except ImportError:  # pragma: no cover - msgspec is a declared dependency
-    msgspec = None  # type: ignore[assignment]
+    msgspec = None  # type: ignore[assignment]  # the module's name stands for "no fast path"
 
 
 class Unsupported(Exception):
@@ -123,7 +123,7 @@ def _build() -> tuple[Any, dict[str, tuple[str, ...]]] | None:
     batch = msgspec.defstruct(
         "EventBatchFast",
         [
-            ("events", Annotated[list[Union[tuple(structs)]], msgspec.Meta(max_length=100_000)]),  # noqa: UP007
+            ("events", Annotated[list[Union[tuple(structs)]], msgspec.Meta(max_length=100_000)]),  # type: ignore[misc]  # noqa: UP007  # a Union of the structs built above
             ("idempotency_key", Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None, None),
         ],
         kw_only=True,

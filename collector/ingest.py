@@ -206,7 +206,7 @@ def _spans(
 
 
 @functools.cache
-def upsert_statement(dialect: str, table_name: str):  # type: ignore[no-untyped-def]
+def upsert_statement(dialect: str, table_name: str):
     """INSERT ... ON CONFLICT: keep first_seen, raise last_seen. Built once per dialect, run as executemany."""
     table = {"instances": Instance.__table__, "runs": Run.__table__}[table_name]
     keys = ["name"] if table_name == "instances" else ["instance", "run_id"]

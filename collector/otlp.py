@@ -355,23 +355,25 @@ def frontend_seconds(trace_state: str, engine_arrival: float) -> float | None:
 
 def _number(attrs: dict[str, AnyValue], key: str, *, required: bool) -> float | None:
     value = attrs.get(key)
-    kind = None if value is None else value.WhichOneof("value")
-    if kind == "double_value":
-        return value.double_value  # type: ignore[union-attr]
-    if kind == "int_value":
-        return float(value.int_value)  # type: ignore[union-attr]
     if value is None and not required:
         return None
+    if value is not None:
+        kind = value.WhichOneof("value")
+        if kind == "double_value":
+            return value.double_value
+        if kind == "int_value":
+            return float(value.int_value)
     raise _SpanRejected(f"{key} missing or not a number")
 
 
 def _count(attrs: dict[str, AnyValue], key: str) -> int:
     value = attrs.get(key)
-    kind = None if value is None else value.WhichOneof("value")
-    if kind == "int_value":
-        return value.int_value  # type: ignore[union-attr]
-    if kind == "double_value" and value.double_value.is_integer():  # type: ignore[union-attr]
-        return int(value.double_value)  # type: ignore[union-attr]
+    if value is not None:
+        kind = value.WhichOneof("value")
+        if kind == "int_value":
+            return value.int_value
+        if kind == "double_value" and value.double_value.is_integer():
+            return int(value.double_value)
     raise _SpanRejected(f"{key} missing or not an integer")
 
 

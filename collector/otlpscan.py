@@ -46,7 +46,11 @@ class MalformedError(ValueError):
 @functools.cache
 def _children(desc: Descriptor) -> dict[int, Descriptor]:
     """Field number -> message type, for the message-typed fields of `desc`."""
-    return {f.number: f.message_type for f in desc.fields if f.type == FieldDescriptor.TYPE_MESSAGE}
+    return {
+        f.number: f.message_type
+        for f in desc.fields
+        if f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type is not None
+    }
 
 
 class _Budget:

@@ -10,7 +10,7 @@ the small tables (targets, proposals).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -22,6 +22,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     UniqueConstraint,
     text,
@@ -43,6 +44,8 @@ Name = String(200)
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    if TYPE_CHECKING:
+        __table__: ClassVar[Table]  # every model here maps one Table (DeclarativeBase says any FromClause)
 
 
 class Instance(Base):

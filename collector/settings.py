@@ -128,12 +128,12 @@ class CollectorSettings(BaseSettings):
             text = value.strip()
             items = json.loads(text) if text.startswith("[") else [p for p in text.split(",") if p.strip()]
         else:
-            items = list(value)  # type: ignore[call-overload]
+            items = list(value)  # type: ignore[call-overload]  # any other sequence; list() refuses the rest
         return tuple(ipaddress.ip_network(str(item).strip(), strict=False) for item in items)
 
     @field_validator("admin_token")
     @classmethod
-    def _distinct_tokens(cls, value: str | None, info) -> str | None:  # type: ignore[no-untyped-def]
+    def _distinct_tokens(cls, value: str | None, info) -> str | None:
         if value is not None and value == info.data.get("ingest_token"):
             raise ValueError("KVPILOT_ADMIN_TOKEN must differ from KVPILOT_INGEST_TOKEN (every engine holds that one)")
         return value

@@ -18,14 +18,20 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Protocol
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 log = logging.getLogger("kvpilot.collector")
 
-DiskUsage = Callable[[str], NamedTuple]
+
+class _FreeBytes(Protocol):
+    @property
+    def free(self) -> int: ...
+
+
+DiskUsage = Callable[[str], _FreeBytes]  # shutil.disk_usage's shape
 MIB = 2**20
 
 
@@ -34,7 +40,7 @@ def storage_problem(
     *,
     min_free_bytes: int,
     lock_wait_s: float = 2.0,
-    disk_usage: DiskUsage = shutil.disk_usage,  # type: ignore[assignment]
+    disk_usage: DiskUsage = shutil.disk_usage,
 ) -> tuple[str, str] | None:
     """None when a push could be written now, else (reason, detail) for /health's 503."""
     try:
@@ -83,4 +89,4 @@ def _sqlite_room(conn: Connection, disk_usage: DiskUsage) -> int | None:
     max_pages = conn.exec_driver_sql("PRAGMA max_page_count").scalar_one()
     by_sqlite = (max_pages - pages + free_pages) * page_size
     directory = os.path.dirname(Path(database).expanduser().resolve())
-    return min(by_sqlite, disk_usage(directory).free + free_pages * page_size)  # type: ignore[attr-defined]
+    return min(by_sqlite, disk_usage(directory).free + free_pages * page_size)

@@ -176,7 +176,7 @@ def add(path: Path, name: str, roles: tuple[str, ...]) -> tuple[str, Secret]:
         if name in identities:
             raise TokensFileError(f"identity {name!r} exists in {path}; use `rotate {name}` for a new secret")
         value, secret = new_secret()
-        identities[name] = IdentityEntry(roles=roles, secrets=(secret,))  # type: ignore[arg-type]
+        identities[name] = IdentityEntry(roles=roles, secrets=(secret,))
     return value, secret
 
 

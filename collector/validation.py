@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from types import UnionType
 from typing import Annotated, Any, NotRequired, Required, Union, get_args, get_origin
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from sqlalchemy import BigInteger, Float, Integer, String
 from typing_extensions import TypedDict
 
@@ -74,10 +74,10 @@ def _bounded(annotation: Any, bound: Any) -> Any:
     return annotation
 
 
-def _typed_dict(model: type, table: Any) -> tuple[type, dict[str, Any]]:
+def _typed_dict(model: type[BaseModel], table: Any) -> tuple[type, dict[str, Any]]:
     fields: dict[str, Any] = {}
     defaults: dict[str, Any] = {}
-    for name, info in model.model_fields.items():  # type: ignore[attr-defined]
+    for name, info in model.model_fields.items():
         base = _bounded(info.annotation, _storage_bound(table.c[name]) if name in table.c else None)
         annotation = Annotated[(base, *info.metadata)] if info.metadata else base
         if info.is_required():
@@ -85,8 +85,8 @@ def _typed_dict(model: type, table: Any) -> tuple[type, dict[str, Any]]:
         else:
             fields[name] = NotRequired[annotation]
             defaults[name] = info.get_default(call_default_factory=True)
-    td = TypedDict(f"{model.__name__}Wire", fields)  # type: ignore[operator]
-    td.__pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[attr-defined]
+    td = TypedDict(f"{model.__name__}Wire", fields)  # type: ignore[misc]  # fields known only at run time
+    td.__pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[attr-defined]  # where pydantic reads it
     return td, defaults
 
 
@@ -98,13 +98,13 @@ if FAST_PATH:
     for _kind, _model in EVENT_TYPES.items():
         _td, DEFAULTS[_kind] = _typed_dict(_model, EVENT_TABLES[_kind])
         _mirrors.append(_td)
-    _WireEvent = Annotated[Union[tuple(_mirrors)], Field(discriminator="type")]  # noqa: UP007
+    _WireEvent: Any = Annotated[Union[tuple(_mirrors)], Field(discriminator="type")]  # noqa: UP007
 
     class WireBatch(TypedDict, total=False):
-        __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+        __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]  # pydantic's TypedDict config key
 
         idempotency_key: Annotated[str, Field(min_length=1, max_length=200)] | None
-        events: Required[Annotated[list[_WireEvent], Field(max_length=100_000)]]  # type: ignore[valid-type]
+        events: Required[Annotated[list[_WireEvent], Field(max_length=100_000)]]
 
     wire_adapter: TypeAdapter[Any] = TypeAdapter(WireBatch)
     event_wire_adapter: TypeAdapter[Any] = TypeAdapter(_WireEvent)

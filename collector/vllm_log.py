@@ -250,5 +250,6 @@ class StepPlacer:
                 step = step.model_copy(update={"ts": end})
             placed.append(step)
             last = end
-        self._last_end[instance] = last  # type: ignore[assignment]
+        if last is not None:  # None only when nothing was placed
+            self._last_end[instance] = last
         return placed

@@ -31,6 +31,13 @@ class RequestHandle:
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None
 
+    @property
+    def admitted_seq(self) -> Sequence:
+        """The engine's sequence, set before submit() returns the handle."""
+        if self.seq is None:
+            raise RuntimeError("the request is not admitted yet")
+        return self.seq
+
     async def stream(self) -> AsyncIterator[list[int]]:
         while True:
             item = await self.tokens.get()
@@ -140,9 +147,9 @@ class AsyncEngine:
                 self._handles[seq.seq_id] = handle
                 handle.loop.call_soon_threadsafe(_set_result, handle.admitted, seq)
             elif kind == "abort":
-                seq = self.engine.get_request(payload)
-                if seq is not None and self.engine.abort(payload):
-                    self._end(seq.seq_id)
+                found = self.engine.get_request(payload)
+                if found is not None and self.engine.abort(payload):
+                    self._end(found.seq_id)
             elif kind == "call":
                 loop, fut, fn = payload
                 try:

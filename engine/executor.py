@@ -143,22 +143,30 @@ class TorchExecutor:
         self.cold.zero_()
         self._pages = _PageTable(-(-c.max_position // page_tokens), self.torch_device)
 
+    def _allocated(self) -> tuple[torch.Tensor, torch.Tensor, _PageTable]:
+        """The hot and cold tensors and the page table; the engine calls allocate_cache before its first step."""
+        if self.hot is None or self.cold is None or self._pages is None:
+            raise RuntimeError("allocate_cache has not run")
+        return self.hot, self.cold, self._pages
+
     def release(self, seq_ids: Iterable[int]) -> None:
+        page_table = self._allocated()[2]
         for seq_id in seq_ids:
-            self._pages.release(seq_id)
+            page_table.release(seq_id)
 
     def _swap(self, out: SchedulerOutput) -> None:
+        hot, cold, _ = self._allocated()
         for plan in out.swap_out:
             for src, dst, n in plan.copies:
-                self.cold[:, :, dst : dst + n].copy_(self.hot[:, :, src : src + n], non_blocking=True)
+                cold[:, :, dst : dst + n].copy_(hot[:, :, src : src + n], non_blocking=True)
         for plan in out.swap_in:
             for src, dst, n in plan.copies:
-                self.hot[:, :, dst : dst + n].copy_(self.cold[:, :, src : src + n], non_blocking=True)
+                hot[:, :, dst : dst + n].copy_(cold[:, :, src : src + n], non_blocking=True)
 
     def _decode_groups(self, rows: list[int], lens: list[int]) -> list[DecodeGroup]:
         P, dev = self.page_tokens, self.torch_device
         groups = group_decode_rows(lens)
-        table = self._pages.table
+        table = self._allocated()[2].table
         out = []
         for members in groups:
             max_pages = -(-lens[members[0]] // P)
@@ -181,6 +189,7 @@ class TorchExecutor:
             return ExecuteResult([], 0.0)
         P = self.page_tokens
         dev = self.torch_device
+        page_table = self._allocated()[2]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -197,7 +206,7 @@ class TorchExecutor:
                 ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(pages[start // P] * P + start % P)
-                rows.append(self._pages.row(seq.seq_id, pages))
+                rows.append(page_table.row(seq.seq_id, pages))
                 lens.append(start + 1)
             else:
                 t0 = len(ids)

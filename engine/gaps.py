@@ -118,8 +118,8 @@ class GapLedger:
                     instance=instance,
                     run_id=run_id,
                     ts=max(now, e.last_ts),
-                    kind=kind,  # type: ignore[arg-type]
-                    reason=reason,  # type: ignore[arg-type]
+                    kind=kind,
+                    reason=reason,
                     events=e.events,
                     first_ts=e.first_ts,
                     last_ts=e.last_ts,

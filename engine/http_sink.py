@@ -136,10 +136,10 @@ class HttpSink:
         self._thread = threading.Thread(target=self._run, name="kvpilot-http-sink", daemon=True)
         self._thread.start()
         if registry is not None:
-            registry.register(SinkMetrics(self))  # type: ignore[arg-type]
+            registry.register(SinkMetrics(self))
 
     @classmethod
-    def from_config(cls, telemetry, registry: CollectorRegistry | None = None) -> HttpSink:  # type: ignore[no-untyped-def]
+    def from_config(cls, telemetry, registry: CollectorRegistry | None = None) -> HttpSink:
         """Build from `engine.config.TelemetryConfig`."""
         return cls(
             telemetry.collector_url,
@@ -275,7 +275,7 @@ class HttpSink:
         return batch
 
     def _encode(self, key: str, events: Sequence[AnyEvent | GapEvent]) -> bytes:
-        body = b'{"idempotency_key":"' + key.encode() + b'","events":' + _events_adapter.dump_json(events) + b"}"
+        body = b'{"idempotency_key":"' + key.encode() + b'","events":' + _events_adapter.dump_json(list(events)) + b"}"
         return gzip.compress(body, compresslevel=1) if self.compress else body
 
     def _may_send(self) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.clock import Clock, RealClock
 from engine.config import PRIORITY_CLASSES, EngineConfig
@@ -287,7 +288,7 @@ class LLMEngine:
                 raise RuntimeError(f"engine did not finish within {max_steps} steps")
 
     def generate(
-        self, prompts: Seq[str | Seq[int]], params: SamplingParams | None = None, **kwargs: object
+        self, prompts: Seq[str | Seq[int]], params: SamplingParams | None = None, **kwargs: Any
     ) -> list[Sequence]:
         seqs = [self.add_request(p, params, **kwargs) for p in prompts]
         self.run_until_done()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +145,7 @@ class Attention(nn.Module):
             # each cached key is read once per KV head rather than once per query head (head h uses KV head
             # h // group, as HF's repeat_kv and SDPA's enable_gqa pair them).
             qd_all = q[:nd].view(nd, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
-            dec_out = None
+            dec_out: torch.Tensor | None = None
             for group in batch.decode_groups:
                 keys = _gather_pages(k_cache, group.pages).transpose(1, 2)  # [g, kvh, L, hd]
                 values = _gather_pages(v_cache, group.pages).transpose(1, 2)
@@ -158,7 +159,8 @@ class Attention(nn.Module):
                     if dec_out is None:
                         dec_out = o.new_empty((nd, o.shape[1]))
                     dec_out.index_copy_(0, group.rows, o)
-            outs.append(dec_out)
+            if dec_out is not None:  # every decode row is in a group: set unless decode_groups is empty
+                outs.append(dec_out)
         for span in batch.prefills:
             s, n = span.token_start, span.num_tokens
             qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
@@ -248,7 +250,8 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse(self) -> None:
         """Build the fused projection weights; call again after the weights change (load, init)."""
-        for layer in self.model.layers:
+        for module in self.model.layers:
+            layer = cast(DecoderLayer, module)  # nn.ModuleList yields plain Modules
             layer.self_attn.fuse()
             layer.mlp.fuse()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Literal, Protocol, overload
 
 from engine.sequence import Sequence
 
@@ -117,6 +117,10 @@ class PriorityAgingQueue:
             yield from q
 
 
+@overload
+def make_queue(policy: Literal["priority"], *, num_classes: int, aging_s: float) -> PriorityAgingQueue: ...
+@overload
+def make_queue(policy: str, *, num_classes: int, aging_s: float) -> RequestQueue: ...
 def make_queue(policy: str, *, num_classes: int, aging_s: float) -> RequestQueue:
     if policy == "fcfs":
         return FCFSQueue()

@@ -266,7 +266,7 @@ class Scheduler:
                 assert token is not None, "executor returned no token for a sampling sequence"
                 seq.token_ids.append(token)
                 times = seq.times
-                if times.first_token is None:
+                if times.first_token is None or times.last_token is None:  # both are set on the first token
                     times.prefill_done = times.first_token = now
                 else:
                     if times.prefill_done is None:

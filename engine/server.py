@@ -164,7 +164,7 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
             ignore_eos=body.ignore_eos,
         )
         handle = await admit(state, body.prompt, params, body.priority, body.request_id)
-        seq = handle.seq
+        seq = handle.admitted_seq
         decoder = state.engine.tokenizer.stream_decoder()
         if body.stream:
 
@@ -190,7 +190,7 @@ def create_app(engine: LLMEngine, registry: CollectorRegistry, *, model_name: st
             max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed
         )
         handle = await admit(state, prompt, params, "normal", None)
-        seq = handle.seq
+        seq = handle.admitted_seq
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         decoder = state.engine.tokenizer.stream_decoder()
@@ -278,7 +278,7 @@ async def _collect(
 ) -> str:
     """Gather the whole output; abort the request if the client goes away or a stop string appears."""
     text = ""
-    seq = handle.seq
+    seq = handle.admitted_seq
     try:
         async for ids in handle.stream():
             piece = "".join(decoder.push(t) for t in ids)

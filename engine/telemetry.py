@@ -9,8 +9,9 @@ share of wall time spent inside the model forward over the interval.
 from __future__ import annotations
 
 import uuid
+from typing import cast
 
-from collector.events import AllocEvent, RequestEvent, SampleEvent, StepEvent
+from collector.events import AllocEvent, AllocOp, RequestEvent, RequestStatus, SampleEvent, StepEvent, Tier
 from engine.clock import Clock
 from engine.device_stats import DeviceSampler
 from engine.kv import KVCacheManager
@@ -54,17 +55,19 @@ class EventLogger:
     # KV trace callback (engine.kv.manager.TraceFn)
     def on_alloc(self, op: str, request_id: str | None, blocks: int, block_size: int, tier: str) -> None:
         kv = self.kv
+        if kv is None:  # only a bound manager traces
+            return
         usage = kv.usage() if tier == "hot" else (kv.cold.used_pages / kv.cold.num_pages if kv.cold.num_pages else 0.0)
         self.sink.emit(
             AllocEvent.model_construct(
                 **self._base(),
                 type="alloc",
-                op=op,
+                op=cast(AllocOp, op),  # the manager's op names are the contract's
                 request_id=request_id,
                 blocks=blocks,
                 block_size=block_size,
                 bytes=blocks * block_size * kv.bytes_per_token,
-                tier=tier,
+                tier=cast(Tier, tier),
                 usage_after=min(1.0, usage),
             )
         )
@@ -104,7 +107,7 @@ class EventLogger:
             **base,
             type="request",
             request_id=req.request_id,
-            status=req.status,
+            status=cast(RequestStatus, req.status),
             priority=req.priority,
             prompt_tokens=req.prompt_tokens,
             output_tokens=req.output_tokens,

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 SHORT, MEDIUM, LONG = (32, 511), (512, 2048), (2049, 4096)
 
@@ -67,7 +68,7 @@ def burst(
     burst_len_s: float = 2.0,
     factor: float = 6.0,
     seed: int = 0,
-    **mix: object,
+    **mix: Any,
 ) -> list[WorkloadRequest]:
     """Poisson arrivals at `base_rate`, rising to `factor` x (+500%) for `burst_len_s` from `burst_at_s`."""
     rng = random.Random(seed + 1)

@@ -22,14 +22,15 @@ DbAliasOpt = typer.Option(None, "--db", hidden=True)
 
 
 def _db_url(db_url: str | None, db: str | None = None) -> str:
-    if db_url or db:
-        return db_url or db  # type: ignore[return-value]
+    given = db_url or db
+    if given:
+        return given
     from collector.settings import CollectorSettings
 
     return CollectorSettings().db_url
 
 
-def _load(paths: list[Path] | None):  # type: ignore[no-untyped-def]
+def _load(paths: list[Path] | None):
     from alerts.rules import BUILTIN_RULES, RuleFileError, load_rule_files
 
     try:
@@ -182,7 +183,7 @@ silence_app = typer.Typer(no_args_is_help=True, help="Alertmanager-style silence
 alerts_app.add_typer(silence_app, name="silence")
 
 
-def _factory(db_url: str | None, db: str | None):  # type: ignore[no-untyped-def]
+def _factory(db_url: str | None, db: str | None):
     from collector.db import make_engine, session_factory
 
     return session_factory(make_engine(_db_url(db_url, db)))

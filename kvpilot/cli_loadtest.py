@@ -147,7 +147,7 @@ def loadtest_cmd(
             progress=progress,
         )
     except typer.BadParameter as exc:
-        raise _fail(exc.param_hint or "option", exc.message) from None  # type: ignore[arg-type]
+        raise _fail(exc.param_hint or "option", exc.message) from None
     spec = spec.quick_defaults(_explicit_spec_fields(explicit))
     if spec.target is not None:
         from kvpilot.loadtest.runner import TargetUnreachableError, check_target

@@ -146,7 +146,7 @@ def reassign_cmd(
     typer.echo(f"{n} instance(s) of {from_owner} now owned by {to_name}")
 
 
-def _engine(db_url: str | None):  # type: ignore[no-untyped-def]
+def _engine(db_url: str | None):
     from collector.db import check_schema_current, make_engine
     from collector.settings import CollectorSettings
 

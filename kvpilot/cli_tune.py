@@ -81,7 +81,7 @@ def _options(
     time_scale: float,
     length_scale: float,
     hours: float,
-):  # type: ignore[no-untyped-def]
+):
     from tuner.workloads import WorkloadOptions
 
     return WorkloadOptions(
@@ -96,7 +96,7 @@ def _options(
     ).validate()
 
 
-def _slo(ttft: float, tpot: float, p99_e2e: float | None, max_rejection: float, max_oom: int):  # type: ignore[no-untyped-def]
+def _slo(ttft: float, tpot: float, p99_e2e: float | None, max_rejection: float, max_oom: int):
     from tuner.metrics import SLO
 
     try:
@@ -194,7 +194,7 @@ def _live_options(
     }
 
 
-def _only_knobs(space, knobs: list[str]):  # type: ignore[no-untyped-def]
+def _only_knobs(space, knobs: list[str]):
     """The space narrowed to `knobs` (all of it when none are named): a study over exactly those knobs."""
     from tuner.space import SearchSpace, SpaceError
 

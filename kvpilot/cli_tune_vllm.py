@@ -134,7 +134,7 @@ def _check_collector(url: str, ingest_token: str | None) -> None:
         )
 
 
-def _base(config: Path, model: Path | None):  # type: ignore[no-untyped-def]
+def _base(config: Path, model: Path | None):
     """(running config, the model's shape) from the config file and --model."""
     from tuner.vllm.config import VllmConfig
     from tuner.vllm.tune import checkpoint_model
@@ -145,20 +145,20 @@ def _base(config: Path, model: Path | None):  # type: ignore[no-untyped-def]
     return base, checkpoint_model(base.model, base.dtype)
 
 
-def _slo_with_ttft(ttft, tpot, p99_e2e, p99_ttft, max_rejection, max_oom):  # type: ignore[no-untyped-def]
+def _slo_with_ttft(ttft, tpot, p99_e2e, p99_ttft, max_rejection, max_oom):
     slo = _slo(ttft, tpot, p99_e2e, max_rejection, max_oom)
     if p99_ttft is not None and not p99_ttft > 0:
         raise ValueError(f"slo: p99_ttft_s: must be positive, got {p99_ttft}")
     return dataclasses.replace(slo, p99_ttft_s=p99_ttft)
 
 
-def _opts(requests, scale, output_range, load, duration, time_scale, length_scale, hours, base):  # type: ignore[no-untyped-def]
+def _opts(requests, scale, output_range, load, duration, time_scale, length_scale, hours, base):
     """The workload options with prompt + output clipped to vLLM's max-model-len."""
     opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
     return dataclasses.replace(opts, max_total_tokens=base.max_model_len)
 
 
-def _check_space(space, path: Path | None, base, python: str | None, *, say) -> str:  # type: ignore[no-untyped-def]
+def _check_space(space, path: Path | None, base, python: str | None, *, say) -> str:
     """The space against the installed vLLM's own parser (when `python` is given); what the check said."""
     from tuner.space import SpaceError
     from tuner.vllm.argcheck import check_space
@@ -174,7 +174,7 @@ def _check_space(space, path: Path | None, base, python: str | None, *, say) -> 
     return f"checked against vLLM {check.version} ({check.probes} probes)"
 
 
-def _sayer(t0: float):  # type: ignore[no-untyped-def]
+def _sayer(t0: float):
     def say(message: str) -> None:
         print(f"[tune vllm {time.time() - t0:5.0f}s] {message}", file=sys.stderr, flush=True)
 
@@ -369,7 +369,7 @@ CALIBRATION_HINT = (
 )
 
 
-def _broken(metrics: dict[str, Any] | None, slo) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def _broken(metrics: dict[str, Any] | None, slo) -> dict[str, float]:
     """The constraints a measurement broke and by how much (`TrialMetrics.constraints`: > 0 is broken)."""
     from tuner.metrics import TrialMetrics
 
@@ -378,7 +378,7 @@ def _broken(metrics: dict[str, Any] | None, slo) -> dict[str, float]:  # type: i
     return {k: v for k, v in TrialMetrics(**metrics).constraints(slo).items() if v > 0}
 
 
-def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, t0: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, t0: float) -> dict[str, Any]:
     screened, h, base = tuning.screened, tuning.heldout, tuning.baseline
     p = outcome.proposal
     return {

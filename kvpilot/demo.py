@@ -58,9 +58,9 @@ class _Stack:
     """Things started, stopped in reverse order whatever happens."""
 
     def __init__(self) -> None:
-        self._stops: list[tuple[str, object]] = []
+        self._stops: list[tuple[str, Callable[[], object]]] = []
 
-    def push(self, name: str, stop: object) -> None:
+    def push(self, name: str, stop: Callable[[], object]) -> None:
         self._stops.append((name, stop))
 
     def close(self, only: str | None = None) -> None:
@@ -68,7 +68,7 @@ class _Stack:
         for name, stop in [s for s in reversed(self._stops) if only in (None, s[0])]:
             self._stops.remove((name, stop))
             try:
-                stop()  # type: ignore[operator]
+                stop()
             except Exception as exc:  # a failing stop must not keep the others running
                 log.warning("stopping %s failed: %s", name, exc)
 

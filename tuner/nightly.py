@@ -227,7 +227,7 @@ def _publish(
     instance: str | None,
     cfg_yaml: str,
     md: str,
-    png: bytes | None,  # type: ignore[no-untyped-def]
+    png: bytes | None,
     plot_name: str | None,
     metrics_base: dict,
     metrics_best: dict,

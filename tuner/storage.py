@@ -77,7 +77,7 @@ def ensure_schema(storage_url: str) -> None:
         engine.dispose()
 
 
-def open_storage(db_url: str | None, *, storage_url: str | None = None):  # type: ignore[no-untyped-def]
+def open_storage(db_url: str | None, *, storage_url: str | None = None):
     """An Optuna storage for the kvpilot database (in memory when `db_url` is None)."""
     import optuna
 

@@ -128,6 +128,19 @@ def target_health(db: Db) -> list[TargetHealth]:
         rows = conn.execute(stmt).all()
     # The URL as shown (collector.redact): only the scraper reads the credentials it may carry.
     return [
-        TargetHealth(r[0], redact_url(r[1]), *r[2:-2], labels=dict(parse_labels(r[-2])), sample_limit=int(r[-1]))
+        TargetHealth(
+            r.id,
+            redact_url(r.url),
+            r.job,
+            r.instance,
+            r.up,
+            r.last_error,
+            r.last_scrape_at,
+            r.scrape_duration_s,
+            r.interval_s,
+            r.enabled,
+            labels=dict(parse_labels(r.labels)),
+            sample_limit=int(r.sample_limit),
+        )
         for r in rows
     ]

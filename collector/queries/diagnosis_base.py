@@ -350,7 +350,7 @@ def request_rows(
     return rows, truncated
 
 
-def step_rows(conn: Any, *, instance: str, start: float, end: float, run_id: str | None, columns: Sequence[str]):  # type: ignore[no-untyped-def]
+def step_rows(conn: Any, *, instance: str, start: float, end: float, run_id: str | None, columns: Sequence[str]):
     """Step rows (warm-up excluded) in time order, at most MAX_ROWS (the newest)."""
     s = StepRow.__table__.c
     conds = [s.instance == instance, s.ts >= start, s.ts < end, s.warmup.is_(False)]

@@ -99,8 +99,8 @@ def _swap_rates(db: Db, *, instance: str, start: float, end: float, run_id: str 
                 for (t0, v0), (t1, v1) in itertools.pairwise(points)
                 if t1 > t0
             ]
-            for b, v in _bucket_avg(rates, SWAP_SUSTAIN_S):
-                per_bucket[b] += v
+            for bucket, v in _bucket_avg(rates, SWAP_SUSTAIN_S):
+                per_bucket[bucket] += v
         if per_bucket:
             return "scraped swap counter", sorted(per_bucket.items())
     return None
@@ -148,10 +148,11 @@ def swap_thrashing(
             f"No thrashing: swaps peaked at {peak:.1f}/s over {SWAP_SUSTAIN_S:g} s, {against} (from the {source})."
         )
     if swapped and swap_total > 0:
-        cost_value: float | None = swap_total / len(swapped)
+        per_request = swap_total / len(swapped)
+        cost_value: float | None = per_request
         cost = (
             f"Latency: {len(swapped)} swapped requests spent {swap_total:.2f} s swapped out in all, "
-            f"{cost_value * 1e3:.0f} ms each on average (their swap_s, counted inside prefill/decode)."
+            f"{per_request * 1e3:.0f} ms each on average (their swap_s, counted inside prefill/decode)."
         )
     elif swapped or not rows:
         cost_value, cost = None, "Not estimated: no per-request swap time is stored for this instance."

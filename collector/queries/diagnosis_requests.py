@@ -70,7 +70,7 @@ def _overlap(merged: list[tuple[float, float]], starts: list[float], lo: float, 
     return total
 
 
-def _decode_stall(steps: list, long_prompt: int) -> dict[str, float]:  # type: ignore[type-arg]
+def _decode_stall(steps: list, long_prompt: float) -> dict[str, float]:
     """How long decoding sequences waited in steps that carried a long prefill, beyond a pure-decode step."""
     pure = [s.duration_s for s in steps if s.prefill_tokens == 0 and s.decode_tokens > 0]
     decoding = [s for s in steps if s.decode_tokens > 0]
@@ -93,7 +93,7 @@ def mixed_lengths(
     time stalled in steps that carried a long prefill (throughput).
     """
     trap, hours = "mixed_lengths", study_hours(start, now or time.time())
-    cols = ("request_id", "ts", "prompt_tokens", "output_tokens", "queue_s", "prefill_s", "ttft_s")
+    cols: tuple[str, ...] = ("request_id", "ts", "prompt_tokens", "output_tokens", "queue_s", "prefill_s", "ttft_s")
     cols += tuple(c for c in WAIT_COLUMNS if c not in cols)
     with _bound(db) as conn:
         rows, truncated = request_rows(conn, instance=instance, start=start, end=end, run_id=run_id, columns=cols)
@@ -206,7 +206,7 @@ def bursts(
     other arrivals (latency), and the requests refused during bursts.
     """
     trap, hours = "bursts", study_hours(start, now or time.time())
-    cols = ("request_id", "ts", "status", "prompt_tokens", "queue_s", "ttft_s", "e2e_s")
+    cols: tuple[str, ...] = ("request_id", "ts", "status", "prompt_tokens", "queue_s", "ttft_s", "e2e_s")
     cols += tuple(c for c in WAIT_COLUMNS if c not in cols)
     with _bound(db) as conn:
         rows, truncated = request_rows(
@@ -304,7 +304,7 @@ def cold_start(
         r.instance == instance, r.warmup.is_(False), r.run_id.in_(runs_in_window)
     )
     cols = ("request_id", "run_id", "ts", "prompt_tokens", "output_tokens", "queue_s", "ttft_s", "e2e_s")
-    per_run: dict[str, list] = {}  # type: ignore[type-arg]
+    per_run: dict[str, list] = {}
     too_many: list[str] = []
     with _bound(db) as conn:
         started = [run for run, first_ts in conn.execute(firsts.group_by(r.run_id)) if first_ts >= start]

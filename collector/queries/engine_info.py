@@ -67,7 +67,7 @@ def engine_infos(db: Db, *, instances: Sequence[str]) -> dict[str, EngineInfo]:
             out[name] = EngineInfo(name, "kvpilot", None, "kvpilot's allocation trace")
     for name, job in jobs:
         if job in ENGINES and out[name].engine is None:
-            out[name] = EngineInfo(name, job, None, f"scrape target job {job}")  # type: ignore[arg-type]
+            out[name] = EngineInfo(name, job, None, f"scrape target job {job}")
     said: dict[str, set[str]] = {}
     for name, labels in configs:
         said.setdefault(name, set()).add(dict(parse_labels(labels)).get("enable_prefix_caching", "").lower())

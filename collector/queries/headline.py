@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import func, select
 
@@ -48,7 +49,7 @@ def headline_latency(
     include_warmup: bool = False,
 ) -> HeadlineLatency:
     """User-facing TTFT and e2e p50/p99 of the finished requests in [start, end), and their source."""
-    common = {
+    common: dict[str, Any] = {
         "start": start,
         "end": end,
         "quantiles": (0.5, 0.99),
@@ -57,8 +58,8 @@ def headline_latency(
         "run_id": run_id,
         "include_warmup": include_warmup,
     }
-    ttft = latency_percentiles(db, metric="ttft", **common)  # type: ignore[arg-type]
-    e2e = latency_percentiles(db, metric="e2e", **common)  # type: ignore[arg-type]
+    ttft = latency_percentiles(db, metric="ttft", **common)
+    e2e = latency_percentiles(db, metric="e2e", **common)
     r = RequestRow.__table__.c
     conds = _request_filter(start, end, instances, run_id, ("finished",), include_warmup)
     with _bound(db) as conn:

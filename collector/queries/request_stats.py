@@ -255,6 +255,8 @@ def latency_histogram(
         width = (hi - lo) / bins if hi > lo else 1.0
         index = _int_floor((column - literal(lo)) / literal(width), _dialect(conn))
         clamped = case((index >= bins, bins - 1), else_=index).label("i")
-        counted = dict(conn.execute(select(clamped, func.count()).where(*conds).group_by(clamped)).all())
+        counted: dict[int, int] = dict(
+            conn.execute(select(clamped, func.count()).where(*conds).group_by(clamped)).all()
+        )
     n_bins = bins if hi > lo else 1
     return [HistogramBin(lo + i * width, lo + (i + 1) * width, int(counted.get(i, 0))) for i in range(n_bins)]

@@ -4,7 +4,7 @@ duration), where the dashboard and the rules read bucketed aggregates (`engine_s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from sqlalchemy import select
 
@@ -44,18 +44,7 @@ def stored_steps(
     if run_ids is not None:
         conds.append(s.run_id.in_(list(run_ids)))
     stmt = (
-        select(
-            s.run_id,
-            s.instance,
-            s.ts,
-            s.step,
-            s.duration_s,
-            s.num_seqs,
-            s.prefill_tokens,
-            s.decode_tokens,
-            s.kv_blocks_used,
-            s.kv_blocks_total,
-        )
+        select(*(s[f.name] for f in fields(StoredStep)))  # StoredStep's fields, in its order
         .where(*conds)
         .order_by(s.instance, s.run_id, s.step, s.id)
         .limit(limit)

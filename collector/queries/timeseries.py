@@ -17,11 +17,11 @@ import itertools
 import json
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from sqlalchemy import Float, Select, Text, cast, func, literal, select, union_all
+from sqlalchemy import ColumnElement, Float, Select, Text, cast, func, literal, select, union_all
 
 from collector.queries._base import Db, _bound, _dialect, bucket_expr
 from collector.schema import AllocRow, DownsampledPoint, GapRow, RequestRow, SampleRow, SeriesPoint, StepRow
@@ -68,9 +68,9 @@ def _engine_sources(name: str, start: float, end: float, instances: Sequence[str
         )
     if name in STEP_COLUMNS:
         t = StepRow.__table__
-        col = (t.c.prefill_tokens + t.c.decode_tokens) if name == "step_tokens" else t.c[STEP_COLUMNS[name]]
+        step_col = (t.c.prefill_tokens + t.c.decode_tokens) if name == "step_tokens" else t.c[STEP_COLUMNS[name]]
         selects.append(
-            select(t.c.instance, no_labels, t.c.ts, col.label("value")).where(
+            select(t.c.instance, no_labels, t.c.ts, step_col.label("value")).where(
                 t.c.ts >= start, t.c.ts < end, t.c.warmup.is_(False)
             )
         )
@@ -289,7 +289,7 @@ def bucketed(
     return dict(out)
 
 
-_BUCKET_AGGS = {"avg": func.avg, "max": func.max}
+_BUCKET_AGGS: dict[str, Callable[[Any], ColumnElement[Any]]] = {"avg": func.avg, "max": func.max}
 
 
 def _py_buckets(points: list[tuple[float, float]], bucket_s: float, agg: str = "avg") -> list[tuple[float, float]]:

@@ -165,7 +165,7 @@ class StorageGate:
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, *, timeout_s: float, gone) -> Literal["acquired", "busy", "gone"]:  # type: ignore[no-untyped-def]
+    async def acquire(self, *, timeout_s: float, gone) -> Literal["acquired", "busy", "gone"]:
         if not self._held and not self._waiters:
             self._held = True
             return "acquired"

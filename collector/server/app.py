@@ -124,12 +124,14 @@ def create_app(
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
+        exception_handlers={
+            Rejected: _rejected,
+            CollectorError: _collector_error,
+            RequestValidationError: _invalid_request,
+            StarletteHTTPException: _http_error,
+        },
     )
-    app.openapi = lambda: _openapi_with_batch(app)  # type: ignore[method-assign]
-    app.add_exception_handler(Rejected, _rejected)
-    app.add_exception_handler(CollectorError, _collector_error)
-    app.add_exception_handler(RequestValidationError, _invalid_request)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.openapi = lambda: _openapi_with_batch(app)  # type: ignore[method-assign]  # FastAPI's documented override
     app.include_router(health_routes.router)
     app.include_router(ingest_routes.router)
     app.include_router(otlp_routes.router)

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -27,7 +27,12 @@ class Rejected(Exception):
     """A refusal with its HTTP status and metric reason; answered by the app's exception handler."""
 
     def __init__(
-        self, status_code: int, reason: str, detail: str, errors: list | None = None, headers: dict | None = None
+        self,
+        status_code: int,
+        reason: str,
+        detail: str,
+        errors: list | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(detail)
         self.status_code = status_code

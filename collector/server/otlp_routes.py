@@ -58,7 +58,7 @@ async def decode_body(request: Request, raw: bytes, state: CollectorState, ticke
     if await request.is_disconnected():
         raise client_gone()
     limit = state.settings.max_decompressed_bytes
-    return await state.admission.inflate(raw, limit=limit, ticket=ticket, coding=coding)  # type: ignore[arg-type]
+    return await state.admission.inflate(raw, limit=limit, ticket=ticket, coding=coding)  # type: ignore[arg-type]  # gzip or deflate, checked above
 
 
 def status_response(request: Request, exc: Rejected) -> Response:

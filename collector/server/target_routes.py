@@ -11,7 +11,7 @@ and its instance must not belong to someone else (`collector.claims`): 422 and 4
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Response
@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from collector.claims import claim_for_target, release_target
-from collector.db import translate_errors
+from collector.db import rowcount, translate_errors
 from collector.identities import Identity
 from collector.netpolicy import AddressRefusedError, ResolutionError
 from collector.queries import parse_labels
@@ -51,7 +51,7 @@ admin_router = APIRouter(prefix="/v1", dependencies=[Depends(require_admin)])
 TargetId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 Url = Annotated[HttpUrl, UrlConstraints(max_length=2000)]
 Label = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00]+$")]
-NOT_FOUND = {404: {"model": ErrorResponse}}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorResponse}}
 
 
 class TargetIn(BaseModel):
@@ -171,7 +171,7 @@ def get_target(target_id: TargetId, session: SessionDep) -> ScrapeTarget:
 @admin_router.delete("/targets/{target_id}", status_code=204, responses={**NOT_FOUND, **ERROR_RESPONSES})
 def delete_target(target_id: TargetId, session: SessionDep) -> Response:
     """Delete a target; its instance is free to claim again (its stored points stay)."""
-    deleted = session.execute(delete(ScrapeTarget).where(ScrapeTarget.id == target_id)).rowcount
+    deleted = rowcount(session.execute(delete(ScrapeTarget).where(ScrapeTarget.id == target_id)))
     if not deleted:
         raise HTTPException(404, f"no target {target_id}")
     release_target(session.connection(), target_id)

@@ -8,7 +8,7 @@ import streamlit as st
 
 from collector import queries
 from dashboard.data.base import TTL_S, Filters, engine, to_time
-from dashboard.tables import Col
+from dashboard.tables import Col, Kind
 
 STATUS_TEXT = {"present": "present", "absent": "not seen", "no_data": "not enough data"}
 
@@ -73,12 +73,12 @@ FINDINGS_TABLE = {
 def request_columns(df: pd.DataFrame) -> dict[str, Col]:
     """Human headers for whatever request fields a detector kept: times as times, numbers as numbers."""
 
-    def kind(column: str) -> str:
+    def kind(column: str) -> Kind:
         if pd.api.types.is_datetime64_any_dtype(df[column]):
             return "time"
         return "number" if pd.api.types.is_numeric_dtype(df[column]) else "text"
 
-    return {c: Col(c.replace("_", " ").capitalize(), kind(c)) for c in df.columns}  # type: ignore[arg-type]
+    return {c: Col(c.replace("_", " ").capitalize(), kind(c)) for c in df.columns}
 
 
 def requests(finding: queries.Finding) -> pd.DataFrame:

@@ -189,13 +189,13 @@ class KVCacheManager:
         kv = SeqKV(request_id)
         hits = self._lookup_prefix(token_ids) if self.prefix_caching else []
         cached = 0
-        for block in hits:
+        for key, block in hits:
             if block.ref_count == 0:
-                del self._evictable[block.block_hash]
+                del self._evictable[key]
                 self.cached_pages -= block.size // self.page_tokens
             block.ref_count += 1
             self._append_block(kv, block)
-            kv.last_hash = block.block_hash
+            kv.last_hash = key
             cached += block.size
         kv.hashed_blocks = len(hits)
         if token_ids:
@@ -282,8 +282,8 @@ class KVCacheManager:
         reclaimed = 0
         counts: dict[int, int] = {}
         while self._evictable and reclaimed < max_pages:
-            _, block = self._evictable.popitem(last=False)
-            del self._cache[block.block_hash]
+            key, block = self._evictable.popitem(last=False)
+            del self._cache[key]
             pages = block.size // self.page_tokens
             self.cached_pages -= pages
             reclaimed += pages
@@ -300,8 +300,9 @@ class KVCacheManager:
         return self.evict(self.hot.num_pages)
 
     # ------------------------------------------------------------------ internals
-    def _lookup_prefix(self, token_ids: Sequence[int]) -> list[Block]:
-        hits: list[Block] = []
+    def _lookup_prefix(self, token_ids: Sequence[int]) -> list[tuple[int, Block]]:
+        """The cached blocks of the prompt's longest cached prefix, each with its hash."""
+        hits: list[tuple[int, Block]] = []
         parent = 0
         limit = len(token_ids) - 1  # the last prompt token is always computed: its logits are needed
         for pos, size in self.policy.layout(0, limit):
@@ -312,7 +313,7 @@ class KVCacheManager:
             block = self._cache.get(key)
             if block is None or block.tokens != tokens:
                 break
-            hits.append(block)
+            hits.append((key, block))
             parent = key
         return hits
 

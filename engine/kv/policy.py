@@ -22,7 +22,9 @@ class BlockSizePolicy:
 
     @classmethod
     def from_config(cls, cfg: CacheConfig) -> BlockSizePolicy:
-        return cls(cfg.block_policy, cfg.block_size, tuple(cfg.dynamic_thresholds), tuple(cfg.dynamic_sizes))
+        low, high = cfg.dynamic_thresholds
+        small, medium, large = cfg.dynamic_sizes
+        return cls(cfg.block_policy, cfg.block_size, (low, high), (small, medium, large))
 
     @classmethod
     def fixed(cls, size: int) -> BlockSizePolicy:

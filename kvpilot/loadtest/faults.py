@@ -86,7 +86,7 @@ def _plan(spec: LoadTestSpec, *, burst: bool = False) -> list:
     return plan_burst(opts) if burst else plan_mixed(opts)
 
 
-def _collector(workdir: Path, port: int | None = None):  # type: ignore[no-untyped-def]
+def _collector(workdir: Path, port: int | None = None):
     from collector.db import upgrade
     from collector.server import start_subprocess
     from collector.settings import CollectorSettings

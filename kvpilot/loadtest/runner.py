@@ -227,7 +227,7 @@ async def _at(t0: float, action: TimedAction, log_to: list[dict]) -> None:
     log_to.append({"action": action.name, "at_s": round(started, 3), "took_s": round(took, 3)})
 
 
-def _progress(total: int, enabled: bool):  # type: ignore[no-untyped-def]
+def _progress(total: int, enabled: bool):
     if not enabled:
         return None
     from tqdm import tqdm

@@ -104,7 +104,7 @@ def _client_opts(spec: LoadTestSpec, run_id: str) -> ClientOptions:
         api=spec.api,
         stream=spec.stream,
         timeout_s=spec.timeout_s,
-        seed=spec.seed,  # type: ignore[arg-type]
+        seed=spec.seed,
         run_id=run_id,
         ignore_eos=spec.ignore_eos,
     )

@@ -80,10 +80,10 @@ def make_evaluator(db_url: str, clock: FakeClock) -> Iterator[Callable[..., Aler
             metrics=metrics,
             rng=random.Random(7),
             **delivery_kwargs,
-        )  # type: ignore[arg-type]
+        )
         ev = AlertEvaluator(
             factory, groups, source, config, clock=clock, holder=holder, metrics=metrics, delivery=delivery, **kwargs
-        )  # type: ignore[arg-type]
+        )
         made.append(ev)
         return ev
 

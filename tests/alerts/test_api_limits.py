@@ -52,7 +52,8 @@ def test_non_loopback_api_with_token_serves_and_guards_writes(sqlite_url):
 
     handle = start_evaluator(sqlite_url, source=MemorySource(), api_port=0, api_host="0.0.0.0", api_token="t0k")
     try:
-        url = f"http://127.0.0.1:{handle.api.port}"  # type: ignore[union-attr]
+        assert handle.api is not None
+        url = f"http://127.0.0.1:{handle.api.port}"
         import time
 
         now = time.time()

@@ -35,7 +35,7 @@ groups:
 class Recorder:
     """An httpx transport that answers 200 and remembers each POST with its timeout and the lease row."""
 
-    def __init__(self, factory, on_post=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, factory, on_post=None) -> None:
         self.factory = factory
         self.on_post = on_post
         self.posts: list[dict] = []
@@ -50,7 +50,7 @@ class Recorder:
         return httpx.Response(200)
 
 
-def _evaluator(db_url, clock, config, recorder_factory, *, holder="a", ttl=15.0, **worker_kw):  # type: ignore[no-untyped-def]
+def _evaluator(db_url, clock, config, recorder_factory, *, holder="a", ttl=15.0, **worker_kw):
     engine = make_engine(db_url)
     factory = session_factory(engine)
     recorder = recorder_factory(factory)
@@ -79,7 +79,7 @@ def _evaluator(db_url, clock, config, recorder_factory, *, holder="a", ttl=15.0,
     return ev, recorder, engine
 
 
-def _config(url="http://receiver.invalid/", **kw):  # type: ignore[no-untyped-def]
+def _config(url="http://receiver.invalid/", **kw):
     defaults = {"group_wait_s": 0.0, "group_interval_s": 10.0, "repeat_interval_s": 3600.0}
     defaults.update(kw)
     return webhook_config([url], group_by=["alertname", "instance"], **defaults)
@@ -107,7 +107,7 @@ def test_lease_renewed_before_each_post_and_timeout_inside_it(db_url, clock):
 
 
 def test_no_post_once_the_lease_is_lost_mid_batch(db_url, clock):
-    def recorder_factory(factory):  # type: ignore[no-untyped-def]
+    def recorder_factory(factory):
         def take_over(count: int) -> None:
             if count == 1:  # another evaluator takes over while the first POST is answered
                 with factory() as s:

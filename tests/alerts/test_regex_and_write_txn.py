@@ -83,7 +83,7 @@ class ProbingSource(MemorySource):
         self.url = url
         self.probes: list[bool] = []
 
-    def points(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def points(self, *args, **kwargs):
         self.probes.append(_lease_row_writable(self.url))
         return super().points(*args, **kwargs)
 
@@ -102,7 +102,7 @@ def test_rules_and_silences_run_outside_the_write_transaction(
     silence_probes: list[bool] = []
     original = Matcher.matches
 
-    def probing_matches(self, labels):  # type: ignore[no-untyped-def]
+    def probing_matches(self, labels):
         silence_probes.append(_lease_row_writable(db_url))
         return original(self, labels)
 

@@ -144,7 +144,7 @@ def test_selection_matches_any_label_and_pushes_instance_down():
         calls.append(instances)
         return inner(name, start, end, instances)
 
-    source.points = spy  # type: ignore[method-assign]
+    source.points = spy  # type: ignore[method-assign]  # a spy on the source's reads
     name = ("__name__", "utilization")
     assert _eval(source, 'utilization{gpu="1"}') == {(("Hostname", "h1"), name, ("gpu", "1"), ("instance", "d")): 0.9}
     assert set(_eval(source, 'utilization{gpu!="1"}')) == {

@@ -25,7 +25,7 @@ def ingest(engine: Engine, events: list[dict[str, Any]]) -> None:
         store_batch(engine, parse_batch(raw, max_events=100_000), idempotency_key=None, content=raw)
 
 
-def req(arrival: float, n: int, *, queue: float = 0.005, prefill: float = 0.01, decode: float = 0.2, **kw: Any):  # type: ignore[no-untyped-def]
+def req(arrival: float, n: int, *, queue: float = 0.005, prefill: float = 0.01, decode: float = 0.2, **kw: Any):
     e2e = queue + prefill + decode
     fields = {"request_id": f"q{n}", "queue_s": queue, "prefill_s": prefill, "ttft_s": queue + prefill + 0.001}
     return ev.request(0, ts=arrival + e2e, decode_s=decode, e2e_s=e2e, **{**fields, **kw})

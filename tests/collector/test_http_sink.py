@@ -59,7 +59,7 @@ def fake() -> FakeCollector:
     return FakeCollector()
 
 
-def make_sink(fake: FakeCollector, **kw) -> HttpSink:  # type: ignore[no-untyped-def]
+def make_sink(fake: FakeCollector, **kw) -> HttpSink:
     opts = {"batch_size": 50, "flush_interval_s": 0.05, "backoff_initial_s": 0.01, "backoff_max_s": 0.05}
     opts.update(kw)
     return HttpSink("http://collector.test", client=httpx.Client(transport=httpx.MockTransport(fake.handler)), **opts)

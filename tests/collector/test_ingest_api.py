@@ -53,7 +53,7 @@ def stored(settings: CollectorSettings) -> dict[str, int]:
 NOTHING = {"ingest_batches": 0, "requests": 0, "steps": 0, "samples": 0}
 
 
-def post(client: TestClient, content: bytes, **headers: str):  # type: ignore[no-untyped-def]
+def post(client: TestClient, content: bytes, **headers: str):
     return client.post("/v1/ingest", content=content, headers={"Content-Type": "application/json", **headers})
 
 
@@ -186,7 +186,7 @@ def test_metrics_and_health(client: TestClient) -> None:
     assert "kvpilot_collector_ingest_batch_seconds_count 1.0" in text
 
 
-def test_unmigrated_database_refuses_to_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unmigrated_database_refuses_to_start(tmp_path) -> None:
     settings = CollectorSettings(db_url=f"sqlite:///{tmp_path / 'new.db'}", scrape_enabled=False)
     with pytest.raises(Exception, match="kvpilot db upgrade"), TestClient(create_app(settings)):
         pass

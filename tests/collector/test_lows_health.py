@@ -43,7 +43,7 @@ def on_every_connect() -> Iterator[list[str]]:
     """SQL run on every new DBAPI connection of any engine, while the test runs (a fault for all of them)."""
     statements: list[str] = []
 
-    def apply(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    def apply(dbapi_conn, _record) -> None:
         cursor = dbapi_conn.cursor()
         for statement in statements:
             cursor.execute(statement)

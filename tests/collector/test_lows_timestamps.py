@@ -52,7 +52,7 @@ def stored(settings: CollectorSettings, model: type) -> int:
     return n
 
 
-def push(client: TestClient, body: bytes):  # type: ignore[no-untyped-def]
+def push(client: TestClient, body: bytes):
     return client.post("/v1/ingest", content=body, headers={**AUTH, "Content-Type": "application/json"})
 
 

@@ -15,7 +15,7 @@ def test_alembic_check_finds_no_drift(db_url: str) -> None:
     command.check(alembic_config(db_url))
 
 
-def test_upgrade_is_idempotent_and_reaches_head(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_upgrade_is_idempotent_and_reaches_head(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 'x.db'}"
     upgrade(url)
     upgrade(url)
@@ -27,7 +27,7 @@ def test_upgrade_is_idempotent_and_reaches_head(tmp_path) -> None:  # type: igno
     engine.dispose()
 
 
-def test_unmigrated_database_is_refused_with_the_command_to_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unmigrated_database_is_refused_with_the_command_to_run(tmp_path) -> None:
     engine = make_engine(f"sqlite:///{tmp_path / 'empty.db'}")
     with pytest.raises(SchemaOutdatedError, match="kvpilot db upgrade"):
         check_schema_current(engine)

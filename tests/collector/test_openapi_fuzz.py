@@ -75,7 +75,7 @@ def test_no_server_errors(collector_url: str, label: str, mode: GenerationMode, 
         max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True
     )
     @given(operation.as_strategy(mode))
-    def check(case) -> None:  # type: ignore[no-untyped-def]
+    def check(case) -> None:
         response = case.call(base_url=collector_url, headers=headers)
         statuses.append(response.status_code)
         assert response.status_code < 500, (

@@ -152,12 +152,12 @@ ENCODINGS = {
 }
 
 
-def export(client: TestClient, spans: Sequence[ReadableSpan], encoding: str = "protobuf", **headers: str):  # type: ignore[no-untyped-def]
+def export(client: TestClient, spans: Sequence[ReadableSpan], encoding: str = "protobuf", **headers: str):
     encode, base_headers, compress = ENCODINGS[encoding]
     return client.post("/v1/traces", content=compress(encode(spans)), headers={**base_headers, **AUTH, **headers})
 
 
-def export_response(resp) -> ExportTraceServiceResponse:  # type: ignore[no-untyped-def]
+def export_response(resp) -> ExportTraceServiceResponse:
     message = ExportTraceServiceResponse()
     if resp.headers["content-type"].startswith("application/json"):
         json_format.Parse(resp.content, message)
@@ -166,7 +166,7 @@ def export_response(resp) -> ExportTraceServiceResponse:  # type: ignore[no-unty
     return message
 
 
-def status_of(resp) -> Status:  # type: ignore[no-untyped-def]
+def status_of(resp) -> Status:
     message = Status()
     if resp.headers["content-type"].startswith("application/json"):
         json_format.Parse(resp.content, message)
@@ -175,12 +175,12 @@ def status_of(resp) -> Status:  # type: ignore[no-untyped-def]
     return message
 
 
-def rows(settings: CollectorSettings) -> list[RequestRow]:
+def rows(settings: CollectorSettings) -> Sequence[Any]:
     engine = make_engine(settings.db_url)
     with engine.connect() as conn:
         found = conn.execute(select(RequestRow.__table__).order_by(RequestRow.request_id)).all()
     engine.dispose()
-    return found  # type: ignore[return-value]
+    return found
 
 
 def count(settings: CollectorSettings, model: type) -> int:
@@ -504,7 +504,7 @@ def test_request_events_bound_spans_before_converting() -> None:
     assert len(otlp.request_events(request, instance_map={}, max_spans=5).events) == 1
 
 
-def test_overlapping_exports_stored_concurrently_keep_each_span_once(db_engine) -> None:  # type: ignore[no-untyped-def]
+def test_overlapping_exports_stored_concurrently_keep_each_span_once(db_engine) -> None:
     """Stateless collectors on one database (no shared lock): the claims alone keep each span once."""
     spans = make_spans([vllm_attributes(i) for i in range(12)])
     request = encode_spans(spans)

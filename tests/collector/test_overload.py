@@ -281,7 +281,7 @@ def test_refusals_are_logged_once_per_reason_and_interval(caplog: pytest.LogCapt
     ]
 
 
-def test_a_trickling_body_does_not_hold_a_slot(serve) -> None:  # type: ignore[no-untyped-def]
+def test_a_trickling_body_does_not_hold_a_slot(serve) -> None:
     handle = serve(max_inflight_requests=1, body_timeout_s=0.5)
     body = ev.body(ev.mixed(4))
     head = f"POST /v1/ingest HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"

@@ -81,7 +81,7 @@ def test_target_credentials_reach_only_the_scrape(
         db_url=sqlite_url,
         ingest_token="s3cret",
         admin_token="adm1n",
-        scrape_allow_nets="127.0.0.0/8",  # type: ignore[arg-type]
+        scrape_allow_nets="127.0.0.0/8",
         scrape_default_interval_s=1.0,
     )
     url = f"http://scraper:hunter2@127.0.0.1:{exporter}/metrics?token=tok-123&sig=sig-456"

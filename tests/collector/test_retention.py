@@ -19,7 +19,7 @@ OLD = (ev.T0 // 60 + 1) * 60  # a minute boundary
 NOW = OLD + 30 * DAY
 
 
-def count(engine: Engine, model) -> int:  # type: ignore[no-untyped-def]
+def count(engine: Engine, model) -> int:
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(model.__table__)).scalar_one()
 

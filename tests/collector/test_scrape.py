@@ -301,7 +301,7 @@ def test_validate_target_labels() -> None:
     assert validate_sample_limit(10_000) == 10_000
     for bad_limit in (0, -1, 10**7, True):
         with pytest.raises(TargetLabelsError):
-            validate_sample_limit(bad_limit)  # type: ignore[arg-type]
+            validate_sample_limit(bad_limit)
 
 
 def test_a_trickling_target_neither_outlives_its_deadline_nor_delays_others(db_engine: Engine, exporter: str) -> None:

@@ -15,12 +15,12 @@ from collector.schema import AllocRow, IngestBatch, Instance, RequestRow, Run, S
 from tests.collector import evfactory as ev
 
 
-def _count(engine: Engine, model) -> int:  # type: ignore[no-untyped-def]
+def _count(engine: Engine, model) -> int:
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(model.__table__)).scalar_one()
 
 
-def _ingest(engine: Engine, events, key):  # type: ignore[no-untyped-def]
+def _ingest(engine: Engine, events, key):
     raw = ev.body(events)
     return store_batch(engine, parse_batch(raw, max_events=10_000), idempotency_key=key, content=raw)
 

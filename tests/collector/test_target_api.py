@@ -29,7 +29,7 @@ def settings(sqlite_url: str) -> CollectorSettings:
         ingest_token=TOKEN,
         admin_token=ADMIN_TOKEN,
         scrape_enabled=False,
-        scrape_allow_nets=LOOPBACK_ALLOWED,  # type: ignore[arg-type]
+        scrape_allow_nets=LOOPBACK_ALLOWED,
         raw_retention_days=ev.REPLAY_RETENTION_DAYS,
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -34,8 +35,8 @@ DUMMY = (
 )
 
 
-def parse(lines: list[str], **kw: object) -> tuple[VllmLogParser, list]:
-    parser = VllmLogParser(instance="vllm-a", run_id="r1", **kw)  # type: ignore[arg-type]
+def parse(lines: list[str], **kw: Any) -> tuple[VllmLogParser, list]:
+    parser = VllmLogParser(instance="vllm-a", run_id="r1", **kw)
     return parser, [e for line in lines if (e := parser.feed(line)) is not None]
 
 
@@ -102,8 +103,9 @@ def test_the_time_vllm_put_on_the_line_wins_over_the_log_time_and_the_read_time(
         _, (step,) = parse([line], clock=lambda: 0.0, **kw)
         assert step.ts == 1796310161.123456
     parser = VllmLogParser(instance="vllm-a", run_id="r1", clock=lambda: 5.0)
-    assert parser.feed(ITERATION_LINES[0], read_ts=7.25).ts == 7.25  # type: ignore[union-attr]
-    assert parser.feed(ITERATION_LINES[1]).ts == 5.0  # type: ignore[union-attr]
+    read_at, clocked = parser.feed(ITERATION_LINES[0], read_ts=7.25), parser.feed(ITERATION_LINES[1])
+    assert read_at is not None and read_at.ts == 7.25
+    assert clocked is not None and clocked.ts == 5.0
 
 
 def _steps(stamps: list[float], durations: list[float], instance: str = "vllm-a") -> list:

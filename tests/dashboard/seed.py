@@ -151,13 +151,13 @@ def _allocs() -> list[dict[str, Any]]:
     return out
 
 
-def _ingest(engine, events: list[dict[str, Any]]) -> None:  # type: ignore[no-untyped-def]
+def _ingest(engine, events: list[dict[str, Any]]) -> None:
     for lo in range(0, len(events), 500):
         body = ev.body(events[lo : lo + 500])
         store_batch(engine, parse_batch(body, max_events=20_000), idempotency_key=None, content=body)
 
 
-def _alerts(session) -> None:  # type: ignore[no-untyped-def]
+def _alerts(session) -> None:
     now = T0 + NOW_OFFSET_S
     session.add_all(
         [
@@ -286,7 +286,7 @@ def _alerts(session) -> None:  # type: ignore[no-untyped-def]
     )
 
 
-def _targets(session) -> None:  # type: ignore[no-untyped-def]
+def _targets(session) -> None:
     now = T0 + NOW_OFFSET_S
     session.add_all(
         [
@@ -352,7 +352,7 @@ PROPOSED_YAML = "scheduler:\n  max_num_seqs: 96\n  max_num_batched_tokens: 4096\
 APPLIED_YAML = "scheduler:\n  max_num_seqs: 64\n  max_num_batched_tokens: 4096\ncache:\n  block_size: 32\n"
 
 
-def _proposals(session) -> None:  # type: ignore[no-untyped-def]
+def _proposals(session) -> None:
     session.add_all(
         [
             Proposal(

@@ -129,7 +129,7 @@ def test_every_page_renders_in_chromium(chromium: str, sqlite_url: str, tmp_path
                     problems.append(f"{name}: the simulator's instance is shown: {shown_sim}")
                 if name in TABLE_PAGES:
                     box = tuple(round(v) for v in json.loads(page.evaluate(TABLE_BOX)))
-                    if box[2] - box[0] < 100 or box[3] - box[1] < 60 or _ink(target, box) < 0.01:  # type: ignore[arg-type]
+                    if box[2] - box[0] < 100 or box[3] - box[1] < 60 or _ink(target, box) < 0.01:
                         problems.append(f"{name}: the first table drew nothing in {box}")
                 ink = _ink(target)
                 if target.stat().st_size < 20_000 or ink < 0.004:

@@ -19,7 +19,7 @@ PAGE = "app_pages/diagnosis.py"
 T0 = ev.T0
 
 
-def _open(open_page, url: str) -> AppTest:  # type: ignore[no-untyped-def]
+def _open(open_page, url: str) -> AppTest:
     at = open_page(url)
     return at.switch_page(PAGE).run()
 
@@ -87,7 +87,7 @@ def test_page_on_the_dashboard_seed_matches_the_read_package(seeded: Seed, open_
     assert metrics(at)["Traps present"] == str(sum(f.present for f in expected))
 
 
-def test_not_enough_data_is_said_never_fine(seeded: Seed, open_page, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_not_enough_data_is_said_never_fine(seeded: Seed, open_page, monkeypatch) -> None:
     unknown = [
         q.Finding(
             trap, "vllm-a", "no_data", "unknown", "Not enough data: nothing stored", knob="scheduler.max_num_seqs"
@@ -102,10 +102,10 @@ def test_not_enough_data_is_said_never_fine(seeded: Seed, open_page, monkeypatch
     assert set(at.dataframe[0].value["cost (estimated)"]) == {"—"}
 
 
-def test_storage_outage_on_the_diagnosis_page(seeded: Seed, open_page, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_storage_outage_on_the_diagnosis_page(seeded: Seed, open_page, monkeypatch) -> None:
     from collector.errors import StorageUnavailableError
 
-    def down(f):  # type: ignore[no-untyped-def]
+    def down(f):
         raise StorageUnavailableError("connection refused")
 
     monkeypatch.setattr(diagnosis, "findings", down)

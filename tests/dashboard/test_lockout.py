@@ -6,6 +6,8 @@ The guard is tested with an injected clock and sleep; the app with two browser s
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from dashboard import auth, settings
@@ -32,8 +34,8 @@ def fake() -> FakeTime:
     return FakeTime()
 
 
-def guard(fake: FakeTime, **limits: float) -> SignInGuard:
-    return SignInGuard(GuardLimits(**limits), clock=fake.clock, sleep=fake.sleep)  # type: ignore[arg-type]
+def guard(fake: FakeTime, **limits: Any) -> SignInGuard:
+    return SignInGuard(GuardLimits(**limits), clock=fake.clock, sleep=fake.sleep)
 
 
 def test_one_client_is_locked_and_nobody_else(fake: FakeTime) -> None:

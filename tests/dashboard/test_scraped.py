@@ -26,14 +26,14 @@ INTERVALS = SCRAPES - 1
 NEEDS_EVENTS = "need per-request events"
 
 
-def _per_instance(at):  # type: ignore[no-untyped-def]
+def _per_instance(at):
     """The overview's two per-instance tables (traffic and latency; the newest gauges) side by side."""
     traffic = _table(at, "requests").set_index("instance")
     now = _table(at, "KV usage").set_index("instance")
     return traffic.join(now, how="outer")
 
 
-def _table(at, column: str):  # type: ignore[no-untyped-def]
+def _table(at, column: str):
     """The first dataframe on the page with this column."""
     return next(d.value for d in at.dataframe if column in d.value.columns)
 

@@ -21,11 +21,11 @@ from tests.dashboard.seed_sim import OOM_RETRIES, SIM, SIM_RUNS, TRIAL_ONLY, TRI
 SCRAPED_ONLY = ["vllm-a", "dcgm-node1"]
 
 
-def _specs(at) -> list[dict]:  # type: ignore[no-untyped-def]
+def _specs(at) -> list[dict]:
     return [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
 
 
-def _chart_texts(at) -> str:  # type: ignore[no-untyped-def]
+def _chart_texts(at) -> str:
     """Every value in the charts' datasets, joined (a threshold's label travels as data, not in the spec)."""
     from streamlit.dataframe_util import convert_arrow_bytes_to_pandas_df
 
@@ -35,7 +35,7 @@ def _chart_texts(at) -> str:  # type: ignore[no-untyped-def]
     return "\n".join(str(v) for df in frames for col in df.columns for v in df[col].tolist())
 
 
-def _walk(node):  # type: ignore[no-untyped-def]
+def _walk(node):
     """Every dict inside a Vega-Lite spec (layers, concatenations, encodings)."""
     if isinstance(node, dict):
         yield node

@@ -18,7 +18,7 @@ from tests.engine.conftest import TINY_MODEL, tiny_config
 runner = CliRunner()
 
 
-def _one_line_error(result, needle: str) -> None:  # type: ignore[no-untyped-def]
+def _one_line_error(result, needle: str) -> None:
     assert result.exit_code != 0, result.output
     assert "Traceback" not in result.output and needle in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
@@ -109,7 +109,7 @@ def test_the_engine_says_its_weights_are_random() -> None:
         assert body["weights"] == "random" and body["model"] == "kvpilot-llama"
 
 
-def test_sim_run_set_takes_pool_sizes_and_names_unknown_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sim_run_set_takes_pool_sizes_and_names_unknown_keys(tmp_path) -> None:
     _one_line_error(runner.invoke(app, ["sim", "run", "--set", "cache.hot_byte=1"]), "cache.hot_byte: unknown key")
     _one_line_error(runner.invoke(app, ["sim", "run", "--set", "model.dim=8"]), "model: the simulator runs")
     ok = runner.invoke(

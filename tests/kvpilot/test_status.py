@@ -17,19 +17,19 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def seeded(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def seeded(tmp_path_factory: pytest.TempPathFactory):
     url = f"sqlite:///{tmp_path_factory.mktemp('status') / 'kv.db'}"
     upgrade(url)
     return seed_database(url, with_study=False)
 
 
-def _status(*args: str) -> dict:  # type: ignore[type-arg]
+def _status(*args: str) -> dict:
     result = runner.invoke(app, ["status", *args, "--json"])
     assert result.exit_code == 0, result.output
     return json.loads(result.output)
 
 
-def test_json_has_the_overview_figures_of_a_run(seeded) -> None:  # type: ignore[no-untyped-def]
+def test_json_has_the_overview_figures_of_a_run(seeded) -> None:
     out = _status("--db-url", seeded.url, "--run", "r1")
     finished = seeded.finished()
     assert out["requests"] == len(finished)  # answered: the two failed requests are not
@@ -50,7 +50,7 @@ def test_json_has_the_overview_figures_of_a_run(seeded) -> None:  # type: ignore
     assert set(out["traps"].values()) <= {"present", "not seen", "not enough data"}
 
 
-def test_one_instance_narrows_every_figure(seeded) -> None:  # type: ignore[no-untyped-def]
+def test_one_instance_narrows_every_figure(seeded) -> None:
     out = _status("--db-url", seeded.url, "--run", "r1", "--instance", "e1")
     assert out["requests"] == len(seeded.finished("e1"))
     ttfts = [r["ttft_s"] for r in seeded.finished("e1")]
@@ -58,14 +58,14 @@ def test_one_instance_narrows_every_figure(seeded) -> None:  # type: ignore[no-u
     assert out["alerts_firing"] == []  # the firing alert is e0's
 
 
-def test_human_output_names_the_sources(seeded) -> None:  # type: ignore[no-untyped-def]
+def test_human_output_names_the_sources(seeded) -> None:
     result = runner.invoke(app, ["status", "--db-url", seeded.url, "--run", "r1"])
     assert result.exit_code == 0, result.output
     assert "TTFT" in result.output and "KV usage peak" in result.output
     assert "KvCacheNearlyFull on e0" in result.output
 
 
-def test_an_empty_window_says_so_without_failing(seeded) -> None:  # type: ignore[no-untyped-def]
+def test_an_empty_window_says_so_without_failing(seeded) -> None:
     out = _status("--db-url", seeded.url, "--since", "5m")  # the seed lies long before now
     assert out["requests"] == 0 and out["ttft_p99_s"] is None
 
@@ -79,14 +79,14 @@ def test_an_empty_window_says_so_without_failing(seeded) -> None:  # type: ignor
         (["--run", "nope"], "--run"),
     ],
 )
-def test_bad_input_names_the_option(seeded, args: list[str], field: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input_names_the_option(seeded, args: list[str], field: str) -> None:
     result = runner.invoke(app, ["status", "--db-url", seeded.url, *args])
     assert result.exit_code == 2
     assert field in result.output
     assert "Traceback" not in result.output
 
 
-def test_a_missing_database_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_missing_database_is_a_clear_error(tmp_path) -> None:
     result = runner.invoke(app, ["status", "--db-url", f"sqlite:///{tmp_path / 'absent' / 'kv.db'}"])
     assert result.exit_code == 2
     assert "--db-url" in result.output and "Traceback" not in result.output

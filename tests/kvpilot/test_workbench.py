@@ -9,7 +9,7 @@ from sqlalchemy import inspect
 from kvpilot.vllm.workbench import workbench
 
 
-def test_the_workbench_has_a_checkpoint_a_database_at_head_and_a_collector_that_takes_loopback_targets(tmp_path):  # type: ignore[no-untyped-def]
+def test_the_workbench_has_a_checkpoint_a_database_at_head_and_a_collector_that_takes_loopback_targets(tmp_path):
     with workbench(tmp_path / "w") as wb:
         assert (wb.checkpoint / "config.json").exists() and (wb.checkpoint / "model.safetensors").exists()
         assert {"steps", "requests", "scrape_targets"} <= set(inspect(wb.db).get_table_names())

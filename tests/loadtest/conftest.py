@@ -27,7 +27,7 @@ def fake_engine_app(state: dict) -> FastAPI:
     app = FastAPI()
 
     @app.post("/generate")
-    async def generate(request: Request):  # type: ignore[no-untyped-def]
+    async def generate(request: Request):
         body = await request.json()
         state["requests"] += 1
         behaviour = state["behaviour"](body)
@@ -38,7 +38,7 @@ def fake_engine_app(state: dict) -> FastAPI:
         if behaviour == "hang":
             await asyncio.sleep(4)
 
-        async def events():  # type: ignore[no-untyped-def]
+        async def events():
             for i in range(body["max_tokens"]):
                 yield f"data: {json.dumps({'request_id': body['request_id'], 'text': 'x', 'token_ids': [i]})}\n\n"
                 await asyncio.sleep(0.001)

@@ -19,11 +19,11 @@ from .conftest import TINY_MODEL, tiny_profile
 runner = CliRunner()
 
 
-def _run(*args: str):  # type: ignore[no-untyped-def]
+def _run(*args: str):
     return runner.invoke(app, list(args), catch_exceptions=False)
 
 
-def test_tune_study_cli_writes_a_json_summary(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_tune_study_cli_writes_a_json_summary(sqlite_url: str, tmp_path) -> None:
     prof = tmp_path / "tiny.json"
     tiny_profile().save(prof)
     out = tmp_path / "s.json"
@@ -71,19 +71,19 @@ def test_tune_study_bad_input_exits_2_naming_the_field(sqlite_url: str, args: li
     assert message in res.output
 
 
-def test_unmigrated_database_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unmigrated_database_is_refused(tmp_path) -> None:
     res = runner.invoke(app, ["tune", "proposals", "list", "--db-url", f"sqlite:///{tmp_path / 'empty.db'}"])
     assert res.exit_code == 2 and "kvpilot db upgrade" in res.output
 
 
-def test_bad_space_file_names_the_field(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bad_space_file_names_the_field(sqlite_url: str, tmp_path) -> None:
     space = tmp_path / "space.yml"
     space.write_text("params:\n  scheduler.max_num_seqs: {choices: [0]}\n")
     res = runner.invoke(app, ["tune", "study", "--db-url", sqlite_url, "--space", str(space)])
     assert res.exit_code == 2 and "params.scheduler.max_num_seqs value 0 is invalid" in res.output
 
 
-def test_sim_run_what_if_at_gpu_scale(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sim_run_what_if_at_gpu_scale(tmp_path) -> None:
     out = tmp_path / "w.json"
     res = _run(
         "sim",
@@ -133,7 +133,7 @@ def test_proposals_review_cli(sqlite_url: str) -> None:
     db.dispose()
 
 
-def _engine_app(token: str | None = "secret"):  # type: ignore[no-untyped-def]
+def _engine_app(token: str | None = "secret"):
     cfg = EngineConfig.from_dict(
         {
             "device": "cpu",

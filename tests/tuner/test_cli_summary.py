@@ -17,7 +17,7 @@ from .conftest import tiny_profile
 runner = CliRunner()
 
 
-def test_study_and_sim_run_print_a_summary_and_json_only_on_request(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_study_and_sim_run_print_a_summary_and_json_only_on_request(sqlite_url: str, tmp_path) -> None:
     prof = tmp_path / "tiny.json"
     tiny_profile().save(prof)
     common = ["--profile", str(prof), "--requests", "20", "--scale", "16", "--output-range", "4,16"]

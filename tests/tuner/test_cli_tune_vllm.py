@@ -85,7 +85,7 @@ def _store(db_url: str, *, steps: int, requests: int = 0) -> None:
     db.dispose()
 
 
-def _screen(setup: dict[str, str], *extra: str):  # type: ignore[no-untyped-def]
+def _screen(setup: dict[str, str], *extra: str):
     args = ["tune", "vllm", "screen", "--config", setup["config"], "--instance", INSTANCE, "--db-url", setup["db"]]
     return runner.invoke(app, [*args, "--no-arg-check", *extra])
 
@@ -135,7 +135,7 @@ def test_too_few_stored_steps_says_how_many_are_needed(setup: dict[str, str]) ->
     assert "Traceback" not in res.output
 
 
-def _study(setup: dict[str, str], *extra: str):  # type: ignore[no-untyped-def]
+def _study(setup: dict[str, str], *extra: str):
     args = ["tune", "vllm", "study", "--config", setup["config"], "--db-url", setup["db"]]
     return runner.invoke(app, [*args, "--vllm-python", sys.executable, "--out-dir", setup["tmp"], *extra])
 

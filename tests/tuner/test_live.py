@@ -29,12 +29,12 @@ from .conftest import TINY_MODEL
 class DbSink:
     """Stands in for engine -> HTTP sink -> collector: request events land in the database at once."""
 
-    def __init__(self, db) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, db) -> None:
         self.db = db
         self.n = 0
         self.lock = threading.Lock()
 
-    def emit(self, event) -> None:  # type: ignore[no-untyped-def]
+    def emit(self, event) -> None:
         if event.type == "request":
             with self.lock:
                 self.n += 1
@@ -47,7 +47,7 @@ class DbSink:
         return None
 
 
-def _setup(sqlite_url: str):  # type: ignore[no-untyped-def]
+def _setup(sqlite_url: str):
     db = make_engine(sqlite_url)
     cfg = EngineConfig.from_dict(
         {
@@ -87,12 +87,12 @@ def test_live_trial_applies_observes_and_rolls_back(sqlite_url: str) -> None:
         seen: list[int] = []
         original = backend._call
 
-        def spy(method, path, json=None):  # type: ignore[no-untyped-def]
+        def spy(method, path, json=None):
             if method == "PUT":
                 seen.append(json["scheduler"]["max_num_seqs"])
             return original(method, path, json)
 
-        backend._call = spy  # type: ignore[method-assign]
+        backend._call = spy  # type: ignore[method-assign]  # a spy on the backend's HTTP calls
         metrics = backend.evaluate(trial, run_id="live-t0", seed=0)
         assert seen == [4, 32]  # applied, then rolled back
         assert engine.config.scheduler.max_num_seqs == 32
@@ -128,7 +128,7 @@ def test_live_guard_ends_a_bad_trial_early(sqlite_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_live_study_through_a_real_collector_and_engine_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_live_study_through_a_real_collector_and_engine_processes(tmp_path) -> None:
     """The whole live loop with nothing stood in: an engine process pushes its telemetry over its HTTP sink
     to a collector process; the study applies each trial through the engine's /admin/config, drives the
     workload at /generate, reads the trial's metrics back from the collector's database and rolls back."""

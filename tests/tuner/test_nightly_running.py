@@ -14,7 +14,7 @@ from .conftest import SMALL, tiny_profile
 
 def test_nightly_baseline_is_the_running_engines_config_and_the_proposal_is_pruned(
     sqlite_url: str, tmp_path, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     profile = tiny_profile()
     path = tmp_path / "tiny.json"
     profile.save(path)

@@ -42,7 +42,7 @@ def test_roofline_decode_is_bandwidth_bound_and_prefill_compute_bound() -> None:
     assert prefill >= flops / (989e12 * 0.6)
 
 
-def test_profile_errors_name_the_field(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_profile_errors_name_the_field(tmp_path) -> None:
     good = json.loads(tiny_profile().to_json())
     bad = json.loads(json.dumps(good))
     bad["model"]["kv_bytes_per_token"] = 1000
@@ -93,7 +93,7 @@ def test_step_jitter_spreads_steps_around_the_mean_reproducibly(profile: CostPro
     def run(p: CostProfile, seed: int | None) -> tuple[float, int]:
         engine, _ = sim_engine(p.engine_config(None), p, sink=TrialSink(), jitter_seed=seed)
         steps = replay(engine, reqs).steps
-        return engine.executor.busy_s, steps  # type: ignore[attr-defined]
+        return engine.executor.busy_s, steps  # type: ignore[attr-defined]  # the simulated executor's
 
     mean_cost = run(profile, None)
     assert run(jittery, None) == mean_cost  # no seed: every step costs the model's mean
@@ -118,7 +118,7 @@ def test_small_batches_cost_more_per_row() -> None:
     assert extra == pytest.approx([1.2e-3, 2.4e-3, 2.8e-3, 3.6e-3, 3.6e-3])
 
 
-def test_profiles_without_the_row_features_still_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_profiles_without_the_row_features_still_load(tmp_path) -> None:
     data = json.loads(tiny_profile().to_json())
     for key in ("rows_upto_2", "rows_upto_8"):
         del data["linear"][key]
@@ -134,7 +134,7 @@ def test_step_shape_counts_prefill_decode_and_attention() -> None:
     shapes: list[StepShape] = []
 
     class Spy(SimExecutor):
-        def execute(self, out, kv):  # type: ignore[no-untyped-def]
+        def execute(self, out, kv):
             shapes.append(step_shape(out, kv, self.page_tokens))
             return super().execute(out, kv)
 

@@ -26,7 +26,7 @@ from .conftest import SMALL, tiny_profile
 SLO_T = SLO(ttft_s=0.3, tpot_s=0.05)
 
 
-def _req(i: int, **kw) -> RequestEvent:  # type: ignore[no-untyped-def]
+def _req(i: int, **kw) -> RequestEvent:
     base = {
         "instance": "e",
         "run_id": "run-a",
@@ -67,7 +67,7 @@ def test_trial_metrics_come_from_the_collector_queries(db_url: str) -> None:
     db.dispose()
 
 
-def _backend(db, profile=None, scenario="mixed"):  # type: ignore[no-untyped-def]
+def _backend(db, profile=None, scenario="mixed"):
     profile = profile or tiny_profile()
     return SimBackend(profile, lambda s: WL.scenario(scenario, 6.0, SMALL, seed=s), db, SLO_T)
 
@@ -137,7 +137,7 @@ def test_a_repeated_config_is_told_its_stored_result_not_measured_again(sqlite_u
     class Counting:
         name = "counting"
 
-        def evaluate(self, config, *, run_id, seed):  # type: ignore[no-untyped-def]
+        def evaluate(self, config, *, run_id, seed):
             measured.append(config.scheduler.max_num_seqs)
             return sim.evaluate(config, run_id=run_id, seed=seed)
 
@@ -192,7 +192,7 @@ def test_failed_trials_are_logged_and_marked(sqlite_url: str, caplog: pytest.Log
     class Broken:
         name = "broken"
 
-        def evaluate(self, config, *, run_id, seed):  # type: ignore[no-untyped-def]
+        def evaluate(self, config, *, run_id, seed):
             raise RuntimeError("engine exploded")
 
     with caplog.at_level(logging.ERROR, logger="kvpilot.tuner.study"):
@@ -211,7 +211,7 @@ def test_failed_trials_are_logged_and_marked(sqlite_url: str, caplog: pytest.Log
     db.dispose()
 
 
-def test_nightly_writes_a_proposal_only_when_the_gain_holds(sqlite_url: str, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_nightly_writes_a_proposal_only_when_the_gain_holds(sqlite_url: str, tmp_path, monkeypatch) -> None:
     profile = tiny_profile()
     path = tmp_path / "tiny.json"
     profile.save(path)
@@ -250,7 +250,7 @@ def test_nightly_writes_a_proposal_only_when_the_gain_holds(sqlite_url: str, tmp
     assert [q.id for q in list_proposals(make_engine(sqlite_url))] == [p.id]
 
 
-def test_nightly_from_an_empty_collector_is_a_clear_error(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_nightly_from_an_empty_collector_is_a_clear_error(sqlite_url: str, tmp_path) -> None:
     path = tmp_path / "tiny.json"
     tiny_profile().save(path)
     with pytest.raises(WL.WorkloadError, match="holds 0 requests"):
@@ -329,7 +329,7 @@ def test_engine_backend_measures_the_torch_engine(sqlite_url: str) -> None:
     db.dispose()
 
 
-def test_nightly_fits_its_workload_from_the_collector(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_nightly_fits_its_workload_from_the_collector(sqlite_url: str, tmp_path) -> None:
     import time
 
     from tuner.replay import TrialSink, replay

@@ -35,7 +35,7 @@ def collector(sqlite_url: str) -> Iterator[ThreadServer]:
         admin_token=ADMIN_TOKEN,
         port=0,
         scrape_enabled=False,
-        scrape_allow_nets="127.0.0.0/8",  # type: ignore[arg-type]
+        scrape_allow_nets="127.0.0.0/8",
         log_level="warning",
     )
     with run_in_thread(settings) as handle:
@@ -94,7 +94,7 @@ def test_a_stopped_trials_scrape_target_is_deleted_with_the_admin_token(
     backend = _backend(collector, sqlite_url, ADMIN_TOKEN)
     config = VllmConfig(model="/m")
     launch = Launch(run_id="trial-1", config=config, started_at=0.0)
-    backend._servers[tuple(config.to_args())] = _Server(_StoppedLauncher(), launch, "m", TRIAL_URL)  # type: ignore[arg-type]
+    backend._servers[tuple(config.to_args())] = _Server(_StoppedLauncher(), launch, "m", TRIAL_URL)  # type: ignore[arg-type]  # a fake launcher
     backend.close()  # the trial's cleanup: stop its vLLM, delete its target
     assert _targets(collector) == [] and backend.stale_targets == []
     assert launch.stop_s is not None
@@ -128,7 +128,7 @@ def test_the_trials_launcher_registers_with_the_admin_token_and_a_refused_start_
     class _RefusedLauncher:
         """vLLM refuses the trial's arguments after the launcher registered its /metrics."""
 
-        def __init__(self, opts) -> None:  # type: ignore[no-untyped-def]
+        def __init__(self, opts) -> None:
             options.append(opts)
             self.url = TRIAL_URL
 

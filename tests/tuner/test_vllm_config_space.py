@@ -15,7 +15,7 @@ from tuner.vllm.config import VllmConfig, VllmConfigError
 from tuner.vllm.space import load_vllm_space, vllm_space_from_dict
 
 
-def test_config_renders_vllm_arguments_and_its_config_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_config_renders_vllm_arguments_and_its_config_file(tmp_path) -> None:
     cfg = VllmConfig(model="/m", max_num_seqs=32, enable_prefix_caching=False, extra_args=("--seed", "3", "--x-flag"))
     args = cfg.to_args()
     assert args[:6] == ["--model", "/m", "--dtype", "float32", "--max-model-len", "512"]
@@ -191,7 +191,7 @@ def test_paired_gain_and_its_lower_bound() -> None:
     assert paired_gain([100.0, 100.0], [130.0, 90.0])[1] < 0  # a spread this wide bounds nothing
 
 
-def test_a_vllm_proposal_is_published_as_config_file_report_and_row(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_vllm_proposal_is_published_as_config_file_report_and_row(sqlite_url: str, tmp_path) -> None:
     from collector.db import make_engine
     from tuner.proposals import get_proposal
     from tuner.study import StudyResult

@@ -120,7 +120,7 @@ def test_cost_model_fitted_from_stored_steps(sqlite_url: str) -> None:
     db.dispose()
 
 
-def _shape(step: StoredStep):  # type: ignore[no-untyped-def]
+def _shape(step: StoredStep):
     from tuner.vllm.calibrate import step_shape
 
     return step_shape(step, 128)

@@ -31,7 +31,7 @@ def test_scenarios_have_their_shape() -> None:
         WL.scenario("mixed", 10.0, WL.WorkloadOptions(requests=0))
 
 
-def test_azure_trace_replay_with_scaling(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_azure_trace_replay_with_scaling(tmp_path) -> None:
     path = tmp_path / "trace.csv"
     path.write_text(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -151,7 +151,7 @@ def test_space_errors_name_the_field(spec: dict, field: str, message: str) -> No
     assert err.value.field == field
 
 
-def test_grid_and_file_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_grid_and_file_errors(tmp_path) -> None:
     space = space_from_dict(
         {
             "params": {

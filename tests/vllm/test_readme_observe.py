@@ -138,7 +138,7 @@ def _query(db_url: str, sql: str, **params: object) -> list:
         engine.dispose()
 
 
-def _until(what: str, check, timeout_s: float = 90.0):  # type: ignore[no-untyped-def]
+def _until(what: str, check, timeout_s: float = 90.0):
     """Poll `check()` (a (done, detail) pair) until done; fail with the last detail."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -52,7 +52,7 @@ def test_names_and_values_vllm_does_not_know_are_refused(python: str) -> None:
         assert any(p.startswith("block_size=16: vLLM refuses it") for p in problems), problems
 
 
-def test_a_proposal_file_is_read_by_vllms_own_config_loader(python: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_proposal_file_is_read_by_vllms_own_config_loader(python: str, tmp_path) -> None:
     cfg = VllmConfig(
         model="/m", max_num_seqs=32, block_size=64, enable_chunked_prefill=False, max_num_batched_tokens=512
     )
@@ -78,7 +78,7 @@ def test_a_proposal_file_is_read_by_vllms_own_config_loader(python: str, tmp_pat
     }
 
 
-def test_the_cli_refuses_a_space_the_installed_vllm_does_not_accept(python: str, sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_cli_refuses_a_space_the_installed_vllm_does_not_accept(python: str, sqlite_url: str, tmp_path) -> None:
     """The tuner knows `max_num_partial_prefills`, vLLM 0.32 does not: refused before anything is read or started."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -94,7 +94,7 @@ def test_the_cli_refuses_a_space_the_installed_vllm_does_not_accept(python: str,
 
 
 @pytest.mark.timeout(600)  # one vLLM start: 40-100 s on 2 busy cores (plus the session vLLM's, if first)
-def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_path) -> None:
     """`kvpilot tune vllm study` with the session's vLLM as the running config (attached: no start), calibrated from
     the steps the session stored; the space pins 64-token blocks, so the best simulated config differs from the
     running one and is confirmed live (the one vLLM start); if it measures better, both alternate on two held-out

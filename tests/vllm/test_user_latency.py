@@ -83,7 +83,7 @@ def test_headline_ttft_agrees_with_a_light_client_and_the_user_rule_pages(vllm_p
         db.dispose()
 
 
-def _user_rule_states(db, start: float, end: float, threshold: float) -> list[tuple[str, float]]:  # type: ignore[no-untyped-def]
+def _user_rule_states(db, start: float, end: float, threshold: float) -> list[tuple[str, float]]:
     """UserTTFTHigh (threshold set in a copy of the built-in file) ticked every 15 s over the load's minutes."""
     text = BUILTIN_RULES.read_text().replace("ttft_p99_seconds > 1\n", f"ttft_p99_seconds > {threshold}\n")
     assert f"> {threshold}\n" in text, "UserTTFTHigh's expression changed"

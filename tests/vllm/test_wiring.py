@@ -169,8 +169,8 @@ def test_the_first_streamed_bytes_go_on_the_request_span(monkeypatch: pytest.Mon
     monkeypatch.setattr(mw, "_processor_added", False)
     seen: dict[str, dict[str, str]] = {}
 
-    def app_for(name: str, content_type: bytes):  # type: ignore[no-untyped-def]
-        async def app(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+    def app_for(name: str, content_type: bytes):
+        async def app(scope, receive, send) -> None:
             seen[name] = {k.decode(): v.decode() for k, v in scope["headers"]}
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
             await send({"type": "http.response.body", "body": b"data: first\n\n", "more_body": True})

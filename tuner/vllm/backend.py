@@ -285,7 +285,7 @@ class VllmBackend:
                 del self._servers[key]
             server.launch.error = _reason(
                 f"exited with {proc.returncode} during {during}:\n{server.launcher.last_lines()}"
-            )  # type: ignore[union-attr]
+            )
             self._stop(server)
             raise InfeasibleTrialError(f"vLLM {server.launch.error}")
 
