@@ -95,7 +95,7 @@ def parse_matcher(text: str) -> Matcher:
     if not match:
         raise ValueError(f"bad matcher {text!r} (use name=value, name!=value, name=~regex, name!~regex)")
     name, op, value = match.groups()
-    return Matcher(name=name, value=value, isRegex="~" in op, isEqual=not op.startswith("!"))
+    return Matcher(name=name, value=value, is_regex="~" in op, is_equal=not op.startswith("!"))
 
 
 def _human(seconds: float) -> str:

@@ -22,6 +22,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
+import psycopg
 from sqlalchemy import BigInteger, Boolean, Connection, Float, Integer, String, Table, Text
 from sqlalchemy.exc import DBAPIError
 
@@ -65,7 +66,9 @@ def copy_rows(
     names = (*constants, *columns)
     statement = copy_statement(table.name, names, copy_format)
     prefix = tuple(constants.values())
-    driver = conn.connection.dbapi_connection
+    driver = conn.connection.driver_connection
+    if not isinstance(driver, psycopg.Connection):
+        raise TypeError(f"COPY needs a psycopg connection, not {type(driver).__name__}")
     try:
         with driver.cursor() as cur, cur.copy(statement) as copy:
             if copy_format == "binary":
@@ -82,7 +85,7 @@ def copy_rows(
             None,
             exc,
             conn.dialect.loaded_dbapi.Error,
-            connection_invalidated=conn.dialect.is_disconnect(exc, driver, None),
+            connection_invalidated=conn.dialect.is_disconnect(exc, conn.connection, None),
             dialect=conn.dialect,
         ) from exc
 

@@ -56,7 +56,7 @@ def spawn(
             start_new_session=new_session,
         )
     finally:
-        if log_path:
+        if not isinstance(out, int):
             out.close()
 
 

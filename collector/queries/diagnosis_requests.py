@@ -104,7 +104,8 @@ def mixed_lengths(
         why = f"{len(rows)} finished requests in the window; the check needs {MIN_REQUESTS}"
         return no_data(trap, instance, why, knob=MIXED_KNOB)
     prompts = sorted(r.prompt_tokens for r in rows)
-    p10, p50, p90 = (nearest_rank(prompts, q) for q in (0.1, 0.5, 0.9))
+    # rows is not empty, so every rank is a value
+    p10, p50, p90 = (float(v) for q in (0.1, 0.5, 0.9) if (v := nearest_rank(prompts, q)) is not None)
     spread = p90 / max(p10, 1)
     long_ = [r for r in rows if r.prompt_tokens >= p90 and r.prompt_tokens > p50]
     short = [r for r in rows if r.prompt_tokens <= p50]
