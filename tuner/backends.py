@@ -39,6 +39,15 @@ class InfeasibleTrialError(RuntimeError):
         self.reason = reason
 
 
+class NotMeasuredError(RuntimeError):
+    """The config could not be measured for a reason not its own (the replay client lagged behind its plan on
+    every attempt, its process died): the trial is reported as not measured, with `reason`, never scored."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Backend(Protocol):
     name: str
 
