@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -57,6 +58,30 @@ WorkloadFactory = Callable[[int], list[W.WorkloadRequest]]
 # A trial's vLLM (loopback only): spans exported every 0.2 s instead of 5 s, and the dev endpoints for
 # /reset_prefix_cache between replays.
 TRIAL_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200", "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def parse_port_range(text: str) -> range:
+    """`LOW-HIGH` (inclusive, 1024..65535) as a range of ports for the trial vLLMs; ValueError naming the field."""
+    low, sep, high = text.partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        raise ValueError(f"port_range: expected LOW-HIGH (e.g. 20000-20100), got {text!r}") from None
+    if not sep or not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"port_range: expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {text!r}")
+    return range(lo, hi + 1)
+
+
+def free_port_in(ports: range, host: str = "127.0.0.1") -> int:
+    """The first port of `ports` nothing listens on (a bind succeeds); NotMeasuredError when all are taken."""
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise NotMeasuredError(f"no free port in --port-range {ports.start}-{ports.stop - 1}: all {len(ports)} are taken")
 
 
 @dataclass
@@ -105,6 +130,7 @@ class VllmBackend:
         ingest_timeout_s: float = 30.0,
         log_dir: str | Path | None = None,
         env: dict[str, str] | None = None,
+        ports: range | None = None,  # where trial vLLMs listen (None: any free port)
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep: must be >= 1, got {keep}")
@@ -114,6 +140,7 @@ class VllmBackend:
         self.instance, self.warmup, self.keep = instance, warmup, keep
         self.startup_timeout_s, self.ingest_timeout_s = startup_timeout_s, ingest_timeout_s
         self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.ports = ports
         base_env = dict(os.environ if env is None else env)
         base_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the trial's --kv-cache-memory-bytes
         self.env = {**base_env, **TRIAL_ENV}
@@ -250,10 +277,11 @@ class VllmBackend:
     def _start(self, config: VllmConfig, run_id: str) -> _Server:
         from collector.server import free_port
 
+        port = free_port() if self.ports is None else free_port_in(self.ports)
         launch = Launch(run_id=run_id, config=config, started_at=time.time())
         self.launches.append(launch)
         model = config.served_model_name or config.model
-        args = [*config.to_args(), "--host", "127.0.0.1", "--port", str(free_port())]
+        args = [*config.to_args(), "--host", "127.0.0.1", "--port", str(port)]
         log_file = self.log_dir / f"{run_id}.log" if self.log_dir is not None else None
         options = LaunchOptions(
             vllm_args=args,
