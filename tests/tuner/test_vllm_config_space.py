@@ -252,3 +252,18 @@ def test_a_candidate_that_met_the_slos_goes_to_the_held_out_check() -> None:
     sim = StudyResult(name="s", sampler="tpe", multi_objective=False, trials=[])
     assert ScreenResult(sim, running, [slower, faster, refused]).best is faster
     assert ScreenResult(sim, running, [refused]).best is running  # nothing met the SLOs live: no held-out check
+
+
+def test_a_confirmation_the_client_could_not_measure_is_never_proposed() -> None:
+    from tuner.backends import NotMeasuredError
+    from tuner.vllm.screen import live_measurement
+
+    class Lagging:
+        name = "vllm"
+
+        def evaluate(self, config, *, run_id: str, seed: int):  # type: ignore[no-untyped-def]
+            raise NotMeasuredError("not measured: the replay client sent late in all 3 attempts")
+
+    m = live_measurement(Lagging(), VllmConfig(model="/m"), {}, seeds=[0], slo=SLO(), name="c")
+    assert not m.feasible and m.metrics is None and m.goodput == 0.0
+    assert m.infeasible == "not measured: the replay client sent late in all 3 attempts"

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuner.backends import Backend, InfeasibleTrialError
+from tuner.backends import Backend, InfeasibleTrialError, NotMeasuredError
 from tuner.metrics import SLO, TrialMetrics, combine
 from tuner.prune import drop_noise_knobs, seed_measurer
 from tuner.study import StudyResult, run_study, tag_study
@@ -96,6 +96,9 @@ def live_measurement(
         m = measure(backend, config, seeds=seeds, name=name)
     except InfeasibleTrialError as exc:
         log.warning("%s: infeasible live: %s", name, exc.reason)
+        return LiveMeasurement(config, params, None, False, infeasible=exc.reason)
+    except NotMeasuredError as exc:  # not the config's fault, but nothing to compare: never proposed
+        log.warning("%s: %s", name, exc.reason)
         return LiveMeasurement(config, params, None, False, infeasible=exc.reason)
     return LiveMeasurement(config, params, m.as_dict(), m.feasible(slo))
 

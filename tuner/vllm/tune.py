@@ -281,7 +281,7 @@ class VllmTuning:
         params = self.space.from_config(self.base)
         m = live_measurement(self.live, self.base, params, seeds=seeds, slo=self.slo, name=f"{self.name}-running")
         if m.metrics is None:
-            raise TuneError(f"the running config did not serve on vLLM: {m.infeasible}")
+            raise TuneError(f"the running config was not measured on vLLM: {m.infeasible}")
         if m.metrics["finished"] == 0:
             raise TuneError(
                 f"vLLM answered but the database holds none of its requests: is the collector at "
