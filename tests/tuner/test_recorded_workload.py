@@ -47,14 +47,15 @@ def _store(db_url: str, events: list[RequestEvent]) -> None:
     db.dispose()
 
 
-def test_recorded_arrivals_are_the_users_in_order_with_bursts_kept(sqlite_url: str) -> None:
+def test_recorded_arrivals_are_the_users_in_order_with_bursts_kept(db_url: str) -> None:
+    """On SQLite and PostgreSQL alike (`collector.queries.request_arrivals`)."""
     t0 = 1_800_000_000.0
     calm = [t0 + 2.0 * k for k in range(10)]  # one every 2 s
     burst = [t0 + 7.0 + 0.05 * k for k in range(8)]  # eight within 0.4 s
     events = [_request(i, a, frontend=0.25 if i % 2 else None) for i, a in enumerate(sorted(calm + burst))]
     events.append(_request(99, t0 + 30.0, instance="tuner-vllm-sim"))  # the tuner's own replay: no user sent it
-    _store(sqlite_url, list(reversed(events)))  # stored out of order
-    db = make_engine(sqlite_url)
+    _store(db_url, list(reversed(events)))  # stored out of order
+    db = make_engine(db_url)
     recorded = WL.recorded_traffic(db, WL.WorkloadOptions(requests=100), start=t0 - 10, end=t0 + 60)
     reqs = recorded.requests
     assert [r.arrival_s for r in reqs] == pytest.approx(sorted(a - t0 for a in calm + burst), abs=1e-6)
