@@ -313,7 +313,8 @@ class VllmTuning:
         )
         fit = self.profile.fit
         self.say(f"cost model from {self.profile.source['steps']} stored steps: R² {fit.r2}, MAPE {fit.mape}")
-        self.sim_backend = VllmSimBackend(self.profile, self.workload, self.db, self.slo)
+        # the simulated trials keep their metrics in memory: nothing simulated lands in the collector's database
+        self.sim_backend = VllmSimBackend(self.profile, self.workload, None, self.slo)
         self._phase("calibrate_s", t)
         return self.profile
 
