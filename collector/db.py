@@ -9,6 +9,7 @@ gives the same guarantee.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import CursorResult, Result, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
 
 from collector.errors import SchemaOutdatedError, StorageError, StorageUnavailableError
 
@@ -80,6 +82,33 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL", pool_size: int = 
 
         return engine
     return create_engine(parsed, pool_size=pool_size, max_overflow=8, pool_pre_ping=True)
+
+
+def memory_engine() -> Engine:
+    """A private in-memory SQLite database at the code's schema, gone once disposed: figures computed through
+    the collector's own ingest and queries without keeping anything (the simulator's trials). A copy of an empty
+    schema made once per process, so each costs milliseconds, not a schema creation."""
+    engine = _memory()
+    with engine.connect() as conn:
+        conn.connection.driver_connection.deserialize(_empty_schema())  # type: ignore[union-attr]
+    return engine
+
+
+def _memory() -> Engine:
+    return create_engine("sqlite://", poolclass=StaticPool, connect_args={"check_same_thread": False})
+
+
+@functools.cache
+def _empty_schema() -> bytes:
+    from collector.schema import Base
+
+    engine = _memory()
+    try:
+        Base.metadata.create_all(engine)
+        with engine.connect() as conn:
+            return conn.connection.driver_connection.serialize()  # type: ignore[union-attr]
+    finally:
+        engine.dispose()
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

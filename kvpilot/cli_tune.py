@@ -158,17 +158,20 @@ def _study_lines(summary: dict[str, Any]) -> list[str]:
 DbOpt = typer.Option(None, "--db-url", envvar="KVPILOT_DB_URL", help="kvpilot database (default: collector settings)")
 ProfileOpt = typer.Option("cpu-2core", "--profile", help="cost profile: a shipped name or a JSON file")
 ConfigOpt = typer.Option(None, "--config", help="current EngineConfig YAML (default: the profile's defaults)")
-WorkloadOpt = typer.Option(
-    "mixed", "--workload", help="mixed | burst | sustained | trace:FILE | collector | stored:INSTANCE"
+WORKLOAD_HELP = (
+    "mixed | burst | sustained | trace:FILE | stored (the stored requests at their recorded arrivals, bursts "
+    "kept; of --instance, else of every serving instance) | stored:INSTANCE | fitted (the stored requests' "
+    "average rates per minute)"
 )
+WorkloadOpt = typer.Option("mixed", "--workload", help=WORKLOAD_HELP)
 RequestsOpt = typer.Option(200, "--requests", help="requests per workload (at most)")
 ScaleOpt = typer.Option(4.0, "--scale", help="divide the mix's prompt lengths (4: CPU size, 1: seed size)")
 OutRangeOpt = typer.Option("16,256", "--output-range", help="output tokens LOW,HIGH of scenario requests")
 LoadOpt = typer.Option(None, "--load", help="arrival rate as a multiple of the default config's capacity")
 DurationOpt = typer.Option(None, "--duration", help="burst/sustained/trace length in seconds")
-TimeScaleOpt = typer.Option(1.0, "--time-scale", help="trace/collector: 2.0 replays twice as fast")
-LengthScaleOpt = typer.Option(1.0, "--length-scale", help="trace/collector: divide token counts")
-HoursOpt = typer.Option(24.0, "--hours", help="collector workload: fit the last N hours")
+TimeScaleOpt = typer.Option(1.0, "--time-scale", help="trace/stored/fitted: 2.0 replays twice as fast")
+LengthScaleOpt = typer.Option(1.0, "--length-scale", help="trace/stored/fitted: divide token counts")
+HoursOpt = typer.Option(24.0, "--hours", help="stored/fitted workloads: the last N hours of stored requests")
 TtftOpt = typer.Option(1.0, "--ttft-slo", help="TTFT SLO, seconds (goodput and p99 constraint)")
 TpotOpt = typer.Option(0.1, "--tpot-slo", help="time per output token SLO, seconds")
 E2eOpt = typer.Option(None, "--p99-e2e-slo", help="optional constraint on p99 end-to-end latency, seconds")
@@ -234,7 +237,7 @@ def study_cmd(
     time_scale: float = TimeScaleOpt,
     length_scale: float = LengthScaleOpt,
     hours: float = HoursOpt,
-    instance: str | None = typer.Option(None, "--instance", help="collector/live: the engine instance"),
+    instance: str | None = typer.Option(None, "--instance", help="stored/fitted/live: the engine instance"),
     ttft_slo: float = TtftOpt,
     tpot_slo: float = TpotOpt,
     p99_e2e_slo: float | None = E2eOpt,
@@ -339,7 +342,7 @@ def nightly_cmd(
     trials: int = typer.Option(40, "--trials"),
     backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
     out_dir: Path = typer.Option(Path("kvpilot-data/proposals"), "--out-dir", help="proposal files go here"),
-    workload: str = typer.Option("collector", "--workload", help="collector | mixed | burst | sustained | trace:FILE"),
+    workload: str = typer.Option("stored", "--workload", help=WORKLOAD_HELP),
     config: Path | None = ConfigOpt,
     profile: str = ProfileOpt,
     space: Path | None = typer.Option(None, "--space"),
@@ -351,7 +354,7 @@ def nightly_cmd(
     time_scale: float = TimeScaleOpt,
     length_scale: float = LengthScaleOpt,
     hours: float = HoursOpt,
-    instance: str | None = typer.Option(None, "--instance", help="fit the workload of this instance only"),
+    instance: str | None = typer.Option(None, "--instance", help="replay the stored requests of this instance only"),
     ttft_slo: float = TtftOpt,
     tpot_slo: float = TpotOpt,
     p99_e2e_slo: float | None = E2eOpt,
@@ -374,7 +377,9 @@ def nightly_cmd(
     settle: float = typer.Option(5.0, "--settle", help="live: seconds after a change before observing"),
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Collector workload -> study -> confirmation -> a proposal (only if the gain holds)."""
+    """The stored traffic as it came -> study -> confirmation -> a proposal (only if the gain holds).
+
+    For a vLLM: `kvpilot tune vllm nightly`."""
     require_extras(ctx, "tune")
     _setup_logging(verbose)
     with _errors():

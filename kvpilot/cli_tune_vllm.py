@@ -1,10 +1,13 @@
-"""`kvpilot tune vllm study|screen`: tune the engine arguments of a real vLLM (`tuner.vllm.tune`).
+"""`kvpilot tune vllm study|nightly|screen`: tune the engine arguments of a real vLLM (`tuner.vllm.tune`).
 
 `study` measures the running config live, screens the space in the simulator calibrated from the steps the
 collector stored, confirms the best few live (one vLLM restart each) and checks the best on held-out seeds; the
 proposal (vLLM `--config` file, report, `proposals` row) is written only when the gain's lower bound is above 0.
 `screen` is the same screen with no vLLM started: the simulator calibrated from what the collector already holds
-for `--instance`, and the configs it ranks best with their predicted goodput.
+for `--instance`, and the configs it ranks best with their predicted goodput; it writes nothing into the
+collector's database (the simulated study is kept in the Optuna storage beside it). `nightly` is `study` on an
+instance's own stored traffic for a timer (exit 0 with or without a proposal). The workload is by default the
+stored requests at their recorded arrivals (`stored`); trial vLLMs listen on `--port-range` when given.
 
 Exit codes: 0 done (study: a proposal written); 3 study done without a proposal (the running config stays);
 2 bad input (nothing started); 1 a failure while running (collector unreachable, the running config not served).
@@ -25,6 +28,7 @@ import typer
 
 from kvpilot.cli_extras import require_extras
 from kvpilot.cli_tune import (
+    WORKLOAD_HELP,
     DbOpt,
     DurationOpt,
     E2eOpt,
@@ -65,9 +69,7 @@ HELDOUT_KEYS = (
 ConfigOpt = typer.Option(..., "--config", help="the running vLLM's config YAML (vLLM's --config form): the baseline")
 ModelOpt = typer.Option(None, "--model", help="the checkpoint directory (default: the config's `model`)")
 SpaceOpt = typer.Option(None, "--space", help="vLLM search space YAML (default tuner/vllm/space.yml)")
-WorkloadOpt = typer.Option(
-    "mixed", "--workload", help="mixed | burst | sustained | trace:FILE | collector | stored:INSTANCE"
-)
+WorkloadOpt = typer.Option("stored", "--workload", help=WORKLOAD_HELP)
 CapacityOpt = typer.Option(
     None,
     "--capacity",
@@ -75,7 +77,7 @@ CapacityOpt = typer.Option(
 )
 LoadOpt = typer.Option(None, "--load", help="scenarios: arrival rate as a multiple of the running config's capacity")
 HoursOpt = typer.Option(
-    24.0, "--hours", help="how far back the collector is read: collector/stored workloads and --instance's steps"
+    24.0, "--hours", help="how far back the collector is read: stored/fitted workloads and --instance's steps"
 )
 P99TtftOpt = typer.Option(None, "--p99-ttft-slo", help="constraint on p99 TTFT, seconds (default: the TTFT SLO)")
 ScreenOpt = typer.Option(200, "--screen", help="configs simulated")
@@ -93,6 +95,7 @@ JsonOpt = typer.Option(None, "--json", help="also write the result as JSON to th
 def _vllm_errors() -> Iterator[None]:
     """`tune`'s error mapping plus vLLM's: a missing interpreter is bad input, a failure while running exits 1."""
     from kvpilot.vllm import VllmSetupError
+    from tuner.backends import NotMeasuredError
     from tuner.vllm.argcheck import ArgCheckError
     from tuner.vllm.tune import TuneError
 
@@ -102,7 +105,7 @@ def _vllm_errors() -> Iterator[None]:
         except VllmSetupError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
-        except (TuneError, ArgCheckError, _CollectorDown) as exc:
+        except (TuneError, ArgCheckError, _CollectorDown, NotMeasuredError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None
 
@@ -198,6 +201,161 @@ def _none_confirmed(sim_feasible: int) -> str:
     return "every feasible simulated config pruned back to the running one (no change moved its goodput by 1%)"
 
 
+@dataclasses.dataclass(frozen=True)
+class StudyArgs:
+    """One vLLM tuning's inputs as the CLI took them (`study` and `nightly` alike), before any check."""
+
+    config: Path
+    model: Path | None
+    space: Path | None
+    workload: str
+    capacity: float | None
+    opts: tuple  # requests, scale, output_range, load, duration, time_scale, length_scale, hours
+    slo: tuple  # ttft, tpot, p99_e2e, p99_ttft, max_rejection, max_oom
+    screen: int
+    confirm: int
+    seed: int
+    seeds_per_trial: int
+    heldout_seeds: int
+    repeats: int
+    instance: str | None
+    min_steps: int
+    running_url: str | None
+    running_run_id: str | None
+    port_range: str | None
+    collector: str
+    ingest_token: str | None
+    admin_token: str | None
+    db_url: str | None
+    vllm_python: str | None
+    arg_check: bool
+    study_name: str | None
+    out_dir: Path
+    log_dir: Path | None
+
+
+def _check_seeds(seeds_per_trial: int, heldout_seeds: int) -> None:
+    if seeds_per_trial < 1:
+        raise ValueError(f"seeds: --seeds-per-trial must be >= 1, got {seeds_per_trial}")
+    if heldout_seeds < 2:
+        raise ValueError(
+            f"heldout_seeds: --heldout-seeds must be >= 2, got {heldout_seeds}: the gain's lower bound needs at "
+            "least two paired runs, so with one no proposal could ever be written"
+        )
+
+
+def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Check everything, run the tuning (`tuner.vllm.tune.VllmTuning`), write the report (and the proposal when
+    the gain holds); the summary."""
+    from kvpilot.vllm import find_vllm_python
+    from tuner.jobs import open_db, workload_factory, workload_kind
+    from tuner.storage import open_storage
+    from tuner.vllm.backend import VllmBackend, parse_port_range
+    from tuner.vllm.calibrate import CalibrationError
+    from tuner.vllm.space import load_vllm_space
+    from tuner.vllm.tune import Budget, LateWorkload, VllmTuning
+
+    workload_kind(a.workload)
+    slo = _slo_with_ttft(*a.slo)
+    _check_seeds(a.seeds_per_trial, a.heldout_seeds)
+    ports = parse_port_range(a.port_range) if a.port_range is not None else None
+    budget = Budget(
+        tuning_seeds=tuple(range(a.seed, a.seed + a.seeds_per_trial)),
+        sim_trials=a.screen,
+        top_k=a.confirm,
+        heldout_seeds=tuple(range(1000 + a.seed, 1000 + a.seed + a.heldout_seeds)),
+        repeats=a.repeats,
+    ).validate()
+    if a.capacity is not None and not a.capacity > 0:
+        raise ValueError(f"capacity: must be positive, got {a.capacity}")
+    if (a.running_url is None) != (a.running_run_id is None):
+        raise ValueError("running_url: --running-url and --running-run-id go together")
+    collector_url = check_collector_url(a.collector)
+    base, model_shape = _base(a.config, a.model)
+    opts = _opts(*a.opts, base)
+    sp = load_vllm_space(a.space, base=base)
+    python = find_vllm_python(a.vllm_python)
+    name = a.study_name or f"tune-vllm-{uuid.uuid4().hex[:8]}"
+    hours = a.opts[-1]
+    url = _db_url(a.db_url)
+    db = open_db(url)
+    try:
+        _check_collector(collector_url, a.ingest_token)
+        checked = _check_space(sp, a.space, base, python if a.arg_check else None, say=say)
+        late = LateWorkload()
+        backend = VllmBackend(
+            workload=late,
+            db=db,
+            slo=slo,
+            python=python,
+            collector_url=collector_url,
+            ingest_token=a.ingest_token,
+            admin_token=a.admin_token or None,
+            log_dir=a.log_dir or Path("kvpilot-data/tune-vllm") / name,
+            ports=ports,
+        )
+        if a.running_url is not None and a.running_run_id is not None:
+            backend.attach(base, url=a.running_url.rstrip("/"), run_id=a.running_run_id)
+        tuning = VllmTuning(
+            backend=backend,
+            db=db,
+            base=base,
+            space=sp,
+            slo=slo,
+            budget=budget,
+            model=model_shape,
+            workload=late,
+            name=name,
+            steps_instances=[a.instance] if a.instance else [],
+            steps_since=t0 - hours * 3600.0,
+            min_steps=a.min_steps,
+            say=say,
+            progress=True,
+            storage=open_storage(url),  # the screen's study, listed on the dashboard's Tuning page
+            t0=t0,
+        )
+        try:
+            hook = (lambda _opts: a.capacity) if a.capacity is not None else tuning.capacity_rps
+            late.factory, wdesc = workload_factory(
+                a.workload, opts, db=db, instances=[a.instance] if a.instance else None, capacity=hook
+            )
+            if a.capacity is not None:
+                wdesc["capacity_given"] = True
+            tuning.run()
+        except CalibrationError as exc:
+            raise CalibrationError(f"{exc}; {CALIBRATION_HINT}") from None
+        finally:
+            backend.close()
+        outcome = tuning.finish(
+            title=f"kvpilot vLLM tuning — {name}",
+            workload=wdesc,
+            out_dir=a.out_dir,
+            instance=a.instance,
+            report_path=a.out_dir / f"report-{name}.md",
+        )
+    finally:
+        db.dispose()
+    return _study_summary(tuning, outcome, name=name, workload=wdesc, checked=checked, t0=t0)
+
+
+PortRangeOpt = typer.Option(
+    None, "--port-range", help="ports the trial vLLMs listen on, LOW-HIGH (e.g. 20000-20100; default: any free port)"
+)
+HeldoutSeedsOpt = typer.Option(
+    3, "--heldout-seeds", help="new workload seeds for the before/after check (at least 2: the gain's lower bound)"
+)
+CollectorOpt = typer.Option("http://127.0.0.1:8100", "--collector", envvar="KVPILOT_COLLECTOR_URL", help=COLLECTOR_HELP)
+IngestTokenOpt = typer.Option(None, "--ingest-token", envvar="KVPILOT_INGEST_TOKEN", help=TOKEN_HELP)
+AdminTokenOpt = typer.Option(
+    None,
+    "--admin-token",
+    envvar="KVPILOT_ADMIN_TOKEN",
+    help="the collector's admin token: each trial's vLLM /metrics is a scrape target while it runs",
+)
+OutDirOpt = typer.Option(Path("kvpilot-data/proposals"), "--out-dir", "--out", help="proposal files go here")
+LogDirOpt = typer.Option(None, "--log-dir", help="trial vLLM logs (default kvpilot-data/tune-vllm/NAME)")
+
+
 @tune_vllm_app.command("study")
 def study_cmd(
     ctx: typer.Context,
@@ -224,10 +382,13 @@ def study_cmd(
     confirm: int = typer.Option(2, "--confirm", help="the best simulated configs confirmed live (a restart each)"),
     seed: int = SeedOpt,
     seeds_per_trial: int = SeedsOpt,
-    heldout_seeds: int = typer.Option(3, "--heldout-seeds", help="new workload seeds for the before/after check"),
+    heldout_seeds: int = HeldoutSeedsOpt,
     repeats: int = typer.Option(1, "--repeats", help="passes over the held-out seeds"),
     instance: str | None = typer.Option(
-        None, "--instance", help="a vLLM instance whose stored steps (last --hours) join the calibration"
+        None,
+        "--instance",
+        help="a vLLM instance: the stored workload replays its requests, and its stored steps (last --hours) join "
+        "the calibration",
     ),
     min_steps: int = MinStepsOpt,
     running_url: str | None = typer.Option(
@@ -239,24 +400,16 @@ def study_cmd(
     running_run_id: str | None = typer.Option(
         None, "--running-run-id", help="its run id (kvpilot vllm serve --run-id)"
     ),
-    collector: str = typer.Option(
-        "http://127.0.0.1:8100", "--collector", envvar="KVPILOT_COLLECTOR_URL", help=COLLECTOR_HELP
-    ),
-    ingest_token: str | None = typer.Option(None, "--ingest-token", envvar="KVPILOT_INGEST_TOKEN", help=TOKEN_HELP),
-    admin_token: str | None = typer.Option(
-        None,
-        "--admin-token",
-        envvar="KVPILOT_ADMIN_TOKEN",
-        help="the collector's admin token: each trial's vLLM /metrics is a scrape target while it runs",
-    ),
+    port_range: str | None = PortRangeOpt,
+    collector: str = CollectorOpt,
+    ingest_token: str | None = IngestTokenOpt,
+    admin_token: str | None = AdminTokenOpt,
     db_url: str | None = DbOpt,
     vllm_python: str | None = VllmPythonOpt,
     arg_check: bool = ArgCheckOpt,
     study_name: str | None = typer.Option(None, "--study-name", help="names its runs, report and proposal"),
-    out_dir: Path = typer.Option(Path("kvpilot-data/proposals"), "--out-dir", "--out", help="proposal files go here"),
-    log_dir: Path | None = typer.Option(
-        None, "--log-dir", help="trial vLLM logs (default kvpilot-data/tune-vllm/NAME)"
-    ),
+    out_dir: Path = OutDirOpt,
+    log_dir: Path | None = LogDirOpt,
     json_path: Path | None = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
@@ -268,99 +421,82 @@ def study_cmd(
     require_extras(ctx, "tune")
     _setup_logging(verbose)
     t0 = time.time()
-    say = _sayer(t0)
+    args = StudyArgs(
+        config=config, model=model, space=space, workload=workload, capacity=capacity,
+        opts=(requests, scale, output_range, load, duration, time_scale, length_scale, hours),
+        slo=(ttft_slo, tpot_slo, p99_e2e_slo, p99_ttft_slo, max_rejection_rate, max_oom),
+        screen=screen, confirm=confirm, seed=seed, seeds_per_trial=seeds_per_trial, heldout_seeds=heldout_seeds,
+        repeats=repeats, instance=instance, min_steps=min_steps, running_url=running_url,
+        running_run_id=running_run_id, port_range=port_range, collector=collector, ingest_token=ingest_token,
+        admin_token=admin_token, db_url=db_url, vllm_python=vllm_python, arg_check=arg_check, study_name=study_name,
+        out_dir=out_dir, log_dir=log_dir,
+    )  # fmt: skip
     with _vllm_errors():
-        from kvpilot.vllm import find_vllm_python
-        from tuner.jobs import open_db, workload_factory, workload_kind
-        from tuner.storage import open_storage
-        from tuner.vllm.backend import VllmBackend
-        from tuner.vllm.calibrate import CalibrationError
-        from tuner.vllm.space import load_vllm_space
-        from tuner.vllm.tune import Budget, LateWorkload, VllmTuning
-
-        workload_kind(workload)
-        slo = _slo_with_ttft(ttft_slo, tpot_slo, p99_e2e_slo, p99_ttft_slo, max_rejection_rate, max_oom)
-        if seeds_per_trial < 1 or heldout_seeds < 1:
-            raise ValueError("seeds: --seeds-per-trial and --heldout-seeds must be >= 1")
-        tuning_seeds = tuple(range(seed, seed + seeds_per_trial))
-        budget = Budget(
-            tuning_seeds=tuning_seeds,
-            sim_trials=screen,
-            top_k=confirm,
-            heldout_seeds=tuple(range(1000 + seed, 1000 + seed + heldout_seeds)),
-            repeats=repeats,
-        ).validate()
-        if capacity is not None and not capacity > 0:
-            raise ValueError(f"capacity: must be positive, got {capacity}")
-        if (running_url is None) != (running_run_id is None):
-            raise ValueError("running_url: --running-url and --running-run-id go together")
-        collector_url = check_collector_url(collector)
-        base, model_shape = _base(config, model)
-        opts = _opts(requests, scale, output_range, load, duration, time_scale, length_scale, hours, base)
-        sp = load_vllm_space(space, base=base)
-        python = find_vllm_python(vllm_python)
-        name = study_name or f"tune-vllm-{uuid.uuid4().hex[:8]}"
-        url = _db_url(db_url)
-        db = open_db(url)
-        try:
-            _check_collector(collector_url, ingest_token)
-            checked = _check_space(sp, space, base, python if arg_check else None, say=say)
-            late = LateWorkload()
-            backend = VllmBackend(
-                workload=late,
-                db=db,
-                slo=slo,
-                python=python,
-                collector_url=collector_url,
-                ingest_token=ingest_token,
-                admin_token=admin_token or None,
-                log_dir=log_dir or Path("kvpilot-data/tune-vllm") / name,
-            )
-            if running_url is not None and running_run_id is not None:
-                backend.attach(base, url=running_url.rstrip("/"), run_id=running_run_id)
-            tuning = VllmTuning(
-                backend=backend,
-                db=db,
-                base=base,
-                space=sp,
-                slo=slo,
-                budget=budget,
-                model=model_shape,
-                workload=late,
-                name=name,
-                steps_instances=[instance] if instance else [],
-                steps_since=t0 - hours * 3600.0,
-                min_steps=min_steps,
-                say=say,
-                progress=True,
-                storage=open_storage(url),  # the screen's study, listed on the dashboard's Tuning page
-                t0=t0,
-            )
-            try:
-                hook = (lambda _opts: capacity) if capacity is not None else tuning.capacity_rps
-                late.factory, wdesc = workload_factory(
-                    workload, opts, db=db, instances=[instance] if instance else None, capacity=hook
-                )
-                if capacity is not None:
-                    wdesc["capacity_given"] = True
-                tuning.run()
-            except CalibrationError as exc:
-                raise CalibrationError(f"{exc}; {CALIBRATION_HINT}") from None
-            finally:
-                backend.close()
-            outcome = tuning.finish(
-                title=f"kvpilot vLLM tuning — {name}",
-                workload=wdesc,
-                out_dir=out_dir,
-                instance=instance,
-                report_path=out_dir / f"report-{name}.md",
-            )
-        finally:
-            db.dispose()
-        summary = _study_summary(tuning, outcome, name=name, workload=wdesc, checked=checked, t0=t0)
+        summary = _run_study(args, t0=t0, say=_sayer(t0))
         _report(_study_lines(summary), summary, json_path)
-    if outcome.proposal is None:
+    if summary["proposal"] is None:
         raise typer.Exit(NO_PROPOSAL)
+
+
+@tune_vllm_app.command("nightly")
+def nightly_cmd(
+    config: Path = ConfigOpt,
+    instance: str = typer.Option(
+        ..., "--instance", help="the vLLM instance whose stored requests are replayed and whose steps calibrate"
+    ),
+    model: Path | None = ModelOpt,
+    space: Path | None = SpaceOpt,
+    workload: str = WorkloadOpt,
+    requests: int = typer.Option(400, "--requests", help="the latest N stored requests of the window, at most"),
+    time_scale: float = TimeScaleOpt,
+    hours: float = typer.Option(24.0, "--hours", help="how far back the stored requests and steps are read"),
+    ttft_slo: float = TtftOpt,
+    tpot_slo: float = TpotOpt,
+    p99_e2e_slo: float | None = E2eOpt,
+    p99_ttft_slo: float | None = P99TtftOpt,
+    max_rejection_rate: float = RejOpt,
+    screen: int = ScreenOpt,
+    confirm: int = typer.Option(2, "--confirm", help="the best simulated configs confirmed live (a restart each)"),
+    heldout_seeds: int = HeldoutSeedsOpt,
+    min_steps: int = MinStepsOpt,
+    port_range: str | None = PortRangeOpt,
+    collector: str = CollectorOpt,
+    ingest_token: str | None = IngestTokenOpt,
+    admin_token: str | None = AdminTokenOpt,
+    db_url: str | None = DbOpt,
+    vllm_python: str | None = VllmPythonOpt,
+    out_dir: Path = OutDirOpt,
+    log_dir: Path | None = LogDirOpt,
+    json_path: Path | None = JsonOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """The nightly job for a vLLM: `study` on the instance's own stored traffic as it came (last --hours), its
+    stored steps in the calibration; a proposal only when the gain holds. Exit 0 with or without a proposal (a
+    timer's success), 2 bad input, 1 a failure while running. docs/tuning.md has a cron and a systemd example."""
+    _setup_logging(verbose)
+    t0 = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(t0))
+    args = StudyArgs(
+        config=config, model=model, space=space, workload=workload, capacity=None,
+        opts=(requests, 4.0, "16,256", None, None, time_scale, 1.0, hours),
+        slo=(ttft_slo, tpot_slo, p99_e2e_slo, p99_ttft_slo, max_rejection_rate, 0),
+        screen=screen, confirm=confirm, seed=0, seeds_per_trial=1, heldout_seeds=heldout_seeds, repeats=1,
+        instance=instance, min_steps=min_steps, running_url=None, running_run_id=None, port_range=port_range,
+        collector=collector, ingest_token=ingest_token, admin_token=admin_token, db_url=db_url,
+        vllm_python=vllm_python, arg_check=True, study_name=f"nightly-vllm-{stamp}-{uuid.uuid4().hex[:4]}",
+        out_dir=out_dir, log_dir=log_dir,
+    )  # fmt: skip
+    with _vllm_errors():
+        summary = _run_study(args, t0=t0, say=_sayer(t0))
+        if json_path is not None:
+            _report([], summary, json_path)
+    typer.echo(summary["decision"])
+    p = summary["proposal"]
+    if p is not None:
+        typer.echo(f"  config: {p['config']}\n  report: {p['report']}")
+        typer.echo(f"  proposal id {p['id']} (pending): restart vLLM with `vllm serve --config {p['config']}`")
+    else:
+        typer.echo(f"  report: {summary['report']}")
 
 
 CALIBRATION_HINT = (
@@ -404,6 +540,7 @@ def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, 
         "screened": tuning.screened_rows(),
         "heldout": None if h is None else {k: h[k] for k in HELDOUT_KEYS},
         "restart_cost": outcome.restart,
+        "client": tuning.backend.client_lateness(),  # how late the replay client sent; late replays repeated
         "scrape_targets": {  # each started trial's /metrics: registered ('created'/'exists'/None), and left behind
             "registered": [x.target for x in tuning.backend.launches],
             "left": tuning.backend.stale_targets,
@@ -442,6 +579,12 @@ def _study_lines(s: dict[str, Any]) -> list[str]:
     for row in s["screened"][1:]:
         live = f"{_num(row['live_goodput'])} live" if row["feasible"] else f"infeasible: {row['infeasible'] or 'SLO'}"
         lines.append(f"    {_changes(row['changed'])}: {_num(row['sim_goodput'])} simulated, {live}")
+    c = s["client"]
+    if c["late_p99_s"] is not None:
+        lines.append(
+            f"  replay client: p99 send lateness {c['late_p99_s'] * 1e3:.0f} ms at worst; {c['late_replays']} "
+            f"replay(s) repeated for lateness, {c['not_measured']} not measured"
+        )
     r = s["restart_cost"]
     if r.get("ready_s"):
         rd, st = r["ready_s"], r.get("stop_s") or {}
@@ -558,7 +701,6 @@ def screen_cmd(
             wdesc["capacity"] = "given" if capacity else "simulated"
             seeds = list(range(seed, seed + seeds_per_trial))
             sim, best, sim_s = preview(
-                db=db,
                 base=base,
                 space=sp,
                 slo=slo,

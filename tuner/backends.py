@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import Engine
 
+from collector.db import memory_engine
 from collector.queries import SIMULATED_INSTANCE_PREFIX
 from engine import workload as W
 from engine.config import EngineConfig
@@ -39,6 +40,15 @@ class InfeasibleTrialError(RuntimeError):
         self.reason = reason
 
 
+class NotMeasuredError(RuntimeError):
+    """The config could not be measured for a reason not its own (the replay client lagged behind its plan on
+    every attempt, its process died): the trial is reported as not measured, with `reason`, never scored."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Backend(Protocol):
     name: str
 
@@ -54,7 +64,7 @@ def _telemetry(config: EngineConfig, run_id: str, instance: str) -> EngineConfig
 class _Base:
     name = "base"
 
-    def __init__(self, workload: WorkloadFactory, db: Engine, slo: SLO, *, instance: str) -> None:
+    def __init__(self, workload: WorkloadFactory, db: Engine | None, slo: SLO, *, instance: str) -> None:
         self.workload = workload
         self.db = db
         self.slo = slo.validate()
@@ -66,9 +76,16 @@ class _Base:
         return prepared_workload(self._workloads, self.workload, seed)
 
     def _measure(self, sink: TrialSink, result: ReplayResult, run_id: str) -> TrialMetrics:
+        """The trial's events through the collector's ingest, its metrics through the collector's queries. With
+        no database (`db=None`) on a private in-memory one dropped right after: only the metrics are kept."""
         self.last_replay = result
-        store_events(self.db, sink.events, key_prefix=run_id)
-        return trial_metrics(self.db, run_id=run_id, start=result.wall_start, end=result.wall_end + 1e-3, slo=self.slo)
+        db = self.db if self.db is not None else memory_engine()
+        try:
+            store_events(db, sink.events, key_prefix=run_id)
+            return trial_metrics(db, run_id=run_id, start=result.wall_start, end=result.wall_end + 1e-3, slo=self.slo)
+        finally:
+            if db is not self.db:
+                db.dispose()
 
 
 class SimulatedBackend(_Base):
@@ -81,7 +98,7 @@ class SimulatedBackend(_Base):
     def __init__(
         self,
         workload: WorkloadFactory,
-        db: Engine,
+        db: Engine | None,
         slo: SLO,
         *,
         instance: str,

@@ -44,13 +44,19 @@ def capacity_rps(profile: CostProfile, base: EngineConfig, opts: WL.WorkloadOpti
     return len(result.finished) / result.duration_s
 
 
+WORKLOADS = f"{', '.join(WL.SCENARIOS)}, trace:FILE, stored[:INSTANCE], fitted"
+
+
 def workload_kind(spec: str) -> str:
-    """`scenario`, `trace`, `collector` or `stored` for a workload spec (checked before anything is measured);
-    WorkloadError for anything else."""
+    """`scenario`, `trace`, `stored` (the stored requests as they came) or `fitted` (their average rates) for a
+    workload spec, checked before anything is measured; WorkloadError for anything else. `collector` is the
+    former name of `fitted`."""
     if spec in WL.SCENARIOS:
         return "scenario"
-    if spec == "collector":
-        return "collector"
+    if spec in ("fitted", "collector"):
+        return "fitted"
+    if spec == "stored":
+        return "stored"
     kind, sep, arg = spec.partition(":")
     if sep and kind in ("trace", "stored"):
         if not arg:
@@ -59,10 +65,7 @@ def workload_kind(spec: str) -> str:
                 "workload", f"{kind}: needs {'a file' if kind == 'trace' else 'an instance'}, e.g. {example}"
             )
         return kind
-    raise WL.WorkloadError(
-        "workload",
-        f"unknown workload {spec!r}; one of {', '.join(WL.SCENARIOS)}, trace:FILE, collector, stored:INSTANCE",
-    )
+    raise WL.WorkloadError("workload", f"unknown workload {spec!r}; one of {WORKLOADS}")
 
 
 def workload_factory(
@@ -75,10 +78,11 @@ def workload_factory(
     instances: list[str] | None = None,
     capacity: Callable[[WL.WorkloadOptions], float] | None = None,
 ) -> tuple[Callable[[int], list[W.WorkloadRequest]], dict[str, Any]]:
-    """seed -> requests for `spec` (a scenario name, `trace:FILE`, `collector` or `stored:INSTANCE`), and a
+    """seed -> requests for `spec` (a scenario name, `trace:FILE`, `stored`, `stored:INSTANCE` or `fitted`), and a
     description. A scenario's rate is relative to `capacity(opts)` (requests/s of the running config) when given,
-    else to the capacity of `base` on `profile`'s simulator; `stored:INSTANCE` replays the requests the collector
-    stored for that instance in the last `hours`, the same requests for every seed."""
+    else to the capacity of `base` on `profile`'s simulator; `stored` replays the requests the collector stored in
+    the last `hours` (of `stored:INSTANCE`, else of `instances`, else of every serving instance) at their
+    recorded arrivals, the same requests for every seed; `fitted` samples the window's average rates."""
     kind = workload_kind(spec)
     opts.validate()
     if opts.max_total_tokens is None and base is not None:
@@ -99,22 +103,32 @@ def workload_factory(
         return (lambda seed: list(reqs)), desc
     if db is None:
         raise WL.WorkloadError("workload", f"the {kind} workload needs a database")
-    if kind == "collector":
+    if kind == "fitted":
         fitted = WL.fit_from_collector(db, opts, instances=instances)
         desc = {
-            "kind": "collector",
+            "kind": "fitted",
             "hours": opts.hours,
             "observed_requests": fitted.requests,
             "buckets": len(fitted.rates),
         }
         return (lambda seed: fitted.sample(opts, seed=seed)), desc
-    instance = spec.split(":", 1)[1]
+    _, sep, named = spec.partition(":")
+    chosen = [named] if sep else instances
     try:
-        stored = WL.stored_traffic(db, opts, instances=[instance])
+        recorded = WL.recorded_traffic(db, opts, instances=chosen)
     except WL.WorkloadError as exc:
         raise WL.WorkloadError("workload", f"{spec}: {exc}") from exc
-    desc = {"kind": "stored", "instance": instance, "hours": opts.hours, **WL.describe(stored)}
-    return (lambda seed: list(stored)), desc
+    reqs = recorded.requests
+    desc = {
+        "kind": "stored",
+        "instance": ", ".join(chosen) if chosen else "every serving instance",
+        "hours": opts.hours,
+        **WL.describe(reqs),
+        "unfinished": recorded.unfinished,
+        "lengths_filled": recorded.filled,
+        "user_arrivals": recorded.user_arrivals,
+    }
+    return (lambda seed: list(reqs)), desc
 
 
 def make_backend(

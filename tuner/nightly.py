@@ -1,4 +1,4 @@
-"""`kvpilot tune nightly`: workload from the collector -> study (+ random baseline) -> confirmation
+"""`kvpilot tune nightly`: the stored traffic as it came -> study (+ random baseline) -> confirmation
 re-run of the current and the best config on new workload seeds -> a proposal only when the gain holds.
 
 A proposal is three files and a row: `proposal-<id>.yaml` (an EngineConfig: `kvpilot engine serve
@@ -81,7 +81,7 @@ def run_nightly(
     trials: int = 40,
     backend: str = "sim",
     profile: str = "cpu-2core",
-    workload: str = "collector",
+    workload: str = "stored",
     options: WL.WorkloadOptions | None = None,
     config_path: str | Path | None = None,
     space_path: str | Path | None = None,

@@ -6,15 +6,21 @@ Scenarios are sized relative to the measured capacity of the default config on t
 - `burst`: 0.5 x capacity, rising by +500% (6x) for 2 s in the middle;
 - `sustained`: 0.8 x capacity for `duration_s`.
 `trace:FILE` replays an Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens);
-`collector` fits arrival rates and the (prompt, output) length mix of the last N hours of stored requests;
-`stored` replays those requests themselves (arrival = ts - e2e, their token counts), whatever engine served them.
+`stored` (or `stored:INSTANCE`) replays the stored requests themselves as they came: their recorded arrivals,
+bursts kept, and their token counts, whatever engine served them (`recorded_traffic`): what the nightly job, the
+demo and the vLLM tuning replay unless told otherwise;
+`fitted` (formerly `collector`) fits arrival rates per minute and the (prompt, output) length mix of the last N
+hours of stored requests and samples Poisson arrivals from them: the average rate, bursts smoothed away.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
+import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,10 +233,21 @@ def fit_from_collector(
     return FittedWorkload(first, end, bucket_s, [c / bucket_s for c in counts], shapes, len(rows))
 
 
-# --- the stored traffic itself ----------------------------------------------------------------------
+# --- the stored traffic itself, as it came ------------------------------------------------------------
 
 
-def stored_traffic(
+@dataclass(frozen=True)
+class Recorded:
+    """Requests the collector stored, replayed as they came, and what was done to them on the way."""
+
+    requests: list[W.WorkloadRequest]
+    stored: int  # rows read (the latest `requests` of the window)
+    unfinished: int  # refused, failed or aborted: demand too, replayed with the lengths they had
+    filled: int  # lengths a row did not record (a refused request's output), taken from the finished median
+    user_arrivals: int  # of the replayed requests, those whose row measured the stage before the engine
+
+
+def recorded_traffic(
     db: Engine,
     opts: WorkloadOptions,
     *,
@@ -238,43 +255,69 @@ def stored_traffic(
     run_id: str | None = None,
     start: float | None = None,
     end: float | None = None,
-) -> list[W.WorkloadRequest]:
-    """The requests the collector stored (kvpilot request events or vLLM `llm_request` span rows alike), replayed
-    as they came: arrival = ts - e2e relative to the first, prompt and completion tokens as stored (divided by
-    `length_scale`, clipped to `max_total_tokens`), time compressed by `time_scale`; finished requests of the
-    last `hours` (or `start`..`end`), the first `requests` of them. Refused and failed requests left no lengths."""
-    from collector.queries import request_rates, slowest_requests
+) -> Recorded:
+    """The requests stored in the last `hours` (or `start`..`end`), replayed at their recorded arrivals: kvpilot
+    request events or vLLM `llm_request` span rows alike (`collector.queries.request_arrivals`).
+
+    Arrivals are as users sent them (the HTTP arrival where the row has the stage before the engine, `frontend_s`)
+    relative to the first, compressed by `time_scale`, so bursts stay bursts; lengths are as stored (divided by
+    `length_scale`, clipped to `max_total_tokens`). Bounded: the latest `requests` of the window, and with
+    `duration_s` only the arrivals of its last `duration_s` seconds of replay. Refused and failed requests were
+    demand too and are replayed; a length a row lacks (a refused request generated nothing) is the median of
+    the finished requests'. Without `instances`, the tuner's own replays are left out."""
+    from collector.queries import request_arrivals
 
     opts.validate()
     end = time.time() if end is None else end
     start = end - opts.hours * 3600.0 if start is None else start
-    rates = request_rates(db, start=start, end=end, group_by="all", instances=instances, run_id=run_id)
-    total = min(sum(r.requests for r in rates), opts.max_rows)
-    rows = slowest_requests(db, start=start, end=end, metric="e2e", limit=total, instances=instances, run_id=run_id)
-    done = sorted(
-        (
-            (float(r["ts"]) - float(r["e2e_s"]), int(r["prompt_tokens"]), int(r["output_tokens"]), int(r["priority"]))
-            for r in rows
-            if r["status"] == "finished" and int(r["output_tokens"]) > 0 and int(r["prompt_tokens"]) > 0
-        ),
-    )
-    if not done:
-        raise WorkloadError("hours", f"the collector holds no finished requests between {start:.0f} and {end:.0f}")
-    if len(done) < len(rows):
-        log.info(
-            "stored traffic: %d of %d requests were not finished and are left out", len(rows) - len(done), len(rows)
+    rows = request_arrivals(db, start=start, end=end, limit=opts.requests, instances=instances, run_id=run_id)
+    finished = [r for r in rows if r.status == "finished" and r.output_tokens > 0 and r.prompt_tokens > 0]
+    where = f" of {', '.join(instances)}" if instances else ""
+    if not finished:
+        raise WorkloadError(
+            "hours",
+            f"the collector holds {len(rows)} requests{where} between {start:.0f} and {end:.0f}, none finished "
+            "(no lengths to replay); widen --hours or use a scenario workload",
         )
-    t0 = done[0][0]
+    prompt_fill = round(statistics.median(r.prompt_tokens for r in finished))
+    output_fill = round(statistics.median(r.output_tokens for r in finished))
+    t0 = rows[0].arrival
+    offsets = [(r.arrival - t0) / opts.time_scale for r in rows]
+    first = 0
+    if opts.duration_s is not None:
+        while offsets[-1] - offsets[first] >= opts.duration_s:
+            first += 1
     out: list[W.WorkloadRequest] = []
-    for arrival, prompt, output, prio in done[: opts.requests]:
-        at = (arrival - t0) / opts.time_scale
-        if opts.duration_s is not None and at >= opts.duration_s:
-            break
+    filled = 0
+    for row, at in zip(rows[first:], offsets[first:], strict=True):
+        prompt, output = row.prompt_tokens, row.output_tokens
+        if prompt < 1 or output < 1:
+            filled += 1
+            prompt, output = (prompt if prompt >= 1 else prompt_fill), (output if output >= 1 else output_fill)
         p = max(2, round(prompt / opts.length_scale))
         o = max(1, round(output / opts.length_scale))
         p, o = clip_lengths(p, o, opts.max_total_tokens)
-        out.append(W.WorkloadRequest(at, p, o, prio, None, _kind(prompt)))
-    return out
+        out.append(W.WorkloadRequest(at - offsets[first], p, o, row.priority, None, _kind(prompt)))
+    if filled:
+        log.info("recorded traffic: %d of %d requests lacked a length; the finished median stands in", filled, len(out))
+    return Recorded(
+        requests=out,
+        stored=len(rows),
+        unfinished=sum(r.status != "finished" for r in rows[first:]),
+        filled=filled,
+        user_arrivals=sum(r.user_facing for r in rows[first:]),
+    )
+
+
+def burstiness(reqs: list[W.WorkloadRequest]) -> dict[str, float]:
+    """How bursty the arrivals are: the busiest second's arrivals against the median of the seconds that had
+    any (a steady Poisson stream gives about 2x, the demo's +500% burst 5x or more)."""
+    if not reqs:
+        return {"peak_1s_arrivals": 0, "median_1s_arrivals": 0.0, "peak_ratio": 0.0}
+    per_second = Counter(math.floor(r.arrival_s) for r in reqs)
+    median = float(statistics.median(per_second.values()))
+    peak = max(per_second.values())
+    return {"peak_1s_arrivals": peak, "median_1s_arrivals": median, "peak_ratio": round(peak / median, 2)}
 
 
 def describe(reqs: list[W.WorkloadRequest]) -> dict:
@@ -289,6 +332,7 @@ def describe(reqs: list[W.WorkloadRequest]) -> dict:
         "prompt_tokens_mean": round(sum(r.prompt_tokens for r in reqs) / len(reqs), 1),
         "output_tokens_mean": round(sum(r.output_tokens for r in reqs) / len(reqs), 1),
         "kinds": {k: sum(r.kind == k for r in reqs) for k in ("short", "medium", "long")},
+        **burstiness(reqs),
     }
 
 

@@ -47,10 +47,12 @@ from collector.queries.histogram_stats import (
 )
 from collector.queries.losses import LostEvents, lost_events
 from collector.queries.request_rates import (
+    Arrival,
     Goodput,
     RequestRates,
     StageBucket,
     goodput,
+    request_arrivals,
     request_rates,
     slowest_requests,
     stage_breakdown_over_time,
@@ -90,6 +92,7 @@ __all__ = [
     "TRAPS",
     "AllocOpBucket",
     "AllocTrace",
+    "Arrival",
     "Db",
     "EngineInfo",
     "EngineName",
@@ -153,6 +156,7 @@ __all__ = [
     "memory_wall",
     "mixed_lengths",
     "parse_labels",
+    "request_arrivals",
     "request_rates",
     "run_gauges_over_time",
     "series_points",

@@ -202,7 +202,7 @@ class Finding:
 
 
 def study_hours(start: float, now: float) -> float:
-    """Hours back from `now` that the tuner's collector workload must read to include the window's start."""
+    """Hours back from `now` that the tuner's stored workload must read to include the window's start."""
     return float(max(1, math.ceil((now - start) / 3600.0)))
 
 
@@ -214,8 +214,9 @@ def study_name(trap: str, instance: str) -> str:
 def study_command(knob: str, *, trap: str, instance: str, hours: float) -> str | None:
     """`kvpilot tune study` over exactly `knob`, replaying the instance's own stored traffic (None: not tunable).
 
-    The collector workload fits the last `hours` of the instance's requests; `--knob` keeps the other knobs
-    of the search space at the current config's values.
+    The stored workload replays the last `hours` of the instance's requests at their recorded arrivals (the
+    bursts a finding is about kept); `--knob` keeps the other knobs of the search space at the current config's
+    values.
     """
     spec = KNOBS[knob]
     if not spec.tunable:
@@ -227,7 +228,7 @@ def study_command(knob: str, *, trap: str, instance: str, hours: float) -> str |
         "--knob",
         knob,
         "--workload",
-        "collector",
+        "stored",
         "--instance",
         instance,
         "--hours",

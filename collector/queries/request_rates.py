@@ -1,4 +1,5 @@
-"""Request counts and rates, goodput against SLOs, the slowest requests and the stage breakdown over time."""
+"""Request counts and rates, goodput against SLOs, the slowest requests, arrivals as they came and the stage
+breakdown over time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from sqlalchemy import and_, case, func, literal, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, GroupBy, LatencyMetric, _bound, _dialect, bucket_expr
+from collector.queries.catalog import SIMULATED_INSTANCE_PREFIX
 from collector.queries.request_stats import _group_column, _metric_column, _request_filter, user_e2e, user_ttft
 from collector.schema import (
     RequestRow,
@@ -179,6 +181,58 @@ def slowest_requests(
     )
     with _bound(db) as conn:
         return [dict(row._mapping) for row in conn.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One stored request as its user sent it: when it arrived and what it asked for."""
+
+    arrival: float  # epoch seconds: the HTTP arrival where `frontend_s` was measured, else the engine's
+    instance: str
+    status: str
+    priority: int
+    prompt_tokens: int
+    output_tokens: int
+    user_facing: bool  # the row measured the stage before the engine: `arrival` is the HTTP arrival
+
+
+def user_arrival() -> ColumnElement:
+    """When the user's request arrived: the row's end minus the user-facing end to end (`user_e2e`)."""
+    r = RequestRow.__table__.c
+    return r.ts - user_e2e()
+
+
+def request_arrivals(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    limit: int,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> list[Arrival]:
+    """The latest `limit` requests stored in `start`..`end` (every status, warm-up excluded), oldest first.
+
+    Without `instances`, the tuner's own replays (instances named `SIMULATED_INSTANCE_PREFIX`...) are left out:
+    they are traffic no user sent. Arrival ties keep the order the rows were stored in.
+    """
+    r = RequestRow.__table__.c
+    arrival = user_arrival().label("arrival")
+    conds = _request_filter(start, end, instances, run_id, None, False)
+    if instances is None:
+        conds.append(r.instance.not_like(f"{SIMULATED_INSTANCE_PREFIX}%"))
+    stmt = (
+        select(arrival, r.instance, r.status, r.priority, r.prompt_tokens, r.output_tokens, r.frontend_s, r.id)
+        .where(*conds)
+        .order_by(arrival.desc(), r.id.desc())
+        .limit(max(0, int(limit)))
+    )
+    with _bound(db) as conn:
+        rows = conn.execute(stmt).all()
+    return [
+        Arrival(float(a), inst, status, int(prio), int(p), int(o), front is not None)
+        for a, inst, status, prio, p, o, front, _id in rows[::-1]
+    ]
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ def test_the_diagnosis_study_command_runs_on_the_instance_s_own_traffic(sqlite_u
     res = runner.invoke(app, [*args[1:], *extra], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     summary = json.loads(out.read_text())
-    assert summary["workload"]["kind"] == "collector" and summary["study"] == "diagnosis-mixed-lengths-e0"
+    assert summary["workload"]["kind"] == "stored" and summary["study"] == "diagnosis-mixed-lengths-e0"
+    assert summary["workload"]["instance"] == "e0" and summary["workload"]["requests"] == 20  # the latest 20
     assert summary["trials"] + summary["duplicates"] == 2  # the appended --trials wins
     assert set(summary["best_params"]) == {"scheduler.prefill_chunk_tokens"}

@@ -158,6 +158,59 @@ def test_bad_input_is_one_line_and_exit_2(setup: dict[str, str], command: str, e
     assert message in res.output and "Traceback" not in res.output
 
 
+def _nightly(setup: dict[str, str], *extra: str):  # type: ignore[no-untyped-def]
+    args = ["tune", "vllm", "nightly", "--config", setup["config"], "--instance", INSTANCE, "--db-url", setup["db"]]
+    return runner.invoke(app, [*args, "--vllm-python", sys.executable, "--out-dir", setup["tmp"], *extra])
+
+
+@pytest.mark.parametrize("command", ["study", "nightly"])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--port-range", "lots"], "port_range: expected LOW-HIGH (e.g. 20000-20100), got 'lots'"),
+        (["--port-range", "20100-20000"], "port_range: expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535"),
+        (["--port-range", "80-90"], "got '80-90'"),
+        (["--port-range", "20000"], "port_range: expected LOW-HIGH (e.g. 20000-20100), got '20000'"),
+        (
+            ["--heldout-seeds", "1"],
+            "heldout_seeds: --heldout-seeds must be >= 2, got 1: the gain's lower bound needs at least two paired "
+            "runs, so with one no proposal could ever be written",
+        ),
+    ],
+)
+def test_ports_and_held_out_seeds_are_checked_before_anything_starts(
+    setup: dict[str, str], command: str, extra: list[str], message: str
+) -> None:
+    res = (_study if command == "study" else _nightly)(setup, *extra)
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split()) and "Traceback" not in res.output
+
+
+def _row_counts(db_url: str) -> dict[str, int]:
+    from sqlalchemy import func, select
+
+    from collector.schema import Base
+
+    db = make_engine(db_url)
+    with db.connect() as conn:
+        counts = {
+            t.name: conn.execute(select(func.count()).select_from(t)).scalar_one()
+            for t in Base.metadata.tables.values()
+        }
+    db.dispose()
+    return counts
+
+
+def test_screen_writes_nothing_into_the_collector_s_database(setup: dict[str, str]) -> None:
+    _store(setup["db"], steps=300, requests=40)
+    before = _row_counts(setup["db"])
+    assert before["requests"] == 40 and before["steps"] == 300
+    res = _screen(setup, "--time-scale", "25", "--screen", "6", "--top", "1")  # the stored workload by default
+    assert res.exit_code == 0, res.output
+    assert "workload: stored" in res.stdout
+    assert _row_counts(setup["db"]) == before  # 6 simulated trials and their pruning: not a row
+
+
 def test_a_space_naming_an_argument_vllm_does_not_have_is_refused(setup: dict[str, str]) -> None:
     space = Path(setup["tmp"]) / "space.yml"
     space.write_text("params:\n  max_num_frobs: {choices: [1, 2]}\n")

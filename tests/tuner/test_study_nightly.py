@@ -329,7 +329,8 @@ def test_engine_backend_measures_the_torch_engine(sqlite_url: str) -> None:
     db.dispose()
 
 
-def test_nightly_fits_its_workload_from_the_collector(sqlite_url: str, tmp_path) -> None:
+@pytest.mark.parametrize(("workload", "described"), [("stored", "requests=40"), ("fitted", "observed_requests=40")])
+def test_nightly_replays_the_stored_traffic(sqlite_url: str, tmp_path, workload: str, described: str) -> None:
     import time
 
     from tuner.replay import TrialSink, replay
@@ -351,14 +352,14 @@ def test_nightly_fits_its_workload_from_the_collector(sqlite_url: str, tmp_path)
         out_dir=tmp_path / "out",
         trials=4,
         profile=str(path),
-        workload="collector",
+        workload=workload,
         options=WL.WorkloadOptions(hours=1.0, requests=40),
         slo=SLO_T,
         instance="prod-7",
         confirm_seeds=1,
         progress=False,
     )
-    assert "collector" in result.report_md and "observed_requests=40" in result.report_md
+    assert f"kind={workload}" in result.report_md and described in result.report_md
     db.dispose()
 
 

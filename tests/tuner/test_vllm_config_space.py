@@ -237,3 +237,33 @@ def test_a_vllm_proposal_is_published_as_config_file_report_and_row(sqlite_url: 
     assert row.best_metrics["changed"] == {"block_size": 32, "kv_cache_memory_bytes": 64 * 2**20}
     assert not list(tmp_path.glob(".*.tmp"))
     db.dispose()
+
+
+def test_a_candidate_that_met_the_slos_goes_to_the_held_out_check() -> None:
+    """Even when the running config measured more on the tuning seed: one replay cannot settle that."""
+    from tuner.study import StudyResult
+    from tuner.vllm.screen import LiveMeasurement, ScreenResult
+
+    base = VllmConfig(model="/m")
+    running = LiveMeasurement(base, {}, {"goodput_tps": 900.0}, True)
+    slower = LiveMeasurement(base.replace(max_num_seqs=64), {}, {"goodput_tps": 800.0}, True)
+    faster = LiveMeasurement(base.replace(max_num_seqs=32), {}, {"goodput_tps": 850.0}, True)
+    refused = LiveMeasurement(base.replace(max_num_seqs=16), {}, None, False, infeasible="vLLM refused it")
+    sim = StudyResult(name="s", sampler="tpe", multi_objective=False, trials=[])
+    assert ScreenResult(sim, running, [slower, faster, refused]).best is faster
+    assert ScreenResult(sim, running, [refused]).best is running  # nothing met the SLOs live: no held-out check
+
+
+def test_a_confirmation_the_client_could_not_measure_is_never_proposed() -> None:
+    from tuner.backends import NotMeasuredError
+    from tuner.vllm.screen import live_measurement
+
+    class Lagging:
+        name = "vllm"
+
+        def evaluate(self, config, *, run_id: str, seed: int):  # type: ignore[no-untyped-def]
+            raise NotMeasuredError("not measured: the replay client sent late in all 3 attempts")
+
+    m = live_measurement(Lagging(), VllmConfig(model="/m"), {}, seeds=[0], slo=SLO(), name="c")
+    assert not m.feasible and m.metrics is None and m.goodput == 0.0
+    assert m.infeasible == "not measured: the replay client sent late in all 3 attempts"

@@ -152,14 +152,17 @@ def test_workload_from_stored_request_rows(sqlite_url: str) -> None:
     ]
     store_events(db, events, key_prefix="prod")
     opts = WL.WorkloadOptions(time_scale=2.0, max_total_tokens=512)
-    reqs = WL.stored_traffic(db, opts, instances=["vllm-a"], start=0.0, end=200.0)
-    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [
-        (0.0, 300, 40),  # arrived at 100 - 2 = 98
-        (0.5, 412, 100),  # arrived at 99, replayed twice as fast; 900 + 100 tokens clipped to 512
-        (1.5, 20, 5),  # the rejected request left no lengths
+    recorded = WL.recorded_traffic(db, opts, instances=["vllm-a"], start=0.0, end=200.0)
+    assert [r.arrival_s for r in recorded.requests] == pytest.approx([0.0, 0.5, 1.5, 2.95])
+    assert [(r.prompt_tokens, r.output_tokens) for r in recorded.requests] == [
+        (300, 40),  # arrived at 100 - 2 = 98
+        (412, 100),  # arrived at 99, replayed twice as fast; 900 + 100 tokens clipped to 512
+        (20, 5),
+        (50, 40),  # refused (demand too): its output is the finished requests' median
     ]
-    with pytest.raises(WL.WorkloadError, match="no finished requests"):
-        WL.stored_traffic(db, opts, instances=["other"], start=0.0, end=200.0)
+    assert (recorded.unfinished, recorded.filled, recorded.user_arrivals) == (1, 1, 0)
+    with pytest.raises(WL.WorkloadError, match="holds 0 requests of other"):
+        WL.recorded_traffic(db, opts, instances=["other"], start=0.0, end=200.0)
     db.dispose()
 
 

@@ -1,13 +1,14 @@
 """The `vllm` backend: each trial starts vLLM with the trial's engine arguments and replays the workload on it.
 
-A trial: start vLLM through the launcher (`kvpilot.vllm.VllmLauncher`, the trial's run id on its iteration lines
-and OTLP spans), wait for /health, warm up, reset the prefix cache, replay the workload through the OpenAI API at
-its arrival times (`tuner.vllm.client`), wait until the collector holds a request row for every answer, read the
-metrics back with `tuner.metrics.trial_metrics` (the dashboard's queries, the trial's run id and window), and
-stop vLLM (SIGTERM to its process group). vLLM has no hot reload, so every new config is a restart: its cost
-(start to /health, and the stop) is kept per launch in `launches`. With the collector's admin token the launcher
-registers each trial's /metrics as a scrape target and the backend deletes it when that vLLM stops (target writes
-are administration); a delete the collector refuses is logged and kept in `stale_targets`.
+A trial: start vLLM through the launcher (`kvpilot.vllm.VllmLauncher`, the trial's run id on its iteration lines and
+OTLP spans), wait for /health, warm up, reset the prefix cache, replay the workload through the OpenAI API at its
+arrival times from a process of its own (`tuner.vllm.client`: a replay sent late is repeated, and one late on every
+attempt leaves the trial not measured, `NotMeasuredError`), wait until the collector holds a request row for every
+answer, read the metrics back with `tuner.metrics.trial_metrics` (the dashboard's queries, the trial's run id and
+window), and stop vLLM (SIGTERM to its process group). vLLM has no hot reload, so every new config is a restart: its
+cost (start to /health, and the stop) is kept per launch in `launches`. With the collector's admin token the
+launcher registers each trial's /metrics as a scrape target and the backend deletes it when that vLLM stops (target
+writes are administration); a delete the collector refuses is logged and kept in `stale_targets`.
 
 A server is kept while the next evaluation asks for the same config (the study runs each trial on several seeds
 one after the other) and up to `keep` servers stay up at once, so a before/after comparison can alternate
@@ -24,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,10 +39,17 @@ from collector.queries import request_rates
 from engine import workload as W
 from kvpilot.vllm import LaunchOptions, VllmExitedError, VllmLauncher
 from kvpilot.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
-from tuner.backends import InfeasibleTrialError
+from tuner.backends import InfeasibleTrialError, NotMeasuredError
 from tuner.metrics import SLO, TrialMetrics, trial_metrics
 from tuner.replay import Prepared, prepare_prompts, prepared_workload
-from tuner.vllm.client import ClientResult, replay_openai, warm_up
+from tuner.vllm.client import (
+    ClientResult,
+    LateReplayError,
+    ReplayClientError,
+    plan_replay,
+    replay_on_time,
+    warm_up,
+)
 from tuner.vllm.config import VllmConfig
 
 log = logging.getLogger("kvpilot.tuner.vllm.backend")
@@ -49,6 +58,30 @@ WorkloadFactory = Callable[[int], list[W.WorkloadRequest]]
 # A trial's vLLM (loopback only): spans exported every 0.2 s instead of 5 s, and the dev endpoints for
 # /reset_prefix_cache between replays.
 TRIAL_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200", "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def parse_port_range(text: str) -> range:
+    """`LOW-HIGH` (inclusive, 1024..65535) as a range of ports for the trial vLLMs; ValueError naming the field."""
+    low, sep, high = text.partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        raise ValueError(f"port_range: expected LOW-HIGH (e.g. 20000-20100), got {text!r}") from None
+    if not sep or not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"port_range: expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535, got {text!r}")
+    return range(lo, hi + 1)
+
+
+def free_port_in(ports: range, host: str = "127.0.0.1") -> int:
+    """The first port of `ports` nothing listens on (a bind succeeds); NotMeasuredError when all are taken."""
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise NotMeasuredError(f"no free port in --port-range {ports.start}-{ports.stop - 1}: all {len(ports)} are taken")
 
 
 @dataclass
@@ -97,6 +130,7 @@ class VllmBackend:
         ingest_timeout_s: float = 30.0,
         log_dir: str | Path | None = None,
         env: dict[str, str] | None = None,
+        ports: range | None = None,  # where trial vLLMs listen (None: any free port)
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep: must be >= 1, got {keep}")
@@ -106,6 +140,7 @@ class VllmBackend:
         self.instance, self.warmup, self.keep = instance, warmup, keep
         self.startup_timeout_s, self.ingest_timeout_s = startup_timeout_s, ingest_timeout_s
         self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.ports = ports
         base_env = dict(os.environ if env is None else env)
         base_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the trial's --kv-cache-memory-bytes
         self.env = {**base_env, **TRIAL_ENV}
@@ -118,6 +153,9 @@ class VllmBackend:
         self.stale_targets: list[str] = []  # /metrics URLs whose scrape target the collector did not let us delete
         self.last_client: ClientResult | None = None
         self.replay_s = 0.0
+        self.late_replays = 0  # replays discarded because the client sent late (repeated, never measured)
+        self.late_p99_s: list[float] = []  # the client's p99 send lateness of every replay measured
+        self.not_measured: list[str] = []  # why a replay was not measured (late on every attempt, client died)
 
     # ------------------------------------------------------------------ workload
     def requests(self, seed: int) -> Prepared:
@@ -147,18 +185,25 @@ class VllmBackend:
         """Replay `reqs` on the server of `config` (started if needed); the client's counts, not yet the metrics."""
         server = self._server(config, run_id)
         url = server.url
+        plan = plan_replay(url, server.model, reqs, prompts, priorities=config.scheduling_policy == "priority")
         try:
             if not server.warmed:
                 warm_up(url, server.model, requests=self.warmup)
                 server.warmed = True
-            self._reset_prefix_cache(url)
             t = time.perf_counter()
-            result = replay_openai(url, server.model, reqs, prompts, priorities=config.scheduling_policy == "priority")
+            result = replay_on_time(plan, before=lambda: self._reset_prefix_cache(url))
             self.replay_s += time.perf_counter() - t
+        except ReplayClientError as exc:
+            self.late_replays += exc.result.late_replays if isinstance(exc, LateReplayError) else 0
+            self.not_measured.append(str(exc))
+            self._check_alive(server, during="the replay")
+            raise NotMeasuredError(str(exc)) from exc
         except (RuntimeError, httpx.HTTPError) as exc:
             self._check_alive(server, during="the replay")
             raise InfeasibleTrialError(f"vLLM did not serve the workload: {exc}") from exc
         self._check_alive(server, during="the replay")
+        self.late_replays += result.late_replays
+        self.late_p99_s.append(result.late_p99_s)
         self.last_client = result
         server.launch.evaluations += 1
         if result.ok == 0:
@@ -232,10 +277,11 @@ class VllmBackend:
     def _start(self, config: VllmConfig, run_id: str) -> _Server:
         from collector.server import free_port
 
+        port = free_port() if self.ports is None else free_port_in(self.ports)
         launch = Launch(run_id=run_id, config=config, started_at=time.time())
         self.launches.append(launch)
         model = config.served_model_name or config.model
-        args = [*config.to_args(), "--host", "127.0.0.1", "--port", str(free_port())]
+        args = [*config.to_args(), "--host", "127.0.0.1", "--port", str(port)]
         log_file = self.log_dir / f"{run_id}.log" if self.log_dir is not None else None
         options = LaunchOptions(
             vllm_args=args,
@@ -334,6 +380,15 @@ class VllmBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def client_lateness(self) -> dict:
+        """How late the replay client sent: the worst p99 over the measured replays, the replays repeated for
+        lateness, and those left not measured."""
+        return {
+            "late_p99_s": round(max(self.late_p99_s), 4) if self.late_p99_s else None,
+            "late_replays": self.late_replays,
+            "not_measured": len(self.not_measured),
+        }
 
     def restart_costs(self) -> dict:
         """Start-to-serving and stop seconds over the launches that served (the price of a trial on vLLM)."""

@@ -1,27 +1,57 @@
-"""Replay a workload through vLLM's OpenAI API at the recorded arrival times.
+"""Replay a workload through vLLM's OpenAI API at the recorded arrival times, from a process of its own.
 
 Each request is a `/v1/completions` call with a token-id prompt of the recorded length (the same deterministic ids
 the kvpilot replay uses, `engine.workload.prompt_ids`), `max_tokens` the recorded completion length and
-`ignore_eos`, so every request produces exactly its recorded tokens. One asyncio loop sends them all on time
-(a late send is counted, not hidden: `max_send_lag_s`), so the client stays light next to the server on a small
-CPU. What vLLM refuses (HTTP 4xx/5xx) is counted as rejected, what never got an answer (connection error,
-timeout) as failed; the latency figures themselves come from vLLM's own spans in the collector, not from here.
+`ignore_eos`, so every request produces exactly its recorded tokens. What vLLM refuses (HTTP 4xx/5xx) is counted as
+rejected, what never got an answer (connection error, timeout) as failed; the latency figures themselves come
+from vLLM's own spans in the collector, not from here.
+
+The sender never lags behind the plan for reasons of its own. Every request body is serialised before the run;
+the sender is a spawned process (`multiprocessing`, spawn) running one asyncio loop, so whatever the calling
+process does meanwhile (a collector serving in a thread, scrapes, database reads) cannot hold a send back, and
+it asks the server's /health once before the start so that its HTTP stack is loaded by then. It
+measures each request's lateness (when its POST started minus when the plan said) and reports the p99
+(`ClientResult.late_p99_s`). `replay_on_time` holds a replay to that: one whose p99 lateness exceeds
+`MAX_LATE_P99_S` is discarded and run again (`late_replays` counts them), at most `ATTEMPTS` times in all, and
+raises `LateReplayError` when every attempt lagged, so a lagging replay is never silently measured.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
+import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import httpx
 
 from engine import workload as W
 
 log = logging.getLogger("kvpilot.tuner.vllm.client")
+
+MAX_LATE_P99_S = 0.05  # a replay whose p99 send lateness is above this is not measured
+ATTEMPTS = 3  # replays of one measurement at most (the first and two repeats)
+LEAD_S = 0.05  # from the start signal to arrival 0: the sender is ready and idle by then
+READY_TIMEOUT_S = 60.0  # the sender process's start (a Python interpreter importing httpx)
+HEADERS = {"content-type": "application/json"}
+
+
+class ReplayClientError(RuntimeError):
+    """The client could not replay as planned (its process died, or it lagged): nothing was measured."""
+
+
+class LateReplayError(ReplayClientError):
+    """Every attempt sent late; `result` is the last one (its lateness figures say how late)."""
+
+    def __init__(self, message: str, result: ClientResult) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 @dataclass
@@ -33,15 +63,27 @@ class ClientResult:
     output_tokens: int = 0
     wall_start: float = 0.0  # epoch seconds of arrival 0
     wall_end: float = 0.0  # when the last answer came
-    max_send_lag_s: float = 0.0  # how late the latest request left (the client's own overload)
     # epoch seconds at which each request's POST started, by workload index (None: never sent): the traffic
-    # vLLM was offered, which a loaded client sends later than planned (`tuner.vllm.fidelity` simulates it)
+    # vLLM was offered (`tuner.vllm.fidelity` simulates it)
     sent_at: list[float | None] = field(default_factory=list)
+    late_s: list[float | None] = field(default_factory=list)  # sent_at minus the planned time, by workload index
+    late_replays: int = 0  # earlier replays of this measurement discarded for lateness (`replay_on_time`)
     errors: list[str] = field(default_factory=list)  # the first few, for the trial's reason
 
     @property
     def duration_s(self) -> float:
         return self.wall_end - self.wall_start
+
+    @property
+    def max_send_lag_s(self) -> float:
+        """How late the latest request left."""
+        return max((x for x in self.late_s if x is not None), default=0.0)
+
+    @property
+    def late_p99_s(self) -> float:
+        """The p99 of the requests' send lateness (nearest rank: the ceil(0.99 n)-th smallest)."""
+        late = sorted(x for x in self.late_s if x is not None)
+        return late[max(1, math.ceil(0.99 * len(late))) - 1] if late else 0.0
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int, *, priority: int | None = None) -> dict:
@@ -58,13 +100,69 @@ def completion_body(model: str, prompt: list[int], max_tokens: int, *, priority:
     return body
 
 
-async def _send(
-    client: httpx.AsyncClient, url: str, body: dict, result: ClientResult, sem: asyncio.Semaphore, index: int
+@dataclass(frozen=True)
+class SendPlan:
+    """Everything the sender needs, made before the run: the URL, and per request in send order its workload
+    index, planned offset from arrival 0 and serialised body."""
+
+    url: str
+    health_url: str  # asked once before the start: the sender's HTTP stack is loaded and a connection open
+    indices: list[int]
+    offsets: list[float]
+    bodies: list[bytes]
+    timeout_s: float
+    max_in_flight: int
+
+    @property
+    def span_s(self) -> float:
+        return self.offsets[-1] if self.offsets else 0.0
+
+
+def plan_replay(
+    base_url: str,
+    model: str,
+    requests: Sequence[W.WorkloadRequest],
+    prompts: Sequence[list[int]],
+    *,
+    priorities: bool = False,
+    timeout_s: float = 600.0,
+    max_in_flight: int = 512,
+) -> SendPlan:
+    if len(requests) != len(prompts):
+        raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    bodies = [
+        json.dumps(
+            completion_body(
+                model, prompts[i], requests[i].output_tokens, priority=requests[i].priority if priorities else None
+            ),
+            separators=(",", ":"),
+        ).encode()
+        for i in order
+    ]
+    return SendPlan(
+        url=f"{base_url}/v1/completions",
+        health_url=f"{base_url}/health",
+        indices=order,
+        offsets=[requests[i].arrival_s for i in order],
+        bodies=bodies,
+        timeout_s=timeout_s,
+        max_in_flight=max_in_flight,
+    )
+
+
+# --- the sender process ----------------------------------------------------------------------------------
+
+
+async def _post(
+    client: httpx.AsyncClient, plan: SendPlan, k: int, planned: float, result: ClientResult, sem: asyncio.Semaphore
 ) -> None:
+    index = plan.indices[k]
     async with sem:
-        result.sent_at[index] = time.time()
+        now = time.time()
+        result.sent_at[index], result.late_s[index] = now, max(0.0, now - planned)
         try:
-            resp = await client.post(url, json=body)
+            resp = await client.post(plan.url, content=plan.bodies[k], headers=HEADERS)
         except httpx.HTTPError as exc:
             result.failed += 1
             if len(result.errors) < 5:
@@ -76,42 +174,71 @@ async def _send(
             result.errors.append(f"HTTP {resp.status_code}: {resp.text[:200]}")
         return
     result.ok += 1
-    with contextlib.suppress(ValueError, KeyError, TypeError):
+    try:
         result.output_tokens += int(resp.json()["usage"]["completion_tokens"])
+    except (ValueError, KeyError, TypeError):
+        if len(result.errors) < 5:
+            result.errors.append(f"an answer without usage: {resp.text[:200]}")
 
 
-async def _replay(
-    base_url: str,
-    model: str,
-    requests: Sequence[W.WorkloadRequest],
-    prompts: Sequence[list[int]],
-    *,
-    priorities: bool,
-    timeout_s: float,
-    max_in_flight: int,
-) -> ClientResult:
-    result = ClientResult(sent_at=[None] * len(requests))
-    url = f"{base_url}/v1/completions"
-    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
-    sem = asyncio.Semaphore(max_in_flight)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+async def _send_all(plan: SendPlan, conn: Connection) -> ClientResult:
+    n = len(plan.indices)
+    result = ClientResult(sent_at=[None] * n, late_s=[None] * n)
+    limits = httpx.Limits(max_connections=plan.max_in_flight, max_keepalive_connections=plan.max_in_flight)
+    sem = asyncio.Semaphore(plan.max_in_flight)
+    async with httpx.AsyncClient(timeout=plan.timeout_s, limits=limits) as client:
         loop = asyncio.get_running_loop()
-        t0 = loop.time() + 0.05
-        result.wall_start = time.time() + 0.05
+        # httpx loads its async backend on the first request (0.2 s on a small CPU): not on the first send's time
+        with contextlib.suppress(httpx.HTTPError):
+            await client.get(plan.health_url, timeout=5.0)
+        conn.send("ready")
+        start_wall = conn.recv()  # the parent's go: arrival 0 at this epoch second
+        t0 = loop.time() + (start_wall - time.time())
+        result.wall_start = start_wall
         tasks = []
-        for i in order:
-            req = requests[i]
-            delay = t0 + req.arrival_s - loop.time()
+        for k, offset in enumerate(plan.offsets):
+            delay = t0 + offset - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            result.max_send_lag_s = max(result.max_send_lag_s, loop.time() - t0 - req.arrival_s)
-            body = completion_body(model, prompts[i], req.output_tokens, priority=req.priority if priorities else None)
-            tasks.append(asyncio.create_task(_send(client, url, body, result, sem, i)))
+            tasks.append(asyncio.create_task(_post(client, plan, k, start_wall + offset, result, sem)))
             result.sent += 1
         await asyncio.gather(*tasks)
     result.wall_end = time.time()
     return result
+
+
+def _sender_main(plan: SendPlan, conn: Connection) -> None:
+    """The spawned process: send the plan, hand the result back through `conn`."""
+    try:
+        conn.send(asyncio.run(_send_all(plan, conn)))
+    finally:
+        conn.close()
+
+
+def replay_plan(plan: SendPlan) -> ClientResult:
+    """Send `plan` from a spawned process, arrival 0 `LEAD_S` after it is ready; wait for every answer."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_sender_main, args=(plan, theirs), name="kvpilot-replay-client", daemon=True)
+    proc.start()
+    theirs.close()
+    try:
+        if not ours.poll(READY_TIMEOUT_S) or ours.recv() != "ready":
+            raise ReplayClientError(f"the replay client process was not ready within {READY_TIMEOUT_S:g} s")
+        ours.send(time.time() + LEAD_S)
+        deadline = LEAD_S + plan.span_s + plan.timeout_s + 30.0
+        if not ours.poll(deadline):
+            raise ReplayClientError(f"the replay client gave no result within {deadline:.0f} s")
+        return ours.recv()
+    except EOFError:
+        proc.join(5.0)
+        raise ReplayClientError(f"the replay client process died (exit code {proc.exitcode})") from None
+    finally:
+        ours.close()
+        proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
 
 
 def replay_openai(
@@ -124,23 +251,48 @@ def replay_openai(
     timeout_s: float = 600.0,
     max_in_flight: int = 512,
 ) -> ClientResult:
-    """Send every request at its arrival time (relative to now) and wait for all answers."""
-    if len(requests) != len(prompts):
-        raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
-    result = asyncio.run(
-        _replay(
-            base_url,
-            model,
-            requests,
-            prompts,
-            priorities=priorities,
-            timeout_s=timeout_s,
-            max_in_flight=max_in_flight,
-        )
+    """Send every request at its arrival time (relative to now) and wait for all answers (one attempt)."""
+    plan = plan_replay(
+        base_url, model, requests, prompts, priorities=priorities, timeout_s=timeout_s, max_in_flight=max_in_flight
     )
-    if result.max_send_lag_s > 0.25:
-        log.warning("replay: the client sent a request %.2f s late (the machine is overloaded)", result.max_send_lag_s)
-    return result
+    return replay_plan(plan)
+
+
+def replay_on_time(
+    plan: SendPlan,
+    *,
+    before: Callable[[], None] | None = None,
+    attempts: int = ATTEMPTS,
+    max_late_p99_s: float = MAX_LATE_P99_S,
+    replay: Callable[[SendPlan], ClientResult] = replay_plan,
+) -> ClientResult:
+    """`plan` replayed until an attempt's p99 send lateness is within `max_late_p99_s` (`before` runs ahead of
+    each attempt, e.g. to reset the server's prefix cache); the result counts the attempts discarded. Every
+    attempt late: LateReplayError, with the last attempt's figures."""
+    if attempts < 1:
+        raise ValueError(f"attempts: must be >= 1, got {attempts}")
+    for attempt in range(1, attempts + 1):
+        if before is not None:
+            before()
+        result = replay(plan)
+        result.late_replays = attempt - 1
+        if result.late_p99_s <= max_late_p99_s:
+            return result
+        log.warning(
+            "replay attempt %d/%d sent late (p99 %.3f s, max %.3f s > %.3f s): %s",
+            attempt,
+            attempts,
+            result.late_p99_s,
+            result.max_send_lag_s,
+            max_late_p99_s,
+            "repeating it" if attempt < attempts else "not measured",
+        )
+    result.late_replays = attempts
+    raise LateReplayError(
+        f"not measured: the replay client sent late in all {attempts} attempts (p99 lateness {result.late_p99_s:.3f} s "
+        f"> {max_late_p99_s:g} s in the last; the machine is overloaded)",
+        result,
+    )
 
 
 def warm_up(base_url: str, model: str, *, requests: int = 4, prompt_tokens: int = 64, max_tokens: int = 8) -> None:

@@ -5,8 +5,9 @@ and keep only what holds live on new workload seeds.
    steps) over the vLLM space; the `top_k` best feasible, distinct configs (the running one aside), each pruned
    in the simulator to the changes whose revert costs goodput on every seed and at least `min_effect` on
    average or misses the SLOs (`tuner.prune.drop_noise_knobs`, nightly's rule), are measured live on the same seeds
-   (`VllmBackend`, one restart each). The search's best is the best feasible live measurement, the running
-   config's included: a config the simulator liked but vLLM did not is never proposed.
+   (`VllmBackend`, one restart each). The search's best is the best feasible live confirmation: a config the
+   simulator liked but vLLM did not is never proposed, and one that vLLM served within the SLOs always goes on to
+   the held-out check, even when the running config measured more on the tuning seeds.
    (`simulate` and `candidates` are its two halves without vLLM: what `kvpilot tune vllm screen` shows.)
 2. `held_out`: the running config and the best one on new seeds, alternating seed by seed (and which goes first)
    with both servers kept up, so both see the machine at the same speed; the gain is the mean paired relative gain
@@ -24,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuner.backends import Backend, InfeasibleTrialError
+from tuner.backends import Backend, InfeasibleTrialError, NotMeasuredError
 from tuner.metrics import SLO, TrialMetrics, combine
 from tuner.prune import drop_noise_knobs, seed_measurer
 from tuner.study import StudyResult, run_study, tag_study
@@ -75,7 +76,10 @@ class ScreenResult:
 
     @property
     def best(self) -> LiveMeasurement:
-        feasible = [m for m in (self.baseline, *self.confirmed) if m.feasible]
+        """The candidate the held-out check compares with the running config: the best feasible live
+        confirmation, even when the running config measured more on the tuning seeds (a few replays cannot
+        settle that; the held-out check can). The running config only when no confirmation was feasible."""
+        feasible = [m for m in self.confirmed if m.feasible]
         return max(feasible, key=lambda m: m.goodput) if feasible else self.baseline
 
 
@@ -92,6 +96,9 @@ def live_measurement(
         m = measure(backend, config, seeds=seeds, name=name)
     except InfeasibleTrialError as exc:
         log.warning("%s: infeasible live: %s", name, exc.reason)
+        return LiveMeasurement(config, params, None, False, infeasible=exc.reason)
+    except NotMeasuredError as exc:  # not the config's fault, but nothing to compare: never proposed
+        log.warning("%s: %s", name, exc.reason)
         return LiveMeasurement(config, params, None, False, infeasible=exc.reason)
     return LiveMeasurement(config, params, m.as_dict(), m.feasible(slo))
 

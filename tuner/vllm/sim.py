@@ -146,7 +146,8 @@ class _VllmSink(TrialSink):
 
 class VllmSimBackend(SimulatedBackend):
     """The simulator as a study backend for `VllmConfig` trials (deterministic: a config is simulated once per
-    seed; `jitter` draws each step's cost from the calibration's spread, for fidelity checks)."""
+    seed; `jitter` draws each step's cost from the calibration's spread, for fidelity checks). With `db=None`
+    nothing is stored: each trial is measured on a private in-memory database (`tuner.backends`)."""
 
     name = "vllm-sim"
 
@@ -154,7 +155,7 @@ class VllmSimBackend(SimulatedBackend):
         self,
         profile: VllmProfile,
         workload: WorkloadFactory,
-        db: Engine,
+        db: Engine | None,
         slo: SLO,
         *,
         instance: str = "tuner-vllm-sim",

@@ -7,7 +7,7 @@
 3. `calibrate`: the simulator's cost model from the steps the collector stored for those replays, and for
    `steps_instances` (e.g. the operator's own vLLM) since `steps_since`;
 4. `screen`: `sim_trials` configs in the simulator, the `top_k` best confirmed live (`tuner.vllm.screen`);
-5. `held_out`: the running config against the best on new seeds (`run` skips it when the best is the running one);
+5. `held_out`: the running config against the best candidate on new seeds, whenever a candidate met the SLOs live;
 6. `finish`: the decision, the markdown report, and a proposal (vLLM `--config` file, report, row) only when the
    gain's one-sided 90% lower bound is above zero and the best was feasible on every held-out run.
 
@@ -281,7 +281,7 @@ class VllmTuning:
         params = self.space.from_config(self.base)
         m = live_measurement(self.live, self.base, params, seeds=seeds, slo=self.slo, name=f"{self.name}-running")
         if m.metrics is None:
-            raise TuneError(f"the running config did not serve on vLLM: {m.infeasible}")
+            raise TuneError(f"the running config was not measured on vLLM: {m.infeasible}")
         if m.metrics["finished"] == 0:
             raise TuneError(
                 f"vLLM answered but the database holds none of its requests: is the collector at "
@@ -313,7 +313,8 @@ class VllmTuning:
         )
         fit = self.profile.fit
         self.say(f"cost model from {self.profile.source['steps']} stored steps: R² {fit.r2}, MAPE {fit.mape}")
-        self.sim_backend = VllmSimBackend(self.profile, self.workload, self.db, self.slo)
+        # the simulated trials keep their metrics in memory: nothing simulated lands in the collector's database
+        self.sim_backend = VllmSimBackend(self.profile, self.workload, None, self.slo)
         self._phase("calibrate_s", t)
         return self.profile
 
@@ -402,7 +403,7 @@ class VllmTuning:
     def decision(self) -> tuple[str, bool]:
         h = self.heldout
         if not changes(self.base, self._screened().best.config):
-            return "no proposal: the running config is the best the screened search found", False
+            return "no proposal: no candidate met the SLOs live (the running config stays)", False
         if h is None:
             raise RuntimeError("held_out first")
         if h["holds"]:
@@ -476,7 +477,6 @@ class VllmTuning:
 
 def preview(
     *,
-    db: Engine,
     base: VllmConfig,
     space: VllmSpace,
     slo: SLO,
@@ -491,8 +491,9 @@ def preview(
     storage: Any = None,
 ) -> tuple[StudyResult, list[Candidate], float]:
     """The screen without vLLM: (the simulated study, the `top` configs `screen` would confirm live, pruned and
-    best first, seconds simulating). With `storage` the simulated study is kept there (`simulate`)."""
-    sim_backend = VllmSimBackend(profile, workload, db, slo)
+    best first, seconds simulating). Nothing is written to the collector's database: the simulated trials keep their
+    metrics in memory (and with `storage`, in the simulated study kept there: `simulate`)."""
+    sim_backend = VllmSimBackend(profile, workload, None, slo)
     sim = simulate(
         sim_backend,
         space,
