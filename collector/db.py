@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -19,7 +20,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import CursorResult, Result, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -90,8 +91,15 @@ def memory_engine() -> Engine:
     schema made once per process, so each costs milliseconds, not a schema creation."""
     engine = _memory()
     with engine.connect() as conn:
-        conn.connection.driver_connection.deserialize(_empty_schema())  # type: ignore[union-attr]
+        _sqlite3(conn).deserialize(_empty_schema())
     return engine
+
+
+def _sqlite3(conn: Connection) -> sqlite3.Connection:
+    driver = conn.connection.driver_connection
+    if not isinstance(driver, sqlite3.Connection):
+        raise TypeError(f"an in-memory SQLite engine holds a sqlite3 connection, not {type(driver).__name__}")
+    return driver
 
 
 def _memory() -> Engine:
@@ -106,7 +114,7 @@ def _empty_schema() -> bytes:
     try:
         Base.metadata.create_all(engine)
         with engine.connect() as conn:
-            return conn.connection.driver_connection.serialize()  # type: ignore[union-attr]
+            return _sqlite3(conn).serialize()
     finally:
         engine.dispose()
 

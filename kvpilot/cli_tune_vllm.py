@@ -244,7 +244,7 @@ def _check_seeds(seeds_per_trial: int, heldout_seeds: int) -> None:
         )
 
 
-def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
     """Check everything, run the tuning (`tuner.vllm.tune.VllmTuning`), write the report (and the proposal when
     the gain holds); the summary."""
     from kvpilot.vllm import find_vllm_python

@@ -42,7 +42,7 @@ def pg_engine(pg_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-def _stored(engine: Engine, table, batch_id: int) -> list[tuple]:  # type: ignore[no-untyped-def]
+def _stored(engine: Engine, table, batch_id: int) -> list[tuple]:
     cols = [c for c in table.c if c.name not in ("id", "batch_id")]
     with engine.connect() as conn:
         rows = conn.execute(select(*cols).where(table.c.batch_id == batch_id).order_by(table.c.id)).all()
@@ -91,7 +91,7 @@ def test_copied_series_points_keep_labels_json_and_null_target(pg_engine: Engine
     assert json.loads(stored[-2].labels) == {"gpu": "0", "note": ODD}
 
 
-def _store(engine: Engine, events: list[dict], key: str):  # type: ignore[no-untyped-def]
+def _store(engine: Engine, events: list[dict], key: str):
     body = ev.body(events)
     return store_batch(engine, parse_batch(body, max_events=100), idempotency_key=key, content=body)
 
@@ -108,7 +108,7 @@ def test_store_batch_copies_on_postgres_and_a_replay_stores_nothing_twice(
     copied: list[str] = []
     real = bulk.copy_rows
 
-    def spy(conn, table, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def spy(conn, table, *args, **kwargs):
         copied.append(table.name)
         return real(conn, table, *args, **kwargs)
 
@@ -127,7 +127,7 @@ def test_a_copy_the_server_refuses_leaves_nothing_of_the_batch(
     """The dedup row and the rows copied before the failing table roll back with it; the error is translated."""
     real = bulk.copy_rows
 
-    def poisoned(conn, table, columns, rows, **kwargs):  # type: ignore[no-untyped-def]
+    def poisoned(conn, table, columns, rows, **kwargs):
         if table.name == "steps":  # an instance wider than VARCHAR(200): refused by the server mid-COPY
             rows = [*rows, ("x" * 300, *rows[0][1:])]
         return real(conn, table, columns, rows, **kwargs)

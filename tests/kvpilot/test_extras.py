@@ -84,7 +84,7 @@ def kvpilot_each(commands: list[list[str]], cwd: Path) -> list[dict[str, Any]]:
 
 
 def _names(requirements: list[str]) -> set[str]:
-    return {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() for req in requirements}  # type: ignore[union-attr]
+    return {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() for req in requirements}  # type: ignore[union-attr]  # every requirement starts with a name
 
 
 def test_the_collector_serves_without_the_extras(sqlite_url: str, tmp_path: Path) -> None:

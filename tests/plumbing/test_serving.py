@@ -38,7 +38,7 @@ def test_a_busy_port_is_a_clear_error() -> None:
 
 def test_a_failing_startup_is_a_serve_error() -> None:
     @asynccontextmanager
-    async def broken(_app: FastAPI):  # type: ignore[no-untyped-def]
+    async def broken(_app: FastAPI):
         raise RuntimeError("no database")
         yield
 

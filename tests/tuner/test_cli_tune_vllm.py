@@ -158,7 +158,7 @@ def test_bad_input_is_one_line_and_exit_2(setup: dict[str, str], command: str, e
     assert message in res.output and "Traceback" not in res.output
 
 
-def _nightly(setup: dict[str, str], *extra: str):  # type: ignore[no-untyped-def]
+def _nightly(setup: dict[str, str], *extra: str):
     args = ["tune", "vllm", "nightly", "--config", setup["config"], "--instance", INSTANCE, "--db-url", setup["db"]]
     return runner.invoke(app, [*args, "--vllm-python", sys.executable, "--out-dir", setup["tmp"], *extra])
 

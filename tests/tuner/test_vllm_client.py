@@ -99,7 +99,8 @@ class _GilHog(threading.Thread):
 
     def __init__(self, seconds: float, server: _Server) -> None:
         super().__init__(daemon=True)
-        self.seconds, self.server, self.stretches = seconds, server, []  # type: ignore[var-annotated]
+        self.seconds, self.server = seconds, server
+        self.stretches: list[float] = []
         self.values = list(range(400_000))
         random.Random(0).shuffle(self.values)
 

@@ -261,7 +261,7 @@ def test_a_confirmation_the_client_could_not_measure_is_never_proposed() -> None
     class Lagging:
         name = "vllm"
 
-        def evaluate(self, config, *, run_id: str, seed: int):  # type: ignore[no-untyped-def]
+        def evaluate(self, config, *, run_id: str, seed: int):
             raise NotMeasuredError("not measured: the replay client sent late in all 3 attempts")
 
     m = live_measurement(Lagging(), VllmConfig(model="/m"), {}, seeds=[0], slo=SLO(), name="c")
