@@ -11,8 +11,10 @@ the requests must finish.
 geometrically from `start` while the SLOs hold (or shrinks while they fail) until one probe holds and another
 fails, then the bracket is bisected geometrically until its ends are within `rel_tol` of each other, all within
 `max_replays` replays. The capacity is the largest multiplier that held, in requests/s the multiplier times the
-workload's own rate. Any backend that can replay a request list on a config serves (`Replayer`): the vLLM
-backend (`tuner.vllm.backend`), a live kvpilot engine (`tuner.live`), and the simulators (`tuner.backends`).
+workload's own rate. When even `MAX_MULTIPLIER` holds (the whole replay meets the SLOs as one batch) the search
+stops there, unbracketed: the capacity is at least that. Any backend that can replay a request list on a config
+serves (`Replayer`): the vLLM backend (`tuner.vllm.backend`), a live kvpilot engine (`tuner.live`), and the
+simulators (`tuner.backends`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tuner.metrics import SLO, TrialMetrics
 MIN_FINISHED = 0.99  # share of the replayed requests that must finish
 MAX_REPLAYS = 20  # one search's bound: each replay is the whole workload, time-compressed
 MIN_MULTIPLIER = 1 / 64  # below this the config serves (almost) none of the traffic: capacity 0
+MAX_MULTIPLIER = 256.0  # past this the replay is one batch: a workload this short cannot say more ("at least")
 
 
 class Replayer(Protocol):
@@ -151,6 +154,8 @@ def search(
             m = math.sqrt(low * out.upper)
         elif low is not None:
             m = low * growth
+            if m > MAX_MULTIPLIER:
+                break
         else:
             m = m / growth
             if m < MIN_MULTIPLIER:
