@@ -39,6 +39,7 @@ import httpx
 from sqlalchemy import Engine
 
 from collector.queries import request_rates
+from collector.queries.diagnosis_base import nearest_rank
 from engine import workload as W
 from kvpilot.vllm import LaunchOptions, VllmExitedError, VllmLauncher
 from kvpilot.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
@@ -124,6 +125,7 @@ class VllmBackend:
         self.stale_targets: list[str] = []  # /metrics URLs whose scrape target the collector did not let us delete
         self.last_client: ClientResult | None = None
         self.replay_s = 0.0
+        self.late_p99_s: list[float] = []  # per replay: the p99 of how late its requests left the client
 
     # ------------------------------------------------------------------ workload
     def requests(self, seed: int) -> Prepared:
@@ -188,6 +190,10 @@ class VllmBackend:
             raise InfeasibleTrialError(f"vLLM did not serve the workload: {exc}") from exc
         self._check_alive(server, during="the replay")
         self.last_client = result
+        offsets = zip(result.sent_at, reqs, strict=True)
+        late = sorted(t - (result.wall_start + r.arrival_s) for t, r in offsets if t is not None)
+        if late:
+            self.late_p99_s.append(nearest_rank(late, 0.99))
         server.launch.evaluations += 1
         if result.ok == 0:
             raise InfeasibleTrialError(f"vLLM answered none of {result.sent} requests: {'; '.join(result.errors)}")
