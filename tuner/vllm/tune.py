@@ -742,9 +742,13 @@ def preview(
     progress: bool = False,
     min_effect: float = 0.01,
     storage: Any = None,
+    allow_memory: bool = False,
 ) -> tuple[StudyResult, list[Candidate], float]:
     """The screen without vLLM: (the simulated study, the `top` configs `screen` would confirm live, pruned and
-    best first, seconds simulating). With `storage` the simulated study is kept there (`simulate`)."""
+    best first, seconds simulating). With `storage` the simulated study is kept there (`simulate`). The KV
+    cache's size is held at `base`'s unless `allow_memory`."""
+    if not allow_memory:
+        space = at_fixed_memory(space, base)
     sim_backend = VllmSimBackend(profile, workload, db, slo)
     sim = simulate(
         sim_backend,
