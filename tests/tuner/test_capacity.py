@@ -130,3 +130,17 @@ def test_the_interval_is_the_t_interval_of_the_log_ratios() -> None:
     assert one.low == 0.0 and math.isinf(one.high) and verdict(one, margin=0.03) == INCONCLUSIVE
     drift_only = pair_log_ratio(10.0, 11.0, 12.0, 13.0, floor=0.01)  # equal configs, speed rising linearly
     assert drift_only == pytest.approx((math.log(1.1) + math.log(12 / 13)) / 2) and abs(drift_only) < 0.01
+
+
+def test_the_budget_refuses_a_comparison_that_can_only_be_inconclusive_and_ranks_are_scored() -> None:
+    from tuner.vllm.tune import Budget, spearman
+
+    with pytest.raises(ValueError, match="at least 2 ABBA pairs"):
+        Budget(heldout_seeds=(1000,)).validate()
+    assert Budget(heldout_seeds=(1000,), repeats=2).validate().max_pairs == 2
+    with pytest.raises(ValueError, match="pair_replays"):
+        Budget(pair_replays=1).validate()
+    assert spearman([1.0, 2.0, 3.0], [10.0, 30.0, 20.0]) == pytest.approx(0.5)
+    assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert spearman([1.0, 1.0, 2.0], [5.0, 6.0, 7.0]) == pytest.approx(math.sqrt(3) / 2)  # ties: mean ranks
+    assert spearman([1.0], [2.0]) is None and spearman([1.0, 1.0], [2.0, 3.0]) is None

@@ -304,16 +304,17 @@ class VllmTuning:
         self.phases[key] = round(time.time() - since, 1)
 
     def capacity_rps(self, opts: WL.WorkloadOptions) -> float:
-        """The running config's requests/s on vLLM (a `workload_factory` capacity hook)."""
+        """The running config's offline requests/s on vLLM, the scenario's rate anchor (a `workload_factory`
+        capacity hook); not its SLO capacity (`baseline_capacity`)."""
         t = time.time()
-        self.say("the running config's capacity: the scenario mix all at once (the first vLLM start)")
+        self.say("the running config's offline throughput: the scenario mix all at once (the first vLLM start)")
         try:
             cap = self.backend.capacity_rps(self.base, WL.offline_mix(opts), run_id=f"{self.name}-capacity")
         except InfeasibleTrialError as exc:
             raise TuneError(f"the running config did not serve on vLLM: {exc.reason}") from exc
         self._phase("capacity_s", t)
         started = [x.ready_s for x in self.backend.launches if x.ready_s is not None]
-        self.say(f"capacity {cap:.2f} req/s" + (f" (vLLM started in {started[-1]:.0f} s)" if started else ""))
+        self.say(f"offline {cap:.2f} req/s" + (f" (vLLM started in {started[-1]:.0f} s)" if started else ""))
         return cap
 
     def measure_baseline(self) -> LiveMeasurement:
