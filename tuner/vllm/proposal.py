@@ -111,6 +111,14 @@ def render_report(
                 f"| {label} | {row['predicted_capacity_rps']:.2f} | {row['live_capacity_rps']:.2f} | "
                 f"{row['live']['replays']} |"
             )
+        by_sim = max(capacities, key=lambda r: r["predicted_capacity_rps"])
+        by_live = max(capacities, key=lambda r: r["live_capacity_rps"])
+        if by_sim is not by_live:
+            lines += [
+                "",
+                f"The simulator's best ({_changes(base, by_sim['config']) or 'the running config'}) is not the live "
+                f"best ({_changes(base, by_live['config']) or 'the running config'}): the live figures decide.",
+            ]
     lines += ["", "## What changed", "", "| argument | running | proposed |", "|---|---|---|"]
     lines += [f"| `--{k.replace('_', '-')}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in base.changed(best)] or [
         "| (none) | | |"
