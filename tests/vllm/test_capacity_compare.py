@@ -29,7 +29,7 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-@pytest.mark.timeout(600)  # one vLLM start: 40-100 s on 2 busy cores (plus the session vLLM's, if first)
+@pytest.mark.timeout(900)  # one vLLM start: 40-100 s on 2 busy cores, minutes under load (plus the session vLLM's)
 def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from tests.vllm.peer import ADMIN_TOKEN, KV_CACHE_BYTES, MODEL, TOKEN, vllm_python
 
@@ -57,14 +57,14 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
         base=base,
         space=load_vllm_space(base=base),
         slo=SLO_CAP,
-        budget=Budget(heldout_seeds=(1000, 1001), capacity_replays=3, pair_replays=2, min_pairs=2),
+        budget=Budget(heldout_seeds=(1000, 1001), capacity_replays=2, pair_replays=2, min_pairs=2),
         model=checkpoint_model(vllm_peer.checkpoint, base.dtype),
         workload=workload,
         name="aa-test",
     )
     try:
         cap = tuning.baseline_capacity()
-        assert 1 <= len(cap.probes) <= 3 and cap.capacity_rps > 0
+        assert 1 <= len(cap.probes) <= 2 and cap.capacity_rps > 0
         for probe in cap.probes:  # what each replay's stored rows say is what the search concluded
             assert probe.holds == (breaches(probe.metrics, SLO_CAP) == ()) and probe.metrics.requests == 10
         assert cap.multiplier == max(p.multiplier for p in cap.probes if p.holds)
