@@ -193,9 +193,16 @@ def bench_tune_vllm(
     json_path: Path | None = JsonOpt,
     vllm_python: str | None = typer.Option(None, "--vllm-python", help="vLLM's interpreter (default: as `vllm serve`)"),
     out_dir: Path | None = typer.Option(None, "--out-dir", help="where the run's DB, logs and proposal go"),
+    allow_memory: bool = typer.Option(
+        False, "--allow-memory", help="search the KV cache's size too (default: held at the running config's)"
+    ),
 ) -> None:
-    """Tune a real vLLM: simulation-screened search vs a live-only search; gain held out on new seeds."""
+    """Tune a real vLLM for SLO capacity: simulation-screened search vs a live-only search; the candidate against
+    the running config in alternating live pairs on held-out seeds, with an A/A check."""
     require_extras(ctx, "tune")
     from benchmarks.tune_vllm_bench import run_tune_vllm_bench
 
-    emit(run_tune_vllm_bench(quick=quick, json_path=json_path, python=vllm_python, out_dir=out_dir), json_path)
+    result = run_tune_vllm_bench(
+        quick=quick, allow_memory=allow_memory, json_path=json_path, python=vllm_python, out_dir=out_dir
+    )
+    emit(result, json_path)

@@ -1,8 +1,10 @@
 """`kvpilot tune vllm study|nightly|screen`: tune the engine arguments of a real vLLM (`tuner.vllm.tune`).
 
-`study` measures the running config live, screens the space in the simulator calibrated from the steps the
-collector stored, confirms the best few live (one vLLM restart each) and checks the best on held-out seeds; the
-proposal (vLLM `--config` file, report, `proposals` row) is written only when the gain's lower bound is above 0.
+`study` measures the running config's SLO capacity live, screens the space in the simulator calibrated from the
+steps the collector stored (the KV cache's size held unless --allow-memory), confirms the best few live (one vLLM
+restart each) and compares the best with the running config in alternating live pairs on held-out seeds; the
+proposal (vLLM `--config` file, report, `proposals` row) is written only when that comparison's verdict is
+`proposal` (the 90% interval of the capacity ratio above 1).
 `screen` is the same screen with no vLLM started: the simulator calibrated from what the collector already holds
 for `--instance`, and the configs it ranks best with their predicted goodput; it writes nothing into the
 collector's database (the simulated study is kept in the Optuna storage beside it). `nightly` is `study` on an
@@ -55,16 +57,6 @@ from kvpilot.cli_vllm import COLLECTOR_HELP, TOKEN_HELP, check_collector_url
 tune_vllm_app = typer.Typer(no_args_is_help=True)
 
 NO_PROPOSAL = 3
-HELDOUT_KEYS = (
-    "seeds",
-    "repeats",
-    "default_goodput",
-    "proposal_goodput",
-    "gain",
-    "gain_low",
-    "holds",
-    "best_feasible_all",
-)
 
 ConfigOpt = typer.Option(..., "--config", help="the running vLLM's config YAML (vLLM's --config form): the baseline")
 ModelOpt = typer.Option(None, "--model", help="the checkpoint directory (default: the config's `model`)")
@@ -184,10 +176,6 @@ def _sayer(t0: float):
     return say
 
 
-def _spread(s: dict[str, float]) -> str:
-    return f"{_num(s['mean'])} ± {_num(s['sd'])} ({_num(s['min'])}–{_num(s['max'])}, n={s['n']})"
-
-
 def _changes(changed: dict[str, Any]) -> str:
     return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items()) or "none"
 
@@ -232,6 +220,7 @@ class StudyArgs:
     study_name: str | None
     out_dir: Path
     log_dir: Path | None
+    allow_memory: bool = False  # search the KV cache's size too
 
 
 def _check_seeds(seeds_per_trial: int, heldout_seeds: int) -> None:
@@ -312,6 +301,7 @@ def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
             say=say,
             progress=True,
             storage=open_storage(url),  # the screen's study, listed on the dashboard's Tuning page
+            allow_memory=a.allow_memory,
             t0=t0,
         )
         try:
@@ -410,10 +400,17 @@ def study_cmd(
     study_name: str | None = typer.Option(None, "--study-name", help="names its runs, report and proposal"),
     out_dir: Path = OutDirOpt,
     log_dir: Path | None = LogDirOpt,
+    allow_memory: bool = typer.Option(
+        False,
+        "--allow-memory",
+        help="search the KV cache's size too (default: held at the running config's; the proposal then shows "
+        "the extra memory on its own line, with the best at fixed memory beside it)",
+    ),
     json_path: Path | None = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Tune a vLLM for a workload; a proposal (vLLM --config file) only if its gain's lower bound is > 0.
+    """Tune a vLLM for a workload's SLO capacity; a proposal (vLLM --config file) only if the live comparison's
+    90% interval of the capacity ratio is above 1.
 
     The running config live, a simulated screen, live confirmations (one vLLM restart each, about a minute on a CPU)
     and a held-out check. Exit codes: 0 a proposal written, 3 none (the running config stays), 2 bad input, 1 a
@@ -429,7 +426,7 @@ def study_cmd(
         repeats=repeats, instance=instance, min_steps=min_steps, running_url=running_url,
         running_run_id=running_run_id, port_range=port_range, collector=collector, ingest_token=ingest_token,
         admin_token=admin_token, db_url=db_url, vllm_python=vllm_python, arg_check=arg_check, study_name=study_name,
-        out_dir=out_dir, log_dir=log_dir,
+        out_dir=out_dir, log_dir=log_dir, allow_memory=allow_memory,
     )  # fmt: skip
     with _vllm_errors():
         summary = _run_study(args, t0=t0, say=_sayer(t0))
@@ -515,7 +512,7 @@ def _broken(metrics: dict[str, Any] | None, slo) -> dict[str, float]:
 
 
 def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, t0: float) -> dict[str, Any]:
-    screened, h, base = tuning.screened, tuning.heldout, tuning.baseline
+    screened, base, cap = tuning.screened, tuning.baseline, tuning.running_capacity
     p = outcome.proposal
     return {
         "study": name,
@@ -538,7 +535,10 @@ def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, 
         "sim_feasible": sum(t.feasible for t in screened.sim.completed),
         "live_trials": screened.live_trials,
         "screened": tuning.screened_rows(),
-        "heldout": None if h is None else {k: h[k] for k in HELDOUT_KEYS},
+        "capacity": None if cap is None else cap.summary(),
+        "capacities": [{k: v for k, v in r.items() if k != "config"} for r in tuning.confirmed],
+        "heldout": tuning.heldout_summary(),
+        "notes": outcome.notes,
         "restart_cost": outcome.restart,
         "client": tuning.backend.client_lateness(),  # how late the replay client sent; late replays repeated
         "scrape_targets": {  # each started trial's /metrics: registered ('created'/'exists'/None), and left behind
@@ -556,13 +556,17 @@ def _study_lines(s: dict[str, Any]) -> list[str]:
     lines = [f"tune vllm study {s['study']}: {s['decision']}"]
     rate = f", capacity {w['capacity_rps']} req/s" if "capacity_rps" in w else ""
     lines.append(f"  workload: {w.get('kind')}{rate}; space {s['space']}")
-    h = s["heldout"]
+    h, cap = s["heldout"], s["capacity"]
+    if cap is not None:
+        lines.append(
+            f"  running config: capacity {cap['capacity_rps']:.2f} req/s (x{cap['multiplier']:.2f} the traffic)"
+        )
+    lines += [f"  {note}" for note in s["notes"]]
     if h is not None:
         lines.append(
-            f"  running config: {_spread(h['default_goodput'])} goodput tokens/s on held-out seeds {h['seeds']}"
+            f"  live comparison: running {h['running_capacity_rps']:.2f} req/s, candidate "
+            f"{h['candidate_capacity_rps']:.2f} req/s over {len(h['pairs'])} ABBA pair(s): {h['verdict']}"
         )
-        lines.append(f"  best found:     {_spread(h['proposal_goodput'])}")
-        lines.append(f"  gain {h['gain']:+.1%}, one-sided 90% lower bound {h['gain_low']:+.1%} (paired by seed)")
     else:
         b = s["baseline"]
         broken = ", ".join(f"{k} over its limit by {v:.3g}" for k, v in b["constraints_broken"].items())

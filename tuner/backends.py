@@ -129,17 +129,32 @@ class SimulatedBackend(_Base):
             self.cache_hits += 1
             return self._cache[key]
         reqs, prompts = self.requests(seed)
-        sink = self.trial_sink()
-        engine = self.build_engine(
-            config, run_id=run_id, sink=sink, start_wall=time.time(), jitter_seed=seed if self.jitter else None
-        )
-        t = time.perf_counter()
-        result = replay(engine, reqs, seed=seed, prompts=prompts)
-        self.sim_seconds += time.perf_counter() - t
-        self.last_busy_s = engine.executor.busy_s
-        metrics = self._measure(sink, result, run_id)
+        metrics = self._simulate(config, reqs, prompts, run_id=run_id, jitter_seed=seed if self.jitter else None)
         self._cache[key] = metrics
         return metrics
+
+    def measure_requests(
+        self, config: Any, reqs: list[W.WorkloadRequest], prompts: list[list[int]], *, run_id: str
+    ) -> TrialMetrics:
+        """`reqs` as given (e.g. time-compressed by `tuner.capacity`) on `config`, never cached."""
+        return self._simulate(config, reqs, prompts, run_id=run_id, jitter_seed=None)
+
+    def _simulate(
+        self,
+        config: Any,
+        reqs: list[W.WorkloadRequest],
+        prompts: list[list[int]],
+        *,
+        run_id: str,
+        jitter_seed: int | None,
+    ) -> TrialMetrics:
+        sink = self.trial_sink()
+        engine = self.build_engine(config, run_id=run_id, sink=sink, start_wall=time.time(), jitter_seed=jitter_seed)
+        t = time.perf_counter()
+        result = replay(engine, reqs, prompts=prompts)
+        self.sim_seconds += time.perf_counter() - t
+        self.last_busy_s = engine.executor.busy_s
+        return self._measure(sink, result, run_id)
 
 
 class SimBackend(SimulatedBackend):

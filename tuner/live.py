@@ -6,6 +6,8 @@ original tunables are restored after every trial — also when the trial fails o
 a failed rollback stops the study. Guard limits end a trial early: a rejection rate or p99 TTFT over
 the guard while observing (checked every `guard_interval_s`). `drive=True` sends the study's workload
 to the engine's /generate while observing (for staging engines without production traffic).
+`measure_requests` instead sends one given request list at its arrival times (e.g. time-compressed by
+`tuner.capacity`) under the config and measures the window until the last answer.
 """
 
 from __future__ import annotations
@@ -111,6 +113,30 @@ class LiveBackend:
         time.sleep(self.ingest_lag_s)  # the engine's HTTP sink flushes about every second
         return trial_metrics(self.db, run_id=None, start=start, end=end, slo=self.slo, instances=[self.instance])
 
+    def measure_requests(
+        self, config: EngineConfig, reqs: list[W.WorkloadRequest], prompts: list[list[int]], *, run_id: str
+    ) -> TrialMetrics:
+        """`reqs` sent at their arrivals with `config` applied, every answer awaited, then rolled back."""
+        current = self._call("GET", "/admin/config")["tunable"]
+        if self.original is None:
+            self.original = current
+        self.trials += 1
+        try:
+            self._call("PUT", "/admin/config", json=config.tunable())
+            log.info("live replay %s: applied %s, %d requests", run_id, config.tunable(), len(reqs))
+            time.sleep(self.settle_s)
+            start = time.time()
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(self.drive_concurrency) as pool:
+                for req, ids in sorted(zip(reqs, prompts, strict=True), key=lambda x: x[0].arrival_s):
+                    time.sleep(max(0.0, t0 + req.arrival_s - time.monotonic()))
+                    pool.submit(self._send, _text(ids), req.output_tokens)
+            end = time.time()
+        finally:
+            self.restore()
+        time.sleep(self.ingest_lag_s)
+        return trial_metrics(self.db, run_id=None, start=start, end=end, slo=self.slo, instances=[self.instance])
+
     def _guard_tripped(self, start: float, now: float, run_id: str) -> bool:
         if now - start < self.guard_interval_s:
             return False
@@ -154,8 +180,7 @@ class LiveBackend:
                 delay = t0 + loop + req.arrival_s - time.monotonic()
                 if delay > 0 and stop.wait(delay):
                     break
-                prompt = "".join(chr(32 + (b % 95)) for b in W.prompt_ids(req, i)[1:])
-                pool.submit(self._send, prompt, req.output_tokens)
+                pool.submit(self._send, _text(W.prompt_ids(req, i)), req.output_tokens)
                 i += 1
 
     def _send(self, prompt: str, max_tokens: int) -> None:
@@ -164,3 +189,8 @@ class LiveBackend:
             self.http.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}, **extra)
         except httpx.HTTPError as exc:
             log.debug("live driver: request failed: %s", exc)
+
+
+def _text(ids: list[int]) -> str:
+    """A prompt for /generate from token ids (the byte tokenizer's printable range; the BOS id dropped)."""
+    return "".join(chr(32 + (b % 95)) for b in ids[1:])

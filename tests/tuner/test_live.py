@@ -195,3 +195,32 @@ def test_live_study_through_a_real_collector_and_engine_processes(tmp_path) -> N
         if engine is not None:
             engine.stop()
         collector.stop()
+
+
+def test_capacity_search_on_a_live_engine_replays_each_request_once_and_rolls_back(sqlite_url: str) -> None:
+    from tuner.capacity import breaches, replay_capacity
+    from tuner.replay import prepare_prompts
+
+    db, cfg, app, engine = _setup(sqlite_url)
+    slo = SLO(ttft_s=5.0, tpot_s=1.0)
+    reqs = WL.scenario("mixed", 4.0, WL.WorkloadOptions(requests=12, scale=32.0, output_range=(2, 6)), seed=1)
+    with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
+        backend = LiveBackend(
+            db=db,
+            slo=slo,
+            workload=_workload,
+            engine_url="http://engine",
+            instance="live-1",
+            settle_s=0.0,
+            drive_concurrency=12,
+            ingest_lag_s=0.2,
+            client=client,
+        )
+        trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 8}})
+        cap = replay_capacity(backend, trial, reqs, prepare_prompts(reqs, 1), slo=slo, run_id="cap", max_replays=2)
+        assert engine.config.scheduler.max_num_seqs == 32  # rolled back after every replay
+    db.dispose()
+    assert len(cap.probes) == 2 and cap.probes[0].multiplier == 1.0
+    for probe in cap.probes:  # each replay's window holds exactly its own requests
+        assert probe.metrics.requests == 12 and probe.holds == (breaches(probe.metrics, slo) == ())
+    assert cap.multiplier == max((p.multiplier for p in cap.probes if p.holds), default=0.0)

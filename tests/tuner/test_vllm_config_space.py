@@ -4,6 +4,8 @@ No vLLM needed: the check against vLLM's own parser is tests/vllm/test_tune_vllm
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tuner.backends import InfeasibleTrialError
@@ -183,16 +185,9 @@ def test_a_change_whose_revert_cannot_run_stays() -> None:
     assert base.changed(space.apply(base, kept)) == [("max_num_seqs", 256, 64)]
 
 
-def test_paired_gain_and_its_lower_bound() -> None:
-    from tuner.vllm.screen import paired_gain
-
-    gain, low = paired_gain([100.0, 100.0, 100.0], [110.0, 112.0, 108.0])
-    assert gain == pytest.approx(0.10) and 0.05 < low < gain
-    assert paired_gain([100.0, 100.0], [130.0, 90.0])[1] < 0  # a spread this wide bounds nothing
-
-
 def test_a_vllm_proposal_is_published_as_config_file_report_and_row(sqlite_url: str, tmp_path) -> None:
     from collector.db import make_engine
+    from tuner.compare import Comparison, interval, verdict
     from tuner.proposals import get_proposal
     from tuner.study import StudyResult
     from tuner.vllm.proposal import publish, render_report
@@ -201,34 +196,35 @@ def test_a_vllm_proposal_is_published_as_config_file_report_and_row(sqlite_url: 
     base = VllmConfig(model="/m")
     best = base.replace(block_size=32, kv_cache_memory_bytes=64 * 2**20)
     metrics = {"goodput_tps": 1000.0, "throughput_tps": 1100.0, "ttft_p99_s": 0.5, "tpot_p99_s": 0.02}
-    runs = [{**metrics, "e2e_p99_s": 2.0, "rejection_rate": 0.0, "seed": s, "feasible": True} for s in (1, 2)]
     screened = ScreenResult(
         sim=StudyResult(name="s", sampler="tpe", multi_objective=False, trials=[]),
         baseline=LiveMeasurement(base, {}, metrics, True, sim_goodput=990.0),
         confirmed=[LiveMeasurement(best, {}, {**metrics, "goodput_tps": 1300.0}, True, sim_goodput=1310.0)],
     )
-    heldout = {
-        "seeds": [1, 2],
-        "repeats": 1,
-        "baseline": runs,
-        "best": [{**r, "goodput_tps": 1250.0} for r in runs],
-        "gain": 0.25,
-        "gain_low": 0.2,
-        "best_feasible_all": True,
-        "others": {},
-    }
+    pairs = [
+        {"seed": s, "running": [2.0, 2.1], "candidate": [2.5, 2.6], "replays": 12, "log_ratio": math.log(1.24)}
+        for s in (1, 2)
+    ]
+    heldout = Comparison("running", "candidate", 0.03, [1, 2], pairs, interval([p["log_ratio"] for p in pairs]))
+    heldout.verdict = verdict(heldout.interval, margin=0.03)
+    capacities = [
+        {"config": base, "predicted_capacity_rps": 2.2, "live_capacity_rps": 2.0, "live": {"replays": 6}},
+        {"config": best, "predicted_capacity_rps": 2.9, "live_capacity_rps": 2.6, "live": {"replays": 5}},
+    ]
     report = render_report(
-        title="t", decision="propose", workload={"scenario": "sustained"}, slo=SLO(), base=base, screened=screened,
-        heldout=heldout,
+        title="t", decision="propose", workload={"scenario": "sustained"}, slo=SLO(), base=base, best=best,
+        screened=screened, capacities=capacities, heldout=heldout, notes=["extra memory: 16 MiB -> 64 MiB"],
     )  # fmt: skip
+    assert heldout.verdict == "proposal" and "serves +24.0% traffic at the same SLOs (90% interval" in report
     assert "| `--block-size` | 128 | 32 |" in report and "| `--kv-cache-memory-bytes` |" in report
-    assert "| goodput tokens/s | 1,000.0 ± 0 (min 1,000.0" in report and "| p99 TTFT s | 0.5 ± 0" in report
-    assert "Gain +25.0%" in report and "at least 1.0% on average" in report
-    assert "| block_size=32, kv_cache_memory_bytes=67108864 | — | 1,310.0 | 1,300.0 | True |" in report
+    assert "| 1 | 2.00, 2.10 | 2.50, 2.60 | 1.240 | 12 |" in report and "- extra memory: 16 MiB" in report
+    assert "at least 1.0% on average" in report and "p99 TPOT within 0.1 s" in report
+    assert "| block_size=32, kv_cache_memory_bytes=67108864 | — | 1,300.0 | True |" in report
+    assert "| block_size=32, kv_cache_memory_bytes=67108864 | 2.90 | 2.60 | 5 |" in report
     db = make_engine(sqlite_url)
     p = publish(
         db, tmp_path, name="s", instance="tuner-vllm", base=base, best=best, report_md=report,
-        baseline_metrics={"heldout": runs}, best_metrics={"confirmation": {"gain": 0.25}},
+        baseline_metrics={}, best_metrics={"confirmation": {"gain": 0.25}},
     )  # fmt: skip
     assert p.config_path.name == f"proposal-{p.row.id}.yaml" and VllmConfig.from_config_yaml(p.config_path) == best
     assert f"--config proposal-{p.row.id}.yaml" in p.report_path.read_text()

@@ -12,7 +12,11 @@ writes are administration); a delete the collector refuses is logged and kept in
 
 A server is kept while the next evaluation asks for the same config (the study runs each trial on several seeds
 one after the other) and up to `keep` servers stay up at once, so a before/after comparison can alternate
-between two configs seed by seed without restarting either; the least recently used one is stopped first.
+between two configs seed by seed without restarting either; the least recently used one is stopped first. A
+`slot` names a second server of the same config (the A/A check of `tuner.compare` runs the running config on two),
+and `pause`/`resume` stop and continue a server's whole process group (SIGSTOP/SIGCONT: vLLM's API server and
+engine core are one group, started in their own session) so an idle server takes no CPU from the measured one.
+`measure_requests` replays any request list (e.g. time-compressed by `tuner.capacity`) on a config's server.
 
 A config vLLM refuses at start-up, a vLLM that dies during the replay (a crash, the kernel's OOM killer) or that
 answers nothing raises `InfeasibleTrialError` with vLLM's own last lines: the study records an infeasible trial
@@ -25,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import time
 from collections import OrderedDict
@@ -105,6 +110,7 @@ class _Server:
     model: str
     url: str
     warmed: bool = False
+    paused: bool = False
 
     def alive(self) -> bool:
         return self.launcher is None or (self.launcher.proc is not None and self.launcher.proc.poll() is None)
@@ -179,11 +185,33 @@ class VllmBackend:
         )
         return metrics
 
+    def measure_requests(
+        self,
+        config: VllmConfig,
+        reqs: list[W.WorkloadRequest],
+        prompts: list[list[int]],
+        *,
+        run_id: str,
+        slot: str = "",
+    ) -> TrialMetrics:
+        """`reqs` on the server of `config` (in `slot`), its metrics once the collector stored its rows. The rows
+        are under the server's run id; `run_id` names a server started for it."""
+        result, server = self.replay(config, reqs, prompts, run_id=run_id, slot=slot)
+        return self._metrics(server.launch.run_id, result)
+
     def replay(
-        self, config: VllmConfig, reqs: list[W.WorkloadRequest], prompts: list[list[int]], *, run_id: str
+        self,
+        config: VllmConfig,
+        reqs: list[W.WorkloadRequest],
+        prompts: list[list[int]],
+        *,
+        run_id: str,
+        slot: str = "",
     ) -> tuple[ClientResult, _Server]:
         """Replay `reqs` on the server of `config` (started if needed); the client's counts, not yet the metrics."""
-        server = self._server(config, run_id)
+        server = self._server(config, run_id, slot)
+        if server.paused:
+            self._signal(server, signal.SIGCONT)
         url = server.url
         plan = plan_replay(url, server.model, reqs, prompts, priorities=config.scheduling_policy == "priority")
         try:
@@ -222,10 +250,42 @@ class VllmBackend:
         self._metrics(server.launch.run_id, result)  # waits until the collector stored it: ingest is CPU too
         return result.ok / result.duration_s
 
-    def pin(self, config: VllmConfig) -> None:
+    def pin(self, config: VllmConfig, slot: str = "") -> None:
         """Keep the server of `config` up (not counted in `keep`, never evicted) until `close()`: the running
         config stays available for comparisons while trials restart vLLM with other configs."""
-        self._pinned.add(tuple(config.to_args()))
+        self._pinned.add(_key(config, slot))
+
+    def unpin(self, config: VllmConfig, slot: str = "") -> None:
+        self._pinned.discard(_key(config, slot))
+
+    def pause(self, config: VllmConfig, slot: str = "") -> bool:
+        """Stop the server of `config` (SIGSTOP to its process group) until `resume` or its next replay. False
+        when there is none up or it is not ours (attached)."""
+        server = self._servers.get(_key(config, slot))
+        return server is not None and self._signal(server, signal.SIGSTOP)
+
+    def resume(self, config: VllmConfig, slot: str = "") -> bool:
+        server = self._servers.get(_key(config, slot))
+        return server is not None and self._signal(server, signal.SIGCONT)
+
+    def start(self, config: VllmConfig, *, run_id: str, slot: str = "") -> None:
+        """Have the server of `config` (in `slot`) up and warmed, without a replay."""
+        server = self._server(config, run_id, slot)
+        if not server.warmed:
+            warm_up(server.url, server.model, requests=self.warmup)
+            server.warmed = True
+
+    def _signal(self, server: _Server, signum: int) -> bool:
+        proc = server.launcher.proc if server.launcher is not None else None
+        if proc is None or proc.poll() is not None:
+            return False
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            log.warning("run %s: vLLM's process group is gone (signal %d)", server.launch.run_id, signum)
+            return False
+        server.paused = signum == signal.SIGSTOP
+        return True
 
     def _metrics(self, run_id: str, result: ClientResult) -> TrialMetrics:
         start, end = result.wall_start, result.wall_end + 0.05  # a row's ts is vLLM's own end of the request
@@ -259,8 +319,8 @@ class VllmBackend:
         return m
 
     # ------------------------------------------------------------------ servers
-    def _server(self, config: VllmConfig, run_id: str) -> _Server:
-        key = tuple(config.to_args())
+    def _server(self, config: VllmConfig, run_id: str, slot: str = "") -> _Server:
+        key = _key(config, slot)
         server = self._servers.get(key)
         if server is not None:
             if server.alive():
@@ -320,7 +380,7 @@ class VllmBackend:
         telemetry wired to this collector under `run_id`) for that config's trials: no restart, never stopped
         here. It counts as a launch with no start cost."""
         launch = Launch(run_id=run_id, config=config, started_at=time.time(), ready_s=None)
-        self._servers[tuple(config.to_args())] = _Server(None, launch, config.served_model_name or config.model, url)
+        self._servers[_key(config)] = _Server(None, launch, config.served_model_name or config.model, url)
         self.attached += 1
 
     def _check_alive(self, server: _Server, *, during: str) -> None:
@@ -338,6 +398,8 @@ class VllmBackend:
     def _stop(self, server: _Server) -> None:
         if server.launcher is None:
             return
+        if server.paused:  # a stopped process group would not act on SIGTERM until continued
+            self._signal(server, signal.SIGCONT)
         server.launch.target = server.launcher.target
         t = time.perf_counter()
         try:
@@ -401,6 +463,10 @@ class VllmBackend:
             "stop_s": _summary(stops),
             "replay_s_total": round(self.replay_s, 1),
         }
+
+
+def _key(config: VllmConfig, slot: str = "") -> tuple[str, ...]:
+    return (slot, *config.to_args())
 
 
 def _summary(values: list[float]) -> dict | None:

@@ -1,11 +1,13 @@
-"""A vLLM tuning proposal: vLLM's `--config` YAML, the markdown report (before/after measured on the real engine
-with spread), and a `proposals` row (`tuner.proposals`, engine `vllm`), written the way nightly proposals are:
-the config to a temporary name first, the row committed, then the files renamed into place.
+"""A vLLM tuning proposal: vLLM's `--config` YAML, the markdown report (what it buys: SLO capacity, the live ABBA
+comparison with its interval, headroom or extra memory), and a `proposals` row (`tuner.proposals`, engine `vllm`),
+written the way nightly proposals are: the config to a temporary name first, the row committed, then the files
+renamed into place.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import uuid
 from dataclasses import dataclass
@@ -14,6 +16,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from tuner.capacity import MIN_FINISHED
+from tuner.compare import Comparison
 from tuner.metrics import SLO
 from tuner.proposals import ProposalView, create_proposal
 from tuner.report import _fmt
@@ -21,15 +25,6 @@ from tuner.vllm.config import VllmConfig
 from tuner.vllm.screen import ScreenResult
 
 log = logging.getLogger("kvpilot.tuner.vllm.proposal")
-
-ROWS = (
-    ("goodput_tps", "goodput tokens/s"),
-    ("throughput_tps", "throughput tokens/s"),
-    ("ttft_p99_s", "p99 TTFT s"),
-    ("tpot_p99_s", "p99 TPOT s"),
-    ("e2e_p99_s", "p99 end-to-end s"),
-    ("rejection_rate", "refused share"),
-)
 
 
 def _n(v: float) -> str:
@@ -52,16 +47,27 @@ def render_report(
     workload: dict[str, Any],
     slo: SLO,
     base: VllmConfig,
+    best: VllmConfig,
     screened: ScreenResult,
-    heldout: dict[str, Any] | None,
+    capacities: list[dict[str, Any]],
+    heldout: Comparison | None,
+    aa: Comparison | None = None,
+    notes: list[str] | None = None,
     restart: dict[str, Any] | None = None,
     profile: dict[str, Any] | None = None,
     live_only: dict[str, Any] | None = None,
 ) -> str:
-    best = screened.best
+    """The markdown report: the decision in what it buys (capacity at the same SLOs), the search, the live
+    comparison with its interval, and the headroom or extra memory (`notes`)."""
     lines = [f"# {title}", "", f"**Decision:** {decision}", ""]
+    lines += [f"- {note}" for note in notes or []] + ([""] if notes else [])
+    ttft = slo.p99_ttft_s if slo.p99_ttft_s is not None else slo.ttft_s
     lines += ["## Workload and SLOs", "", f"- workload: {', '.join(f'{k}={v}' for k, v in workload.items())}"]
-    lines += [f"- SLOs: TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s (goodput: output tokens/s of requests in both)"]
+    lines += [
+        f"- SLO capacity: the most of this traffic (its arrivals time-compressed) served with p99 TTFT as users see "
+        f"it within {ttft:g} s, p99 TPOT within {slo.tpot_s:g} s and at least {MIN_FINISHED:.0%} of requests "
+        f"finished; goodput (TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s) at the recorded rate beside it"
+    ]
     lines += ["", "## Search", ""]
     lines.append(
         f"- simulator: {screened.sim_trials} configs screened on a cost model fitted from vLLM's own stored steps"
@@ -77,7 +83,7 @@ def render_report(
     if live_only:
         lines.append(
             f"- live-only Optuna search for comparison: {live_only['trials']} trials, best "
-            f"{_fmt(live_only['best_goodput'])} goodput tokens/s"
+            f"{_fmt(live_only.get('best_capacity_rps'))} req/s capacity"
         )
     if restart and restart.get("ready_s"):
         r = restart["ready_s"]
@@ -90,49 +96,72 @@ def render_report(
         "Each candidate keeps only the changes whose revert costs simulated goodput on every seed and at least "
         f"{screened.min_effect:.1%} on average (or misses the SLOs); the others are put back before it runs live.",
         "",
-        "| config | put back (inside the noise) | sim goodput | live goodput | feasible live |",
-        "|---|---|---|---|---|",
+        "| config | put back (inside the noise) | goodput at the recorded rate, live | feasible live |",
+        "|---|---|---|---|",
     ]
     for m in (screened.baseline, *screened.confirmed):
-        changes = ", ".join(f"{k}={b}" for k, _a, b in base.changed(m.config))
-        label = "running config" if m is screened.baseline else changes
+        label = _changes(base, m.config) if m is not screened.baseline else "running config"
         live = _fmt(m.metrics["goodput_tps"]) if m.metrics else f"infeasible: {m.infeasible}"
-        put_back = ", ".join(m.reverted) or "—"
-        lines.append(f"| {label} | {put_back} | {_fmt(m.sim_goodput)} | {live} | {m.feasible} |")
+        lines.append(f"| {label} | {', '.join(m.reverted) or '—'} | {live} | {m.feasible} |")
+    if capacities:
+        lines += ["", "| config | predicted capacity req/s | live capacity req/s | replays |", "|---|---|---|---|"]
+        for row in capacities:
+            label = _changes(base, row["config"]) or "running config"
+            lines.append(
+                f"| {label} | {row['predicted_capacity_rps']:.2f} | {row['live_capacity_rps']:.2f} | "
+                f"{row['live']['replays']} |"
+            )
+        by_sim = max(capacities, key=lambda r: r["predicted_capacity_rps"])
+        by_live = max(capacities, key=lambda r: r["live_capacity_rps"])
+        if by_sim is not by_live:
+            lines += [
+                "",
+                f"The simulator's best ({_changes(base, by_sim['config']) or 'the running config'}) is not the live "
+                f"best ({_changes(base, by_live['config']) or 'the running config'}): the live figures decide.",
+            ]
     lines += ["", "## What changed", "", "| argument | running | proposed |", "|---|---|---|"]
-    lines += [f"| `--{k.replace('_', '-')}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in base.changed(best.config)] or [
+    lines += [f"| `--{k.replace('_', '-')}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in base.changed(best)] or [
         "| (none) | | |"
     ]
-    if heldout:
-        lines += [
-            "",
-            "## Before and after on held-out seeds (real vLLM)",
-            "",
-            f"Seeds {heldout['seeds']} x {heldout['repeats']}, both configs on each seed in alternating order; "
-            "mean ± sd (min, max, n).",
-            "",
-            "| metric | before (running) | after (proposed) |",
-            "|---|---|---|",
-        ]
-        for key, label in ROWS:
-            before = [r[key] for r in heldout["baseline"] if r.get(key) is not None]
-            after = [r[key] for r in heldout["best"] if r.get(key) is not None]
-            lines.append(f"| {label} | {spread(before)} | {spread(after)} |")
-        lines += [
-            "",
-            f"Gain {heldout['gain']:+.1%} (paired by seed); one-sided 90% lower bound {heldout['gain_low']:+.1%}; "
-            f"proposed config feasible on every run: {heldout['best_feasible_all']}.",
-        ]
-        for label, other in (heldout.get("others") or {}).items():
-            g = other["goodput"]
-            lines.append(
-                f"On the same runs, `{label}`: {g['mean']:.1f} ± {g['sd']:.1f} goodput tokens/s "
-                f"({other['gain']:+.1%} over the running config, lower bound {other['gain_low']:+.1%})."
-            )
+    if heldout is not None:
+        lines += _comparison(heldout, "## Live comparison on held-out seeds (real vLLM)")
+    if aa is not None:
+        lines += _comparison(aa, "## A/A check: the running config against itself")
     lines += ["", "## Apply", "", "vLLM reloads nothing at run time: restart it with the proposal file,", ""]
     lines += ["```bash", "vllm serve --config proposal-ID.yaml  # or: kvpilot vllm serve -- --config proposal-ID.yaml"]
     lines += ["```"]
     return "\n".join(lines) + "\n"
+
+
+def _changes(base: VllmConfig, config: VllmConfig) -> str:
+    return ", ".join(f"{k}={b}" for k, _a, b in base.changed(config))
+
+
+def _comparison(c: Comparison, heading: str) -> list[str]:
+    lines = [
+        "",
+        heading,
+        "",
+        "Both configs on their own server, both up, the idle one paused; each pair is four capacity measurements "
+        "in the order running, candidate, candidate, running on one held-out seed.",
+        "",
+        "| seed | running req/s | candidate req/s | pair ratio | replays |",
+        "|---|---|---|---|---|",
+    ]
+    for p in c.pairs:
+        run, cand = p["running"], p["candidate"]
+        lines.append(
+            f"| {p['seed']} | {run[0]:.2f}, {run[1]:.2f} | {cand[0]:.2f}, {cand[1]:.2f} | "
+            f"{math.exp(p['log_ratio']):.3f} | {p['replays']} |"
+        )
+    runs, cands = [x for p in c.pairs for x in p["running"]], [x for p in c.pairs for x in p["candidate"]]
+    lines += [
+        "",
+        f"Running {spread(runs)} req/s; candidate {spread(cands)} req/s.",
+        "",
+        f"**{c.verdict}**: {c.sentence()}.",
+    ]
+    return lines
 
 
 @dataclass(frozen=True)

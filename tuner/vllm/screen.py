@@ -1,5 +1,5 @@
 """Simulation-screened search on a vLLM: screen hundreds of configs in the simulator, confirm the best few live,
-and keep only what holds live on new workload seeds.
+and keep only what holds live on new workload seeds (`tuner.compare`, run by `tuner.vllm.tune`).
 
 1. `screen`: an Optuna study on the simulator (`VllmSimBackend`, calibrated from the running config's stored
    steps) over the vLLM space; the `top_k` best feasible, distinct configs (the running one aside), each pruned
@@ -9,17 +9,12 @@ and keep only what holds live on new workload seeds.
    simulator liked but vLLM did not is never proposed, and one that vLLM served within the SLOs always goes on to
    the held-out check, even when the running config measured more on the tuning seeds.
    (`simulate` and `candidates` are its two halves without vLLM: what `kvpilot tune vllm screen` shows.)
-2. `held_out`: the running config and the best one on new seeds, alternating seed by seed (and which goes first)
-   with both servers kept up, so both see the machine at the same speed; the gain is the mean paired relative gain
-   and `gain_low` its one-sided 90% lower bound (Student's t over the paired runs).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
-import statistics
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,9 +28,6 @@ from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import VllmSpace
 
 log = logging.getLogger("kvpilot.tuner.vllm.screen")
-
-# one-sided 90% Student t quantiles by degrees of freedom (n - 1 paired runs)
-_T90 = {1: 3.078, 2: 1.886, 3: 1.638, 4: 1.533, 5: 1.476, 6: 1.440, 7: 1.415, 8: 1.397, 9: 1.383, 10: 1.372}
 
 
 @dataclass
@@ -223,75 +215,3 @@ def screen(
         m.sim_goodput, m.pruning = c.sim_goodput, c.pruning
         result.confirmed.append(m)
     return result
-
-
-def paired_gain(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
-    """(gain, one-sided 90% lower bound) of `after` over `before`, paired run by run."""
-    if len(before) != len(after) or not before:
-        raise ValueError("paired_gain: need as many runs before as after, at least one")
-    gains = [(a / b - 1.0) if b > 0 else (0.0 if a == 0 else 1.0) for b, a in zip(before, after, strict=True)]
-    mean = statistics.fmean(gains)
-    if len(gains) < 2:
-        return mean, float("-inf")
-    t = _T90.get(len(gains) - 1, 1.28)
-    return mean, mean - t * statistics.stdev(gains) / math.sqrt(len(gains))
-
-
-def held_out(
-    backend: Backend,
-    base: VllmConfig,
-    best: VllmConfig,
-    *,
-    seeds: Sequence[int],
-    slo: SLO,
-    name: str,
-    repeats: int = 1,
-    others: dict[str, VllmConfig] | None = None,
-) -> dict[str, Any]:
-    """Every config on every held-out seed, the order rotating from seed to seed; the figures with their spread.
-    `others` (label -> config, e.g. another search's best) run alongside and are compared the same way."""
-    configs = [("baseline", base), ("best", best), *(others or {}).items()]
-    runs: dict[str, list[dict]] = {label: [] for label, _ in configs}
-    order = 0
-    for rep in range(repeats):
-        for s in seeds:
-            turn = configs[order % len(configs) :] + configs[: order % len(configs)]
-            order += 1
-            for label, cfg in turn:
-                try:
-                    m = backend.evaluate(
-                        cfg, run_id=f"{name}-heldout-{label}-s{s}-r{rep}-{uuid.uuid4().hex[:4]}", seed=s
-                    )
-                    runs[label].append({**m.as_dict(), "seed": s, "feasible": m.feasible(slo)})
-                except InfeasibleTrialError as exc:
-                    runs[label].append({"seed": s, "goodput_tps": 0.0, "feasible": False, "infeasible": exc.reason})
-    before = [r["goodput_tps"] for r in runs["baseline"]]
-    after = [r["goodput_tps"] for r in runs["best"]]
-    gain, gain_low = paired_gain(before, after)
-    out = {
-        "seeds": list(seeds),
-        "repeats": repeats,
-        **runs,
-        "default_goodput": _spread(before),
-        "proposal_goodput": _spread(after),
-        "gain": gain,
-        "gain_low": gain_low,
-        "best_feasible_all": all(r["feasible"] for r in runs["best"]),
-        "holds": gain_low > 0 and all(r["feasible"] for r in runs["best"]),
-        "others": {},
-    }
-    for label in others or {}:
-        values = [r["goodput_tps"] for r in runs[label]]
-        g, low = paired_gain(before, values)
-        out["others"][label] = {"goodput": _spread(values), "gain": g, "gain_low": low}
-    return out
-
-
-def _spread(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "mean": statistics.fmean(values),
-        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "min": min(values),
-        "max": max(values),
-        "n": len(values),
-    }

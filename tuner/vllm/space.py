@@ -51,3 +51,19 @@ def default_vllm_space_path() -> Path:
 def load_vllm_space(path: str | Path | None = None, *, base: VllmConfig | None = None) -> VllmSpace:
     path = Path(path) if path is not None else default_vllm_space_path()
     return vllm_space_from_dict(read_space_file(path), base=base, source=str(path))
+
+
+MEMORY_ARGS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+
+
+def at_fixed_memory(space: VllmSpace, base: VllmConfig) -> VllmSpace:
+    """`space` with the KV cache's memory held at the running config's (`MEMORY_ARGS` fixed to `base`'s values,
+    no longer searched): memory is a budget the operator sets, and more of it wins whatever else changes."""
+    params = tuple(p for p in space.params if p.name not in MEMORY_ARGS)
+    fixed = {k: v for k, v in space.fixed.items() if k not in MEMORY_ARGS}
+    return VllmSpace(params, {**fixed, **{k: getattr(base, k) for k in MEMORY_ARGS}})
+
+
+def memory_changes(base: VllmConfig, config: VllmConfig) -> dict[str, tuple[Any, Any]]:
+    """The memory arguments `config` changes from `base`: name -> (running, proposed)."""
+    return {k: (getattr(base, k), getattr(config, k)) for k in MEMORY_ARGS if getattr(base, k) != getattr(config, k)}

@@ -1,15 +1,25 @@
 """One screened tuning of a vLLM, from the config it runs to a proposal: what `kvpilot tune vllm study` runs and
 `kvpilot bench tune-vllm` measures (the bench adds its live-only search between `screen` and `held_out`).
 
+The objective is SLO capacity (`tuner.capacity`): how many times the workload's arrival rate a config serves
+within its SLOs. Memory is a budget: the space holds the KV cache at the running config's size unless
+`allow_memory` (then a proposal's extra memory is its own line, with the best at fixed memory beside it).
+
 `VllmTuning` runs the phases in order on one `VllmBackend`, the running config's server pinned (kept up):
 1. `capacity_rps`: for a scenario workload, the running config's requests/s, live (the scenario mix all at once);
-2. `measure_baseline`: the running config live on the tuning seeds;
-3. `calibrate`: the simulator's cost model from the steps the collector stored for those replays, and for
-   `steps_instances` (e.g. the operator's own vLLM) since `steps_since`;
-4. `screen`: `sim_trials` configs in the simulator, the `top_k` best confirmed live (`tuner.vllm.screen`);
-5. `held_out`: the running config against the best candidate on new seeds, whenever a candidate met the SLOs live;
-6. `finish`: the decision, the markdown report, and a proposal (vLLM `--config` file, report, row) only when the
-   gain's one-sided 90% lower bound is above zero and the best was feasible on every held-out run.
+2. `measure_baseline`: the running config live on the tuning seeds, at the recorded rate;
+3. `baseline_capacity`: its SLO capacity on the first tuning seed (a bracketing search on its server);
+4. `calibrate`: the simulator's cost model from the steps the collector stored for those replays, and for
+   `steps_instances` (e.g. the operator's own vLLM) since `steps_since`; the screen replays the workload past
+   the running config's simulated capacity, where configs differ in what they serve within the SLOs;
+5. `screen`: `sim_trials` configs in the simulator, the `top_k` best confirmed live (`tuner.vllm.screen`);
+6. `confirm`: the predicted (simulated) and live capacity of the running config and each confirmation; the
+   candidate is the one with the most live capacity, and the screen's ranking is scored (`rank_correlation`);
+7. `held_out`: the running config against the candidate on new seeds, both servers up, the idle one paused,
+   ABBA pairs until the 90% interval of the capacity ratio says (`tuner.compare`; `run` skips it when the
+   candidate is the running config); `aa_check` is the same protocol with the running config on both servers;
+8. `finish`: the decision, the markdown report, and a proposal (vLLM `--config` file, report, row) only when the
+   comparison's verdict is `proposal` (the whole interval above 1).
 
 `preview` is the screen without vLLM: the simulator calibrated from what the collector already stores, and the
 best configs it finds with their predicted goodput, so an operator can look before paying for restarts.
@@ -18,6 +28,7 @@ best configs it finds with their predicted goodput, so an operator can look befo
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +42,8 @@ from engine import workload as W
 from engine.config import ModelConfig
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError
+from tuner.capacity import MIN_MULTIPLIER, Capacity, compress, replay_capacity
+from tuner.compare import MAX_PAIRS, PROPOSAL, Comparison, ReplayerSide, compare
 from tuner.metrics import SLO, TrialMetrics
 from tuner.replay import TrialSink, replay
 from tuner.study import StudyResult
@@ -43,13 +56,12 @@ from tuner.vllm.screen import (
     LiveMeasurement,
     ScreenResult,
     candidates,
-    held_out,
     live_measurement,
     screen,
     simulate,
 )
 from tuner.vllm.sim import VllmSimBackend, sim_vllm_engine
-from tuner.vllm.space import VllmSpace
+from tuner.vllm.space import VllmSpace, at_fixed_memory, memory_changes
 
 Say = Callable[[str], None]
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
@@ -65,6 +77,8 @@ MAX_SIM_TRIALS = 5000
 MAX_LIVE = 10  # confirmed candidates, and tuning seeds
 MAX_HELDOUT = 20  # held-out seeds
 MAX_REPEATS = 5
+MAX_REPLAYS = 12  # per capacity search
+SCREEN_OVERLOAD = 1.25  # the screen replays at this multiple of the running config's simulated capacity
 
 
 @dataclass(frozen=True)
@@ -73,8 +87,16 @@ class Budget:
     sim_trials: int = 200
     top_k: int = 2
     heldout_seeds: tuple[int, ...] = (1000, 1001, 1002)
-    repeats: int = 1
+    repeats: int = 1  # the held-out seeds are cycled this many times: at most seeds x repeats ABBA pairs
     min_effect: float = 0.01  # a simulated change stays only if its revert costs this much goodput (the pruning)
+    capacity_replays: int = 7  # a full capacity search (the running config's, each confirmation's)
+    pair_replays: int = 3  # one capacity measurement of the comparison, warm-started at its side's last answer
+    min_pairs: int = 2
+    margin: float = 0.03  # capacity ratios within 1 +- margin are "no gain": not worth a restart
+
+    @property
+    def max_pairs(self) -> int:
+        return len(self.heldout_seeds) * self.repeats
 
     def validate(self) -> Budget:
         if not self.tuning_seeds:
@@ -94,6 +116,17 @@ class Budget:
         ):
             if value > most:
                 raise ValueError(f"{name}: at most {most}, got {value}")
+        for name, value in (("capacity_replays", self.capacity_replays), ("pair_replays", self.pair_replays)):
+            if not 2 <= value <= MAX_REPLAYS:
+                raise ValueError(f"{name}: must be within 2..{MAX_REPLAYS}, got {value}")
+        if not 0 <= self.margin < 0.5:
+            raise ValueError(f"margin: must be within [0, 0.5), got {self.margin}")
+        if not 2 <= self.min_pairs <= self.max_pairs:
+            raise ValueError(
+                f"heldout_seeds: the comparison needs at least {max(2, self.min_pairs)} ABBA pairs, one per "
+                f"held-out seed and repeat; {len(self.heldout_seeds)} seed(s) x {self.repeats} can never say more "
+                "than inconclusive"
+            )
         if set(self.heldout_seeds) & set(self.tuning_seeds):
             raise ValueError(
                 f"heldout_seeds: {sorted(set(self.heldout_seeds) & set(self.tuning_seeds))} are tuning seeds"
@@ -224,6 +257,7 @@ class Outcome:
     report_path: Path
     profile: dict[str, Any]
     restart: dict[str, Any]
+    notes: list[str] = field(default_factory=list)  # headroom, extra memory
 
 
 @dataclass
@@ -245,16 +279,24 @@ class VllmTuning:
     say: Say = lambda message: None
     progress: bool = False
     storage: Any = None  # the Optuna storage the screen's study is kept in (None: memory)
+    allow_memory: bool = False  # search the KV cache's size too (else held at the running config's)
     t0: float = field(default_factory=time.time)
     baseline: LiveMeasurement | None = None
+    running_capacity: Capacity | None = None
+    sim_running: Capacity | None = None  # the running config's simulated capacity
     profile: VllmProfile | None = None
     sim_backend: VllmSimBackend | None = None
     screened: ScreenResult | None = None
-    heldout: dict[str, Any] | None = None
+    confirmed: list[dict[str, Any]] = field(default_factory=list)  # `confirm`'s rows, the running config first
+    candidate: VllmConfig | None = None
+    heldout: Comparison | None = None
+    aa: Comparison | None = None
     phases: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.budget.validate()
+        if not self.allow_memory:
+            self.space = at_fixed_memory(self.space, self.base)
         self.backend.pin(self.base)
         self.live = Narrated(self.backend, self.base, self.say)
 
@@ -262,16 +304,17 @@ class VllmTuning:
         self.phases[key] = round(time.time() - since, 1)
 
     def capacity_rps(self, opts: WL.WorkloadOptions) -> float:
-        """The running config's requests/s on vLLM (a `workload_factory` capacity hook)."""
+        """The running config's offline requests/s on vLLM, the scenario's rate anchor (a `workload_factory`
+        capacity hook); not its SLO capacity (`baseline_capacity`)."""
         t = time.time()
-        self.say("the running config's capacity: the scenario mix all at once (the first vLLM start)")
+        self.say("the running config's offline throughput: the scenario mix all at once (the first vLLM start)")
         try:
             cap = self.backend.capacity_rps(self.base, WL.offline_mix(opts), run_id=f"{self.name}-capacity")
         except InfeasibleTrialError as exc:
             raise TuneError(f"the running config did not serve on vLLM: {exc.reason}") from exc
         self._phase("capacity_s", t)
         started = [x.ready_s for x in self.backend.launches if x.ready_s is not None]
-        self.say(f"capacity {cap:.2f} req/s" + (f" (vLLM started in {started[-1]:.0f} s)" if started else ""))
+        self.say(f"offline {cap:.2f} req/s" + (f" (vLLM started in {started[-1]:.0f} s)" if started else ""))
         return cap
 
     def measure_baseline(self) -> LiveMeasurement:
@@ -291,6 +334,42 @@ class VllmTuning:
         self.baseline = m
         self._phase("baseline_s", t)
         return m
+
+    def live_capacity(self, config: VllmConfig, *, seed: int, start: float, label: str) -> Capacity:
+        """`config`'s capacity on its live server for the workload of `seed` (a full search from `start`)."""
+        reqs, prompts = self.backend.requests(seed)
+        t = time.perf_counter()
+        cap = replay_capacity(
+            self.backend,
+            config,
+            reqs,
+            prompts,
+            slo=self.slo,
+            run_id=f"{self.name}-capacity-{label}",
+            start=start,
+            max_replays=self.budget.capacity_replays,
+        )
+        self.say(
+            f"capacity of {_label(self.base, config)}: {cap.capacity_rps:.2f} req/s (x{cap.multiplier:.2f} the "
+            f"workload's {cap.rate_rps:.2f} req/s; {len(cap.probes)} replays, {time.perf_counter() - t:.0f} s)"
+        )
+        return cap
+
+    def baseline_capacity(self) -> Capacity:
+        """The running config's SLO capacity on the first tuning seed, on its pinned server."""
+        t = time.time()
+        try:
+            self.running_capacity = self.live_capacity(
+                self.base, seed=self.budget.tuning_seeds[0], start=1.0, label="running"
+            )
+        except InfeasibleTrialError as exc:
+            raise TuneError(f"the running config did not serve on vLLM: {exc.reason}") from exc
+        self._phase("baseline_capacity_s", t)
+        return self.running_capacity
+
+    def _start_multiplier(self) -> float:
+        cap = self.running_capacity
+        return cap.multiplier if cap is not None and cap.multiplier > 0 else 1.0
 
     def running_run_ids(self) -> list[str]:
         """The run ids the running config's replays were stored under (its server's, started or attached)."""
@@ -314,9 +393,25 @@ class VllmTuning:
         fit = self.profile.fit
         self.say(f"cost model from {self.profile.source['steps']} stored steps: R² {fit.r2}, MAPE {fit.mape}")
         # the simulated trials keep their metrics in memory: nothing simulated lands in the collector's database
-        self.sim_backend = VllmSimBackend(self.profile, self.workload, None, self.slo)
+        plain = VllmSimBackend(self.profile, self.workload, None, self.slo)
+        self.sim_running = self.sim_capacity(plain, self.base)
+        overload = SCREEN_OVERLOAD * max(self.sim_running.multiplier, MIN_MULTIPLIER)
+        self.sim_backend = VllmSimBackend(
+            self.profile, lambda seed: compress(self.workload(seed), overload), None, self.slo
+        )
+        self.say(
+            f"simulated capacity of the running config: x{self.sim_running.multiplier:.2f}; the screen replays "
+            f"at x{overload:.2f} (past it, where configs differ in what they serve within the SLOs)"
+        )
         self._phase("calibrate_s", t)
         return self.profile
+
+    def sim_capacity(self, sim: VllmSimBackend, config: VllmConfig) -> Capacity:
+        """`config`'s capacity in the simulator on the first tuning seed (what the screen predicts)."""
+        reqs, prompts = self.backend.requests(self.budget.tuning_seeds[0])
+        return replay_capacity(
+            sim, config, reqs, prompts, slo=self.slo, run_id=f"{self.name}-simcap", start=self._start_multiplier()
+        )
 
     def screen(self) -> ScreenResult:
         if self.baseline is None or self.sim_backend is None:
@@ -350,31 +445,106 @@ class VllmTuning:
         )
         return self.screened
 
-    def held_out(self, others: dict[str, VllmConfig] | None = None) -> dict[str, Any]:
+    def confirm(self) -> list[dict[str, Any]]:
+        """Predicted and live capacity of the running config and of each live-feasible confirmation; the one with
+        the most live capacity is the candidate. The confirmations still up are measured first (no restart)."""
         screened = self._screened()
+        if self.running_capacity is None or self.sim_backend is None:
+            raise RuntimeError("confirm: baseline_capacity and calibrate first")
         t = time.time()
+        rows = [self._capacity_row(self.base, self.running_capacity)]
+        for m in reversed([m for m in screened.confirmed if m.metrics is not None]):
+            try:
+                cap = self.live_capacity(
+                    m.config, seed=self.budget.tuning_seeds[0], start=self._start_multiplier(), label="confirm"
+                )
+            except InfeasibleTrialError as exc:
+                self.say(f"capacity of {_label(self.base, m.config)}: infeasible: {exc.reason[:300]}")
+                continue
+            rows.append(self._capacity_row(m.config, cap))
+        self.confirmed = rows
+        best = max(rows, key=lambda r: r["live_capacity_rps"])
+        self.candidate = best["config"]
+        self._phase("confirm_s", t)
+        return rows
+
+    def _capacity_row(self, config: VllmConfig, cap: Capacity) -> dict[str, Any]:
+        assert self.sim_backend is not None
+        predicted = self.sim_running if config == self.base else self.sim_capacity(self.sim_backend, config)
+        return {
+            "config": config,
+            "changed": changes(self.base, config),
+            "predicted_capacity_rps": predicted.capacity_rps,
+            "live_capacity_rps": cap.capacity_rps,
+            "live": cap.summary(),
+        }
+
+    def rank_correlation(self) -> float | None:
+        """Spearman's rank correlation of predicted against live capacity over the confirmed configs."""
+        rows = self.confirmed
+        return spearman([r["predicted_capacity_rps"] for r in rows], [r["live_capacity_rps"] for r in rows])
+
+    def _side(self, label: str, config: VllmConfig, slot: str) -> ReplayerSide:
         b = self.budget
-        self.say(f"held-out seeds {list(b.heldout_seeds)} x {b.repeats}: the running config against the best")
-        self.heldout = held_out(
-            self.live,
-            self.base,
-            screened.best.config,
-            seeds=list(b.heldout_seeds),
+        return ReplayerSide(
+            label=label,
+            backend=_InSlot(self.backend, slot),
+            config=config,
+            requests=self.backend.requests,
             slo=self.slo,
             name=self.name,
-            repeats=b.repeats,
-            others=others,
+            max_replays=b.pair_replays,
+            on_pause=lambda: self.backend.pause(config, slot),
+            on_resume=lambda: self.backend.resume(config, slot),
         )
+
+    def _compare(self, candidate: VllmConfig, slot: str, what: str) -> Comparison:
+        b = self.budget
+        pairs = min(b.max_pairs, MAX_PAIRS)
+        self.say(f"{what}: ABBA pairs on held-out seeds {list(b.heldout_seeds)}, {b.min_pairs}..{pairs} pairs")
+        self.backend.start(candidate, run_id=f"{self.name}-{slot or 'candidate'}", slot=slot)
+        running = self.running_capacity
+        return compare(
+            self._side("running", self.base, ""),
+            self._side("candidate", candidate, slot),
+            seeds=list(b.heldout_seeds),
+            start=self._start_multiplier(),
+            min_pairs=b.min_pairs,
+            max_pairs=pairs,
+            margin=b.margin,
+            floor_rps=MIN_MULTIPLIER * (running.rate_rps if running else 1.0),
+            say=self.say,
+        )
+
+    def held_out(self) -> Comparison:
+        """The running config against the candidate (`tuner.compare`), both servers up."""
+        if self.candidate is None:
+            raise RuntimeError("held_out: confirm first")
+        t = time.time()
+        self.heldout = self._compare(self.candidate, "", "held-out: the running config against the candidate")
         self._phase("heldout_s", t)
-        self.say(f"held-out: gain {self.heldout['gain']:+.1%}, lower bound {self.heldout['gain_low']:+.1%}")
+        self.say(f"held-out: {self.heldout.sentence()}")
         return self.heldout
 
+    def aa_check(self) -> Comparison:
+        """The same protocol with the running config on both servers (a second one in slot `aa`): it must not say
+        `proposal`; what it says is the comparison's own false-alarm check on this machine."""
+        t = time.time()
+        self.aa = self._compare(self.base, "aa", "A/A check: the running config against itself")
+        self._phase("aa_s", t)
+        self.say(f"A/A check: {self.aa.verdict} ({self.aa.sentence()})")
+        return self.aa
+
     def run(self) -> None:
-        """Baseline, calibration, screen and (when the best is not the running config) the held-out check."""
+        """Baseline, its capacity, calibration, screen, confirmation and (when the candidate is not the running
+        config) the held-out comparison."""
         try:
             self.measure_baseline()
+            self.baseline_capacity()
             self.calibrate()
-            if changes(self.base, self.screen().best.config):
+            self.screen()
+            self.confirm()
+            if self.candidate is not None and changes(self.base, self.candidate):
                 self.held_out()
         finally:
             self.backend.close()
@@ -401,19 +571,51 @@ class VllmTuning:
         ]
 
     def decision(self) -> tuple[str, bool]:
+        if self.candidate is None:
+            raise RuntimeError("confirm first")
+        if not changes(self.base, self.candidate):
+            return "no proposal: the running config has the most capacity the screened search found", False
         h = self.heldout
-        if not changes(self.base, self._screened().best.config):
-            return "no proposal: no candidate met the SLOs live (the running config stays)", False
         if h is None:
             raise RuntimeError("held_out first")
-        if h["holds"]:
-            return f"propose: {h['gain']:+.1%} goodput on held-out seeds (90% lower bound {h['gain_low']:+.1%})", True
-        why = "" if h["best_feasible_all"] else "; the best was infeasible on a held-out run"
-        return (
-            f"no proposal: the gain did not hold on held-out seeds ({h['gain']:+.1%}, lower bound "
-            f"{h['gain_low']:+.1%}{why})",
-            False,
+        if h.verdict == PROPOSAL:
+            return f"propose: {h.sentence()}", True
+        return f"no proposal: {h.sentence()}", False
+
+    def headroom(self) -> str | None:
+        """When the traffic is under the running config's capacity: how much, and which config would have more."""
+        cap = self.running_capacity
+        if cap is None or cap.multiplier <= 1.0:
+            return None
+        line = (
+            f"the traffic ({cap.rate_rps:.2f} req/s) is {1 / cap.multiplier:.0%} of the running config's capacity "
+            f"({cap.capacity_rps:.2f} req/s): {cap.multiplier - 1:.0%} headroom"
         )
+        more = [r for r in self.confirmed[1:] if r["live_capacity_rps"] > cap.capacity_rps]
+        if more:
+            best = max(more, key=lambda r: r["live_capacity_rps"])
+            line += f"; {_label(self.base, best['config'])} would have {best['live_capacity_rps']:.2f} req/s"
+        return line
+
+    def memory_line(self) -> str | None:
+        """A candidate's extra memory (only with `allow_memory`), and the best at fixed memory beside it."""
+        if self.candidate is None or not memory_changes(self.base, self.candidate):
+            return None
+        extra = ", ".join(
+            f"--{k.replace('_', '-')} {_mem(a)} -> {_mem(b)}"
+            for k, (a, b) in memory_changes(self.base, self.candidate).items()
+        )
+        fixed = [r for r in self.confirmed if not memory_changes(self.base, r["config"])]
+        best = max(fixed, key=lambda r: r["live_capacity_rps"])
+        running = self.confirmed[0]["live_capacity_rps"]
+        gain = best["live_capacity_rps"] / running - 1.0 if running > 0 else 0.0
+        return (
+            f"extra memory: {extra}; without it the best is {_label(self.base, best['config'])} at "
+            f"{best['live_capacity_rps']:.2f} req/s ({gain:+.1%} over the running config, one search each)"
+        )
+
+    def heldout_summary(self) -> dict[str, Any] | None:
+        return None if self.heldout is None else self.heldout.as_dict()
 
     def profile_summary(self) -> dict[str, Any]:
         p = self.profile
@@ -436,20 +638,26 @@ class VllmTuning:
         report_path: Path,
         live_only: dict[str, Any] | None = None,
     ) -> Outcome:
-        """The decision, the report, and the proposal when the gain holds (else the report to `report_path`)."""
+        """The decision, the report, and the proposal when the verdict is `proposal` (else the report to
+        `report_path`)."""
         screened = self._screened()
         decision, propose = self.decision()
-        best = screened.best
+        best = self.candidate or self.base
         prof = self.profile_summary()
         restart = self.backend.restart_costs()
+        notes = [line for line in (self.headroom(), self.memory_line()) if line]
         report = render_report(
             title=title,
             decision=decision,
             workload=workload,
             slo=self.slo,
             base=self.base,
+            best=best,
             screened=screened,
+            capacities=self.confirmed,
             heldout=self.heldout,
+            aa=self.aa,
+            notes=notes,
             restart=restart,
             profile=prof,
             live_only=live_only,
@@ -457,22 +665,68 @@ class VllmTuning:
         proposal = None
         h = self.heldout
         if propose and h is not None:
+            running = self.running_capacity.summary() if self.running_capacity else None
             proposal = publish(
                 self.db,
                 out_dir,
                 name=self.name,
                 instance=instance or self.backend.instance,
                 base=self.base,
-                best=best.config,
+                best=best,
                 report_md=report,
-                baseline_metrics={"heldout": h["baseline"]},
-                best_metrics={"heldout": h["best"], "confirmation": {"gain": h["gain"], "gain_low": h["gain_low"]}},
+                baseline_metrics={"capacity": running, "heldout_capacity_rps": h.mean_capacity("running")},
+                best_metrics={
+                    "heldout_capacity_rps": h.mean_capacity("candidate"),
+                    "comparison": h.as_dict(),
+                    "confirmation": {"gain": h.gain, "gain_low": h.gain_low, "gain_high": h.gain_high},
+                },
             )
             report_path = proposal.report_path
         else:
             report_path.parent.mkdir(parents=True, exist_ok=True)
             report_path.write_text(report)
-        return Outcome(decision, changes(self.base, best.config), proposal, report_path, prof, restart)
+        return Outcome(decision, changes(self.base, best), proposal, report_path, prof, restart, notes)
+
+
+class _InSlot:
+    """The vLLM backend replaying on the server in one slot (a `tuner.capacity.Replayer`)."""
+
+    def __init__(self, backend: VllmBackend, slot: str) -> None:
+        self.backend, self.slot = backend, slot
+
+    def measure_requests(
+        self, config: VllmConfig, reqs: list[W.WorkloadRequest], prompts: list[list[int]], *, run_id: str
+    ) -> TrialMetrics:
+        return self.backend.measure_requests(config, reqs, prompts, run_id=run_id, slot=self.slot)
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (ties get their mean rank); None for fewer than 2 pairs or a constant side."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return None if sxx == 0 or syy == 0 else sxy / (sxx * syy) ** 0.5
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _mem(value: Any) -> str:
+    return f"{value / 2**20:g} MiB" if isinstance(value, int) and value >= 2**20 else str(value)
 
 
 def preview(
@@ -489,10 +743,13 @@ def preview(
     progress: bool = False,
     min_effect: float = 0.01,
     storage: Any = None,
+    allow_memory: bool = False,
 ) -> tuple[StudyResult, list[Candidate], float]:
     """The screen without vLLM: (the simulated study, the `top` configs `screen` would confirm live, pruned and
-    best first, seconds simulating). Nothing is written to the collector's database: the simulated trials keep their
-    metrics in memory (and with `storage`, in the simulated study kept there: `simulate`)."""
+    best first, seconds simulating). With `storage` the simulated study is kept there (`simulate`); nothing is
+    written to the collector's database. The KV cache's size is held at `base`'s unless `allow_memory`."""
+    if not allow_memory:
+        space = at_fixed_memory(space, base)
     sim_backend = VllmSimBackend(profile, workload, None, slo)
     sim = simulate(
         sim_backend,

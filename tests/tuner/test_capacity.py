@@ -1,0 +1,146 @@
+"""SLO capacity (`tuner.capacity`) on the simulator in vLLM's mode (a fitted cost model of the engine, no vLLM),
+and the ABBA comparison's statistics (`tuner.compare`) on synthetic paired samples of known distributions."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from collector.db import make_engine
+from collector.queries import stored_steps
+from tests.tuner.test_vllm_sim import CKPT_MODEL, _synthetic_steps
+from tuner import workloads as WL
+from tuner.capacity import MIN_FINISHED, arrival_rate, breaches, compress, replay_capacity
+from tuner.compare import INCONCLUSIVE, NO_GAIN, PROPOSAL, interval, pair_log_ratio, verdict
+from tuner.metrics import SLO, store_events
+from tuner.replay import prepare_prompts
+from tuner.vllm.calibrate import fit_profile
+from tuner.vllm.config import VllmConfig
+from tuner.vllm.sim import VllmSimBackend
+from tuner.vllm.space import at_fixed_memory, load_vllm_space, memory_changes
+
+SLO_CAP = SLO(ttft_s=0.5, tpot_s=0.05, p99_ttft_s=0.5)
+
+
+@pytest.fixture
+def sim(sqlite_url: str):  # type: ignore[no-untyped-def]
+    db = make_engine(sqlite_url)
+    store_events(db, _synthetic_steps(300), key_prefix="cal")
+    profile = fit_profile(stored_steps(db, start=0, end=2e9), model=CKPT_MODEL, block_size=128)
+    opts = WL.WorkloadOptions(requests=64, scale=4.0, output_range=(32, 96), max_total_tokens=512)
+    reqs = WL.scenario("mixed", 6.0, opts, seed=3)
+    yield VllmSimBackend(profile, lambda seed: reqs, db, SLO_CAP), reqs, prepare_prompts(reqs, 3)
+    db.dispose()
+
+
+def test_compress_keeps_the_bursts_and_multiplies_the_rate() -> None:
+    opts = WL.WorkloadOptions(requests=40, scale=8.0, output_range=(16, 64))
+    reqs = WL.scenario("burst", 10.0, opts, seed=0)
+    fast = compress(reqs, 4.0)
+    assert arrival_rate(fast) == pytest.approx(4 * arrival_rate(reqs))
+    assert [r.arrival_s * 4 for r in fast] == pytest.approx([r.arrival_s for r in reqs])
+    assert [(r.prompt_tokens, r.output_tokens) for r in fast] == [(r.prompt_tokens, r.output_tokens) for r in reqs]
+    with pytest.raises(ValueError, match="multiplier"):
+        compress(reqs, 0.0)
+    with pytest.raises(ValueError, match="at once"):
+        arrival_rate(compress([r for r in reqs if r.arrival_s == reqs[0].arrival_s] * 2, 1.0))
+
+
+def test_capacity_search_brackets_the_largest_rate_that_meets_the_slos(sim) -> None:  # type: ignore[no-untyped-def]
+    backend, reqs, prompts = sim
+    config = VllmConfig(model="/m", kv_cache_memory_bytes=16 * 2**20)
+    cap = replay_capacity(backend, config, reqs, prompts, slo=SLO_CAP, run_id="cap", rel_tol=0.05, max_replays=12)
+    assert cap.bracketed and cap.upper / cap.multiplier <= 1.05 and len(cap.probes) <= 12
+    assert cap.capacity_rps == pytest.approx(cap.multiplier * arrival_rate(reqs))
+    held = [p.multiplier for p in cap.probes if p.holds]
+    failed = [p.multiplier for p in cap.probes if not p.holds]
+    assert max(held) == cap.multiplier and min(failed) == cap.upper and cap.multiplier < cap.upper
+    assert all(not p.breaches for p in cap.probes if p.holds) and all(p.breaches for p in cap.probes if not p.holds)
+    # the answer is what a replay at it says: deterministic, so the same replays hold and fail again
+    again = backend.measure_requests(config, compress(reqs, cap.multiplier), prompts, run_id="again")
+    past = backend.measure_requests(config, compress(reqs, cap.upper), prompts, run_id="past")
+    assert breaches(again, SLO_CAP) == () and breaches(past, SLO_CAP) != ()
+    assert again.finished >= MIN_FINISHED * again.requests
+    assert cap.goodput_at_rate_tps is not None and cap.goodput_at_rate_tps > 0  # the search started at x1
+
+
+def test_a_config_that_serves_less_has_less_capacity_and_the_budget_bounds_the_search(sim) -> None:  # type: ignore[no-untyped-def]
+    backend, reqs, prompts = sim
+    roomy = VllmConfig(model="/m", kv_cache_memory_bytes=16 * 2**20)
+    starved = roomy.replace(max_num_seqs=2)
+    wide = replay_capacity(backend, roomy, reqs, prompts, slo=SLO_CAP, run_id="roomy", max_replays=10)
+    narrow = replay_capacity(backend, starved, reqs, prompts, slo=SLO_CAP, run_id="starved", max_replays=10)
+    assert 0 < narrow.capacity_rps < wide.capacity_rps
+    short = replay_capacity(backend, roomy, reqs, prompts, slo=SLO_CAP, run_id="short", max_replays=2)
+    assert len(short.probes) == 2 and short.multiplier <= wide.upper
+    with pytest.raises(ValueError, match="max_replays"):
+        replay_capacity(backend, roomy, reqs, prompts, slo=SLO_CAP, run_id="none", max_replays=0)
+    impossible = SLO(ttft_s=1e-6, tpot_s=0.1, p99_ttft_s=1e-6)  # no rate meets it: the search gives up at the floor
+    zero = replay_capacity(backend, roomy, reqs, prompts, slo=impossible, run_id="zero", max_replays=12)
+    assert zero.multiplier == 0.0 and zero.capacity_rps == 0.0 and not zero.bracketed
+
+
+def test_memory_is_held_at_the_running_configs_unless_allowed() -> None:
+    base = VllmConfig(model="/m", kv_cache_memory_bytes=16 * 2**20)
+    space = load_vllm_space(base=base)
+    assert "kv_cache_memory_bytes" in space.names
+    fixed = at_fixed_memory(space, base)
+    assert "kv_cache_memory_bytes" not in fixed.names and fixed.fixed["kv_cache_memory_bytes"] == 16 * 2**20
+    trial = fixed.apply(base, {"max_num_seqs": 32})
+    assert trial.kv_cache_memory_bytes == 16 * 2**20 and memory_changes(base, trial) == {}
+    more = space.apply(base, {"kv_cache_memory_bytes": 64 * 2**20})
+    assert memory_changes(base, more) == {"kv_cache_memory_bytes": (16 * 2**20, 64 * 2**20)}
+
+
+def _pairs(rng: random.Random, n: int, *, gain: float, noise: float) -> list[float]:
+    """Paired log ratios of ABBA pairs: each capacity drawn around its true value with `noise` (relative sd), the
+    machine's speed drifting over the pair (which the AB/BA halves cancel)."""
+    out = []
+    for _ in range(n):
+        drift = [1.0 + 0.05 * k for k in range(4)]
+        a1, b1, b2, a2 = (
+            10.0 * d * (1 + gain * (k in (1, 2))) * math.exp(rng.gauss(0, noise)) for k, d in enumerate(drift)
+        )
+        out.append(pair_log_ratio(a1, b1, b2, a2, floor=0.01))
+    return out
+
+
+def test_equal_configs_are_never_a_proposal_and_a_clear_gain_is() -> None:
+    rng = random.Random(7)
+    equal = [verdict(interval(_pairs(rng, 4, gain=0.0, noise=0.08)), margin=0.03) for _ in range(200)]
+    assert equal.count(PROPOSAL) <= 10  # a 90% interval is above 1 by chance 5% of the time: 10 of 200
+    quiet = [verdict(interval(_pairs(rng, 6, gain=0.0, noise=0.01)), margin=0.03) for _ in range(50)]
+    assert set(quiet) == {NO_GAIN}  # equivalent within the margin
+    better = [verdict(interval(_pairs(rng, 4, gain=0.3, noise=0.05)), margin=0.03) for _ in range(50)]
+    assert set(better) == {PROPOSAL}
+    worse = [verdict(interval(_pairs(rng, 4, gain=-0.3, noise=0.05)), margin=0.03) for _ in range(50)]
+    assert set(worse) == {NO_GAIN}
+
+
+def test_the_interval_is_the_t_interval_of_the_log_ratios() -> None:
+    iv = interval([math.log(1.1), math.log(1.3)])
+    mean, sd = math.log(math.sqrt(1.1 * 1.3)), (math.log(1.3) - math.log(1.1)) / math.sqrt(2)
+    assert iv.ratio == pytest.approx(math.exp(mean))
+    assert iv.low == pytest.approx(math.exp(mean - 6.314 * sd / math.sqrt(2)))
+    assert iv.high == pytest.approx(math.exp(mean + 6.314 * sd / math.sqrt(2)))
+    assert verdict(iv, margin=0.03) == INCONCLUSIVE  # two pairs this far apart bound nothing
+    one = interval([0.2])
+    assert one.low == 0.0 and math.isinf(one.high) and verdict(one, margin=0.03) == INCONCLUSIVE
+    drift_only = pair_log_ratio(10.0, 11.0, 12.0, 13.0, floor=0.01)  # equal configs, speed rising linearly
+    assert drift_only == pytest.approx((math.log(1.1) + math.log(12 / 13)) / 2) and abs(drift_only) < 0.01
+
+
+def test_the_budget_refuses_a_comparison_that_can_only_be_inconclusive_and_ranks_are_scored() -> None:
+    from tuner.vllm.tune import Budget, spearman
+
+    with pytest.raises(ValueError, match="at least 2 ABBA pairs"):
+        Budget(heldout_seeds=(1000,)).validate()
+    assert Budget(heldout_seeds=(1000,), repeats=2).validate().max_pairs == 2
+    with pytest.raises(ValueError, match="pair_replays"):
+        Budget(pair_replays=1).validate()
+    assert spearman([1.0, 2.0, 3.0], [10.0, 30.0, 20.0]) == pytest.approx(0.5)
+    assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert spearman([1.0, 1.0, 2.0], [5.0, 6.0, 7.0]) == pytest.approx(math.sqrt(3) / 2)  # ties: mean ranks
+    assert spearman([1.0], [2.0]) is None and spearman([1.0, 1.0], [2.0, 3.0]) is None

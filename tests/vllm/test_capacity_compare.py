@@ -1,0 +1,85 @@
+"""SLO capacity and the live ABBA comparison on a real vLLM: the running config (the session's vLLM, attached)
+gets a capacity from a tiny search, then the A/A check runs it against a second server of the same config (the one
+vLLM start here, paused while the other serves). The A/A check must not say `proposal`; every capacity is positive
+and what the replays' SLO outcomes say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from collector.db import make_engine
+from tuner import workloads as WL
+from tuner.capacity import breaches
+from tuner.compare import PROPOSAL
+from tuner.metrics import SLO
+from tuner.vllm.backend import VllmBackend
+from tuner.vllm.config import VllmConfig
+from tuner.vllm.space import load_vllm_space
+from tuner.vllm.tune import Budget, VllmTuning, checkpoint_model
+
+pytestmark = pytest.mark.vllm
+
+SLO_CAP = SLO(ttft_s=2.0, tpot_s=0.5, p99_ttft_s=2.0)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.timeout(900)  # one vLLM start: 40-100 s on 2 busy cores, minutes under load (plus the session vLLM's)
+def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.vllm.peer import ADMIN_TOKEN, KV_CACHE_BYTES, MODEL, TOKEN, vllm_python
+
+    base = VllmConfig(model=str(vllm_peer.checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    opts = WL.WorkloadOptions(requests=10, scale=16.0, output_range=(4, 12), max_total_tokens=512)
+
+    def workload(seed: int) -> list:
+        return WL.scenario("mixed", 3.0, opts, seed=seed)
+
+    db = make_engine(vllm_peer.db_url)
+    backend = VllmBackend(
+        workload=workload,
+        db=db,
+        slo=SLO_CAP,
+        python=vllm_python(),
+        collector_url=vllm_peer.collector_url,
+        ingest_token=TOKEN,
+        admin_token=ADMIN_TOKEN,
+        log_dir=tmp_path / "logs",
+    )
+    backend.attach(base, url=vllm_peer.url, run_id="vllm-session")
+    tuning = VllmTuning(
+        backend=backend,
+        db=db,
+        base=base,
+        space=load_vllm_space(base=base),
+        slo=SLO_CAP,
+        budget=Budget(heldout_seeds=(1000, 1001), capacity_replays=2, pair_replays=2, min_pairs=2),
+        model=checkpoint_model(vllm_peer.checkpoint, base.dtype),
+        workload=workload,
+        name="aa-test",
+    )
+    try:
+        cap = tuning.baseline_capacity()
+        assert 1 <= len(cap.probes) <= 2 and cap.capacity_rps > 0
+        for probe in cap.probes:  # what each replay's stored rows say is what the search concluded
+            assert probe.holds == (breaches(probe.metrics, SLO_CAP) == ()) and probe.metrics.requests == 10
+        assert cap.multiplier == max(p.multiplier for p in cap.probes if p.holds)
+        assert cap.upper is None or cap.upper == min(p.multiplier for p in cap.probes if not p.holds)
+        aa = tuning.aa_check()
+        # the second server is ours: pausing stops its whole process group, resuming continues it
+        pid = backend._servers[("aa", *base.to_args())].launcher.proc.pid
+        assert backend.pause(base, "aa") and _state(pid) == "T"
+        assert backend.resume(base, "aa") and _state(pid) != "T"
+        assert not backend.pause(base)  # the attached vLLM is not ours to stop
+    finally:
+        backend.close()
+        db.dispose()
+    assert aa.verdict != PROPOSAL, aa.as_dict()
+    assert len(aa.pairs) == 2 and all(p["replays"] >= 4 for p in aa.pairs)
+    assert all(c > 0 for p in aa.pairs for c in (*p["running"], *p["candidate"])), aa.as_dict()
+    assert backend.restart_costs()["launches"] == 1 and backend.stale_targets == []
+    assert aa.interval is not None and aa.interval.low <= aa.interval.ratio <= aa.interval.high

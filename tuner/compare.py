@@ -1,0 +1,256 @@
+"""A live comparison that beats the noise: the candidate against the running config, each on its own server,
+both up, the idle one paused while the other serves, measured in ABBA order, pairs added until the interval says.
+
+On a shared machine one measurement of a config swings by tens of percent from minute to minute, more than most
+config changes are worth. Three things take that out of the answer:
+- both servers are up for the whole comparison (no restart in between) and the idle one is paused, so neither
+  competes with the other for the CPU and each sees the machine as it is at that minute;
+- a pair is four measurements A B B A (A the running config, B the candidate) on one held-out seed, its log
+  capacity ratio the mean of the two halves' (log B1/A1 + log B2/A2) / 2: a drift of the machine's speed that is
+  linear over the pair cancels;
+- pairs are added (one held-out seed after another) until the 90% interval of the mean log ratio (Student's t
+  over the pairs) says something, or the pair budget ends.
+
+Verdict (`verdict`): `proposal` when the whole interval of the ratio is above 1 and above the equivalence margin;
+`no gain` when it is below 1, or inside 1 ± `margin` (the configs are equivalent to within what is worth a
+restart); otherwise `inconclusive`, said as such with the interval. The A/A check is the same protocol with the
+running config on both servers: it must not say `proposal`.
+
+Each measurement is a capacity (`tuner.capacity`), warm-started at that side's last answer with a short replay
+budget: a full search from scratch costs 5-8 replays, four per pair would take a quarter of an hour per pair on
+a CPU vLLM; started next to the answer a bracket of +-`step` takes 2-4.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine import workload as W
+from tuner.capacity import MIN_MULTIPLIER, Capacity, Replayer, replay_capacity
+from tuner.metrics import SLO
+
+log = logging.getLogger("kvpilot.tuner.compare")
+
+LEVEL = 0.90
+# two-sided 90% Student t quantiles (the 95th percentile) by degrees of freedom (pairs - 1)
+_T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
+_T95_LARGE = 1.645
+MAX_PAIRS = 10
+PROPOSAL, NO_GAIN, INCONCLUSIVE = "proposal", "no gain", "inconclusive"
+
+
+class Side(Protocol):
+    """One server of one config: measured on a seed starting at a multiplier, paused and resumed around it."""
+
+    label: str
+
+    def capacity(self, *, seed: int, start: float, tag: str) -> Capacity: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Interval:
+    ratio: float  # the geometric mean capacity ratio (candidate / running) over the pairs
+    low: float
+    high: float
+    pairs: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"ratio": self.ratio, "low": self.low, "high": self.high, "pairs": self.pairs}
+
+
+def interval(log_ratios: Sequence[float], *, level: float = LEVEL) -> Interval:
+    """The `level` interval of the capacity ratio from paired log ratios: exp(mean +- t * sd / sqrt(n))."""
+    if level != LEVEL:
+        raise ValueError(f"level: only {LEVEL} is tabulated, got {level}")
+    n = len(log_ratios)
+    if n == 0:
+        raise ValueError("interval: no pairs")
+    mean = statistics.fmean(log_ratios)
+    if n < 2:
+        return Interval(math.exp(mean), 0.0, math.inf, n)
+    half = _T95.get(n - 1, _T95_LARGE) * statistics.stdev(log_ratios) / math.sqrt(n)
+    return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n)
+
+
+def verdict(iv: Interval, *, margin: float) -> str:
+    """`proposal`, `no gain` or `inconclusive` for an interval of the ratio (module docstring)."""
+    if iv.high < 1.0 or (iv.low >= 1.0 / (1.0 + margin) and iv.high <= 1.0 + margin):
+        return NO_GAIN
+    if iv.low > 1.0 and iv.high > 1.0 + margin:
+        return PROPOSAL
+    return INCONCLUSIVE
+
+
+def pair_log_ratio(a1: float, b1: float, b2: float, a2: float, *, floor: float) -> float:
+    """The mean of the AB and BA halves' log ratios; a capacity of 0 counts as `floor` (no log of 0)."""
+    a1, b1, b2, a2 = (max(x, floor) for x in (a1, b1, b2, a2))
+    return (math.log(b1 / a1) + math.log(b2 / a2)) / 2.0
+
+
+@dataclass
+class Comparison:
+    running: str
+    candidate: str
+    margin: float
+    seeds: list[int]
+    pairs: list[dict[str, Any]] = field(default_factory=list)
+    interval: Interval | None = None
+    verdict: str = INCONCLUSIVE
+
+    @property
+    def gain(self) -> float:
+        return self.interval.ratio - 1.0 if self.interval else 0.0
+
+    @property
+    def gain_low(self) -> float:
+        return self.interval.low - 1.0 if self.interval else -1.0
+
+    @property
+    def gain_high(self) -> float:
+        return self.interval.high - 1.0 if self.interval else math.inf
+
+    def mean_capacity(self, side: str) -> float:
+        """Mean capacity (requests/s) of `side` ('running' or 'candidate') over every measurement."""
+        values = [c for p in self.pairs for c in p[side]]
+        return statistics.fmean(values) if values else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "running": self.running,
+            "candidate": self.candidate,
+            "verdict": self.verdict,
+            "gain": self.gain,
+            "gain_low": self.gain_low,
+            "gain_high": self.gain_high,
+            "interval": self.interval.as_dict() if self.interval else None,
+            "margin": self.margin,
+            "level": LEVEL,
+            "running_capacity_rps": self.mean_capacity("running"),
+            "candidate_capacity_rps": self.mean_capacity("candidate"),
+            "pairs": self.pairs,
+        }
+
+    def sentence(self) -> str:
+        """What the comparison says, with its interval."""
+        if self.interval is None:
+            return "not measured"
+        iv = self.interval
+        span = f"90% interval {iv.low - 1:+.1%}..{iv.high - 1:+.1%}, {iv.pairs} ABBA pair(s)"
+        if self.verdict == PROPOSAL:
+            return f"serves {self.gain:+.1%} traffic at the same SLOs ({span})"
+        if self.verdict == NO_GAIN:
+            return f"no gain: {self.gain:+.1%} capacity ({span}; equivalence margin +-{self.margin:.0%})"
+        return f"inconclusive: {self.gain:+.1%} capacity ({span}); the pair budget ended first"
+
+
+def compare(
+    running: Side,
+    candidate: Side,
+    *,
+    seeds: Sequence[int],
+    start: float,
+    min_pairs: int = 2,
+    max_pairs: int = 4,
+    margin: float = 0.03,
+    floor_rps: float,
+    say: Callable[[str], None] = lambda message: None,
+) -> Comparison:
+    """ABBA pairs on `seeds` in turn (module docstring). `start` is the multiplier both sides' first search starts
+    at (e.g. the running config's known capacity); each later one starts at its side's last answer."""
+    if not 2 <= min_pairs <= max_pairs <= MAX_PAIRS:
+        raise ValueError(f"pairs: need 2 <= min_pairs <= max_pairs <= {MAX_PAIRS}, got {min_pairs}, {max_pairs}")
+    if not seeds:
+        raise ValueError("seeds: at least one held-out seed")
+    out = Comparison(running.label, candidate.label, margin, list(seeds))
+    prior = {running.label: start, candidate.label: start}
+    running.pause()
+    candidate.pause()
+    try:
+        for i in range(max_pairs):
+            seed = seeds[i % len(seeds)]
+            abba = (running, candidate, candidate, running)
+            a1, b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(abba))
+            rps = [c.capacity_rps for c in (a1, b1, b2, a2)]
+            out.pairs.append(
+                {
+                    "seed": seed,
+                    "running": [a1.capacity_rps, a2.capacity_rps],
+                    "candidate": [b1.capacity_rps, b2.capacity_rps],
+                    "replays": sum(len(c.probes) for c in (a1, b1, b2, a2)),
+                    "log_ratio": pair_log_ratio(
+                        a1.capacity_rps, b1.capacity_rps, b2.capacity_rps, a2.capacity_rps, floor=floor_rps
+                    ),
+                }
+            )
+            out.interval = interval([p["log_ratio"] for p in out.pairs])
+            out.verdict = verdict(out.interval, margin=margin) if len(out.pairs) >= 2 else INCONCLUSIVE
+            say(f"pair {i + 1} (seed {seed}): capacities {', '.join(f'{x:.2f}' for x in rps)} req/s; {out.sentence()}")
+            if len(out.pairs) >= min_pairs and out.verdict != INCONCLUSIVE:
+                break
+    finally:
+        running.resume()
+        candidate.resume()
+    return out
+
+
+def _measure(side: Side, seed: int, prior: dict[str, float], tag: str) -> Capacity:
+    """One capacity of `side` with the other paused: resumed for it, paused after, warm-started at its last."""
+    side.resume()
+    try:
+        cap = side.capacity(seed=seed, start=prior[side.label], tag=tag)
+    finally:
+        side.pause()
+    if cap.multiplier > 0:
+        prior[side.label] = cap.multiplier
+    return cap
+
+
+@dataclass
+class ReplayerSide:
+    """A `Side` on any `tuner.capacity.Replayer`: the held-out seed's requests from `requests(seed)`, a short
+    search of `max_replays` around the prior in steps of `step`, pausing through the given callables."""
+
+    label: str
+    backend: Replayer
+    config: Any
+    requests: Callable[[int], tuple[list[W.WorkloadRequest], list[list[int]]]]
+    slo: SLO
+    name: str
+    step: float = 1.25
+    rel_tol: float = 0.06
+    max_replays: int = 4
+    on_pause: Callable[[], None] = lambda: None
+    on_resume: Callable[[], None] = lambda: None
+    measured: list[Capacity] = field(default_factory=list)
+
+    def capacity(self, *, seed: int, start: float, tag: str) -> Capacity:
+        reqs, prompts = self.requests(seed)
+        cap = replay_capacity(
+            self.backend,
+            self.config,
+            reqs,
+            prompts,
+            slo=self.slo,
+            run_id=f"{self.name}-{self.label}-s{seed}-{tag}",
+            start=max(start, MIN_MULTIPLIER),
+            growth=self.step,
+            rel_tol=self.rel_tol,
+            max_replays=self.max_replays,
+        )
+        self.measured.append(cap)
+        return cap
+
+    def pause(self) -> None:
+        self.on_pause()
+
+    def resume(self) -> None:
+        self.on_resume()
