@@ -25,7 +25,7 @@ SLO_CAP = SLO(ttft_s=0.5, tpot_s=0.05, p99_ttft_s=0.5)
 
 
 @pytest.fixture
-def sim(sqlite_url: str):  # type: ignore[no-untyped-def]
+def sim(sqlite_url: str):
     db = make_engine(sqlite_url)
     store_events(db, _synthetic_steps(300), key_prefix="cal")
     profile = fit_profile(stored_steps(db, start=0, end=2e9), model=CKPT_MODEL, block_size=128)
@@ -48,7 +48,7 @@ def test_compress_keeps_the_bursts_and_multiplies_the_rate() -> None:
         arrival_rate(compress([r for r in reqs if r.arrival_s == reqs[0].arrival_s] * 2, 1.0))
 
 
-def test_capacity_search_brackets_the_largest_rate_that_meets_the_slos(sim) -> None:  # type: ignore[no-untyped-def]
+def test_capacity_search_brackets_the_largest_rate_that_meets_the_slos(sim) -> None:
     backend, reqs, prompts = sim
     config = VllmConfig(model="/m", kv_cache_memory_bytes=16 * 2**20)
     cap = replay_capacity(backend, config, reqs, prompts, slo=SLO_CAP, run_id="cap", rel_tol=0.05, max_replays=12)
@@ -66,7 +66,7 @@ def test_capacity_search_brackets_the_largest_rate_that_meets_the_slos(sim) -> N
     assert cap.goodput_at_rate_tps is not None and cap.goodput_at_rate_tps > 0  # the search started at x1
 
 
-def test_a_config_that_serves_less_has_less_capacity_and_the_budget_bounds_the_search(sim) -> None:  # type: ignore[no-untyped-def]
+def test_a_config_that_serves_less_has_less_capacity_and_the_budget_bounds_the_search(sim) -> None:
     backend, reqs, prompts = sim
     roomy = VllmConfig(model="/m", kv_cache_memory_bytes=16 * 2**20)
     starved = roomy.replace(max_num_seqs=2)

@@ -30,7 +30,7 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.timeout(900)  # one vLLM start: 40-100 s on 2 busy cores, minutes under load (plus the session vLLM's)
-def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None:
     from tests.vllm.peer import ADMIN_TOKEN, KV_CACHE_BYTES, MODEL, TOKEN, vllm_python
 
     base = VllmConfig(model=str(vllm_peer.checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_CACHE_BYTES)
