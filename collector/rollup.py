@@ -2,7 +2,7 @@
 
 One row per (instance, run, minute) of non-warm-up steps: how many, their summed duration, and the highest
 KV usage, batch size and queue depth among them. A maximum of maxima is the maximum, so peaks read from
-the rollup equal the peaks over every step (`collector.queries.step_rollup_reads`).
+the rollup equal the peaks over every step (`collector.queries.step_rollup`).
 
 `roll_up` is run by the collector's maintenance (`collector.maintenance`): it recomputes whole minutes from
 `lookback_s` before the watermark up to `settle_s` before now (delete those buckets, insert them again from
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Float, cast, delete, func, insert, literal, select
 
 from collector.queries import bucket_expr
+from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
+from collector.queries.step_rollup import WATERMARK as STEPS
 from collector.schema import RollupWatermark, StepRollup, StepRow
-
-BUCKET_S = 60.0
-STEPS = "steps"
 
 
 @dataclass(frozen=True)
