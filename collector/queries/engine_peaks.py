@@ -151,21 +151,24 @@ def step_load_over_time(
     """instance -> per-bucket peaks over every step (warm-up left out): what a chart of peaks draws.
 
     `waiting` is the step's queue depth, which only kvpilot's engine reports (0 for vLLM's steps). A long
-    window reads whole minutes from the step rollup (`step_rollup`), with the same peaks; `rollup` says so.
+    window reads whole minutes from the step rollup (`step_rollup`), with the same peaks; a bucket's `rollup`
+    says it holds some.
     """
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
     out: dict[str, list[StepLoadBucket]] = {}
     with _bound(db) as conn:
-        rows, rolled = load_rows(conn, start=start, end=end, instances=instances, run_id=run_id, bucket_s=bucket_s)
+        rows, _ = load_rows(conn, start=start, end=end, instances=instances, run_id=run_id, bucket_s=bucket_s)
         b = bucket_expr(rows.c.ts, bucket_s, _dialect(conn)).label("bucket")
         stmt = (
-            select(rows.c.instance, b, *_peak_columns(rows)).group_by(rows.c.instance, b).order_by(rows.c.instance, b)
+            select(rows.c.instance, b, *_peak_columns(rows), func.max(rows.c.rolled))
+            .group_by(rows.c.instance, b)
+            .order_by(rows.c.instance, b)
         )
-        for name, bucket, kv, running, waiting, n in conn.execute(stmt):
+        for name, bucket, kv, running, waiting, n, rolled in conn.execute(stmt):
             kv_usage = None if kv is None else float(kv)
             out.setdefault(name, []).append(
-                StepLoadBucket(float(bucket), kv_usage, int(running), int(waiting), int(n), rolled)
+                StepLoadBucket(float(bucket), kv_usage, int(running), int(waiting), int(n), bool(rolled))
             )
     return out
 

@@ -3,10 +3,10 @@
 A window longer than `ROLLUP_AFTER_S` reads its whole minutes before the rollup's watermark from
 `step_rollups` (`collector.rollup`) and only its ragged edges and the minutes after the watermark from the
 raw steps, so a week's chart reads thousands of rollup rows instead of millions of steps. The rows have one
-shape, (instance, ts, kv_usage, running, waiting, steps), a rollup row standing for its minute's steps:
-their maxima and count. Maxima of maxima and sums of counts are exact, so the peaks are the same either
-way; bucketing them by a multiple of a minute is exact too (minutes nest in such buckets), and other
-widths read every step.
+shape, (instance, ts, kv_usage_max, running_max, waiting_max, steps, rolled), a rollup row (rolled 1)
+standing for its minute's steps: their maxima and count. Maxima of maxima and sums of counts are exact, so
+the peaks are the same either way; bucketing them by a multiple of a minute is exact too (minutes nest in
+such buckets), and other widths read every step.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def load_rows(
         conds.append(r.instance.in_(instances))
     if run_id is not None:
         conds.append(r.run_id == run_id)
-    rolled = select(r.instance, r.bucket_ts.label("ts"), r.kv_usage_max, r.running_max, r.waiting_max, r.steps).where(
-        *conds
-    )
+    one = cast(literal(1), Integer).label("rolled")
+    rolled = select(r.instance, r.bucket_ts.label("ts"), r.kv_usage_max, r.running_max, r.waiting_max, r.steps, one)
+    rolled = rolled.where(*conds)
     parts = [rolled, _raw(start, lo, instances, run_id), _raw(hi, end, instances, run_id)]
     return union_all(*parts).subquery("load"), True
 
@@ -83,4 +83,5 @@ def _raw(start: float, end: float, instances: Sequence[str] | None, run_id: str 
         st.num_seqs.label("running_max"),
         st.queue_depth.label("waiting_max"),
         cast(literal(1), Integer).label("steps"),
+        cast(literal(0), Integer).label("rolled"),
     ).where(*conds)
