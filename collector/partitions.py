@@ -31,9 +31,12 @@ _NAME = re.compile(rf"^({'|'.join(PARTITIONED)})_(p\d{{8}}|default)$")
 _BOUND = re.compile(r"FOR VALUES FROM \('?([-\d.e+]+)'?\) TO \('?([-\d.e+]+)'?\)")
 
 
-def is_partition_name(name: str) -> bool:
-    """Whether `name` is one of the partitions this module makes (schema comparison leaves them out)."""
-    return _NAME.match(name) is not None
+def is_postgresql_only(name: str, kind: str) -> bool:
+    """Whether a table or index is one of the PostgreSQL-only objects of the partitioned layout (a day or DEFAULT
+    partition, a BRIN index on `ts`), which are no models: schema comparison leaves them out."""
+    if kind == "table":
+        return _NAME.match(name) is not None
+    return kind == "index" and name.startswith("brin_")
 
 
 def day_start(ts: float) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from collector.partitions import is_partition_name
+from collector.partitions import is_postgresql_only
 from collector.schema import Base
 from collector.settings import CollectorSettings
 
@@ -18,8 +18,8 @@ def _url() -> str:
 
 
 def _include_name(name: str | None, type_: str, _parents: object) -> bool:
-    """Schema comparison leaves out the day partitions of the raw tables (PostgreSQL): they are not models."""
-    return not (type_ == "table" and name is not None and is_partition_name(name))
+    """Schema comparison leaves out the day partitions and BRIN indexes of the raw tables (PostgreSQL only)."""
+    return name is None or not is_postgresql_only(name, type_)
 
 
 def _configure(**kwargs: object) -> None:

@@ -85,7 +85,7 @@ def test_migration_partitions_stored_rows_and_downgrade_unpartitions_them(pg_url
             indexes = conn.execute(
                 text("SELECT indexname FROM pg_indexes WHERE tablename = 'steps' AND schemaname = current_schema()")
             ).scalars()
-            assert {"ix_steps_instance_ts", "ix_steps_run_id_ts", "pk_steps"} <= set(indexes)
+            assert {"ix_steps_instance_ts", "ix_steps_run_id_ts", "brin_steps_ts", "pk_steps"} <= set(indexes)
             conn.execute(insert, {"ts": DAY0 + 30})  # the id sequence came along: no clash with stored ids
             ids = conn.execute(text("SELECT id FROM steps ORDER BY id")).scalars().all()
         assert ids == [1, 2, 3, 4]
