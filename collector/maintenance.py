@@ -72,14 +72,12 @@ def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> Rou
         conn.commit()
         try:
             behind = math.ceil(settings.raw_retention_days)
-            with conn.begin():
-                created = partitions.ensure_ahead(
-                    conn, now=now, behind_days=behind, ahead_days=settings.partitions_ahead_days
-                )
-            with conn.begin():
-                left = partitions.rehome_default(
-                    conn, since=partitions.day_start(now) - behind * partitions.DAY_S, max_days=REHOME_DAYS_PER_ROUND
-                )
+            created = partitions.ensure_ahead(
+                conn, now=now, behind_days=behind, ahead_days=settings.partitions_ahead_days
+            )
+            left = partitions.rehome_default(
+                conn, since=partitions.day_start(now) - behind * partitions.DAY_S, max_days=REHOME_DAYS_PER_ROUND
+            )
             rolled = _roll(conn, settings, now)
         finally:
             conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})

@@ -112,14 +112,16 @@ def create_day(conn: Connection, table: str, day: int) -> bool:
 
 def ensure_ahead(conn: Connection, *, now: float, behind_days: int, ahead_days: int) -> list[str]:
     """Partitions for every day from `behind_days` before `now` to `ahead_days` after it, of every raw table;
-    the names of those made."""
+    the names of those made. One transaction per partition (`conn` has none open): the DEFAULT partition's
+    lock is held only while its own day is made."""
     made = []
     today = day_start(now)
     for table in PARTITIONED:
         for k in range(-behind_days, ahead_days + 1):
             day = today + k * DAY_S
-            if create_day(conn, table, day):
-                made.append(partition_name(table, day))
+            with conn.begin():
+                if create_day(conn, table, day):
+                    made.append(partition_name(table, day))
     return made
 
 
@@ -132,18 +134,26 @@ def default_rows(conn: Connection) -> dict[str, int]:
 
 def rehome_default(conn: Connection, *, since: float, max_days: int) -> dict[str, int]:
     """Give the days of rows in each DEFAULT partition (not older than `since`) partitions of their own, at
-    most `max_days` per table per call; table -> rows still in its DEFAULT partition afterwards."""
+    most `max_days` per table per call, a transaction each (`conn` has none open); table -> rows still in its
+    DEFAULT partition afterwards."""
     for table in PARTITIONED:
-        days = conn.execute(
-            text(
-                f'SELECT DISTINCT floor(ts / {DAY_S}) * {DAY_S} AS day FROM "{table}_default"'
-                " WHERE ts >= :since ORDER BY day LIMIT :n"
-            ),
-            {"since": since, "n": max_days},
-        ).scalars()
-        for day in list(days):
-            create_day(conn, table, int(day))
-    return default_rows(conn)
+        with conn.begin():
+            days = (
+                conn.execute(
+                    text(
+                        f'SELECT DISTINCT floor(ts / {DAY_S}) * {DAY_S} AS day FROM "{table}_default"'
+                        " WHERE ts >= :since ORDER BY day LIMIT :n"
+                    ),
+                    {"since": since, "n": max_days},
+                )
+                .scalars()
+                .all()
+            )
+        for day in days:
+            with conn.begin():
+                create_day(conn, table, int(day))
+    with conn.begin():
+        return default_rows(conn)
 
 
 def drop_before(conn: Connection, cutoff: float) -> dict[str, int]:

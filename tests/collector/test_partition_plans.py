@@ -54,6 +54,7 @@ def loaded(_pg_schema_url: str) -> Iterator[Engine]:
             for p in partitions.list_partitions(conn, table):
                 if p.start is not None:
                     conn.execute(text(f'DROP TABLE "{p.name}"'))
+    with engine.connect() as conn:
         partitions.ensure_ahead(conn, now=DAY0 + 3 * partitions.DAY_S, behind_days=3, ahead_days=DAYS - 4)
     for k in range(DAYS):
         day = DAY0 + k * partitions.DAY_S
