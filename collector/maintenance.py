@@ -2,9 +2,9 @@
 every `maintenance_interval_s`, off the request path.
 
 On PostgreSQL one collector at a time does it (a session advisory lock; the others skip the round), so
-many stateless collectors on one database do not race on DDL. A round makes the partitions from the
-oldest day a push may still carry (`raw_retention_days`) to `partitions_ahead_days` ahead, gives rows
-that landed in a DEFAULT partition a partition of their own day, and reports what is left there in
+many stateless collectors on one database do not race on DDL. A round makes the partitions from
+yesterday to `partitions_ahead_days` ahead, gives rows that landed in a DEFAULT partition (a day older
+than that, within `raw_retention_days`) a partition of their own day, and reports what is left there in
 `kvpilot_collector_partition_default_rows{table}` (and a log line): such rows mean a day had no partition
 when they arrived. Every round's outcome is counted in `kvpilot_collector_maintenance_runs{result}`;
 a failed round is logged and retried at the next interval.
@@ -13,7 +13,6 @@ a failed round is logged and retried at the next interval.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +30,10 @@ log = logging.getLogger("kvpilot.collector.maintenance")
 
 LOCK_KEY = 0x6B76_7069_6D61  # pg_advisory_lock key of the maintenance round ("kvpima")
 REHOME_DAYS_PER_ROUND = 7
+# Days behind today made ahead of need: yesterday's stays for late pushes. An older day gets its partition
+# when a row of it arrives (through the DEFAULT partition), so a long retention does not mean thousands of
+# empty partitions.
+BEHIND_DAYS = 1
 ROLLUP_SPANS_PER_ROUND = 8  # of a day each, one transaction each: a week's backlog in one round
 
 
@@ -71,13 +74,11 @@ def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> Rou
             return RoundResult(skipped=True)
         conn.commit()
         try:
-            behind = math.ceil(settings.raw_retention_days)
             created = partitions.ensure_ahead(
-                conn, now=now, behind_days=behind, ahead_days=settings.partitions_ahead_days
+                conn, now=now, behind_days=BEHIND_DAYS, ahead_days=settings.partitions_ahead_days
             )
-            left = partitions.rehome_default(
-                conn, since=partitions.day_start(now) - behind * partitions.DAY_S, max_days=REHOME_DAYS_PER_ROUND
-            )
+            since = partitions.day_start(now - settings.raw_retention_days * partitions.DAY_S)
+            left = partitions.rehome_default(conn, since=since, max_days=REHOME_DAYS_PER_ROUND)
             rolled = _roll(conn, settings, now)
         finally:
             conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})

@@ -110,8 +110,8 @@ def test_a_row_without_its_day_lands_in_default_and_maintenance_rehomes_it(pg_ur
     maintenance = Maintenance(pg_engine, settings(pg_url), metrics=MaintenanceMetrics(registry), clock=lambda: now)
     made = maintenance.run_once()
     assert made is not None and "steps_p20251011" in made.created  # two days ahead
-    assert "steps_p20251006" in made.created and "steps_p20251005" not in made.created  # three behind
-    assert registry.get_sample_value("kvpilot_collector_partitions_created_total") == 6 * len(partitions.PARTITIONED)
+    assert "steps_p20251008" in made.created and "steps_p20251007" not in made.created  # one behind
+    assert registry.get_sample_value("kvpilot_collector_partitions_created_total") == 4 * len(partitions.PARTITIONED)
 
     ingest(pg_engine, [ev.step(0, ts=now), ev.sample(0, ts=now)], "today", now)
     later = DAY0 + 9 * DAY  # no partition for that day yet: the batch is stored all the same
@@ -251,8 +251,8 @@ def test_db_partitions_command(pg_url: str, pg_engine: Engine, sqlite_url: str) 
     created = runner.invoke(db_app, ["partitions", "--db-url", pg_url, "--create"])
     assert created.exit_code == 0, created.output
     made = re.search(r"made (\d+) partitions", created.output)
-    assert made and int(made[1]) == 11 * len(partitions.PARTITIONED)  # 7 days behind to 3 ahead, by default
-    assert "steps: 11 day partitions" in created.output and "0 rows in steps_default" in created.output
+    assert made and int(made[1]) == 5 * len(partitions.PARTITIONED)  # yesterday to 3 days ahead, by default
+    assert "steps: 5 day partitions" in created.output and "0 rows in steps_default" in created.output
     listed = runner.invoke(db_app, ["partitions", "--db-url", pg_url])
     assert listed.exit_code == 0 and "made" not in listed.output
     lite = runner.invoke(db_app, ["partitions", "--db-url", sqlite_url])
