@@ -8,6 +8,12 @@ between raw and downsampled data, and `collector.queries.series_points` reads bo
 A scraped series keeps its label set: its aggregates are per (instance, name, labels), exactly the raw
 `series_points` identity, so GPUs, MIG instances, engines and histogram buckets stay apart in history.
 Series from the engine event tables have no labels and are stored with '{}'.
+
+On PostgreSQL the raw tables are partitioned by day (`collector.partitions`): the cutoff is aligned to the
+day, and the days before it are dropped whole (their rows counted first), with no mass DELETE; only strays
+in a DEFAULT partition are deleted. So PostgreSQL keeps raw rows for `raw_days` plus up to a day. SQLite
+deletes rows before the minute-aligned cutoff. The step rollup (`collector.rollup`) is kept as long as the
+1-minute aggregates.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, Float, delete, func, insert, literal, select
 
+from collector import partitions
 from collector.db import translate_errors
 from collector.exposition import labels_json
 from collector.queries import bucket_expr
@@ -30,6 +37,7 @@ from collector.schema import (
     RequestRow,
     SampleRow,
     SeriesPoint,
+    StepRollup,
     StepRow,
 )
 from collector.series import SAMPLE_COLUMNS, STEP_COLUMNS
@@ -57,8 +65,9 @@ def prune(
         raise ValueError("retention days must be positive")
     if downsample_days < raw_days:
         raise ValueError("downsampled data must be kept at least as long as raw data")
+    if DAY % bucket_s:
+        raise ValueError("bucket_s must divide a day")
     now = time.time() if now is None else now
-    raw_cutoff = math.floor((now - raw_days * DAY) / bucket_s) * bucket_s
     down_cutoff = now - downsample_days * DAY
     d = DownsampledPoint.__table__
     cols = [d.c.instance, d.c.name, d.c.labels, d.c.bucket_ts, d.c.bucket_s, d.c.count, d.c.sum, d.c.min, d.c.max]
@@ -66,6 +75,9 @@ def prune(
     written = 0
     with translate_errors(), engine.begin() as conn:
         dialect = conn.dialect.name
+        by_day = dialect == "postgresql" and partitions.is_partitioned(conn, StepRow.__tablename__)
+        align = DAY if by_day else bucket_s
+        raw_cutoff = math.floor((now - raw_days * DAY) / align) * align
         for name, column in {**SAMPLE_COLUMNS, **STEP_COLUMNS}.items():
             table = SampleRow.__table__ if name in SAMPLE_COLUMNS else StepRow.__table__
             value = table.c.prefill_tokens + table.c.decode_tokens if name == "step_tokens" else table.c[column]
@@ -106,11 +118,16 @@ def prune(
         )
         written += max(conn.execute(insert(d).from_select(cols, src)).rowcount or 0, 0)
 
+        if by_day:
+            deleted.update(partitions.drop_before(conn, raw_cutoff))
         for model in (RequestRow, StepRow, AllocRow, SampleRow, GapRow, SeriesPoint):
             t = model.__table__
-            deleted[t.name] = conn.execute(delete(t).where(t.c.ts < raw_cutoff)).rowcount or 0
+            if t.name not in deleted:
+                deleted[t.name] = conn.execute(delete(t).where(t.c.ts < raw_cutoff)).rowcount or 0
         for batch_table in (IngestBatch.__table__, OtlpSpan.__table__):
             expired = batch_table.c.received_at < raw_cutoff
             deleted[batch_table.name] = conn.execute(delete(batch_table).where(expired)).rowcount or 0
         deleted[d.name] = conn.execute(delete(d).where(d.c.bucket_ts < down_cutoff)).rowcount or 0
+        r = StepRollup.__table__
+        deleted[r.name] = conn.execute(delete(r).where(r.c.bucket_ts < down_cutoff)).rowcount or 0
     return PruneResult(raw_cutoff, down_cutoff, written, deleted)

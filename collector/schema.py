@@ -5,7 +5,9 @@ SQLite and PostgreSQL alike, cheap to bucket in SQL, and never ambiguous about t
 
 Raw event tables (`requests`, `steps`, `alloc_events`, `samples`, `gaps`, `series_points`) are written only by
 the ingest fast path and the scraper with Core `insert()`; the ORM classes exist for typed reads and for
-the small tables (targets, proposals).
+the small tables (targets, proposals). On PostgreSQL the high-volume ones are partitioned by day on `ts`
+(`collector.partitions`, revision a7c3e9f1b2d4): there their primary key is (id, ts), not the (id) declared
+here, which is what SQLite has.
 """
 
 from __future__ import annotations
@@ -276,6 +278,32 @@ class DownsampledPoint(Base):
     sum: Mapped[float] = mapped_column(Float)
     min: Mapped[float] = mapped_column(Float)
     max: Mapped[float] = mapped_column(Float)
+
+
+class StepRollup(Base):
+    """Per-minute aggregates of one instance's and run's steps (warm-up left out), kept by the collector's
+    maintenance (`collector.rollup`) for history views over long ranges; as long as `samples_downsampled`."""
+
+    __tablename__ = "step_rollups"
+    __table_args__ = (Index("ix_step_rollups_bucket_ts", "bucket_ts"),)
+
+    instance: Mapped[str] = mapped_column(Name, primary_key=True)
+    run_id: Mapped[str] = mapped_column(Name, primary_key=True)
+    bucket_ts: Mapped[float] = mapped_column(Float, primary_key=True)
+    steps: Mapped[int] = mapped_column(Integer)
+    duration_sum: Mapped[float] = mapped_column(Float)
+    kv_usage_max: Mapped[float | None] = mapped_column(Float)  # kv_blocks_used / kv_blocks_total
+    running_max: Mapped[int] = mapped_column(Integer)  # num_seqs
+    waiting_max: Mapped[int] = mapped_column(Integer)  # queue_depth
+
+
+class RollupWatermark(Base):
+    """How far a rollup is complete: buckets before `through_ts` are rolled up, later ones read raw."""
+
+    __tablename__ = "rollup_watermarks"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    through_ts: Mapped[float] = mapped_column(Float)
 
 
 PROPOSAL_STATUSES = ("pending", "accepted", "rejected", "applied")

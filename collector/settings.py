@@ -25,6 +25,8 @@ an ingest identity owns at most `max_instances_per_identity` instances, creates 
 at most `max_new_runs_per_minute` runs.
 Time: a pushed event's `ts` lies within `raw_retention_days` back and `max_clock_skew_s` ahead
 (`collector.validation.TimeWindow`).
+Maintenance (`collector.maintenance`): every `maintenance_interval_s` it makes day partitions
+`partitions_ahead_days` ahead (PostgreSQL) and rolls up steps, recounting the last `rollup_lookback_s`.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ class CollectorSettings(BaseSettings):
         300.0, ge=0, le=86_400, description="how far ahead of the collector's clock a pushed event may be"
     )
     downsample_retention_days: float = Field(90.0, gt=0)
+    maintenance_interval_s: float = Field(
+        300.0, gt=0, le=86_400, description="how often maintenance makes partitions ahead and rolls up steps"
+    )
+    partitions_ahead_days: int = Field(3, ge=1, le=60, description="PostgreSQL: day partitions made ahead of today")
+    rollup_lookback_s: float = Field(
+        900.0, ge=0, le=86_400, description="a step arriving this late is still counted in the rollup"
+    )
     log_level: str = "info"
 
     @field_validator("otlp_instance_map")

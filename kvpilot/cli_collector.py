@@ -230,6 +230,49 @@ def prune_cmd(
     typer.echo(f"downsampled {result.downsampled_rows} buckets; deleted: {deleted}")
 
 
+@db_app.command("partitions")
+def partitions_cmd(
+    db_url: str = DbUrl,
+    create: bool = typer.Option(
+        False, "--create", help="run a maintenance round now: day partitions ahead, strays re-homed, steps rolled up"
+    ),
+) -> None:
+    """List the day partitions of the raw tables (PostgreSQL) and the rows in their DEFAULT partitions."""
+    import time
+
+    from collector import partitions
+    from collector.db import translate_errors
+    from collector.maintenance import run_round
+
+    settings = _settings(db_url)
+    engine = make_engine(settings.db_url, sqlite_synchronous=settings.sqlite_synchronous)
+    try:
+        check_schema_current(engine)
+        if engine.dialect.name != "postgresql":
+            typer.echo(f"{redact(settings.db_url)}: SQLite has no partitions; `kvpilot db prune` deletes old rows")
+            return
+        if create:
+            made = run_round(engine, settings, now=time.time())
+            typer.echo("another collector holds the maintenance lock; nothing done" if made.skipped
+                       else f"made {len(made.created)} partitions")  # fmt: skip
+        with translate_errors(), engine.connect() as conn:
+            strays = partitions.default_rows(conn)
+            for table in partitions.PARTITIONED:
+                days = [p for p in partitions.list_partitions(conn, table) if p.start is not None]
+                span = f"{_day(days[0].start)} .. {_day(days[-1].start)}" if days else "none"
+                typer.echo(f"{table}: {len(days)} day partitions ({span}); {strays[table]} rows in {table}_default")
+    except CollectorError as exc:
+        raise _fail(exc) from exc
+    finally:
+        engine.dispose()
+
+
+def _day(ts: float | None) -> str:
+    import datetime as dt
+
+    return f"{dt.datetime.fromtimestamp(ts or 0.0, dt.UTC):%Y-%m-%d}"
+
+
 @collector_app.command("tail")
 def tail_cmd(
     file: Path = typer.Option(..., "--file", exists=True, dir_okay=False, help="vLLM's log (its stdout/stderr)"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
+from collector.partitions import is_postgresql_only
 from collector.schema import Base
 from collector.settings import CollectorSettings
 
@@ -16,12 +17,18 @@ def _url() -> str:
     return config.attributes.get("kvpilot_url") or CollectorSettings().db_url
 
 
+def _include_name(name: str | None, type_: str, _parents: object) -> bool:
+    """Schema comparison leaves out the day partitions and BRIN indexes of the raw tables (PostgreSQL only)."""
+    return name is None or not is_postgresql_only(name, type_)
+
+
 def _configure(**kwargs: object) -> None:
     url = _url()
     context.configure(
         target_metadata=target_metadata,
         render_as_batch=url.startswith("sqlite"),
         compare_type=True,
+        include_name=_include_name,
         **kwargs,
     )
 

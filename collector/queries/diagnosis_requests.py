@@ -301,8 +301,8 @@ def cold_start(
     trap = "cold_start"
     r = RequestRow.__table__.c
     runs_in_window = select(r.run_id).where(*_request_filter(start, end, [instance], run_id, None, False)).distinct()
-    firsts = select(r.run_id, func.min(r.ts)).where(
-        r.instance == instance, r.warmup.is_(False), r.run_id.in_(runs_in_window)
+    firsts = select(r.run_id, func.min(r.ts)).where(  # ts < end: the same minimum, no later day read
+        r.instance == instance, r.warmup.is_(False), r.run_id.in_(runs_in_window), r.ts < end
     )
     cols = ("request_id", "run_id", "ts", "prompt_tokens", "output_tokens", "queue_s", "ttft_s", "e2e_s")
     per_run: dict[str, list] = {}

@@ -13,6 +13,9 @@ waiting at once is the most of those intervals that overlap (a preempted request
 its span). Without request rows it is the sampled `vllm:num_requests_waiting`. A step row's instance is a
 kvpilot engine when that instance also pushes sample events (kvpilot's engine samples its gauges; the
 vLLM adapter does not).
+
+A window longer than a few hours reads the whole minutes the per-minute step rollup holds instead of every
+step (`collector.queries.step_rollup`): the peaks are the same, and the step source says so.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Float, cast, func, select
+from sqlalchemy import Subquery, func, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, _bound, _dialect, bucket_expr
+from collector.queries.step_rollup import ROLLUP_NOTE, load_rows
 from collector.queries.timeseries import series_points
-from collector.schema import RequestRow, SampleRow, StepRow
+from collector.schema import RequestRow, SampleRow
 
 VLLM_STEPS = "vLLM iteration log (every step)"
 VLLM_SPANS = "vLLM spans (every request's time in the queue)"
@@ -82,7 +86,7 @@ def engine_peaks(
     With `run_id`, steps and engine samples are those of that run; scraped series carry no run and are
     read over the window.
     """
-    step_peaks = _step_peaks(db, start=start, end=end, instances=instances, run_id=run_id)
+    step_peaks, rolled = _step_peaks(db, start=start, end=end, instances=instances, run_id=run_id)
     pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
     kv: list[tuple[float, str]] = []
     running: list[tuple[float, str]] = []
@@ -92,6 +96,8 @@ def engine_peaks(
     )
     for name, peaks in step_peaks.items():
         label = KVPILOT_STEPS if name in pushing else VLLM_STEPS
+        if rolled:
+            label = f"{label}; {ROLLUP_NOTE}"
         if peaks.kv is not None:
             kv.append((peaks.kv, label))
         running.append((peaks.running, label))
@@ -130,19 +136,7 @@ class StepLoadBucket:
     running: int
     waiting: int
     steps: int
-
-
-def _step_conds(
-    *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
-) -> list[ColumnElement]:
-    """The step rows of a window (warm-up left out), for an instance list and run when given."""
-    st = StepRow.__table__.c
-    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
-    if instances is not None:
-        conds.append(st.instance.in_(instances))
-    if run_id is not None:
-        conds.append(st.run_id == run_id)
-    return conds
+    rollup: bool = False  # whole minutes of it were read from the step rollup
 
 
 def step_load_over_time(
@@ -156,27 +150,36 @@ def step_load_over_time(
 ) -> dict[str, list[StepLoadBucket]]:
     """instance -> per-bucket peaks over every step (warm-up left out): what a chart of peaks draws.
 
-    `waiting` is the step's queue depth, which only kvpilot's engine reports (0 for vLLM's steps).
+    `waiting` is the step's queue depth, which only kvpilot's engine reports (0 for vLLM's steps). A long
+    window reads whole minutes from the step rollup (`step_rollup`), with the same peaks; a bucket's `rollup`
+    says it holds some.
     """
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
-    st = StepRow.__table__.c
-    conds = _step_conds(start=start, end=end, instances=instances, run_id=run_id)
-    usage = func.max(cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0))
     out: dict[str, list[StepLoadBucket]] = {}
     with _bound(db) as conn:
-        b = bucket_expr(st.ts, bucket_s, _dialect(conn)).label("bucket")
+        rows, _ = load_rows(conn, start=start, end=end, instances=instances, run_id=run_id, bucket_s=bucket_s)
+        b = bucket_expr(rows.c.ts, bucket_s, _dialect(conn)).label("bucket")
         stmt = (
-            select(st.instance, b, usage, func.max(st.num_seqs), func.max(st.queue_depth), func.count())
-            .where(*conds)
-            .group_by(st.instance, b)
-            .order_by(st.instance, b)
+            select(rows.c.instance, b, *_peak_columns(rows), func.max(rows.c.rolled))
+            .group_by(rows.c.instance, b)
+            .order_by(rows.c.instance, b)
         )
-        for name, bucket, kv, running, waiting, n in conn.execute(stmt):
+        for name, bucket, kv, running, waiting, n, rolled in conn.execute(stmt):
+            kv_usage = None if kv is None else float(kv)
             out.setdefault(name, []).append(
-                StepLoadBucket(float(bucket), None if kv is None else float(kv), int(running), int(waiting), int(n))
+                StepLoadBucket(float(bucket), kv_usage, int(running), int(waiting), int(n), bool(rolled))
             )
     return out
+
+
+def _peak_columns(rows: Subquery) -> list[ColumnElement]:
+    return [
+        func.max(rows.c.kv_usage_max),
+        func.max(rows.c.running_max),
+        func.max(rows.c.waiting_max),
+        func.sum(rows.c.steps),
+    ]
 
 
 def step_source(db: Db, *, start: float, end: float, instances: Sequence[str], run_id: str | None = None) -> str:
@@ -195,20 +198,16 @@ def _highest(found: list[tuple[float, str]]) -> tuple[float | None, str]:
 
 def _step_peaks(
     db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
-) -> dict[str, _StepPeaks]:
-    st = StepRow.__table__.c
-    conds = _step_conds(start=start, end=end, instances=instances, run_id=run_id)
-    usage = func.max(cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0))
-    stmt = (
-        select(st.instance, usage, func.max(st.num_seqs), func.max(st.queue_depth), func.count())
-        .where(*conds)
-        .group_by(st.instance)
-    )
+) -> tuple[dict[str, _StepPeaks], bool]:
+    """instance -> its step peaks, and whether the step rollup was read for part of the window."""
     with _bound(db) as conn:
-        return {
+        rows, rolled = load_rows(conn, start=start, end=end, instances=instances, run_id=run_id)
+        stmt = select(rows.c.instance, *_peak_columns(rows)).group_by(rows.c.instance)
+        peaks = {
             name: _StepPeaks(None if kv is None else float(kv), int(running), int(waiting), int(n))
             for name, kv, running, waiting, n in conn.execute(stmt)
         }
+    return peaks, rolled
 
 
 def _queue_peaks(db: Db, *, start: float, end: float, instances: Sequence[str], run_id: str | None) -> dict[str, int]:

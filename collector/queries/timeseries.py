@@ -126,6 +126,7 @@ def _event_counter(name: str, start: float, end: float) -> Select:
     count = (
         select(func.count())
         .where(ev.c.instance == smp.c.instance, ev.c[column] == value, ev.c.ts >= start, ev.c.ts <= smp.c.ts)
+        .where(ev.c.ts < end)  # implied by the sample's ts < end; said outright, it prunes later day partitions
         .scalar_subquery()
     )
     no_labels = cast(literal(_NO_LABELS), Text).label("labels")

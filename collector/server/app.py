@@ -1,5 +1,5 @@
-"""The collector's FastAPI app: lifespan (database, schema check, health probe, scraper), routers, and one
-place for refusals.
+"""The collector's FastAPI app: lifespan (database, schema check, health probe, scraper, maintenance), routers,
+and one place for refusals.
 
 Every refusal, wherever raised, is answered here as `{"detail": ..., "errors": ...}` (on /v1/traces as the
 OTLP spec's google.rpc.Status), counted in `kvpilot_collector_ingest_rejected_total{reason}` and logged,
@@ -28,6 +28,7 @@ from collector.db import check_schema_current, make_engine, redact, session_fact
 from collector.errors import CollectorError, StorageError
 from collector.events import EventBatch
 from collector.identities import IdentityStore
+from collector.maintenance import Maintenance, MaintenanceMetrics
 from collector.netpolicy import AddressPolicy
 from collector.owners import adopt
 from collector.redact import redact_logger
@@ -97,6 +98,8 @@ def create_app(
             identities=identities,
         )
         state.health.start()
+        maintenance = Maintenance(db, settings, metrics=MaintenanceMetrics(registry))
+        maintenance.start()
         scrape = settings.scrape_enabled if start_scraper is None else start_scraper
         if scrape:
             metrics = ScrapeMetrics(registry)
@@ -108,6 +111,7 @@ def create_app(
             yield
         finally:
             state.health.stop()
+            maintenance.stop()
             state.admission.close()
             if state.scraper:
                 state.scraper.stop()

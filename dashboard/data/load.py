@@ -14,6 +14,7 @@ import streamlit as st
 
 from collector import queries
 from collector.queries.engine_peaks import KVPILOT_STEPS, VLLM_STEPS
+from collector.queries.step_rollup import ROLLUP_NOTE
 from dashboard.data import serving
 from dashboard.data.base import TTL_S, Filters, engine, to_time
 from dashboard.data.catalog import selection
@@ -56,7 +57,14 @@ def over_time(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
     }
     covered = {name: {i for i in steps if name != "queue_depth" or sources[i] == KVPILOT_STEPS} for name in names}
     rows = [
-        {"instance": inst, "line": inst, "ts": b.ts, "series": name, "value": value, "source": sources[inst]}
+        {
+            "instance": inst,
+            "line": inst,
+            "ts": b.ts,
+            "series": name,
+            "value": value,
+            "source": _source(sources[inst], b),
+        }
         for inst, buckets in steps.items()
         for name in names
         if inst in covered[name]
@@ -86,6 +94,10 @@ def over_time(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
     return df
 
 
+def _source(steps_source: str, bucket: queries.StepLoadBucket) -> str:
+    return f"{steps_source}; {ROLLUP_NOTE}" if bucket.rollup else steps_source
+
+
 def figure(what: str, value: str, source: str) -> str:
     """`what` with its value and source: a peak when it comes from every step, a sample's highest otherwise."""
     name = f"{what}, highest sample" if "sampled" in source else f"{what} peak"
@@ -95,7 +107,8 @@ def figure(what: str, value: str, source: str) -> str:
 def describe(df: pd.DataFrame, bucket: str) -> str:
     """A chart title's tail: what each point is, by where its line comes from."""
     found = set(df["source"]) if not df.empty else set()
-    parts = [f"peak per {bucket} over every step: {s}" for s in (VLLM_STEPS, KVPILOT_STEPS) if s in found]
+    stepped = [s for kind in (VLLM_STEPS, KVPILOT_STEPS) for s in sorted(found) if s.startswith(kind)]
+    parts = [f"peak per {bucket} over every step: {s}" for s in stepped]
     if SAMPLED in found:
         parts.append(f"highest sample per {bucket}: {SAMPLED}")
     return "; ".join(parts)

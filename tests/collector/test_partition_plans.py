@@ -1,0 +1,177 @@
+"""EXPLAIN (FORMAT JSON) of what the dashboard's Overview, Latency and KV pages, the rules and `kvpilot status`
+run over an hour of a week of day partitions: every scan of a raw table stays in that hour's day (plan-time
+pruning), never a scan of the whole partitioned table. PostgreSQL only.
+
+The statements are the ones the read functions really send (recorded with their parameters from the
+engine's cursor events), explained with the same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, event, insert, text
+
+from alerts.sql_source import SqlSource
+from collector import partitions, queries
+from collector.db import make_engine
+from collector.ingest import parse_batch, store_batch
+from collector.schema import SeriesPoint
+from tests.collector import evfactory as ev
+
+pytestmark = pytest.mark.postgres
+
+DAY0 = partitions.day_start(ev.T0)
+DAYS = 6
+HOUR = DAY0 + 2 * partitions.DAY_S + 12 * 3600  # the window: an hour in the middle of the third day
+WINDOW = {"start": HOUR, "end": HOUR + 3600}
+THIRD_DAY = partitions.partition_name("x", DAY0 + 2 * partitions.DAY_S)[len("x_") :]  # p20251011
+
+
+def _day_events(day: float) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for inst in ("e0", "e1"):
+        for i in range(0, 86_400, 240):  # every 4 minutes: 360 of each kind per instance per day
+            ts = day + i + (1 if inst == "e1" else 0)
+            events += [
+                ev.step(i, ts=ts, instance=inst, num_seqs=1 + i % 50),
+                ev.request(i, ts=ts, instance=inst, request_id=f"{inst}-{day}-{i}"),
+                ev.sample(i, ts=ts, instance=inst, kv_usage=(i % 100) / 100),
+                ev.alloc(i, ts=ts, instance=inst, op="oom" if i % 7200 == 0 else "alloc"),
+            ]
+    return events
+
+
+@pytest.fixture(scope="module")
+def loaded(_pg_schema_url: str) -> Iterator[Engine]:
+    engine = make_engine(_pg_schema_url)
+    with engine.begin() as conn:
+        for table in partitions.PARTITIONED:
+            conn.execute(text(f'TRUNCATE "{table}"'))
+            for p in partitions.list_partitions(conn, table):
+                if p.start is not None:
+                    conn.execute(text(f'DROP TABLE "{p.name}"'))
+    with engine.connect() as conn:
+        partitions.ensure_ahead(conn, now=DAY0 + 3 * partitions.DAY_S, behind_days=3, ahead_days=DAYS - 4)
+    for k in range(DAYS):
+        day = DAY0 + k * partitions.DAY_S
+        raw = ev.body(_day_events(day))
+        store_batch(engine, parse_batch(raw, max_events=100_000), idempotency_key=f"day{k}", content=raw, now=day)
+        points = [
+            {"instance": "gpu", "name": name, "labels": '{"gpu":"0"}', "ts": day + i, "value": 0.5, "target_id": 1}
+            for name in ("utilization", "memory_used_bytes", "memory_total_bytes", "queue_depth")
+            for i in range(0, 86_400, 300)
+        ]
+        with engine.begin() as conn:
+            conn.execute(insert(SeriesPoint.__table__), points)
+    with engine.connect() as conn:
+        conn.execute(text("ANALYZE"))
+        conn.commit()
+    yield engine
+    engine.dispose()
+
+
+def _recorded(engine: Engine, call: Callable[[], object]) -> list[tuple[str, Any]]:
+    seen: list[tuple[str, Any]] = []
+
+    def record(_conn, _cursor, statement, parameters, _context, _many) -> None:  # type: ignore[no-untyped-def]
+        seen.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        call()
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    return seen
+
+
+def _scans(plan: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(node type, relation) of every scan in a JSON plan."""
+    if "Relation Name" in plan:
+        yield plan["Node Type"], plan["Relation Name"]
+    for child in plan.get("Plans", []):
+        yield from _scans(child)
+
+
+def _raw_scans(engine: Engine, statements: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """(node type, relation) of every scan of a raw table or partition in the plans of `statements`."""
+    found = []
+    with engine.connect() as conn:
+        for statement, parameters in statements:
+            if not statement.lstrip().upper().startswith(("SELECT", "WITH")):
+                continue
+            plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters).scalar_one()
+            plan = json.loads(plan) if isinstance(plan, str) else plan
+            found += [
+                (node, rel) for node, rel in _scans(plan[0]["Plan"]) if rel.split("_p")[0] in partitions.PARTITIONED
+            ]
+    return found
+
+
+READS: dict[str, Callable[[Engine], object]] = {
+    # Overview
+    "request_rates": lambda db: queries.request_rates(db, **WINDOW),
+    "latency_percentiles": lambda db: queries.latency_percentiles(db, metric="ttft", group_by="instance", **WINDOW),
+    "headline_latency": lambda db: queries.headline_latency(db, **WINDOW),
+    "throughput_over_time": lambda db: queries.throughput_over_time(db, bucket_s=60, **WINDOW),
+    "step_load_over_time": lambda db: queries.step_load_over_time(db, bucket_s=60, **WINDOW),
+    "engine_peaks": lambda db: queries.engine_peaks(db, **WINDOW),
+    "latest_samples": lambda db: queries.latest_samples(db, **WINDOW),
+    "bucketed utilization": lambda db: queries.bucketed(db, name="utilization", bucket_s=60, **WINDOW),
+    # Latency
+    "latency_quantiles_over_time": lambda db: queries.latency_quantiles_over_time(
+        db, metric="ttft", bucket_s=60, **WINDOW
+    ),
+    "stage_breakdown_over_time": lambda db: queries.stage_breakdown_over_time(db, bucket_s=60, **WINDOW),
+    "latency_histogram": lambda db: queries.latency_histogram(db, metric="e2e", **WINDOW),
+    "slowest_requests": lambda db: queries.slowest_requests(db, **WINDOW),
+    # KV memory
+    "kv_over_time": lambda db: queries.kv_over_time(db, bucket_s=60, **WINDOW),
+    "alloc_ops_over_time": lambda db: queries.alloc_ops_over_time(db, bucket_s=60, **WINDOW),
+    "alloc_trace": lambda db: queries.alloc_trace(db, **WINDOW),
+    "run_gauges_over_time": lambda db: queries.run_gauges_over_time(
+        db, names=["kv_usage"], bucket_s=60, run_id="r1", **WINDOW
+    ),
+    "bucketed kv_usage": lambda db: queries.bucketed(db, name="kv_usage", bucket_s=60, agg="max", **WINDOW),
+    # the rules (alerts.sql_source) over their series
+    **{
+        f"rule {name}": (lambda db, name=name: SqlSource(db, clock=lambda: WINDOW["end"]).points(name, **WINDOW))
+        for name in (
+            "ttft_p99_seconds",
+            "kv_usage",
+            "queue_depth",
+            "memory_usage",
+            "requests_rejected_total",
+            "oom_total",
+            "events_lost_total",
+        )
+    },
+    # kvpilot status
+    "status diagnose": lambda db: queries.diagnose(db, now=WINDOW["end"], **WINDOW),
+}
+
+
+# Reads that look at an instance's whole history by design. engine_infos (which engine an instance runs:
+# has it ever sampled a prefix hit rate, pushed an allocation trace) reads every day of `samples` and
+# `alloc_events`; cold_start (did a run start in the window: its first request of all time) every earlier
+# day of `requests`, never a later one.
+EVERY_DAY = range(DAYS)
+EARLIER = range(2)
+ALL_TIME = {"status diagnose": {"samples": EVERY_DAY, "alloc_events": EVERY_DAY, "requests": EARLIER}}
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_reads_of_an_hour_scan_only_its_day(loaded: Engine, read: str) -> None:
+    statements = _recorded(loaded, lambda: READS[read](loaded))
+    scans = _raw_scans(loaded, statements)
+    assert scans, f"{read} read no raw table"
+    allowed = {
+        partitions.partition_name(table, DAY0 + k * partitions.DAY_S)
+        for table, days in ALL_TIME.get(read, {}).items()
+        for k in days
+    }
+    outside = [(node, rel) for node, rel in scans if not rel.endswith(THIRD_DAY) and rel not in allowed]
+    assert not outside, f"{read} scans outside the hour's day partition: {outside}"

@@ -1,0 +1,259 @@
+"""Day partitions of the raw tables (PostgreSQL), the maintenance round, retention by dropping days, the step
+rollup and the reads that use it. Partition tests run on PostgreSQL only (SQLite has none); the rollup runs
+on both."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+
+import pytest
+from alembic import command
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine, func, select, text
+from typer.testing import CliRunner
+
+from collector import partitions, queries
+from collector.db import alembic_config, make_engine, upgrade
+from collector.ingest import parse_batch, store_batch
+from collector.maintenance import Maintenance, MaintenanceMetrics, run_round
+from collector.queries.step_rollup import ROLLUP_NOTE
+from collector.retention import DAY, prune
+from collector.rollup import roll_up
+from collector.schema import DownsampledPoint, StepRollup, StepRow
+from collector.settings import CollectorSettings
+from kvpilot.cli_collector import db_app
+from tests.collector import evfactory as ev
+
+DAY0 = partitions.day_start(ev.T0)  # 2025-10-09 00:00 UTC
+PRE = "f2d8a4c6b310"
+PK_STEPS = (
+    "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+    " WHERE conname = 'pk_steps' AND connamespace = current_schema()::regnamespace"
+)
+
+
+def ingest(engine: Engine, events: list[dict], key: str, now: float) -> None:
+    raw = ev.body(events)
+    store_batch(engine, parse_batch(raw, max_events=10_000), idempotency_key=key, content=raw, now=now)
+
+
+def where_rows_are(engine: Engine, table: str) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(text(f'SELECT tableoid::regclass::text, count(*) FROM "{table}" GROUP BY 1')).all()
+    return {name: n for name, n in rows}
+
+
+def settings(url: str) -> CollectorSettings:
+    return CollectorSettings(db_url=url, raw_retention_days=3.0, partitions_ahead_days=2)
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[Engine]:
+    """An engine on the session's PostgreSQL schema with no day partitions (other tests' are dropped)."""
+    engine = make_engine(pg_url)
+    with engine.begin() as conn:
+        for table in partitions.PARTITIONED:
+            for p in partitions.list_partitions(conn, table):
+                if p.start is not None:
+                    conn.execute(text(f'DROP TABLE "{p.name}"'))
+    yield engine
+    engine.dispose()
+
+
+def test_migration_partitions_stored_rows_and_downgrade_unpartitions_them(pg_url: str, pg_engine: Engine) -> None:
+    cfg = alembic_config(pg_url)
+    command.downgrade(cfg, PRE)
+    engine = make_engine(pg_url)
+    insert = text(
+        "INSERT INTO steps (instance, run_id, ts, step, duration_s, forward_s, num_seqs, prefill_tokens,"
+        " decode_tokens, kv_blocks_used, kv_blocks_total, queue_depth, busy_s, preemptions, swapped_seqs, warmup)"
+        " VALUES ('e0', 'r1', :ts, 1, 0.01, 0.01, 4, 1, 1, 5, 10, 0, 0.01, 0, 0, false)"
+    )
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert, [{"ts": DAY0 + 10}, {"ts": DAY0 + 20}, {"ts": DAY0 + DAY + 5}])
+        upgrade(pg_url)
+        with engine.begin() as conn:
+            assert partitions.is_partitioned(conn, "steps")
+            assert all(partitions.is_partitioned(conn, t) for t in partitions.PARTITIONED)
+            days = [p.name for p in partitions.list_partitions(conn, "steps")]
+            assert days == ["steps_p20251009", "steps_p20251010", "steps_default"]
+            key = conn.execute(text(PK_STEPS)).scalar_one()
+            assert key == "PRIMARY KEY (id, ts)"
+            indexes = conn.execute(
+                text("SELECT indexname FROM pg_indexes WHERE tablename = 'steps' AND schemaname = current_schema()")
+            ).scalars()
+            assert {"ix_steps_instance_ts", "ix_steps_run_id_ts", "brin_steps_ts", "pk_steps"} <= set(indexes)
+            conn.execute(insert, {"ts": DAY0 + 30})  # the id sequence came along: no clash with stored ids
+            ids = conn.execute(text("SELECT id FROM steps ORDER BY id")).scalars().all()
+        assert ids == [1, 2, 3, 4]
+        assert where_rows_are(engine, "steps") == {"steps_p20251009": 3, "steps_p20251010": 1}
+
+        command.downgrade(cfg, PRE)
+        with engine.connect() as conn:
+            assert not partitions.is_partitioned(conn, "steps")
+            assert conn.execute(text("SELECT count(*) FROM steps")).scalar_one() == 4
+            left = conn.execute(text("SELECT to_regclass('steps_default'), to_regclass('steps_p20251009')")).one()
+            assert left == (None, None)
+            key = conn.execute(text(PK_STEPS)).scalar_one()
+        assert key == "PRIMARY KEY (id)"
+    finally:
+        upgrade(pg_url)
+        engine.dispose()
+
+
+def test_a_row_without_its_day_lands_in_default_and_maintenance_rehomes_it(pg_url: str, pg_engine: Engine) -> None:
+    now = DAY0 + 3600
+    registry = CollectorRegistry()
+    maintenance = Maintenance(pg_engine, settings(pg_url), metrics=MaintenanceMetrics(registry), clock=lambda: now)
+    made = maintenance.run_once()
+    assert made is not None and "steps_p20251011" in made.created  # two days ahead
+    assert "steps_p20251008" in made.created and "steps_p20251007" not in made.created  # one behind
+    assert registry.get_sample_value("kvpilot_collector_partitions_created_total") == 4 * len(partitions.PARTITIONED)
+
+    ingest(pg_engine, [ev.step(0, ts=now), ev.sample(0, ts=now)], "today", now)
+    later = DAY0 + 9 * DAY  # no partition for that day yet: the batch is stored all the same
+    ingest(pg_engine, [ev.step(1, ts=later), ev.step(2, ts=later + 1), ev.request(0, ts=later)], "later", later)
+    assert where_rows_are(pg_engine, "steps") == {"steps_p20251009": 1, "steps_default": 2}
+    with pg_engine.connect() as conn:
+        assert partitions.default_rows(conn)["steps"] == 2
+
+    maintenance.clock = lambda: later
+    again = maintenance.run_once()
+    assert again is not None and again.default_rows == dict.fromkeys(partitions.PARTITIONED, 0)
+    assert where_rows_are(pg_engine, "steps") == {"steps_p20251009": 1, "steps_p20251018": 2}
+    assert where_rows_are(pg_engine, "requests") == {"requests_p20251018": 1}
+    assert registry.get_sample_value("kvpilot_collector_partition_default_rows", {"table": "steps"}) == 0
+    assert registry.get_sample_value("kvpilot_collector_maintenance_runs_total", {"result": "ok"}) == 2
+
+
+def test_maintenance_runs_one_collector_at_a_time(pg_url: str, pg_engine: Engine) -> None:
+    with pg_engine.connect() as holder:
+        holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": 0x6B76_7069_6D61})
+        assert run_round(pg_engine, settings(pg_url), now=DAY0).skipped
+        holder.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": 0x6B76_7069_6D61})
+        holder.commit()
+    assert not run_round(pg_engine, settings(pg_url), now=DAY0).skipped
+
+
+def test_prune_drops_whole_days_and_downsamples_them(pg_url: str, pg_engine: Engine) -> None:
+    now = DAY0 + 10 * DAY + 3600
+    with pg_engine.begin() as conn:
+        for k in range(4):
+            partitions.create_day(conn, "steps", DAY0 + k * DAY)
+    for k in range(4):
+        day = DAY0 + k * DAY
+        ingest(pg_engine, [ev.step(i, ts=day + 60 * i, duration_s=0.02) for i in range(5)], f"d{k}", day)
+    ingest(pg_engine, [ev.step(9, ts=DAY0 - 5)], "stray", DAY0 - 5)  # no partition: in the DEFAULT one
+
+    result = prune(pg_engine, raw_days=7.5, downsample_days=90, now=now)  # cutoff: the start of DAY0 + 2
+
+    assert result.raw_cutoff == DAY0 + 2 * DAY
+    assert result.deleted["steps"] == 11
+    with pg_engine.connect() as conn:
+        kept = [p.name for p in partitions.list_partitions(conn, "steps")]
+        assert kept == ["steps_p20251011", "steps_p20251012", "steps_default"]
+        assert conn.execute(select(func.count()).select_from(StepRow.__table__)).scalar_one() == 10
+        d = DownsampledPoint.__table__.c
+        counted = select(func.sum(d.count)).where(d.name == "step_duration_seconds")
+        assert conn.execute(counted).scalar_one() == 11  # every dropped step is in the 1-minute aggregates
+
+
+def _steps(rng: random.Random, start: float, n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        out.append(
+            ev.step(
+                i,
+                ts=start + i * 7.3,
+                instance=rng.choice(["e0", "e1"]),
+                run_id=rng.choice(["r1", "r2"]),
+                duration_s=rng.uniform(0.005, 0.05),
+                num_seqs=rng.randint(1, 64),
+                queue_depth=rng.randint(0, 30),
+                kv_blocks_used=rng.randint(0, 100),
+                warmup=i % 17 == 0,
+            )
+        )
+    return out
+
+
+def test_rollup_matches_raw_aggregates(db_engine: Engine) -> None:
+    start = DAY0 + 600
+    steps = _steps(random.Random(7), start, 400)
+    ingest(db_engine, steps, "steps", steps[-1]["ts"])
+    with db_engine.begin() as conn:
+        done = roll_up(conn, now=start + 4000, first_start=start, lookback_s=0, settle_s=60, max_span_s=DAY)
+    assert done is not None and done.end == start + 3900
+
+    expected: dict[tuple[str, str, float], list] = {}
+    for s in steps:
+        if s.get("warmup") or s["ts"] >= done.end:
+            continue
+        key = (s["instance"], s["run_id"], (s["ts"] // 60) * 60)
+        agg = expected.setdefault(key, [0, 0.0, 0.0, 0, 0])
+        agg[0] += 1
+        agg[1] += s["duration_s"]
+        agg[2] = max(agg[2], s["kv_blocks_used"] / s["kv_blocks_total"])
+        agg[3] = max(agg[3], s["num_seqs"])
+        agg[4] = max(agg[4], s["queue_depth"])
+    r = StepRollup.__table__.c
+    with db_engine.connect() as conn:
+        cols = (
+            r.instance,
+            r.run_id,
+            r.bucket_ts,
+            r.steps,
+            r.duration_sum,
+            r.kv_usage_max,
+            r.running_max,
+            r.waiting_max,
+        )
+        rows = conn.execute(select(*cols)).all()
+    got = {(i, run, b): [n, pytest.approx(dur), pytest.approx(kv), rm, wm] for i, run, b, n, dur, kv, rm, wm in rows}
+    assert got == expected
+
+    with db_engine.begin() as conn:  # idempotent: the same minutes again give the same rows
+        roll_up(conn, now=start + 4000, first_start=start, lookback_s=3900, settle_s=60, max_span_s=DAY)
+        assert conn.execute(select(func.count()).select_from(StepRollup.__table__)).scalar_one() == len(expected)
+
+
+def test_long_windows_read_the_rollup_with_the_same_peaks(db_engine: Engine) -> None:
+    start = DAY0 + 600
+    steps = _steps(random.Random(11), start, 3000)  # about six hours
+    ingest(db_engine, steps, "steps", steps[-1]["ts"])
+    window = {"start": start - 3600, "end": start + 8 * 3600}
+    every_step = queries.engine_peaks(db_engine, **window)
+    buckets = queries.step_load_over_time(db_engine, bucket_s=600, **window)
+    with db_engine.begin() as conn:  # rolled up to the middle of the data: the rest is read raw
+        roll_up(conn, now=start + 3 * 3600, first_start=start - 3600, lookback_s=0, settle_s=60, max_span_s=DAY)
+
+    rolled = queries.engine_peaks(db_engine, **window)
+    assert (rolled.kv_usage_peak, rolled.running_peak, rolled.waiting_peak, rolled.steps) == (
+        every_step.kv_usage_peak, every_step.running_peak, every_step.waiting_peak, every_step.steps
+    )  # fmt: skip
+    assert ROLLUP_NOTE in rolled.source and ROLLUP_NOTE not in every_step.source
+    from_rollup = queries.step_load_over_time(db_engine, bucket_s=600, **window)
+    flags = [(b.ts, b.rollup) for b in from_rollup["e0"]]
+    assert flags == [(ts, ts < start + 3 * 3600 - 60) for ts, _ in flags]  # buckets before the watermark
+    strip = {k: [(b.ts, b.kv_usage, b.running, b.waiting, b.steps) for b in v] for k, v in from_rollup.items()}
+    assert strip == {k: [(b.ts, b.kv_usage, b.running, b.waiting, b.steps) for b in v] for k, v in buckets.items()}
+    short = queries.engine_peaks(db_engine, start=start, end=start + 3600)  # a short window reads every step
+    assert ROLLUP_NOTE not in short.source
+    odd = queries.step_load_over_time(db_engine, bucket_s=90, **window)  # minutes do not nest in 90 s
+    assert not any(b.rollup for bs in odd.values() for b in bs)
+
+
+def test_db_partitions_command(pg_url: str, pg_engine: Engine, sqlite_url: str) -> None:
+    runner = CliRunner()
+    created = runner.invoke(db_app, ["partitions", "--db-url", pg_url, "--create"])
+    assert created.exit_code == 0, created.output
+    made = re.search(r"made (\d+) partitions", created.output)
+    assert made and int(made[1]) == 5 * len(partitions.PARTITIONED)  # yesterday to 3 days ahead, by default
+    assert "steps: 5 day partitions" in created.output and "0 rows in steps_default" in created.output
+    listed = runner.invoke(db_app, ["partitions", "--db-url", pg_url])
+    assert listed.exit_code == 0 and "made" not in listed.output
+    lite = runner.invoke(db_app, ["partitions", "--db-url", sqlite_url])
+    assert lite.exit_code == 0 and "SQLite has no partitions" in lite.output
