@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 import httpx
 
 from benchmarks import fleet_load
-from kvpilot.loadtest.analysis import percentile
+from plumbing.percentile import nearest_rank
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 TOKEN = "fleet-ingest-token"
@@ -418,7 +418,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
     result.update(_ingest_figures(engine, reports, elapsed, config))
     result["ratio"] = round(result["events_per_s"] / result["copy_ceiling_events_per_s"], 3)
     result.update(_alert_figures(sink, reports, plan))
-    result["query_p95_s"] = {p: _round(percentile(v, 95)) for p, v in timings.items()}
+    result["query_p95_s"] = {p: _round(nearest_rank(v, 0.95)) for p, v in timings.items()}
     result["query_rounds"] = {p: len(v) for p, v in timings.items()}
     result["otlp_instances"] = plan["otlp_instances"]
     result.update(_scrape_figures(engine, scraped_s=scraped_until - registered))
@@ -455,8 +455,8 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
         "lost": total - sum(stored.values()),
         "unacked_events": sum(r["unacked"] for r in reports),
         "batches": len(lags),
-        "ingest_lag_p50_s": _round(percentile(lags, 50)),
-        "ingest_lag_p99_s": _round(percentile(lags, 99)),
+        "ingest_lag_p50_s": _round(nearest_rank(lags, 0.5)),
+        "ingest_lag_p99_s": _round(nearest_rank(lags, 0.99)),
         "sender_failures": [f for r in reports for f in r["failures"]][:5],
     }
 
@@ -474,7 +474,7 @@ def _alert_figures(sink: Any, reports: list[dict], plan: dict) -> dict[str, Any]
         "alert_trials": len(first_hot),  # hot engines whose hot sample was sent (and acknowledged)
         "alert_trials_planned": len(plan["hot"]),
         "alerts_delivered": len(delays),
-        "alert_delivery_p99_s": _round(percentile(delays, 99)),
+        "alert_delivery_p99_s": _round(nearest_rank(delays, 0.99)),
         "alert_duplicate_posts": sink.duplicates,
     }
 

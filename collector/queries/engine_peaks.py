@@ -165,7 +165,8 @@ def step_load_over_time(
             .group_by(rows.c.instance, b)
             .order_by(rows.c.instance, b)
         )
-        for name, bucket, kv, running, waiting, n, rolled in conn.execute(stmt):
+        for row in conn.execute(stmt):
+            name, bucket, kv, running, waiting, n, rolled = tuple(row)
             kv_usage = None if kv is None else float(kv)
             out.setdefault(name, []).append(
                 StepLoadBucket(float(bucket), kv_usage, int(running), int(waiting), int(n), bool(rolled))
