@@ -193,7 +193,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.vllm_server import server_args, server_env
     from collector.server import free_port
-    from kvpilot.vllm import LaunchOptions, VllmLauncher, find_vllm_python
+    from integrations.vllm import LaunchOptions, VllmLauncher, find_vllm_python
     from kvpilot.vllm.workbench import workbench
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.user_latency", description=__doc__.split("\n")[0])

@@ -178,7 +178,7 @@ def _servers(
 ) -> Iterator[tuple[Wired, PlainVllm, dict[str, float]]]:
     """A wired and a plain vLLM, started one after the other (order alternating by round), warm, paused."""
     from collector.server import free_port
-    from kvpilot.vllm import LaunchOptions, VllmLauncher
+    from integrations.vllm import LaunchOptions, VllmLauncher
 
     def args(port: int) -> list[str]:
         return server_args(

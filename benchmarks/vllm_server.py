@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from kvpilot.vllm.wiring import API_SERVER_MODULE, VllmSetupError, find_vllm_python
+from integrations.vllm.wiring import API_SERVER_MODULE, VllmSetupError, find_vllm_python
 
 SERVED_NAME = "bench"
 STARTUP_TIMEOUT_S = 600.0  # ~90 s on a loaded 2-core machine (torch.compile of the model at start)

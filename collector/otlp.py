@@ -21,7 +21,7 @@ retried export is found whatever its encoding or compression; and `store_batch` 
 
 The stage before the engine: vLLM's span starts at its renderer's `arrival_time`, after the API server
 has read the HTTP request. `kvpilot vllm serve` stamps the HTTP arrival on the trace context
-(`kvpilot/vllm/asgi/kvpilot_arrival.py`), and the span carries it back in its tracestate as
+(`integrations/vllm/asgi/kvpilot_arrival.py`), and the span carries it back in its tracestate as
 `kvpilot=t<epoch microseconds>`: `frontend_s` is the span's start minus that stamp. Without a stamp (vLLM
 started some other way), or with one that cannot be this span's (after its start, or more than
 `MAX_FRONTEND_S` before it), `frontend_s` stays None: not measured, never guessed.

@@ -91,8 +91,8 @@ JsonOpt = typer.Option(None, "--json", help="also write the result as JSON to th
 @contextlib.contextmanager
 def _vllm_errors() -> Iterator[None]:
     """`tune`'s error mapping plus vLLM's: a missing interpreter is bad input, a failure while running exits 1."""
-    from kvpilot.vllm import VllmSetupError
-    from tuner.vllm.argcheck import ArgCheckError
+    from integrations.vllm import VllmSetupError
+    from integrations.vllm.argcheck import ArgCheckError
     from tuner.vllm.tune import TuneError
 
     with _errors():
@@ -135,7 +135,7 @@ def _check_collector(url: str, ingest_token: str | None) -> None:
 
 def _base(config: Path, model: Path | None):  # type: ignore[no-untyped-def]
     """(running config, the model's shape) from the config file and --model."""
-    from tuner.vllm.config import VllmConfig
+    from integrations.vllm.config import VllmConfig
     from tuner.vllm.tune import checkpoint_model
 
     base = VllmConfig.from_config_yaml(config)
@@ -159,8 +159,8 @@ def _opts(requests, scale, output_range, load, duration, time_scale, length_scal
 
 def _check_space(space, path: Path | None, base, python: str | None, *, say) -> str:  # type: ignore[no-untyped-def]
     """The space against the installed vLLM's own parser (when `python` is given); what the check said."""
+    from integrations.vllm.argcheck import check_space
     from tuner.space import SpaceError
-    from tuner.vllm.argcheck import check_space
     from tuner.vllm.space import default_vllm_space_path
 
     if python is None:
@@ -267,7 +267,7 @@ def study_cmd(
     t0 = time.time()
     say = _sayer(t0)
     with _vllm_errors():
-        from kvpilot.vllm import find_vllm_python
+        from integrations.vllm import find_vllm_python
         from tuner.jobs import open_db, workload_factory, workload_kind
         from tuner.storage import open_storage
         from tuner.vllm.backend import VllmBackend
@@ -501,7 +501,7 @@ def screen_cmd(
     t0 = time.time()
     say = _sayer(t0)
     with _vllm_errors():
-        from kvpilot.vllm import VllmSetupError, find_vllm_python
+        from integrations.vllm import VllmSetupError, find_vllm_python
         from tuner import workloads as WL
         from tuner.jobs import open_db, workload_factory, workload_kind
         from tuner.storage import open_storage

@@ -14,10 +14,10 @@ from engine.config import CacheConfig, ModelConfig, RecyclerConfig, SchedulerCon
 from engine.kv import KVCacheManager
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, StageTimes
+from integrations.vllm.config import VllmConfig
 from tuner import workloads as WL
 from tuner.metrics import SLO, store_events
 from tuner.vllm.calibrate import CalibrationError, fit_profile
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend, sim_vllm_engine
 
 BPT = 64

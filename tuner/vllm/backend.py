@@ -1,8 +1,8 @@
 """The `vllm` backend: each trial starts vLLM with the trial's engine arguments and replays the workload on it.
 
-A trial: start vLLM through the launcher (`kvpilot.vllm.VllmLauncher`, the trial's run id on its iteration lines
+A trial: start vLLM through the launcher (`integrations.vllm.VllmLauncher`, the trial's run id on its iteration lines
 and OTLP spans), wait for /health, warm up, reset the prefix cache, replay the workload through the OpenAI API at
-its arrival times (`tuner.vllm.client`), wait until the collector holds a request row for every answer, read the
+its arrival times (`integrations.vllm.client`), wait until the collector holds a request row for every answer, read the
 metrics back with `tuner.metrics.trial_metrics` (the dashboard's queries, the trial's run id and window), and
 stop vLLM (SIGTERM to its process group). vLLM has no hot reload, so every new config is a restart: its cost
 (start to /health, and the stop) is kept per launch in `launches`. With the collector's admin token the launcher
@@ -35,13 +35,13 @@ from sqlalchemy import Engine
 
 from collector.queries import request_rates
 from engine import workload as W
-from kvpilot.vllm import LaunchOptions, VllmExitedError, VllmLauncher
-from kvpilot.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
+from integrations.vllm import LaunchOptions, VllmExitedError, VllmLauncher
+from integrations.vllm.client import ClientResult, replay_openai, warm_up
+from integrations.vllm.config import VllmConfig
+from integrations.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
 from tuner.backends import InfeasibleTrialError
 from tuner.metrics import SLO, TrialMetrics, trial_metrics
 from tuner.replay import Prepared, prepare_prompts, prepared_workload
-from tuner.vllm.client import ClientResult, replay_openai, warm_up
-from tuner.vllm.config import VllmConfig
 
 log = logging.getLogger("kvpilot.tuner.vllm.backend")
 

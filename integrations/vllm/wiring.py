@@ -22,7 +22,7 @@ from urllib.parse import quote
 import httpx
 
 from collector.scraper import parse_exposition
-from collector.vllm_log import LOG_TIME_PREFIX
+from integrations.vllm.iteration_log import LOG_TIME_PREFIX
 
 VLLM_PYTHON_ENV = "KVPILOT_VLLM_PYTHON"
 LOCAL_VENV = Path(".venv-vllm")  # `make vllm-venv`

@@ -1,6 +1,6 @@
 """Check a vLLM search space against the installed vLLM: its own argument parser and config validation.
 
-vLLM lives in its own interpreter (`kvpilot.vllm.find_vllm_python`), so the check runs a small probe there: it
+vLLM lives in its own interpreter (`integrations.vllm.find_vllm_python`), so the check runs a small probe there: it
 builds vLLM's `FlexibleArgumentParser` with `EngineArgs.add_cli_args`, dumps the options it knows (dest, option
 string, choices, default) as JSON, and for each probe — the base config's command line with one knob set to one of
 its values — parses the arguments as `vllm serve` would and builds vLLM's `SchedulerConfig` and `CacheConfig`
@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuner.vllm.config import BOOLEAN_ARGS, TUNABLE_ARGS, VllmConfig
+from integrations.vllm.config import BOOLEAN_ARGS, TUNABLE_ARGS, VllmConfig
 from tuner.vllm.space import VllmSpace
 
 PROBE = r"""

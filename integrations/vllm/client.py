@@ -21,7 +21,7 @@ import httpx
 
 from engine import workload as W
 
-log = logging.getLogger("kvpilot.tuner.vllm.client")
+log = logging.getLogger("kvpilot.integrations.vllm.client")
 
 
 @dataclass

@@ -17,10 +17,17 @@ from sqlalchemy import text
 from collector.db import make_engine
 from collector.server import start_subprocess
 from collector.settings import CollectorSettings
-from collector.vllm_log import LOG_TIME_PREFIX, MAX_LINE_CHARS, KvCapacity, StepPlacer, VllmLogError, VllmLogParser
 from engine.http_sink import HttpSink
 from engine.sinks import MemorySink
-from kvpilot.vllm.tail import STATE_FILE, LogTail, tail_file
+from integrations.vllm.iteration_log import (
+    LOG_TIME_PREFIX,
+    MAX_LINE_CHARS,
+    KvCapacity,
+    StepPlacer,
+    VllmLogError,
+    VllmLogParser,
+)
+from integrations.vllm.tail import STATE_FILE, LogTail, tail_file
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_0.32_cpu_iterations.log"
 LINES = FIXTURE.read_text(encoding="utf-8").splitlines()

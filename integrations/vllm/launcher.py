@@ -2,7 +2,7 @@
 
 The launcher starts vLLM (`wiring.build_command`/`build_env`), reads its merged stdout/stderr line by line
 on one thread — each line is stamped the moment it arrives, goes on to `passthrough` (the launcher's
-stderr) and an optional log file, and each iteration line becomes a step event (`collector.vllm_log`)
+stderr) and an optional log file, and each iteration line becomes a step event (`integrations.vllm.iteration_log`)
 placed at the time the step ran (`StepPlacer`, from the time vLLM prefixed the line with) for the engine's
 HTTP sink (batches, an on-disk spool and retries: a collector that is down loses nothing) — on a second
 thread waits for /health, reads the KV block count from /metrics and registers /metrics as a scrape
@@ -33,10 +33,10 @@ from typing import BinaryIO
 import httpx
 
 from collector.events import StepEvent
-from collector.vllm_log import StepPlacer, VllmLogParser, VllmLogStats
 from engine.http_sink import HttpSink, SpoolLockedError, spool_dir_for
 from engine.sinks import EventSink
-from kvpilot.vllm.wiring import (
+from integrations.vllm.iteration_log import StepPlacer, VllmLogParser, VllmLogStats
+from integrations.vllm.wiring import (
     Endpoint,
     TargetRegistrationError,
     VllmSetupError,

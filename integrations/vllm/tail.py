@@ -1,6 +1,6 @@
 """`kvpilot collector tail --file vllm.log`: ship the iteration lines of a vLLM that runs elsewhere.
 
-Each iteration line becomes a step event (`collector.vllm_log`, placed by the line's own time: to the
+Each iteration line becomes a step event (`integrations.vllm.iteration_log`, placed by the line's own time: to the
 microsecond when vLLM ran with `VLLM_LOGGING_PREFIX='%(created).6f '` as `kvpilot vllm serve` sets it,
 else to the second) for the engine's HTTP sink, as `kvpilot vllm serve` does for a vLLM it starts.
 Steps are placed within each read (a burst of lines is read whole), so none is held across a checkpoint.
@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from collector.vllm_log import MAX_LINE_CHARS, KvCapacity, StepPlacer, VllmLogParser, VllmLogStats
 from engine.sinks import EventSink
+from integrations.vllm.iteration_log import MAX_LINE_CHARS, KvCapacity, StepPlacer, VllmLogParser, VllmLogStats
 
 log = logging.getLogger("kvpilot.vllm")
 
