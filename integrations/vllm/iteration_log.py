@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from collector.events import StepEvent
+from engine.events import StepEvent
 
 LOG_TIME_PREFIX = "%(created).6f "  # VLLM_LOGGING_PREFIX: vLLM's formatter expands it on every line
 MAX_LINE_CHARS = 16_384

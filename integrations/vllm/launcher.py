@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import httpx
 
-from collector.events import StepEvent
+from engine.events import StepEvent
 from engine.http_sink import HttpSink, SpoolLockedError, spool_dir_for
 from engine.sinks import EventSink
 from integrations.vllm.iteration_log import StepPlacer, VllmLogParser, VllmLogStats

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from collector.db import make_engine
-from collector.events import RequestEvent, StepEvent
+from engine.events import RequestEvent, StepEvent
 from integrations.vllm.config import VllmConfig
 from kvpilot.cli import app
 from tuner.metrics import store_events

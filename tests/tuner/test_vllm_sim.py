@@ -8,9 +8,9 @@ import random
 import pytest
 
 from collector.db import make_engine
-from collector.events import RequestEvent, StepEvent
 from collector.queries import StoredStep, stored_steps
 from engine.config import CacheConfig, ModelConfig, RecyclerConfig, SchedulerConfig
+from engine.events import RequestEvent, StepEvent
 from engine.kv import KVCacheManager
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, StageTimes
