@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from engine.sinks import EventSink
-from integrations.vllm.iteration_log import MAX_LINE_CHARS, KvCapacity, StepPlacer, VllmLogParser, VllmLogStats
+from integrations.vllm.iteration_log import (
+    MAX_LINE_CHARS,
+    KvCapacity,
+    StepPlacer,
+    VllmLogParser,
+    VllmLogStats,
+    step_event,
+)
 
 log = logging.getLogger("kvpilot.vllm")
 
@@ -163,14 +170,14 @@ class LogTail:
         if self._skipping:  # the tail of a line already cut
             self._skipping = False
             return
-        event = self.parser.feed(raw.decode("utf-8", errors="replace").rstrip("\r"))
-        if event is not None:
-            for placed in self.placer.push(event):
-                self.sink.emit(placed)
+        step = self.parser.feed(raw.decode("utf-8", errors="replace").rstrip("\r"))
+        if step is not None:
+            for placed in self.placer.push(step):
+                self.sink.emit(step_event(placed))
 
     def _checkpoint(self) -> None:
         for placed in self.placer.flush():
-            self.sink.emit(placed)
+            self.sink.emit(step_event(placed))
         self.sink.flush()
         if getattr(self.sink, "queued", 0):  # not all handed over yet: keep the old offset
             return

@@ -20,8 +20,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from collector.scraper import parse_exposition
 from integrations.vllm.iteration_log import LOG_TIME_PREFIX
 
 VLLM_PYTHON_ENV = "KVPILOT_VLLM_PYTHON"
@@ -218,9 +218,10 @@ def read_kv_capacity(client: httpx.Client, metrics_url: str) -> tuple[int | None
     """(KV blocks, block size) from vLLM's `vllm:cache_config_info`; (None, None) when it is not there."""
     resp = client.get(metrics_url)
     resp.raise_for_status()
-    for name, labels, _value in parse_exposition(resp.text[: 8 * 2**20]):
-        if name == "vllm:cache_config_info":
-            return _int(labels.get("num_gpu_blocks")), _int(labels.get("block_size"))
+    for family in text_string_to_metric_families(resp.text[: 8 * 2**20]):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                return _int(sample.labels.get("num_gpu_blocks")), _int(sample.labels.get("block_size"))
     return None, None
 
 

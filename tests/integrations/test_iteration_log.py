@@ -7,6 +7,7 @@ tokens), `--enable-logging-iteration-details`. The live path is tested against a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import itertools
 from pathlib import Path
@@ -118,7 +119,7 @@ def _steps(stamps: list[float], durations: list[float], instance: str = "vllm-a"
     out = []
     for i, (ts, d) in enumerate(zip(stamps, durations, strict=True)):
         (step,) = parse([line], clock=lambda ts=ts: ts)[1]
-        out.append(step.model_copy(update={"step": i, "ts": ts, "duration_s": d, "instance": instance}))
+        out.append(dataclasses.replace(step, step=i, ts=ts, duration_s=d, instance=instance))
     return out
 
 
