@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from benchmarks.cli import bench_app
 from kvpilot.cli_alerts import alerts_app
-from kvpilot.cli_bench import bench_app
 from kvpilot.cli_collector import collector_app, db_app
 from kvpilot.cli_dashboard import dashboard_cmd
 from kvpilot.cli_engine import engine_app
