@@ -1,8 +1,8 @@
 """How a vLLM server is wired to the collector: its command line, its environment, its scrape target.
 
 Pure functions and two small HTTP calls, so the launcher (`launcher.py`) only runs processes and threads.
-What vLLM needs (0.32): `--enable-logging-iteration-details` for the per-step log lines the collector's
-`vllm_log` adapter reads; `--otlp-traces-endpoint <collector>/v1/traces` with
+What vLLM needs (0.32): `--enable-logging-iteration-details` for the per-step log lines `iteration_log`
+reads; `--otlp-traces-endpoint <collector>/v1/traces` with
 `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf` (its default is gRPC) for per-request spans, the ingest
 token as an OTLP header and the instance and run id as resource attributes; and a scrape target for /metrics.
 With spans on, `--middleware kvpilot_arrival.ArrivalStamp` (`asgi/kvpilot_arrival.py`, on vLLM's PYTHONPATH)
