@@ -61,7 +61,7 @@ def test_env_names_the_instance_and_run_and_carries_the_token_as_an_otlp_header(
     )
     assert env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "Authorization=Bearer%20s3cr%3Dt"
     assert env["PYTHONUNBUFFERED"] == "1"
-    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("kvpilot", "vllm", "asgi"))
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("integrations", "vllm", "asgi"))
     assert build_env({"PYTHONPATH": "/mine"}, instance="i", run_id="r", token=None, traces=True)["PYTHONPATH"].endswith(
         os.pathsep + "/mine"
     )
