@@ -202,8 +202,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _rows(events: list[dict[str, Any]]) -> dict[str, list[tuple]]:
-    from collector.events import parse_event
     from collector.ingest import EVENT_COLUMNS
+    from engine.events import parse_event
 
     rows: dict[str, list[tuple]] = {}
     for e in events:
@@ -376,7 +376,7 @@ def _emit_cost_ns(n: int = 200_000) -> dict[str, float]:
     The sink's batching thread is parked (huge batch size and interval) so this is the enqueue
     alone; that thread's own CPU is `telemetry_sink_thread_cpu_fraction`.
     """
-    from collector.events import StepEvent
+    from engine.events import StepEvent
     from engine.http_sink import HttpSink
     from engine.sinks import NullSink
     from plumbing.process import free_port

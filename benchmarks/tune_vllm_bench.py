@@ -34,7 +34,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from kvpilot.vllm import find_vllm_python
+from integrations.vllm import find_vllm_python
+from integrations.vllm.config import VllmConfig
 from kvpilot.vllm.workbench import workbench
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError
@@ -44,7 +45,6 @@ from tuner.metrics import SLO, TrialMetrics
 from tuner.study import run_study
 from tuner.vllm import fidelity
 from tuner.vllm.backend import VllmBackend
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import load_vllm_space
 from tuner.vllm.tune import SCREEN_OVERLOAD, Budget, LateWorkload, VllmTuning, checkpoint_model
 

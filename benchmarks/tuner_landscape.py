@@ -35,6 +35,7 @@ from sqlalchemy import Engine
 
 from engine import workload as W
 from engine.config import EngineConfig
+from integrations.vllm.config import VllmConfig
 from tuner import workloads as WL
 from tuner.backends import SimBackend
 from tuner.jobs import capacity_rps
@@ -43,7 +44,6 @@ from tuner.profile import CostProfile, ProfileError, StepShape, read_profile_jso
 from tuner.sim import decode_attention
 from tuner.space import SearchSpace, load_space, space_from_dict
 from tuner.vllm.calibrate import VllmProfile, parse_any_profile
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend
 from tuner.vllm.space import VllmSpace, load_vllm_space, vllm_space_from_dict
 from tuner.vllm.tune import sim_capacity_rps

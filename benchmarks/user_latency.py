@@ -192,7 +192,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.vllm_server import server_args, server_env
-    from kvpilot.vllm import LaunchOptions, VllmLauncher, find_vllm_python
+    from integrations.vllm import LaunchOptions, VllmLauncher, find_vllm_python
     from kvpilot.vllm.workbench import workbench
     from plumbing.process import free_port
 

@@ -179,7 +179,7 @@ def _servers(
     wired_first: bool,
 ) -> Iterator[tuple[Wired, PlainVllm, dict[str, float]]]:
     """A wired and a plain vLLM, started one after the other (order alternating by round), warm, paused."""
-    from kvpilot.vllm import LaunchOptions, VllmLauncher
+    from integrations.vllm import LaunchOptions, VllmLauncher
     from plumbing.process import free_port
 
     def args(port: int) -> list[str]:

@@ -33,14 +33,14 @@ from collector.db import make_engine, upgrade
 from collector.queries import StoredStep, slowest_requests, stored_steps
 from engine import workload as W
 from engine.config import ModelConfig
-from kvpilot.vllm import find_vllm_python
+from integrations.vllm import find_vllm_python
+from integrations.vllm.config import VllmConfig
 from kvpilot.vllm.workbench import workbench
 from plumbing.percentile import nearest_rank
 from tuner import workloads as WL
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
 from tuner.vllm.calibrate import VllmProfile, fit_profile, step_shape
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.fidelity import as_sent
 from tuner.vllm.sim import VllmSimBackend
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from kvpilot.vllm.wiring import API_SERVER_MODULE, VllmSetupError, find_vllm_python
+from integrations.vllm.wiring import API_SERVER_MODULE, VllmSetupError, find_vllm_python
 from plumbing.process import spawn, wait_healthy
 
 SERVED_NAME = "bench"

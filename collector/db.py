@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import sqlite3
 from collections.abc import Iterator
@@ -34,10 +35,14 @@ UPGRADE_HINT = "run `kvpilot db upgrade`"
 
 
 def migrations_dir() -> Path:
-    """The Alembic script directory: the top-level `migrations` package, wherever it is installed."""
-    import migrations
+    """The Alembic script directory: the top-level `migrations` package, wherever it is installed.
 
-    return Path(migrations.__file__).resolve().parent
+    Located, not imported: Alembic loads its `env.py`, which imports the collector's schema, so an import
+    here would make the two packages import each other."""
+    spec = importlib.util.find_spec("migrations")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("the `migrations` package is not installed next to the collector")
+    return Path(spec.origin).resolve().parent
 
 
 def redact(url: str) -> str:

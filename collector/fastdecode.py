@@ -1,4 +1,4 @@
-"""A faster first try at decoding an ingest batch: msgspec Structs generated from `collector.events`.
+"""A faster first try at decoding an ingest batch: msgspec Structs generated from `engine.events`.
 
 msgspec decodes and checks a batch about four times faster than pydantic, straight into row tuples.
 It is stricter than pydantic's lax mode (no "1" for an int, no 1.0 for an int, no bools for ints),
@@ -20,9 +20,9 @@ import annotated_types as at
 from pydantic.fields import FieldInfo
 from sqlalchemy import BigInteger, Integer, String
 
-from collector.events import EVENT_TYPES
 from collector.schema import EVENT_TABLES
 from collector.validation import FAST_PATH, INT32_MAX, INT64_MAX
+from engine.events import EVENT_TYPES
 
 log = logging.getLogger(__name__)
 

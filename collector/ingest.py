@@ -31,10 +31,10 @@ from collector.bulk import insert_rows
 from collector.claims import Claims
 from collector.db import translate_errors
 from collector.errors import CollectorError, IdempotencyConflictError
-from collector.events import EVENT_TYPES
 from collector.schema import EVENT_TABLES, IngestBatch, Instance, OtlpSpan, Run
 from collector.validation import TimeWindow, validate_wire
 from collector.wirescan import BatchShapeError, TooManyEventsError
+from engine.events import EVENT_TYPES
 
 # Column order of each event table's insert: the event's fields less the discriminator and version.
 EVENT_COLUMNS: dict[str, tuple[str, ...]] = {

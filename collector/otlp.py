@@ -1,8 +1,8 @@
 """OTLP traces -> request rows: vLLM's `llm_request` span becomes a request event like kvpilot's own engine's.
 
 The source adapter for vLLM's OpenTelemetry spans (docs/architecture.md: a request row has one shape whatever its
-source). vLLM (v1 `OutputProcessor.do_tracing`) exports one SERVER span named `llm_request` per finished
-request: it starts at the request's arrival and carries the stages as `gen_ai.latency.*` attributes. Each
+source). The export is decoded here; which attribute holds which stage, and the stamps `kvpilot vllm serve`
+adds (the HTTP arrival, the first bytes served), are vLLM's side (`integrations.vllm.spans`). Each span
 becomes a `request` event validated exactly like a pushed one (`collector.validation.validate_event`), and
 the batch is stored by `collector.ingest.store_batch`: same transaction, idempotency and instance/run upserts,
 so every reader sees vLLM's requests as it sees kvpilot's.
@@ -18,19 +18,6 @@ Run id: the `kvpilot.run_id` resource attribute, else "otlp".
 Dedup: the batch's idempotency key hashes its spans' identities (trace_id, span_id), not its bytes, so a
 retried export is found whatever its encoding or compression; and `store_batch` claims each span in
 `otlp_spans`, so a span re-sent inside another export is not stored twice either.
-
-The stage before the engine: vLLM's span starts at its renderer's `arrival_time`, after the API server
-has read the HTTP request. `kvpilot vllm serve` stamps the HTTP arrival on the trace context
-(`kvpilot/vllm/asgi/kvpilot_arrival.py`), and the span carries it back in its tracestate as
-`kvpilot=t<epoch microseconds>`: `frontend_s` is the span's start minus that stamp. Without a stamp (vLLM
-started some other way), or with one that cannot be this span's (after its start, or more than
-`MAX_FRONTEND_S` before it), `frontend_s` stays None: not measured, never guessed.
-
-TTFT to the first bytes served: `kvpilot vllm serve`'s middleware also writes, on a streamed request's span,
-when its first bytes went to the HTTP server (`kvpilot.first_byte_time`, epoch seconds). vLLM stamps its
-first token earlier, when its output loop takes it from the engine; so `ttft_s` becomes the time from vLLM's
-arrival to those bytes (never less than vLLM's own figure, at most `MAX_FRONTEND_S` more), and `e2e_s` is
-at least that. Without the attribute, `ttft_s` is vLLM's `time_to_first_token`.
 
 Spans of other names are counted and ignored. An `llm_request` span that cannot be a request row (a
 required attribute missing, of the wrong type or out of range) is rejected alone and reported in the
@@ -62,38 +49,17 @@ from pydantic import ValidationError
 from collector import otlpscan
 from collector.errors import CollectorError
 from collector.validation import TimeWindow, validate_event
+from integrations.vllm.spans import FIELD_SOURCE, LLM_REQUEST, SPAN_ATTRIBUTES, SpanRejected, request_fields
 
 Media = Literal["protobuf", "json"]
 
-LLM_REQUEST = "llm_request"
 DEFAULT_RUN_ID = "otlp"
 RUN_ID_ATTRIBUTE = "kvpilot.run_id"
-REQUEST_ID = "gen_ai.request.id"
-# RequestEvent field <- vLLM's attribute (vllm/tracing/utils.py SpanAttributes). time_in_model_inference
-# is prefill + decode, so it is not stored; the sampling parameters are not part of a request row.
-REQUIRED_SECONDS = {
-    "queue_s": "gen_ai.latency.time_in_queue",
-    "prefill_s": "gen_ai.latency.time_in_model_prefill",
-    "decode_s": "gen_ai.latency.time_in_model_decode",
-    "e2e_s": "gen_ai.latency.e2e",
-}
-OPTIONAL_SECONDS = {"ttft_s": "gen_ai.latency.time_to_first_token"}
-REQUIRED_COUNTS = {"prompt_tokens": "gen_ai.usage.prompt_tokens", "output_tokens": "gen_ai.usage.completion_tokens"}
 _FIELD_ATTRIBUTE = {
-    **REQUIRED_SECONDS,
-    **OPTIONAL_SECONDS,
-    **REQUIRED_COUNTS,
-    "request_id": REQUEST_ID,
+    **FIELD_SOURCE,
     "instance": "the instance (from the resource attributes)",
     "run_id": RUN_ID_ATTRIBUTE,
-    "ts": "the span's start time plus gen_ai.latency.e2e",
-    "frontend_s": "tracestate kvpilot (the HTTP arrival)",
 }
-ARRIVAL_STAMP_KEY = "kvpilot"
-FIRST_BYTE = "kvpilot.first_byte_time"
-MAX_FRONTEND_S = 3600.0
-CLOCK_SLACK_S = 0.001  # the stamp and vLLM's arrival_time read one clock, rounded to the microsecond
-_WANTED = {*REQUIRED_SECONDS.values(), *OPTIONAL_SECONDS.values(), *REQUIRED_COUNTS.values(), REQUEST_ID, FIRST_BYTE}
 _RESOURCE_WANTED = {"service.name", "service.instance.id", "host.name", "host.id", RUN_ID_ATTRIBUTE}
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 
@@ -193,7 +159,7 @@ def _prepare_json(data: dict) -> None:
                         spans[i] = {"name": span.get("name", "")}
                     continue
                 _convert_ids(span, ("traceId", "trace_id", "spanId", "span_id"))
-                _keep_attributes(span, _WANTED)
+                _keep_attributes(span, SPAN_ATTRIBUTES)
                 for unread in ("parentSpanId", "parent_span_id", "events", "links"):
                     span.pop(unread, None)
 
@@ -259,7 +225,7 @@ def request_events(
                     continue
                 try:
                     span_id, event = _span_event(span, instance, run_id, window)
-                except _SpanRejected as exc:
+                except SpanRejected as exc:
                     out.rejected += 1
                     out.first_error = out.first_error or f"span {position}: {exc}"
                     continue
@@ -292,89 +258,37 @@ def resource_identity(resource_spans: ResourceSpans, instance_map: dict[str, str
     return instance, attrs.get(RUN_ID_ATTRIBUTE, DEFAULT_RUN_ID)
 
 
-class _SpanRejected(ValueError):
-    """Why one llm_request span cannot be a request row; the text names attributes, never values."""
-
-
 def _span_event(
     span: Span, instance: str, run_id: str, window: TimeWindow | None
 ) -> tuple[tuple[str, str], dict[str, Any]]:
     trace_id, span_id = span.trace_id.hex(), span.span_id.hex()
     if len(trace_id) != 32 or len(span_id) != 16 or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
-        raise _SpanRejected("invalid trace_id or span_id")
+        raise SpanRejected("invalid trace_id or span_id")
     if span.start_time_unix_nano == 0:
-        raise _SpanRejected("no start time (the request's arrival)")
-    attrs = {kv.key: kv.value for kv in span.attributes if kv.key in _WANTED}
+        raise SpanRejected("no start time (the request's arrival)")
+    attrs = {kv.key: _plain(kv.value) for kv in span.attributes if kv.key in SPAN_ATTRIBUTES}
     event: dict[str, Any] = {"type": "request", "instance": instance, "run_id": run_id, "status": "finished"}
-    for name, key in REQUIRED_SECONDS.items():
-        event[name] = _number(attrs, key, required=True)
-    for name, key in OPTIONAL_SECONDS.items():
-        event[name] = _number(attrs, key, required=False)
-    for name, key in REQUIRED_COUNTS.items():
-        event[name] = _count(attrs, key)
-    request_id = attrs.get(REQUEST_ID)
-    if request_id is None or request_id.WhichOneof("value") != "string_value":
-        raise _SpanRejected(f"{REQUEST_ID} missing or not a string")
-    event["request_id"] = request_id.string_value
-    start = span.start_time_unix_nano / 1e9
-    event["frontend_s"] = frontend_seconds(span.trace_state, start)
-    first_byte = _number(attrs, FIRST_BYTE, required=False)
-    if first_byte is not None:
-        served = first_byte - start
-        engine_ttft = event["ttft_s"] if event["ttft_s"] is not None else 0.0
-        if -CLOCK_SLACK_S <= served - engine_ttft <= MAX_FRONTEND_S:
-            event["ttft_s"] = max(served, engine_ttft)
-            event["e2e_s"] = max(event["e2e_s"], event["ttft_s"])
-    # the wall-clock time of the final stage, as kvpilot's engine stamps its request events
-    event["ts"] = start + event["e2e_s"]
+    event |= request_fields(attrs, start=span.start_time_unix_nano / 1e9, trace_state=span.trace_state)
     if any(isinstance(value, str) and "\x00" in value for value in event.values()):
-        raise _SpanRejected("NUL characters are not allowed in strings")
+        raise SpanRejected("NUL characters are not allowed in strings")
     try:
         event = validate_event(event)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         loc = str(err["loc"][-1]) if err["loc"] else ""
-        raise _SpanRejected(f"{_FIELD_ATTRIBUTE.get(loc, loc)}: {err['msg']}") from None
+        raise SpanRejected(f"{_FIELD_ATTRIBUTE.get(loc, loc)}: {err['msg']}") from None
     if window is not None and event["ts"] not in window:
-        raise _SpanRejected(f"{_FIELD_ATTRIBUTE['ts']}: {window.message()}")
+        raise SpanRejected(f"{_FIELD_ATTRIBUTE['ts']}: {window.message()}")
     return (trace_id, span_id), event
 
 
-def frontend_seconds(trace_state: str, engine_arrival: float) -> float | None:
-    """Seconds from kvpilot's HTTP arrival stamp in `trace_state` to vLLM's own arrival; None without one."""
-    for member in trace_state.split(","):
-        key, _, value = member.strip().partition("=")
-        if key != ARRIVAL_STAMP_KEY:
-            continue
-        if not (value.startswith("t") and value[1:].isdigit() and len(value) <= 20):
-            return None
-        seconds = engine_arrival - int(value[1:]) / 1e6
-        return max(0.0, seconds) if -CLOCK_SLACK_S <= seconds <= MAX_FRONTEND_S else None
-    return None
-
-
-def _number(attrs: dict[str, AnyValue], key: str, *, required: bool) -> float | None:
-    value = attrs.get(key)
-    if value is None and not required:
-        return None
-    if value is not None:
-        kind = value.WhichOneof("value")
-        if kind == "double_value":
-            return value.double_value
-        if kind == "int_value":
-            return float(value.int_value)
-    raise _SpanRejected(f"{key} missing or not a number")
-
-
-def _count(attrs: dict[str, AnyValue], key: str) -> int:
-    value = attrs.get(key)
-    if value is not None:
-        kind = value.WhichOneof("value")
-        if kind == "int_value":
-            return value.int_value
-        if kind == "double_value" and value.double_value.is_integer():
-            return int(value.double_value)
-    raise _SpanRejected(f"{key} missing or not an integer")
+def _plain(value: AnyValue) -> Any:
+    """An attribute's value as Python: str, int, float or bool; another kind (array, bytes, kvlist, none) stays
+    the protobuf value, which no field accepts."""
+    kind = value.WhichOneof("value")
+    if kind in ("string_value", "int_value", "double_value", "bool_value"):
+        return getattr(value, kind)
+    return value
 
 
 # --- answers -----------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ class RequestRow(_EventColumns, Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     output_tokens: Mapped[int] = mapped_column(Integer)
     # Seconds from the HTTP arrival to the engine's arrival stamp (the stage before the engine); NULL when
-    # the source does not measure it apart (collector.events.RequestEvent says where it comes from).
+    # the source does not measure it apart (engine.events.RequestEvent says where it comes from).
     frontend_s: Mapped[float | None] = mapped_column(Float)
     queue_s: Mapped[float] = mapped_column(Float)
     prefill_s: Mapped[float] = mapped_column(Float)

@@ -1,4 +1,4 @@
-"""The ingest hot path's validator: the wire schema of `collector.events`, validated into plain dicts.
+"""The ingest hot path's validator: the wire schema of `engine.events`, validated into plain dicts.
 
 Validating into the frozen pydantic models costs twice as much as validating the same schema into
 TypedDicts, and the collector only needs the values to hand to `executemany`. So the TypedDicts are
@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from sqlalchemy import BigInteger, Float, Integer, String
 from typing_extensions import TypedDict
 
-from collector.events import EVENT_TYPES, EventBatch, event_adapter
 from collector.schema import EVENT_TABLES
 from collector.settings import CollectorSettings
 from collector.wirescan import BatchShapeError, split_batch
+from engine.events import EVENT_TYPES, EventBatch, event_adapter
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ if FAST_PATH:
     wire_adapter: TypeAdapter[Any] = TypeAdapter(WireBatch)
     event_wire_adapter: TypeAdapter[Any] = TypeAdapter(_WireEvent)
 else:  # pragma: no cover - exercised only if events.py grows validators
-    log.warning("collector.events models have validators; ingest validates through the models (slower)")
+    log.warning("engine.events models have validators; ingest validates through the models (slower)")
     wire_adapter = TypeAdapter(EventBatch)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from collector.events import GapEvent
+from engine.events import GapEvent
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 from pydantic import TypeAdapter
 
-from collector.events import Event, GapEvent
+from engine.events import Event, GapEvent
 from engine.gaps import GapLedger
 from engine.sink_metrics import SinkMetrics
 from engine.sinks import AnyEvent

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from collector.events import AllocEvent, RequestEvent, SampleEvent, StepEvent, event_to_json
+from engine.events import AllocEvent, RequestEvent, SampleEvent, StepEvent, event_to_json
 
 AnyEvent = RequestEvent | StepEvent | AllocEvent | SampleEvent
 

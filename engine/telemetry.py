@@ -1,4 +1,4 @@
-"""Turns engine stats into the wire events of `collector.events` and hands them to a sink.
+"""Turns engine stats into the wire events of `engine.events` and hands them to a sink.
 
 Events are built with `model_construct` (no validation): the engine produces them from its own typed
 state, and the collector validates on ingest anyway — validating twice would cost the serving loop.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import uuid
 from typing import cast
 
-from collector.events import AllocEvent, AllocOp, RequestEvent, RequestStatus, SampleEvent, StepEvent, Tier
 from engine.clock import Clock
 from engine.device_stats import DeviceSampler
+from engine.events import AllocEvent, AllocOp, RequestEvent, RequestStatus, SampleEvent, StepEvent, Tier
 from engine.kv import KVCacheManager
 from engine.sinks import EventSink
 from engine.stats import FinishedRequest, IterationStats

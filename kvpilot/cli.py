@@ -5,13 +5,13 @@ from __future__ import annotations
 import typer
 
 from kvpilot.cli_alerts import alerts_app
-from kvpilot.cli_bench import bench_app
 from kvpilot.cli_collector import collector_app, db_app
 from kvpilot.cli_dashboard import dashboard_cmd
 from kvpilot.cli_engine import engine_app
 from kvpilot.cli_extras import require_extras
 from kvpilot.cli_loadtest import loadtest_cmd
 from kvpilot.cli_model import model_app
+from kvpilot.cli_plugins import mount_bench
 from kvpilot.cli_status import status_cmd
 from kvpilot.cli_tune import sim_app, tune_app
 from kvpilot.cli_tune_vllm import tune_vllm_app
@@ -21,7 +21,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvpilot: obs
 app.add_typer(engine_app, name="engine", help="Run the inference engine.")
 app.add_typer(model_app, name="model", help="Make local model checkpoints.")
 app.add_typer(vllm_app, name="vllm", help="Run vLLM with its telemetry wired to the collector.")
-app.add_typer(bench_app, name="bench", help="Benchmarks with JSON output.")
+mount_bench(app)
 app.add_typer(collector_app, name="collector", help="Run the telemetry collector.")
 app.add_typer(db_app, name="db", help="Migrate and prune the collector database.")
 app.add_typer(alerts_app, name="alerts", help="Prometheus-style alert rules and an Alertmanager-compatible notifier.")

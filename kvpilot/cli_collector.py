@@ -292,10 +292,10 @@ def tail_cmd(
     import signal
     import threading
 
-    from collector.vllm_log import VllmLogError
     from engine.http_sink import HttpSink, SpoolLockedError, spool_dir_for
+    from integrations.vllm.iteration_log import VllmLogError
+    from integrations.vllm.tail import tail_file
     from kvpilot.cli_vllm import check_collector_url
-    from kvpilot.vllm.tail import tail_file
 
     url = check_collector_url(collector)
     logging.basicConfig(level=logging.INFO, format="kvpilot: %(message)s")

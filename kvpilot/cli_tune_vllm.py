@@ -86,9 +86,9 @@ JsonOpt = typer.Option(None, "--json", help="also write the result as JSON to th
 @contextlib.contextmanager
 def _vllm_errors() -> Iterator[None]:
     """`tune`'s error mapping plus vLLM's: a missing interpreter is bad input, a failure while running exits 1."""
-    from kvpilot.vllm import VllmSetupError
+    from integrations.vllm import VllmSetupError
+    from integrations.vllm.argcheck import ArgCheckError
     from tuner.backends import NotMeasuredError
-    from tuner.vllm.argcheck import ArgCheckError
     from tuner.vllm.tune import TuneError
 
     with _errors():
@@ -131,7 +131,7 @@ def _check_collector(url: str, ingest_token: str | None) -> None:
 
 def _base(config: Path, model: Path | None):
     """(running config, the model's shape) from the config file and --model."""
-    from tuner.vllm.config import VllmConfig
+    from integrations.vllm.config import VllmConfig
     from tuner.vllm.tune import checkpoint_model
 
     base = VllmConfig.from_config_yaml(config)
@@ -155,8 +155,8 @@ def _opts(requests, scale, output_range, load, duration, time_scale, length_scal
 
 def _check_space(space, path: Path | None, base, python: str | None, *, say) -> str:
     """The space against the installed vLLM's own parser (when `python` is given); what the check said."""
+    from integrations.vllm.argcheck import check_space
     from tuner.space import SpaceError
-    from tuner.vllm.argcheck import check_space
     from tuner.vllm.space import default_vllm_space_path
 
     if python is None:
@@ -236,7 +236,7 @@ def _check_seeds(seeds_per_trial: int, heldout_seeds: int) -> None:
 def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
     """Check everything, run the tuning (`tuner.vllm.tune.VllmTuning`), write the report (and the proposal when
     the gain holds); the summary."""
-    from kvpilot.vllm import find_vllm_python
+    from integrations.vllm import find_vllm_python
     from tuner.jobs import open_db, workload_factory, workload_kind
     from tuner.storage import open_storage
     from tuner.vllm.backend import VllmBackend, parse_port_range
@@ -653,7 +653,7 @@ def screen_cmd(
     t0 = time.time()
     say = _sayer(t0)
     with _vllm_errors():
-        from kvpilot.vllm import VllmSetupError, find_vllm_python
+        from integrations.vllm import VllmSetupError, find_vllm_python
         from tuner import workloads as WL
         from tuner.jobs import open_db, workload_factory, workload_kind
         from tuner.storage import open_storage

@@ -64,7 +64,7 @@ def serve_cmd(
     traces: bool = typer.Option(True, "--traces/--no-traces", help="point vLLM's OTLP span exporter at the collector"),
 ) -> None:
     """Run vLLM's OpenAI server; ship its iteration lines as steps, register its /metrics, export its spans."""
-    from kvpilot.vllm import LaunchOptions, VllmLauncher, VllmSetupError, find_vllm_python
+    from integrations.vllm import LaunchOptions, VllmLauncher, VllmSetupError, find_vllm_python
 
     collector_url, labels = check_collector_url(collector), parse_labels(label)
     logging.basicConfig(level=logging.INFO, format="kvpilot: %(message)s", stream=sys.stderr)
@@ -130,7 +130,7 @@ def calibrate_cmd(
 ) -> None:
     """Fit a vLLM cost profile on this machine: vLLM serves calibration traffic, its iteration lines are the fit."""
     require_extras(ctx, "tune")
-    from kvpilot.vllm import VllmSetupError, find_vllm_python
+    from integrations.vllm import VllmSetupError, find_vllm_python
     from kvpilot.vllm.calibrate import calibrate_vllm
     from tuner.vllm.calibrate import CalibrationError
 

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 
 from sqlalchemy import Engine
 
-from collector.events import event_to_json
 from collector.ingest import parse_batch, store_batch
 from collector.queries import alloc_trace, goodput, headline_latency, latency_percentiles, request_rates
+from engine.events import event_to_json
 from engine.sinks import AnyEvent
 
 log = logging.getLogger("kvpilot.tuner.metrics")

@@ -93,7 +93,7 @@ def create_proposal(
     if engine == "kvpilot":
         EngineConfig.from_dict(yaml.safe_load(config_yaml) or {}, source="proposal config")
     elif engine == "vllm":
-        from tuner.vllm.config import VllmConfig
+        from integrations.vllm.config import VllmConfig
 
         VllmConfig.from_config_text(config_yaml, source="proposal config")
         best_metrics = {**best_metrics, "engine": "vllm"}

@@ -3,7 +3,7 @@
 A peak is only a peak when every step was seen: a gauge scraped every few seconds misses the moment the
 batch was fullest (a vLLM whose iteration log showed 43 of 64 blocks in use read 0.24 from 5-s scrapes).
 So each figure comes from the step rows when the instance has them (vLLM's iteration log through
-`collector.vllm_log`, or kvpilot's engine's step events), and from sampled gauges only otherwise; the
+`integrations.vllm.iteration_log`, or kvpilot's engine's step events), and from sampled gauges only otherwise; the
 source says which, and a sampled figure says that it is a sample, not a peak.
 
 vLLM's iteration line carries no queue length (its step rows hold `queue_depth` 0), so for a vLLM the

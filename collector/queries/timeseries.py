@@ -144,7 +144,7 @@ _JUST_BEFORE_S = 1e-3
 
 
 def _lost_labels(kind: Any, reason: Any) -> Any:
-    # kind and reason are closed vocabularies (collector.events), so plain concatenation is valid JSON.
+    # kind and reason are closed vocabularies (engine.events), so plain concatenation is valid JSON.
     return (literal('{"kind":"', Text) + kind + '","reason":"' + reason + '"}').label("labels")
 
 

@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from collector.claims import CardinalityLimits, ClaimWindows
 from collector.db import check_schema_current, make_engine, redact, session_factory
 from collector.errors import CollectorError, StorageError
-from collector.events import EventBatch
 from collector.identities import IdentityStore
 from collector.maintenance import Maintenance, MaintenanceMetrics
 from collector.netpolicy import AddressPolicy
@@ -38,6 +37,7 @@ from collector.server.admission import Admission
 from collector.server.deps import CollectorState, IngestMetrics
 from collector.server.errors import Rejected, as_rejected
 from collector.settings import CollectorSettings
+from engine.events import EventBatch
 
 log = logging.getLogger("kvpilot.collector")
 

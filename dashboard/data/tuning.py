@@ -48,7 +48,7 @@ def proposals(url: str) -> pd.DataFrame:
 def vllm_baseline(baseline_metrics: dict[str, Any] | None) -> dict[str, Any] | None:
     """The vLLM config a vLLM study measured as its baseline, in the proposal's own form (vLLM's `--config`
     keys), so the two diff key by key; None where the proposal did not record it."""
-    from tuner.vllm.config import VllmConfig, VllmConfigError
+    from integrations.vllm.config import VllmConfig, VllmConfigError
 
     recorded = (baseline_metrics or {}).get("config")
     if not isinstance(recorded, dict):

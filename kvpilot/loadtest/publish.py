@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from collector.events import RequestEvent, event_to_json
+from engine.events import RequestEvent, event_to_json
 from kvpilot.loadtest.client import RequestResult
 
 log = logging.getLogger(__name__)

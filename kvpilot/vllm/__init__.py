@@ -1,11 +1,4 @@
-"""vLLM as a kvpilot source: `kvpilot vllm serve` (launcher), `kvpilot collector tail` (log files).
+"""`kvpilot vllm calibrate` and the local bench it and the vLLM benchmarks run on (`workbench`).
 
-- `wiring`: vLLM's command line and environment, its scrape target, where its interpreter is;
-- `launcher`: `VllmLauncher(LaunchOptions(...)).start()` runs vLLM and ships its iteration lines;
-- `tail`: ships a vLLM log file, remembering how far it got.
+The vLLM integration itself (launcher, log parsing, config, client) is `integrations.vllm`.
 """
-
-from kvpilot.vllm.launcher import LaunchOptions, VllmExitedError, VllmLauncher
-from kvpilot.vllm.wiring import VllmSetupError, find_vllm_python
-
-__all__ = ["LaunchOptions", "VllmExitedError", "VllmLauncher", "VllmSetupError", "find_vllm_python"]

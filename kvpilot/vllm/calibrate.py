@@ -21,13 +21,13 @@ from pathlib import Path
 from collector.queries import stored_steps
 from engine.config import ModelConfig
 from engine.weights import config_from_checkpoint
+from integrations.vllm.config import VllmConfig
 from kvpilot.vllm.workbench import workbench
 from tuner import workloads as WL
 from tuner.calibrate import cpu_name
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
 from tuner.vllm.calibrate import VllmProfile, fit_profile
-from tuner.vllm.config import VllmConfig
 
 KV_BYTES = 16 * 2**20
 # Lengths scaled to the 512-token model (as `kvpilot bench tune-vllm`); 10 s of sustained traffic per seed.

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from collector.events import SampleEvent
+from engine.events import SampleEvent
 from engine.http_sink import DiskSpool, HttpSink, SpooledBatch
 from engine.sinks import EventSink
 

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sqlalchemy import text
 
 from collector.db import make_engine
-from collector.events import RequestEvent, SampleEvent
 from collector.server import run_in_thread
 from collector.settings import CollectorSettings
+from engine.events import RequestEvent, SampleEvent
 from engine.http_sink import HttpSink
 from plumbing.process import free_port
 from plumbing.serving import ThreadServer

@@ -240,7 +240,7 @@ def test_the_http_arrival_and_first_bytes_come_back_on_the_span(
     client: TestClient, settings: CollectorSettings
 ) -> None:
     """The launcher's middleware stamps the headers; vLLM's span, their child, carries the stamp back."""
-    from kvpilot.vllm.asgi.kvpilot_arrival import stamped_headers
+    from integrations.vllm.asgi.kvpilot_arrival import stamped_headers
 
     def headers(raw: list[tuple[bytes, bytes]], arrival: float) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in stamped_headers(raw, arrival)}

@@ -18,10 +18,10 @@ import httpx
 from sqlalchemy import func, select
 
 from collector.db import make_engine
-from collector.events import StepEvent
 from collector.schema import StepRow
 from collector.server.process import start_subprocess
 from collector.settings import CollectorSettings
+from engine.events import StepEvent
 from engine.http_sink import HttpSink
 from tests.collector import evfactory as ev
 

@@ -1,4 +1,4 @@
-"""The ingest validator (TypedDicts generated from collector.events) agrees with the models themselves."""
+"""The ingest validator (TypedDicts generated from engine.events) agrees with the models themselves."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import BigInteger, Integer, String
 
 from collector import fastdecode, validation
-from collector.events import EventBatch
 from collector.ingest import EVENT_COLUMNS
 from collector.schema import EVENT_TABLES
+from engine.events import EventBatch
 from tests.collector import evfactory as ev
 
 model_adapter = TypeAdapter(EventBatch)
@@ -90,7 +90,7 @@ def wire_result(body: bytes) -> tuple[bool, Any]:
 
 
 def test_fast_path_is_active() -> None:
-    assert validation.FAST_PATH, "collector.events grew validators; teach collector/validation.py about them"
+    assert validation.FAST_PATH, "engine.events grew validators; teach collector/validation.py about them"
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
@@ -115,7 +115,7 @@ def test_defaults_are_filled() -> None:
 
 
 def test_msgspec_fast_path_is_active() -> None:
-    assert fastdecode.ENABLED, "collector.fastdecode could not mirror collector.events; see its log line"
+    assert fastdecode.ENABLED, "collector.fastdecode could not mirror engine.events; see its log line"
 
 
 def pydantic_rows(body: bytes) -> tuple[str | None, dict[str, list[tuple]]] | None:

@@ -10,11 +10,11 @@ import optuna
 from optuna.distributions import IntDistribution
 
 from collector.db import make_engine
+from integrations.vllm.config import VllmConfig
 from tests.dashboard.conftest import no_exception, table_with, texts
 from tests.dashboard.seed import Seed
 from tuner.storage import open_storage
 from tuner.study import tag_study
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.proposal import publish
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from collector.events import parse_event
+from engine.events import parse_event
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from engine.sinks import JsonlSink, MemorySink

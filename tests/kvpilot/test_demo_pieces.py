@@ -12,8 +12,8 @@ import yaml
 
 from alerts.rules import DEMO_RULES, load_rule_files
 from collector.db import make_engine
-from collector.events import RequestEvent, SampleEvent
 from engine.config import EngineConfig
+from engine.events import RequestEvent, SampleEvent
 from engine.preflight import check_engine_config
 from kvpilot import demo_alerts as DA
 from kvpilot.demo import demo_engine_config

@@ -10,6 +10,7 @@ import pytest
 
 from collector.db import make_engine
 from collector.queries import stored_steps
+from integrations.vllm.config import VllmConfig
 from tests.tuner.test_vllm_sim import CKPT_MODEL, _synthetic_steps
 from tuner import workloads as WL
 from tuner.capacity import MIN_FINISHED, arrival_rate, breaches, compress, replay_capacity
@@ -17,7 +18,6 @@ from tuner.compare import INCONCLUSIVE, NO_GAIN, PROPOSAL, interval, pair_log_ra
 from tuner.metrics import SLO, store_events
 from tuner.replay import prepare_prompts
 from tuner.vllm.calibrate import fit_profile
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend
 from tuner.vllm.space import at_fixed_memory, load_vllm_space, memory_changes
 

@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from collector.db import make_engine
+from integrations.vllm.config import VllmConfig
 from kvpilot.cli import app
 from tuner.proposals import ProposalError, apply_proposal, create_proposal
-from tuner.vllm.config import VllmConfig
 
 from .conftest import tiny_profile
 

@@ -14,11 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 from collector.db import make_engine
-from collector.events import RequestEvent, StepEvent
+from engine.events import RequestEvent, StepEvent
+from integrations.vllm.config import VllmConfig
 from kvpilot.cli import app
 from tuner.metrics import store_events
 from tuner.storage import open_storage
-from tuner.vllm.config import VllmConfig
 
 from .test_vllm_sim import _synthetic_steps
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from collector.db import make_engine
-from collector.events import RequestEvent
+from engine.events import RequestEvent
 from kvpilot import demo_tune
 from kvpilot.demo_alerts import INSTANCE as DEMO_INSTANCE
 from kvpilot.demo_load import BurstGate, arrivals

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from collector.db import make_engine
-from collector.events import RequestEvent
 from collector.queries import goodput
 from engine.config import ConfigError, EngineConfig
+from engine.events import RequestEvent
 from tuner import workloads as WL
 from tuner.backends import SimBackend
 from tuner.metrics import SLO, store_events, trial_metrics

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.cli import bench_app
 from benchmarks.tuner_bench import BenchConfig, choose_sampler, run_tuner_bench
 from benchmarks.tuner_landscape import (
     BENCH_PROFILES,
@@ -102,7 +103,7 @@ def test_the_pin_is_the_file_hash_and_unknown_profiles_are_refused(tmp_path: Pat
     assert other.name == "cpu-2core" and other.sha256 != pinned.sha256 and not other.frozen
     with pytest.raises(ProfileError, match="not one of the bench's frozen profiles"):
         pin_profile("no-such-profile")
-    res = runner.invoke(app, ["bench", "tuner", "--quick", "--profile", "no-such-profile"])
+    res = runner.invoke(bench_app, ["tuner", "--quick", "--profile", "no-such-profile"])
     assert res.exit_code == 2 and "no-such-profile" in res.output and "Traceback" not in res.output
 
 

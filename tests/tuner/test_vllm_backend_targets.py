@@ -14,13 +14,13 @@ from collector.db import make_engine
 from collector.server import run_in_thread
 from collector.settings import CollectorSettings
 from engine.workload import WorkloadRequest
-from kvpilot.vllm import VllmExitedError
-from kvpilot.vllm.wiring import register_target
+from integrations.vllm import VllmExitedError
+from integrations.vllm.config import VllmConfig
+from integrations.vllm.wiring import register_target
 from plumbing.serving import ThreadServer
 from tuner.backends import InfeasibleTrialError
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
-from tuner.vllm.config import VllmConfig
 
 TOKEN = "ingest-s3cret"
 ADMIN_TOKEN = "adm1n-s3cret"

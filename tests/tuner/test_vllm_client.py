@@ -15,11 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from engine import workload as W
+from integrations.vllm import client as C
+from integrations.vllm.config import VllmConfig
 from tuner.backends import NotMeasuredError
 from tuner.metrics import SLO
 from tuner.vllm import backend as B
-from tuner.vllm import client as C
-from tuner.vllm.config import VllmConfig
 
 
 class _Server(ThreadingHTTPServer):

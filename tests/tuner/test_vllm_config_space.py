@@ -1,4 +1,4 @@
-"""vLLM's tuned arguments (`tuner.vllm.config`), their search space, and infeasible trials in a study.
+"""vLLM's tuned arguments (`integrations.vllm.config`), their search space, and infeasible trials in a study.
 
 No vLLM needed: the check against vLLM's own parser is tests/vllm/test_tune_vllm.py (marker vllm)."""
 
@@ -8,12 +8,12 @@ import math
 
 import pytest
 
+from integrations.vllm.argcheck import probes
+from integrations.vllm.config import VllmConfig, VllmConfigError
 from tuner.backends import InfeasibleTrialError
 from tuner.metrics import SLO, TrialMetrics
 from tuner.space import SpaceError
 from tuner.study import run_study
-from tuner.vllm.argcheck import probes
-from tuner.vllm.config import VllmConfig, VllmConfigError
 from tuner.vllm.space import load_vllm_space, vllm_space_from_dict
 
 

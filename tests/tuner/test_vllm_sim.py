@@ -8,16 +8,16 @@ import random
 import pytest
 
 from collector.db import make_engine
-from collector.events import RequestEvent, StepEvent
 from collector.queries import StoredStep, stored_steps
 from engine.config import CacheConfig, ModelConfig, RecyclerConfig, SchedulerConfig
+from engine.events import RequestEvent, StepEvent
 from engine.kv import KVCacheManager
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, StageTimes
+from integrations.vllm.config import VllmConfig
 from tuner import workloads as WL
 from tuner.metrics import SLO, store_events
 from tuner.vllm.calibrate import CalibrationError, fit_profile
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend, sim_vllm_engine
 
 BPT = 64

@@ -59,7 +59,7 @@ def test_azure_trace_replay_with_scaling(tmp_path) -> None:
 
 
 def test_workload_fitted_from_the_collector(sqlite_url: str) -> None:
-    from collector.events import RequestEvent
+    from engine.events import RequestEvent
 
     now = 1_800_000_000.0
     events = []

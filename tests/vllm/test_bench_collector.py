@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from benchmarks.vllm_bench import bench_collector
-from kvpilot.vllm.wiring import register_target
+from integrations.vllm.wiring import register_target
 
 
 def test_the_bench_collector_registers_a_loopback_vllm_with_its_own_admin_token(

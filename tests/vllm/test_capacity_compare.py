@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from collector.db import make_engine
+from integrations.vllm.config import VllmConfig
 from tuner import workloads as WL
 from tuner.capacity import breaches
 from tuner.compare import PROPOSAL
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import load_vllm_space
 from tuner.vllm.tune import Budget, VllmTuning, checkpoint_model
 

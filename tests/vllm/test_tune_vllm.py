@@ -12,9 +12,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from integrations.vllm.argcheck import check_space
+from integrations.vllm.config import VllmConfig
 from kvpilot.cli import app
-from tuner.vllm.argcheck import check_space
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import VllmSpace, load_vllm_space, vllm_space_from_dict
 
 pytestmark = pytest.mark.vllm

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvpilot.cli import app
-from kvpilot.vllm.wiring import (
+from integrations.vllm.wiring import (
     VLLM_PYTHON_ENV,
     Endpoint,
     VllmSetupError,
@@ -22,6 +21,7 @@ from kvpilot.vllm.wiring import (
     option_value,
     stopped_cleanly,
 )
+from kvpilot.cli import app
 
 runner = CliRunner()
 
@@ -61,7 +61,7 @@ def test_env_names_the_instance_and_run_and_carries_the_token_as_an_otlp_header(
     )
     assert env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "Authorization=Bearer%20s3cr%3Dt"
     assert env["PYTHONUNBUFFERED"] == "1"
-    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("kvpilot", "vllm", "asgi"))
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith(os.path.join("integrations", "vllm", "asgi"))
     assert build_env({"PYTHONPATH": "/mine"}, instance="i", run_id="r", token=None, traces=True)["PYTHONPATH"].endswith(
         os.pathsep + "/mine"
     )
@@ -131,7 +131,7 @@ def test_a_stop_is_clean_only_when_vllm_ends_by_what_it_was_asked() -> None:
 
 
 def test_the_arrival_stamp_keeps_a_valid_trace_and_replaces_anything_else() -> None:
-    from kvpilot.vllm.asgi.kvpilot_arrival import stamped_headers
+    from integrations.vllm.asgi.kvpilot_arrival import stamped_headers
 
     def stamp(*headers: tuple[bytes, bytes]) -> dict[bytes, bytes]:
         out = stamped_headers(list(headers), 1_790_000_000.25)
@@ -161,7 +161,7 @@ def test_the_first_streamed_bytes_go_on_the_request_span(monkeypatch: pytest.Mon
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from kvpilot.vllm.asgi import kvpilot_arrival as mw
+    from integrations.vllm.asgi import kvpilot_arrival as mw
 
     provider, memory = TracerProvider(), InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(memory))

@@ -1,11 +1,10 @@
 """Tuning a real vLLM: its engine arguments as a config, their search space, a backend that restarts vLLM per
 trial, a simulator in vLLM's scheduling mode calibrated from vLLM's own iteration log, and the screened search.
 
-- `config`: `VllmConfig`, the tunable engine arguments and the fixed serve arguments; CLI args and `--config` YAML;
+The vLLM side (its launcher, `VllmConfig`, the argument check, the OpenAI client) is `integrations.vllm`.
+
 - `space` (+ `space.yml`): the search space in the same YAML form and parser as `tuner/space.yml`;
-- `argcheck`: the space checked against the installed vLLM's own argument parser and config validation;
-- `client`: replays a workload through vLLM's OpenAI API at the recorded arrival times;
-- `backend`: `VllmBackend`, one vLLM start per trial (through `kvpilot.vllm.VllmLauncher`);
+- `backend`: `VllmBackend`, one vLLM start per trial (through `integrations.vllm.VllmLauncher`);
 - `calibrate`: the cost model fitted to the steps the collector stored from vLLM's iteration lines (read with
   `collector.queries.stored_steps`);
 - `sim`: the kvpilot scheduler and KV cache manager in vLLM V1's mode, on that cost model;

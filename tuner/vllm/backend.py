@@ -1,13 +1,13 @@
 """The `vllm` backend: each trial starts vLLM with the trial's engine arguments and replays the workload on it.
 
-A trial: start vLLM through the launcher (`kvpilot.vllm.VllmLauncher`, the trial's run id on its iteration lines and
-OTLP spans), wait for /health, warm up, reset the prefix cache, replay the workload through the OpenAI API at its
-arrival times from a process of its own (`tuner.vllm.client`: a replay sent late is repeated, and one late on every
-attempt leaves the trial not measured, `NotMeasuredError`), wait until the collector holds a request row for every
-answer, read the metrics back with `tuner.metrics.trial_metrics` (the dashboard's queries, the trial's run id and
-window), and stop vLLM (SIGTERM to its process group). vLLM has no hot reload, so every new config is a restart: its
-cost (start to /health, and the stop) is kept per launch in `launches`. With the collector's admin token the
-launcher registers each trial's /metrics as a scrape target and the backend deletes it when that vLLM stops (target
+A trial: start vLLM through the launcher (`integrations.vllm.VllmLauncher`, the trial's run id on its iteration
+lines and OTLP spans), wait for /health, warm up, reset the prefix cache, replay the workload through the OpenAI API
+at its arrival times from a process of its own (`integrations.vllm.client`: a replay sent late is repeated, and one
+late on every attempt leaves the trial not measured, `NotMeasuredError`), wait until the collector holds a request
+row for every answer, read the metrics back with `tuner.metrics.trial_metrics` (the dashboard's queries, the trial's
+run id and window), and stop vLLM (SIGTERM to its process group). vLLM has no hot reload, so every new config is a
+restart: its cost (start to /health, and the stop) is kept per launch in `launches`. With the collector's admin token
+the launcher registers each trial's /metrics as a scrape target and the backend deletes it when that vLLM stops (target
 writes are administration); a delete the collector refuses is logged and kept in `stale_targets`.
 
 A server is kept while the next evaluation asks for the same config (the study runs each trial on several seeds
@@ -42,12 +42,8 @@ from sqlalchemy import Engine
 
 from collector.queries import request_rates
 from engine import workload as W
-from kvpilot.vllm import LaunchOptions, VllmExitedError, VllmLauncher
-from kvpilot.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
-from tuner.backends import InfeasibleTrialError, NotMeasuredError
-from tuner.metrics import SLO, TrialMetrics, trial_metrics
-from tuner.replay import Prepared, prepare_prompts, prepared_workload
-from tuner.vllm.client import (
+from integrations.vllm import LaunchOptions, VllmExitedError, VllmLauncher
+from integrations.vllm.client import (
     ClientResult,
     LateReplayError,
     ReplayClientError,
@@ -55,7 +51,11 @@ from tuner.vllm.client import (
     replay_on_time,
     warm_up,
 )
-from tuner.vllm.config import VllmConfig
+from integrations.vllm.config import VllmConfig
+from integrations.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
+from tuner.backends import InfeasibleTrialError, NotMeasuredError
+from tuner.metrics import SLO, TrialMetrics, trial_metrics
+from tuner.replay import Prepared, prepare_prompts, prepared_workload
 
 log = logging.getLogger("kvpilot.tuner.vllm.backend")
 

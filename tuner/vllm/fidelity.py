@@ -7,7 +7,7 @@ end-to-end latency and TTFT. Errors are relative to the real figure. Replays of 
 fitted on are in-sample; every other config is out of sample.
 
 The simulator replays the traffic vLLM was offered: each request at the time the client's POST started
-(`sent_at`, recorded by `tuner.vllm.client`), not at its planned arrival. On a loaded machine the client itself
+(`sent_at`, recorded by `integrations.vllm.client`), not at its planned arrival. On a loaded machine the client itself
 sends late (hundreds of ms to seconds behind the plan, measured 2026-12-03 by `benchmarks.vllm_fidelity_diag`),
 and comparing a simulation of the plan with a vLLM that got later traffic compares different workloads — the
 window stretches by the client's lag, not by anything vLLM does. `error_planned` keeps the old comparison (the
@@ -28,9 +28,9 @@ from sqlalchemy import Engine
 
 from collector.queries import stored_steps
 from engine import workload as W
+from integrations.vllm.config import VllmConfig
 from tuner.metrics import SLO
 from tuner.vllm.calibrate import VllmProfile
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.sim import VllmSimBackend
 
 METRICS = ("throughput", "busy", "e2e_p99", "ttft_p99")

@@ -16,12 +16,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from integrations.vllm.config import VllmConfig
 from tuner.capacity import MIN_FINISHED
 from tuner.compare import Comparison
 from tuner.metrics import SLO
 from tuner.proposals import ProposalView, create_proposal
 from tuner.report import _fmt
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.screen import ScreenResult
 
 log = logging.getLogger("kvpilot.tuner.vllm.proposal")

@@ -20,11 +20,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from integrations.vllm.config import VllmConfig
 from tuner.backends import Backend, InfeasibleTrialError, NotMeasuredError
 from tuner.metrics import SLO, TrialMetrics, combine
 from tuner.prune import drop_noise_knobs, seed_measurer
 from tuner.study import StudyResult, run_study, tag_study
-from tuner.vllm.config import VllmConfig
 from tuner.vllm.space import VllmSpace
 
 log = logging.getLogger("kvpilot.tuner.vllm.screen")

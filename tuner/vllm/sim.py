@@ -28,13 +28,13 @@ from engine.clock import VirtualClock
 from engine.config import BLOCK_SIZES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sinks import AnyEvent, EventSink
+from integrations.vllm.config import VllmConfig, VllmConfigError
 from tuner.backends import SimulatedBackend, WorkloadFactory
 from tuner.metrics import SLO
 from tuner.profile import StepShape
 from tuner.replay import TrialSink
 from tuner.sim import SimExecutor
 from tuner.vllm.calibrate import VllmProfile
-from tuner.vllm.config import VllmConfig, VllmConfigError
 
 if TYPE_CHECKING:
     from engine.kv import KVCacheManager

@@ -5,7 +5,7 @@ The same file format, parser and `KnobSpace` as the kvpilot space (`tuner.space`
 trial. The current config's own values are always added (`including`), so it runs as trial 0. One constraint
 is resolved here as vLLM resolves it for its defaults: without chunked prefill the token budget is raised to
 hold a whole `max_model_len` prompt. Whether vLLM's parser knows each name and accepts each value is checked
-against the installed vLLM by `tuner.vllm.argcheck` (it needs vLLM's interpreter, so it is not part of loading).
+against the installed vLLM by `integrations.vllm.argcheck` (it needs vLLM's interpreter, so it is not part of loading).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from integrations.vllm.config import TUNABLE_ARGS, VllmConfig
 from tuner.space import KnobSpace, parse_space, read_space_file
-from tuner.vllm.config import TUNABLE_ARGS, VllmConfig
 
 
 @dataclass(frozen=True)

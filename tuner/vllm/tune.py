@@ -40,6 +40,7 @@ from sqlalchemy import Engine
 from collector.queries import StoredStep, stored_steps
 from engine import workload as W
 from engine.config import ModelConfig
+from integrations.vllm.config import VllmConfig, VllmConfigError
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError
 from tuner.capacity import MIN_MULTIPLIER, Capacity, compress, replay_capacity
@@ -49,7 +50,6 @@ from tuner.replay import TrialSink, replay
 from tuner.study import StudyResult
 from tuner.vllm.backend import VllmBackend
 from tuner.vllm.calibrate import MIN_STEPS, CalibrationError, VllmProfile, fit_profile
-from tuner.vllm.config import VllmConfig, VllmConfigError
 from tuner.vllm.proposal import VllmProposal, publish, render_report
 from tuner.vllm.screen import (
     Candidate,

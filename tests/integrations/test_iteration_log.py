@@ -7,6 +7,7 @@ tokens), `--enable-logging-iteration-details`. The live path is tested against a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import itertools
 from pathlib import Path
@@ -18,10 +19,17 @@ from sqlalchemy import text
 from collector.db import make_engine
 from collector.server import start_subprocess
 from collector.settings import CollectorSettings
-from collector.vllm_log import LOG_TIME_PREFIX, MAX_LINE_CHARS, KvCapacity, StepPlacer, VllmLogError, VllmLogParser
 from engine.http_sink import HttpSink
 from engine.sinks import MemorySink
-from kvpilot.vllm.tail import STATE_FILE, LogTail, tail_file
+from integrations.vllm.iteration_log import (
+    LOG_TIME_PREFIX,
+    MAX_LINE_CHARS,
+    KvCapacity,
+    StepPlacer,
+    VllmLogError,
+    VllmLogParser,
+)
+from integrations.vllm.tail import STATE_FILE, LogTail, tail_file
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_0.32_cpu_iterations.log"
 LINES = FIXTURE.read_text(encoding="utf-8").splitlines()
@@ -113,7 +121,7 @@ def _steps(stamps: list[float], durations: list[float], instance: str = "vllm-a"
     out = []
     for i, (ts, d) in enumerate(zip(stamps, durations, strict=True)):
         (step,) = parse([line], clock=lambda ts=ts: ts)[1]
-        out.append(step.model_copy(update={"step": i, "ts": ts, "duration_s": d, "instance": instance}))
+        out.append(dataclasses.replace(step, step=i, ts=ts, duration_s=d, instance=instance))
     return out
 
 

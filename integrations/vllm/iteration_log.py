@@ -1,4 +1,4 @@
-"""vLLM's engine log as a step source: `--enable-logging-iteration-details` lines become `StepEvent`s.
+"""vLLM's engine log as a step source: `--enable-logging-iteration-details` lines become `IterationStep`s.
 
 vLLM 0.32 logs one INFO line per engine iteration (vllm/v1/metrics/loggers.py `_log_iteration_details`):
 
@@ -6,8 +6,9 @@ vLLM 0.32 logs one INFO line per engine iteration (vllm/v1/metrics/loggers.py `_
     603 context tokens, 3 generation requests, 3 generation tokens, iteration elapsed time: 36.58 ms,
     CPU KV cache usage: 19.0%
 
-(one line), and at start-up `CPU KV cache size: 8,192 tokens, ...` (`GPU` on CUDA). The mapping to a step
-row, the same row a kvpilot engine's step event makes (docs/architecture.md):
+(one line), and at start-up `CPU KV cache size: 8,192 tokens, ...` (`GPU` on CUDA). An `IterationStep` holds
+the fields of a step event (`step_event` builds it for the engine's sinks), so a vLLM line is stored as the same
+row a kvpilot engine's step event makes (docs/architecture.md):
 
 - `step`: the iteration index; `duration_s`, `forward_s` and `busy_s`: the elapsed time (vLLM measures the
   step as one span, so the three are equal); `num_seqs`: context + generation requests; `prefill_tokens`:
@@ -45,9 +46,9 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
-from collector.events import StepEvent
+from engine.events import StepEvent
 
 LOG_TIME_PREFIX = "%(created).6f "  # VLLM_LOGGING_PREFIX: vLLM's formatter expands it on every line
 MAX_LINE_CHARS = 16_384
@@ -76,7 +77,7 @@ class VllmLogError(ValueError):
 class VllmLogStats:
     lines: int = 0
     iteration_lines: int = 0  # lines that look like iteration lines (parsed or not)
-    steps: int = 0  # step events made
+    steps: int = 0  # steps made
     unparsable: int = 0
     truncated: int = 0  # lines longer than MAX_LINE_CHARS (matched on their head only)
 
@@ -97,8 +98,33 @@ class KvCapacity:
         return self.tokens or PERMILLE
 
 
+@dataclass(frozen=True, slots=True)
+class IterationStep:
+    """One engine iteration as vLLM logged it, in the fields of a step event (module docstring)."""
+
+    instance: str
+    run_id: str
+    ts: float
+    step: int
+    duration_s: float
+    forward_s: float
+    num_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    queue_depth: int
+    busy_s: float
+    warmup: bool
+
+
+def step_event(step: IterationStep) -> StepEvent:
+    """The wire event of one placed step, for the engine's sinks (validated as any event)."""
+    return StepEvent(**asdict(step))
+
+
 class VllmLogParser:
-    """Feed it vLLM's log lines in order; it returns a `StepEvent` for each iteration line.
+    """Feed it vLLM's log lines in order; it returns an `IterationStep` for each iteration line.
 
     Each step's `ts` is the bound its line gives (module docstring): the time vLLM prefixed it with, else
     with `ts_from_log` the end of the line's own second (local time, the year guessed from the clock) —
@@ -134,7 +160,7 @@ class VllmLogParser:
             blocks=blocks or self.capacity.blocks,
         )
 
-    def feed(self, line: str, *, read_ts: float | None = None) -> StepEvent | None:
+    def feed(self, line: str, *, read_ts: float | None = None) -> IterationStep | None:
         self.stats.lines += 1
         if len(line) > MAX_LINE_CHARS:
             self.stats.truncated += 1
@@ -154,7 +180,7 @@ class VllmLogParser:
         elapsed_s = float(m["ms"]) / 1000.0
         total = self.capacity.total()
         engine = int(m["engine"] or 0)
-        event = StepEvent(
+        step = IterationStep(
             instance=self.instance if engine == 0 else f"{self.instance}/dp{engine}",
             run_id=self.run_id,
             ts=self._timestamp(line, read_ts),
@@ -171,7 +197,7 @@ class VllmLogParser:
             warmup=m["dummy"] is not None,
         )
         self.stats.steps += 1
-        return event
+        return step
 
     def _startup_line(self, line: str) -> None:
         if "KV cache size" in line and (m := _CAPACITY.search(line)):
@@ -210,23 +236,23 @@ class StepPlacer:
     def __init__(self, *, hold_s: float = 2.0, max_pending: int = 50_000) -> None:
         self.hold_s = hold_s
         self.max_pending = max_pending
-        self._pending: dict[str, deque[StepEvent]] = {}
+        self._pending: dict[str, deque[IterationStep]] = {}
         self._last_end: dict[str, float] = {}
         self.moved = 0  # steps placed before their bound (lines that came out in a burst)
 
-    def push(self, event: StepEvent) -> list[StepEvent]:
-        """Hold `event`; return the steps its bound releases."""
-        self._pending.setdefault(event.instance, deque()).append(event)
-        return self.release(event.ts)
+    def push(self, step: IterationStep) -> list[IterationStep]:
+        """Hold `step`; return the steps its bound releases."""
+        self._pending.setdefault(step.instance, deque()).append(step)
+        return self.release(step.ts)
 
-    def release(self, now: float) -> list[StepEvent]:
+    def release(self, now: float) -> list[IterationStep]:
         return self._release(lambda e: e.ts <= now - self.hold_s)
 
-    def flush(self) -> list[StepEvent]:
+    def flush(self) -> list[IterationStep]:
         return self._release(lambda _e: True)
 
-    def _release(self, ready: Callable[[StepEvent], bool]) -> list[StepEvent]:
-        out: list[StepEvent] = []
+    def _release(self, ready: Callable[[IterationStep], bool]) -> list[IterationStep]:
+        out: list[IterationStep] = []
         for instance, pending in self._pending.items():
             count = 0
             while count < len(pending) and (ready(pending[count]) or len(pending) - count > self.max_pending):
@@ -235,7 +261,7 @@ class StepPlacer:
                 out.extend(self._place(instance, pending, count))
         return out
 
-    def _place(self, instance: str, pending: deque[StepEvent], count: int) -> list[StepEvent]:
+    def _place(self, instance: str, pending: deque[IterationStep], count: int) -> list[IterationStep]:
         steps = list(pending)
         ends = [e.ts for e in steps]
         for k in range(len(steps) - 2, -1, -1):
@@ -247,7 +273,7 @@ class StepPlacer:
             end = ends[k] if last is None else min(step.ts, max(ends[k], last + step.duration_s))
             if end < step.ts:
                 self.moved += 1
-                step = step.model_copy(update={"ts": end})
+                step = replace(step, ts=end)
             placed.append(step)
             last = end
         if last is not None:  # None only when nothing was placed

@@ -2,7 +2,7 @@
 
 The launcher starts vLLM (`wiring.build_command`/`build_env`), reads its merged stdout/stderr line by line
 on one thread — each line is stamped the moment it arrives, goes on to `passthrough` (the launcher's
-stderr) and an optional log file, and each iteration line becomes a step event (`collector.vllm_log`)
+stderr) and an optional log file, and each iteration line becomes a step event (`integrations.vllm.iteration_log`)
 placed at the time the step ran (`StepPlacer`, from the time vLLM prefixed the line with) for the engine's
 HTTP sink (batches, an on-disk spool and retries: a collector that is down loses nothing) — on a second
 thread waits for /health, reads the KV block count from /metrics and registers /metrics as a scrape
@@ -32,11 +32,10 @@ from typing import BinaryIO
 
 import httpx
 
-from collector.events import StepEvent
-from collector.vllm_log import StepPlacer, VllmLogParser, VllmLogStats
 from engine.http_sink import HttpSink, SpoolLockedError, spool_dir_for
 from engine.sinks import EventSink
-from kvpilot.vllm.wiring import (
+from integrations.vllm.iteration_log import IterationStep, StepPlacer, VllmLogParser, VllmLogStats, step_event
+from integrations.vllm.wiring import (
     Endpoint,
     TargetRegistrationError,
     VllmSetupError,
@@ -259,8 +258,8 @@ class VllmLauncher:
             self._held.append((line, read_ts))
             self._parse_held(force=len(self._held) >= MAX_HELD_LINES)
             return
-        if (event := self.parser.feed(line, read_ts=read_ts)) is not None:
-            self._emit(self.placer.push(event))
+        if (step := self.parser.feed(line, read_ts=read_ts)) is not None:
+            self._emit(self.placer.push(step))
 
     def _parse_held(self, *, force: bool = False) -> None:
         """Feed the held lines once the capacity is known or the wait is over (or `force`)."""
@@ -275,8 +274,8 @@ class VllmLauncher:
             )
         held, self._held = self._held, []
         for line, read_ts in held:
-            if (event := self.parser.feed(line, read_ts=read_ts)) is not None:
-                self._emit(self.placer.push(event))
+            if (step := self.parser.feed(line, read_ts=read_ts)) is not None:
+                self._emit(self.placer.push(step))
         return True
 
     def _release(self) -> None:
@@ -285,11 +284,11 @@ class VllmLauncher:
                 self._parse_held()
                 self._emit(self.placer.release(time.time()))
 
-    def _emit(self, events: list[StepEvent]) -> None:
+    def _emit(self, steps: list[IterationStep]) -> None:
         """Hand placed steps to the sink (the caller holds `_placing`: parser, placer and held lines)."""
         if self._sink is not None:
-            for event in events:
-                self._sink.emit(event)
+            for step in steps:
+                self._sink.emit(step_event(step))
 
     def _watch(self) -> None:
         with httpx.Client(timeout=5.0) as client:

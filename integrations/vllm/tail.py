@@ -1,6 +1,6 @@
 """`kvpilot collector tail --file vllm.log`: ship the iteration lines of a vLLM that runs elsewhere.
 
-Each iteration line becomes a step event (`collector.vllm_log`, placed by the line's own time: to the
+Each iteration line becomes a step event (`integrations.vllm.iteration_log`, placed by the line's own time: to the
 microsecond when vLLM ran with `VLLM_LOGGING_PREFIX='%(created).6f '` as `kvpilot vllm serve` sets it,
 else to the second) for the engine's HTTP sink, as `kvpilot vllm serve` does for a vLLM it starts.
 Steps are placed within each read (a burst of lines is read whole), so none is held across a checkpoint.
@@ -23,8 +23,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from collector.vllm_log import MAX_LINE_CHARS, KvCapacity, StepPlacer, VllmLogParser, VllmLogStats
 from engine.sinks import EventSink
+from integrations.vllm.iteration_log import (
+    MAX_LINE_CHARS,
+    KvCapacity,
+    StepPlacer,
+    VllmLogParser,
+    VllmLogStats,
+    step_event,
+)
 
 log = logging.getLogger("kvpilot.vllm")
 
@@ -163,14 +170,14 @@ class LogTail:
         if self._skipping:  # the tail of a line already cut
             self._skipping = False
             return
-        event = self.parser.feed(raw.decode("utf-8", errors="replace").rstrip("\r"))
-        if event is not None:
-            for placed in self.placer.push(event):
-                self.sink.emit(placed)
+        step = self.parser.feed(raw.decode("utf-8", errors="replace").rstrip("\r"))
+        if step is not None:
+            for placed in self.placer.push(step):
+                self.sink.emit(step_event(placed))
 
     def _checkpoint(self) -> None:
         for placed in self.placer.flush():
-            self.sink.emit(placed)
+            self.sink.emit(step_event(placed))
         self.sink.flush()
         if getattr(self.sink, "queued", 0):  # not all handed over yet: keep the old offset
             return

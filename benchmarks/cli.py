@@ -1,4 +1,8 @@
-"""`kvpilot bench ...`: benchmarks that print progress to stderr and write JSON figures."""
+"""`kvpilot bench ...`: benchmarks that print progress to stderr and write JSON figures.
+
+`bench_app` is the `kvpilot.bench` entry point (pyproject.toml): the CLI mounts it from the installed metadata,
+so no runtime package imports the benchmarks.
+"""
 
 from __future__ import annotations
 

@@ -1,23 +1,26 @@
 """Check a vLLM search space against the installed vLLM: its own argument parser and config validation.
 
-vLLM lives in its own interpreter (`kvpilot.vllm.find_vllm_python`), so the check runs a small probe there: it
+vLLM lives in its own interpreter (`integrations.vllm.find_vllm_python`), so the check runs a small probe there: it
 builds vLLM's `FlexibleArgumentParser` with `EngineArgs.add_cli_args`, dumps the options it knows (dest, option
 string, choices, default) as JSON, and for each probe — the base config's command line with one knob set to one of
 its values — parses the arguments as `vllm serve` would and builds vLLM's `SchedulerConfig` and `CacheConfig`
 from them (the pydantic validation vLLM runs at start-up: ranges, the budget against `max_num_seqs` and
 `max_model_len`), and on the CPU platform asks the CPU attention backend whether it supports the block size.
 Nothing is started and no model is loaded: a check of the shipped space takes seconds.
+
+A space is anything shaped like the tuner's `VllmSpace` (the `SearchSpace` protocol): the check reads its knobs and
+applies them to a config, so it needs no tuner code.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from tuner.vllm.config import BOOLEAN_ARGS, TUNABLE_ARGS, VllmConfig
-from tuner.vllm.space import VllmSpace
+from integrations.vllm.config import BOOLEAN_ARGS, TUNABLE_ARGS, VllmConfig
 
 PROBE = r"""
 import json, sys
@@ -73,6 +76,31 @@ json.dump({"version": vllm.__version__, "cpu": current_platform.is_cpu(), "optio
 """
 
 
+class Knob(Protocol):
+    """One searched argument: its `choices`, else its range `low`..`high`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def choices(self) -> tuple[Any, ...] | None: ...
+    @property
+    def low(self) -> float | None: ...
+    @property
+    def high(self) -> float | None: ...
+
+
+class SearchSpace(Protocol):
+    """A vLLM search space: the searched knobs, the fixed values, and their application to a config."""
+
+    @property
+    def params(self) -> Sequence[Knob]: ...
+    @property
+    def fixed(self) -> dict[str, Any]: ...
+    @property
+    def names(self) -> list[str]: ...
+    def apply(self, base: VllmConfig, values: dict[str, Any]) -> VllmConfig: ...
+
+
 class ArgCheckError(RuntimeError):
     """The probe could not run in vLLM's interpreter (no vLLM, a crash); the message ends with its stderr."""
 
@@ -92,7 +120,7 @@ class ArgCheck:
         return not self.problems
 
 
-def probes(space: VllmSpace, base: VllmConfig) -> list[dict[str, Any]]:
+def probes(space: SearchSpace, base: VllmConfig) -> list[dict[str, Any]]:
     """One command line per knob value: the base config with that one value (as the space's loader checks)."""
     out = [{"label": "base", "args": base.to_args()}]
     for p in space.params:
@@ -123,7 +151,7 @@ def run_probe(python: str, requests: list[dict[str, Any]], *, max_model_len: int
     return json.loads(done.stdout)
 
 
-def check_space(space: VllmSpace, base: VllmConfig, *, python: str) -> ArgCheck:
+def check_space(space: SearchSpace, base: VllmConfig, *, python: str) -> ArgCheck:
     """Every knob must be an option of vLLM's parser (by dest name, with the option string the tuner writes), its
     choices within the parser's own, and every value accepted by the parser and vLLM's config validation."""
     planned = probes(space, base)

@@ -1,8 +1,8 @@
 """How a vLLM server is wired to the collector: its command line, its environment, its scrape target.
 
 Pure functions and two small HTTP calls, so the launcher (`launcher.py`) only runs processes and threads.
-What vLLM needs (0.32): `--enable-logging-iteration-details` for the per-step log lines the collector's
-`vllm_log` adapter reads; `--otlp-traces-endpoint <collector>/v1/traces` with
+What vLLM needs (0.32): `--enable-logging-iteration-details` for the per-step log lines `iteration_log`
+reads; `--otlp-traces-endpoint <collector>/v1/traces` with
 `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf` (its default is gRPC) for per-request spans, the ingest
 token as an OTLP header and the instance and run id as resource attributes; and a scrape target for /metrics.
 With spans on, `--middleware kvpilot_arrival.ArrivalStamp` (`asgi/kvpilot_arrival.py`, on vLLM's PYTHONPATH)
@@ -20,9 +20,9 @@ from pathlib import Path
 from urllib.parse import quote
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from collector.scraper import parse_exposition
-from collector.vllm_log import LOG_TIME_PREFIX
+from integrations.vllm.iteration_log import LOG_TIME_PREFIX
 
 VLLM_PYTHON_ENV = "KVPILOT_VLLM_PYTHON"
 LOCAL_VENV = Path(".venv-vllm")  # `make vllm-venv`
@@ -218,9 +218,10 @@ def read_kv_capacity(client: httpx.Client, metrics_url: str) -> tuple[int | None
     """(KV blocks, block size) from vLLM's `vllm:cache_config_info`; (None, None) when it is not there."""
     resp = client.get(metrics_url)
     resp.raise_for_status()
-    for name, labels, _value in parse_exposition(resp.text[: 8 * 2**20]):
-        if name == "vllm:cache_config_info":
-            return _int(labels.get("num_gpu_blocks")), _int(labels.get("block_size"))
+    for family in text_string_to_metric_families(resp.text[: 8 * 2**20]):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                return _int(sample.labels.get("num_gpu_blocks")), _int(sample.labels.get("block_size"))
     return None, None
 
 

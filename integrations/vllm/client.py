@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
@@ -32,8 +31,9 @@ from multiprocessing.connection import Connection
 import httpx
 
 from engine import workload as W
+from plumbing.percentile import nearest_rank
 
-log = logging.getLogger("kvpilot.tuner.vllm.client")
+log = logging.getLogger("kvpilot.integrations.vllm.client")
 
 MAX_LATE_P99_S = 0.05  # a replay whose p99 send lateness is above this is not measured
 ATTEMPTS = 3  # replays of one measurement at most (the first and two repeats)
@@ -81,9 +81,8 @@ class ClientResult:
 
     @property
     def late_p99_s(self) -> float:
-        """The p99 of the requests' send lateness (nearest rank: the ceil(0.99 n)-th smallest)."""
-        late = sorted(x for x in self.late_s if x is not None)
-        return late[max(1, math.ceil(0.99 * len(late))) - 1] if late else 0.0
+        """The p99 of the requests' send lateness (0 when none was sent)."""
+        return nearest_rank((x for x in self.late_s if x is not None), 0.99) or 0.0
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int, *, priority: int | None = None) -> dict:

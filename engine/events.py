@@ -2,7 +2,9 @@
 
 This module is the one contract between engine and collector (docs/architecture.md): the engine builds these
 objects, the collector validates and stores them. Every event carries `instance`, `run_id` and an
-epoch timestamp in UTC seconds so events from many engines can be merged and ordered.
+epoch timestamp in UTC seconds so events from many engines can be merged and ordered. It lives in the
+engine package, which imports no other kvpilot package: the collector, the engine integrations
+(`integrations`) and the load tester all build on it without importing each other.
 
 Version policy: `v` is the schema version of one event type. A reader accepts only versions it knows,
 so an engine newer than its collector gets a clear 422 instead of silently dropped fields. A new event
