@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -164,7 +165,7 @@ def _prepare_json(data: dict) -> None:
                     span.pop(unread, None)
 
 
-def _keep_attributes(obj: dict, wanted: set[str]) -> None:
+def _keep_attributes(obj: dict, wanted: Set[str]) -> None:
     attributes = obj.get("attributes")
     if isinstance(attributes, list):
         kept = {kv["key"]: kv for kv in attributes if isinstance(kv, dict) and kv.get("key") in wanted}

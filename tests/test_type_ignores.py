@@ -8,7 +8,18 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "collector", "alerts", "tuner", "dashboard", "kvpilot", "benchmarks", "plumbing", "tests")
+PACKAGES = (
+    "engine",
+    "collector",
+    "alerts",
+    "integrations",
+    "tuner",
+    "dashboard",
+    "kvpilot",
+    "benchmarks",
+    "plumbing",
+    "tests",
+)
 IGNORE = re.compile(r"type:\s*ignore")
 EXPLAINED = re.compile(r"type: ignore\[[a-z-]+(, *[a-z-]+)*\]  # \S")
 

@@ -15,13 +15,11 @@
 from collector.server.app import create_app
 from collector.server.process import CollectorProcess, start_subprocess
 from collector.server.run import check_bind_safety, run_in_thread, serve
-from plumbing.process import free_port  # tuner/vllm imports it from here
 
 __all__ = [
     "CollectorProcess",
     "check_bind_safety",
     "create_app",
-    "free_port",
     "run_in_thread",
     "serve",
     "start_subprocess",

@@ -122,7 +122,7 @@ class ArgCheck:
 
 def probes(space: SearchSpace, base: VllmConfig) -> list[dict[str, Any]]:
     """One command line per knob value: the base config with that one value (as the space's loader checks)."""
-    out = [{"label": "base", "args": base.to_args()}]
+    out: list[dict[str, Any]] = [{"label": "base", "args": base.to_args()}]
     for p in space.params:
         for value in list(p.choices) if p.choices is not None else [p.low, p.high]:
             if value is None:

@@ -276,7 +276,6 @@ class VllmLauncher:
         for line, read_ts in held:
             if (step := self.parser.feed(line, read_ts=read_ts)) is not None:
                 self._emit(self.placer.push(step))
-        return True
 
     def _release(self) -> None:
         while not self._stopping.wait(RELEASE_EVERY_S):

@@ -77,7 +77,7 @@ def loaded(_pg_schema_url: str) -> Iterator[Engine]:
 def _recorded(engine: Engine, call: Callable[[], object]) -> list[tuple[str, Any]]:
     seen: list[tuple[str, Any]] = []
 
-    def record(_conn, _cursor, statement, parameters, _context, _many) -> None:  # type: ignore[no-untyped-def]
+    def record(_conn, _cursor, statement, parameters, _context, _many) -> None:
         seen.append((statement, parameters))
 
     event.listen(engine, "before_cursor_execute", record)

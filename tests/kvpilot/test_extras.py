@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from collector.server import free_port, stop_process
 from kvpilot.cli_extras import EXTRA_MODULES
+from plumbing.process import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUSED = ("torch", "streamlit", "optuna")

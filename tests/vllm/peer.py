@@ -30,10 +30,11 @@ from sqlalchemy import text
 from typer.testing import CliRunner
 
 from collector.db import make_engine
-from collector.server import CollectorProcess, free_port, start_subprocess
+from collector.server import CollectorProcess, start_subprocess
 from collector.settings import CollectorSettings
 from integrations.vllm.wiring import VllmSetupError, find_vllm_python
 from kvpilot.cli import app
+from plumbing.process import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRE_ENV = "KVPILOT_REQUIRE_VLLM"

@@ -335,7 +335,7 @@ class VllmBackend:
         return server
 
     def _start(self, config: VllmConfig, run_id: str) -> _Server:
-        from collector.server import free_port
+        from plumbing.process import free_port
 
         port = free_port() if self.ports is None else free_port_in(self.ports)
         launch = Launch(run_id=run_id, config=config, started_at=time.time())

@@ -137,4 +137,6 @@ def stamped_headers(headers: list[tuple[bytes, bytes]], now: float) -> list[tupl
 
 def _valid_traceparent(value: bytes) -> bool:
     match = _TRACEPARENT.match(value)
-    return bool(match) and not value.startswith(b"ff") and set(match[1]) != {48} and set(match[2]) != {48}
+    if match is None or value.startswith(b"ff"):
+        return False
+    return set(match[1]) != {48} and set(match[2]) != {48}  # trace and span ids of all zeros are invalid
