@@ -116,6 +116,9 @@ def bench_ingest(
 @bench_app.command("fleet")
 def bench_fleet(
     quick: bool = typer.Option(False, "--quick", help="a shorter run, still 1,000 instances and 2 collectors (~5 min)"),
+    collectors: int = typer.Option(
+        2, "--collectors", min=1, max=8, help="collector processes (2 is the bench's figure; 1 or 3 show what one buys)"
+    ),
     json_path: Path | None = JsonOpt,
     pg_url: str | None = typer.Option(
         None,
@@ -129,7 +132,7 @@ def bench_fleet(
     from benchmarks.fleet import FleetBenchError, FleetConfig, pg_url_from_env, run_fleet_bench
 
     try:
-        emit(run_fleet_bench(pg_url or pg_url_from_env(), FleetConfig.for_run(quick)), json_path)
+        emit(run_fleet_bench(pg_url or pg_url_from_env(), FleetConfig.for_run(quick, collectors)), json_path)
     except FleetBenchError as exc:
         typer.echo(f"kvpilot bench fleet: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -4,9 +4,9 @@ What runs, in one database created fresh for the run (dropped after it):
 - a history of every instance loaded first through the fast path (`collector.ingest.store_batch`, COPY);
 - `copy_ceiling_events_per_s`: batches of 1,000 fleet events written by binary COPY alone into the same
   tables, one transaction each, no HTTP and no validation (`benchmarks.ingest.raw_write`);
-- N >= 2 collectors (`python -m collector serve`, each its own process on a free loopback port), only the
-  first scraping (one scraper per deployment);
-- sender processes (`benchmarks.fleet_load`) spread over the collectors, each playing a slice of the
+- N collectors (`python -m collector serve`, each its own process on a free loopback port; 2 by default,
+  `--collectors` 1 to 8 to see what one more buys), only the first scraping (one scraper per deployment);
+- sender processes (`benchmarks.fleet_load`), at least one per collector, each playing a slice of the
   1,000 simulated engines as the HTTP sink ships them; a share of them send requests as OTLP spans;
 - a DCGM-like exporter for 100 nodes x 8 GPUs: one local HTTP server, a page per node, each page a scrape
   target of the first collector;
@@ -61,6 +61,9 @@ groups:
 """
 
 
+MAX_COLLECTORS = 8  # collector processes on one machine; more measure the machine, not kvpilot
+
+
 @dataclass(frozen=True)
 class FleetConfig:
     instances: int = 1000
@@ -76,10 +79,20 @@ class FleetConfig:
     alert_trials: int = 5
 
     @classmethod
-    def for_run(cls, quick: bool) -> FleetConfig:
+    def for_run(cls, quick: bool, collectors: int = 2) -> FleetConfig:
+        """The bench's sizes; `collectors` other than 2 measures what one more (or one fewer) buys. Every
+        collector gets at least one sender process of its own."""
+        senders = max(cls.senders, collectors)
         if quick:
-            return cls(live_s=60.0, history_events_per_instance=100, ceiling_batches=40, alert_trials=3)
-        return cls()
+            return cls(
+                collectors=collectors,
+                senders=senders,
+                live_s=60.0,
+                history_events_per_instance=100,
+                ceiling_batches=40,
+                alert_trials=3,
+            )
+        return cls(collectors=collectors, senders=senders)
 
 
 class FleetBenchError(RuntimeError):
@@ -336,8 +349,13 @@ def run_fleet_bench(pg_url: str, config: FleetConfig, progress: Callable[[str], 
     """Run the fleet against a fresh database on the PostgreSQL at `pg_url`; returns the figures."""
     from collector.db import make_engine, upgrade
 
-    if config.collectors < 2 or config.instances < config.collectors:
-        raise FleetBenchError("the fleet needs at least 2 collectors and an instance per collector")
+    if not 1 <= config.collectors <= MAX_COLLECTORS or config.instances < config.senders:
+        raise FleetBenchError(
+            f"collectors must be 1 to {MAX_COLLECTORS}, with an instance per sender (got {config.collectors} "
+            f"collectors, {config.senders} senders, {config.instances} instances)"
+        )
+    if config.senders < config.collectors:
+        raise FleetBenchError(f"{config.senders} senders leave a collector of {config.collectors} without traffic")
     load_start = os.getloadavg()
     url = _fresh_database(pg_url)
     progress(f"database {url.rsplit('/', 1)[-1]} created; migrating")

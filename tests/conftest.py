@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,14 @@ if TYPE_CHECKING:
     from tests.vllm.peer import VllmPeer
 
 PG_ENV = "KVPILOT_TEST_PG_URL"
+
+
+@pytest.fixture(autouse=True)
+def _keep_main_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streamlit's AppTest leaves the dashboard script as `sys.modules["__main__"]`; a process spawned later
+    (the vLLM replay client) would run that script again on start and die. Each test gets back the
+    `__main__` it started with."""
+    monkeypatch.setitem(sys.modules, "__main__", sys.modules["__main__"])
 
 
 def _require_pg() -> bool:

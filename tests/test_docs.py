@@ -6,7 +6,19 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("alerts", "benchmarks", "collector", "dashboard", "engine", "kvpilot", "migrations", "tests", "tuner")
+PACKAGES = (
+    "alerts",
+    "benchmarks",
+    "collector",
+    "dashboard",
+    "engine",
+    "integrations",
+    "kvpilot",
+    "migrations",
+    "plumbing",
+    "tests",
+    "tuner",
+)
 LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)]*))?\)")
 
 

@@ -52,3 +52,32 @@ def test_unreachable_postgres_is_refused_with_a_clear_message() -> None:
     assert out.exit_code == 2
     assert "kvpilot bench fleet: PostgreSQL at postgresql+psycopg://postgres@127.0.0.1:9/none" in out.output
     assert "Traceback" not in out.output
+
+
+def test_collectors_option_gives_every_collector_a_sender() -> None:
+    from benchmarks.fleet import FleetConfig
+
+    assert (FleetConfig.for_run(True).collectors, FleetConfig.for_run(True).senders) == (2, 2)
+    three = FleetConfig.for_run(True, collectors=3)
+    assert (three.collectors, three.senders, three.live_s) == (3, 3, 60.0)
+    assert FleetConfig.for_run(False, collectors=1).senders == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [(["--collectors", "0"], "--collectors"), (["--collectors", "9"], "--collectors")],
+)
+def test_collectors_out_of_range_is_refused_naming_the_option(args: list[str], field: str) -> None:
+    out = CliRunner().invoke(app, ["bench", "fleet", *args])
+    assert out.exit_code == 2 and field in out.output
+    assert "Traceback" not in out.output
+
+
+def test_a_collector_without_a_sender_is_refused_before_anything_starts() -> None:
+    from dataclasses import replace
+
+    from benchmarks.fleet import FleetBenchError, FleetConfig
+
+    lonely = replace(FleetConfig.for_run(True, collectors=3), senders=2)
+    with pytest.raises(FleetBenchError, match="without traffic"):
+        run_fleet_bench("postgresql+psycopg://postgres@127.0.0.1:9/none", lonely)
