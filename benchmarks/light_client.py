@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from plumbing.openloop import open_loop
+
 WORDS = ["cache", "block", "queue", "token", "batch", "prefill", "decode", "step", "engine", "memory", "request"]
 
 
@@ -81,12 +83,11 @@ def _has_text(buf: bytearray, pos: int) -> bool:
     return False
 
 
-async def _one(host: str, port: int, data: bytes, at: float, request_id: str) -> ClientTiming:
+async def _one(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes, request_id: str
+) -> ClientTiming:
     """One streamed completion on its own connection, the bytes prepared beforehand: the client's work at
     send time is one socket write, and reading is a byte search, so its own lag stays small."""
-    await asyncio.sleep(max(0.0, at - OPEN_AHEAD_S - time.perf_counter()))
-    reader, writer = await asyncio.open_connection(host, port)
-    await asyncio.sleep(max(0.0, at - time.perf_counter()))
     sent, start = time.time(), time.perf_counter()
     writer.write(data)
     buf, ttft, ok = bytearray(), None, False
@@ -110,13 +111,19 @@ async def _one(host: str, port: int, data: bytes, at: float, request_id: str) ->
 
 
 async def replay(url: str, model: str, trace: list[TraceRequest], tag: str) -> list[ClientTiming]:
-    """Send every request at its offset, streaming, each on a connection opened just before it."""
+    """Send every request at its offset (`plumbing.openloop`), streaming, each on a connection opened
+    `OPEN_AHEAD_S` before it."""
     parsed = httpx.URL(url)
     host, port = parsed.host, parsed.port or 80
     prepared = [_request_bytes(host, port, model, r, f"{tag}-{i}") for i, r in enumerate(trace)]
+    conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+
+    async def connect(i: int) -> None:
+        conns[i] = await asyncio.open_connection(host, port)
+
+    async def send(i: int) -> ClientTiming:
+        return await _one(*conns.pop(i), prepared[i], f"{tag}-{i}")
+
     t0 = time.perf_counter() + OPEN_AHEAD_S + 0.1
-    jobs = (
-        _one(host, port, data, t0 + r.at_s, f"{tag}-{i}")
-        for i, (r, data) in enumerate(zip(trace, prepared, strict=True))
-    )
-    return list(await asyncio.gather(*jobs))
+    fired = await open_loop([r.at_s for r in trace], send, t0=t0, prepare=connect, lead_s=OPEN_AHEAD_S)
+    return fired.results

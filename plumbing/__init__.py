@@ -6,6 +6,7 @@
 - `serving`: an ASGI app served by uvicorn in a thread of this process.
 - `bind`: whether a listen address is loopback (a non-loopback bind needs a credential).
 - `body_limit`: ASGI middleware answering 413 before anything parses an oversized body.
+- `openloop`: the open loop every load sender shares: each request started at its offset, its lateness recorded.
 
 Any package may import these modules; they import only the standard library and third-party packages, so
 importing them never pulls in a part of kvpilot.

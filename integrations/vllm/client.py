@@ -7,13 +7,13 @@ rejected, what never got an answer (connection error, timeout) as failed; the la
 from vLLM's own spans in the collector, not from here.
 
 The sender never lags behind the plan for reasons of its own. Every request body is serialised before the run;
-the sender is a spawned process (`multiprocessing`, spawn) running one asyncio loop, so whatever the calling
-process does meanwhile (a collector serving in a thread, scrapes, database reads) cannot hold a send back, and
-it asks the server's /health once before the start so that its HTTP stack is loaded by then. It
-measures each request's lateness (when its POST started minus when the plan said) and reports the p99
-(`ClientResult.late_p99_s`). `replay_on_time` holds a replay to that: one whose p99 lateness exceeds
-`MAX_LATE_P99_S` is discarded and run again (`late_replays` counts them), at most `ATTEMPTS` times in all, and
-raises `LateReplayError` when every attempt lagged, so a lagging replay is never silently measured.
+the sender is a spawned process (`multiprocessing`, spawn) running one asyncio loop (the open loop of
+`plumbing.openloop`), so whatever the calling process does meanwhile (a collector serving in a thread, scrapes,
+database reads) cannot hold a send back, and it asks the server's /health once before the start so that its HTTP
+stack is loaded by then. It measures each request's lateness (when its POST started minus when the plan said)
+and reports the p99 (`ClientResult.late_p99_s`). `replay_on_time` holds a replay to that: one whose p99 lateness
+exceeds `MAX_LATE_P99_S` is discarded and run again (`late_replays` counts them), at most `ATTEMPTS` times in all,
+and raises `LateReplayError` when every attempt lagged, so a lagging replay is never silently measured.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 import httpx
 
 from engine import workload as W
-from plumbing.percentile import nearest_rank
+from plumbing.openloop import lateness, open_loop
 
 log = logging.getLogger("kvpilot.integrations.vllm.client")
 
@@ -77,12 +77,12 @@ class ClientResult:
     @property
     def max_send_lag_s(self) -> float:
         """How late the latest request left."""
-        return max((x for x in self.late_s if x is not None), default=0.0)
+        return lateness(self.late_s).max_s or 0.0
 
     @property
     def late_p99_s(self) -> float:
         """The p99 of the requests' send lateness (0 when none was sent)."""
-        return nearest_rank((x for x in self.late_s if x is not None), 0.99) or 0.0
+        return lateness(self.late_s).p99_s or 0.0
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int, *, priority: int | None = None) -> dict:
@@ -153,20 +153,14 @@ def plan_replay(
 # --- the sender process ----------------------------------------------------------------------------------
 
 
-async def _post(
-    client: httpx.AsyncClient, plan: SendPlan, k: int, planned: float, result: ClientResult, sem: asyncio.Semaphore
-) -> None:
-    index = plan.indices[k]
-    async with sem:
-        now = time.time()
-        result.sent_at[index], result.late_s[index] = now, max(0.0, now - planned)
-        try:
-            resp = await client.post(plan.url, content=plan.bodies[k], headers=HEADERS)
-        except httpx.HTTPError as exc:
-            result.failed += 1
-            if len(result.errors) < 5:
-                result.errors.append(f"{type(exc).__name__}: {exc}")
-            return
+async def _post(client: httpx.AsyncClient, plan: SendPlan, k: int, result: ClientResult) -> None:
+    try:
+        resp = await client.post(plan.url, content=plan.bodies[k], headers=HEADERS)
+    except httpx.HTTPError as exc:
+        result.failed += 1
+        if len(result.errors) < 5:
+            result.errors.append(f"{type(exc).__name__}: {exc}")
+        return
     if resp.status_code != 200:
         result.rejected += 1
         if len(result.errors) < 5:
@@ -184,24 +178,21 @@ async def _send_all(plan: SendPlan, conn: Connection) -> ClientResult:
     n = len(plan.indices)
     result = ClientResult(sent_at=[None] * n, late_s=[None] * n)
     limits = httpx.Limits(max_connections=plan.max_in_flight, max_keepalive_connections=plan.max_in_flight)
-    sem = asyncio.Semaphore(plan.max_in_flight)
     async with httpx.AsyncClient(timeout=plan.timeout_s, limits=limits) as client:
-        loop = asyncio.get_running_loop()
         # httpx loads its async backend on the first request (0.2 s on a small CPU): not on the first send's time
         with contextlib.suppress(httpx.HTTPError):
             await client.get(plan.health_url, timeout=5.0)
         conn.send("ready")
         start_wall = conn.recv()  # the parent's go: arrival 0 at this epoch second
-        t0 = loop.time() + (start_wall - time.time())
         result.wall_start = start_wall
-        tasks = []
-        for k, offset in enumerate(plan.offsets):
-            delay = t0 + offset - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_post(client, plan, k, start_wall + offset, result, sem)))
-            result.sent += 1
-        await asyncio.gather(*tasks)
+        t0 = time.perf_counter() + (start_wall - time.time())
+        fired = await open_loop(
+            plan.offsets, lambda k: _post(client, plan, k, result), t0=t0, max_in_flight=plan.max_in_flight
+        )
+    result.sent = n
+    # a request's lateness is from when its POST started, a wait for a free connection included
+    for k, (started, late) in enumerate(zip(fired.started_s, fired.start_late_s, strict=True)):
+        result.sent_at[plan.indices[k]], result.late_s[plan.indices[k]] = start_wall + started, late
     result.wall_end = time.time()
     return result
 

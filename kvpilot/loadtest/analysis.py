@@ -33,6 +33,7 @@ from kvpilot.loadtest import fidelity
 from kvpilot.loadtest.client import RequestResult
 from kvpilot.loadtest.runner import RunResult
 from kvpilot.loadtest.scrape import MetricsSample, external_names
+from plumbing.openloop import lateness
 from plumbing.percentile import nearest_rank
 
 P99_DRIFT_LIMIT = 0.20
@@ -235,8 +236,7 @@ def analyze(run: RunResult, *, span_s: float, windows: int = 5, metric: str = "t
         0,
         "requests neither answered nor refused with 429" + (f"; first: {(failed + timed_out)[0].error}" if bad else ""),
     )
-    late_s = [r.lateness_s for r in results]
-    late = fidelity.lateness(late_s, nearest_rank(late_s, 0.5), nearest_rank(late_s, 0.99))
+    late = fidelity.lateness(lateness([r.lateness_s for r in results]))
     on_time = _criterion(late["on_time"], late["p99_s"], fidelity.LATENESS_LIMIT_S, fidelity.verdict(late))
     criteria = {
         "no_oom": oom_crit,

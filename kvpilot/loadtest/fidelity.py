@@ -17,19 +17,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpilot.loadtest.client import RequestResult
+from plumbing.openloop import Lateness
 
 LATENESS_LIMIT_S = 0.050
 
 
-def lateness(late: Sequence[float], p50: float | None, p99: float | None) -> dict:
-    """The client's sending lateness (its percentiles computed by the caller's rule), and whether it held."""
+def lateness(late: Lateness) -> dict:
+    """The client's sending lateness (summarised by `plumbing.openloop.lateness`), and whether it held."""
     return {
-        "count": len(late),
-        "p50_s": _r(p50),
-        "p99_s": _r(p99),
-        "max_s": _r(max(late)) if late else None,
+        "count": late.count,
+        "p50_s": _r(late.p50_s),
+        "p99_s": _r(late.p99_s),
+        "max_s": _r(late.max_s),
         "limit_s": LATENESS_LIMIT_S,
-        "on_time": p99 is not None and p99 <= LATENESS_LIMIT_S,
+        "on_time": late.p99_s is not None and late.p99_s <= LATENESS_LIMIT_S,
     }
 
 

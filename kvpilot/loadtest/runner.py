@@ -1,7 +1,8 @@
 """The open-loop run: every planned request is sent at its arrival offset whether or not earlier ones
 have finished (as vLLM's benchmark_serving and k6's arrival-rate executors do), so a slow target sees a
 growing queue rather than a politely slowed client. `max_concurrency` optionally caps requests in flight
-(arrivals then wait for a slot, and `late_starts` counts them).
+(arrivals then wait for a slot, and `late_starts` counts them). The timing is `plumbing.openloop`'s; the
+wire (httpx, streaming) is `client.py`'s.
 
 While the load runs, /metrics is scraped and results are published to the collector if one is given.
 Every request ends within its timeout and the run ends within `duration + timeout + drain`, so a run
@@ -23,6 +24,7 @@ from kvpilot.loadtest.plan import PlannedRequest
 from kvpilot.loadtest.prompts import fetch_token_pool
 from kvpilot.loadtest.publish import Publisher
 from kvpilot.loadtest.scrape import MetricsSample, Scraper
+from plumbing.openloop import open_loop
 
 log = logging.getLogger(__name__)
 
@@ -121,51 +123,47 @@ async def run_load(
             publisher = Publisher(side, opts.collector_url, opts.client.run_id, wall_t0, token=opts.collector_token)
             background.append(asyncio.create_task(publisher.run(stop_publish)))
         done_log: list[dict] = []
-        action_tasks = [asyncio.create_task(_at(t0, a, done_log)) for a in (actions or [])]
+        action_errors: list[dict] = []
+        timed = sorted(actions or [], key=lambda a: a.at_s)
+
+        async def act(k: int) -> None:
+            started = time.perf_counter() - t0
+            try:
+                await timed[k].action()
+            except Exception as exc:  # logged after the requests, with the actions' outcome
+                action_errors.append({"action": "error", "error": repr(exc)})
+                return
+            took = time.perf_counter() - t0 - started
+            done_log.append({"action": timed[k].name, "at_s": round(started, 3), "took_s": round(took, 3)})
+
+        acting = asyncio.create_task(open_loop([a.at_s for a in timed], act, t0=t0)) if timed else None
         bar = _progress(len(plan), opts.progress)
-        sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
-        late = 0
         results: list[RequestResult] = []
 
-        async def one(req: PlannedRequest) -> None:
-            nonlocal late
-            # the client's own lateness: a loop busy elsewhere (a slow or overloaded client) sends late, and
-            # then the target is measured under another load than the plan's (a --max-concurrency wait for a
-            # slot comes after this, and is counted in late_starts instead)
-            dispatched_s = time.perf_counter() - t0
+        async def one(k: int) -> RequestResult:
+            req = plan[k]
             delay = opts.slow_read_delay_s if _is_slow(req.index, opts.slow_share) else 0.0
-            if sem is not None:
-                if sem.locked():
-                    late += 1
-                async with sem:
-                    res = await send(client, base_url, req, opts.client, t0=t0, read_delay_s=delay)
-            else:
-                res = await send(client, base_url, req, opts.client, t0=t0, read_delay_s=delay)
-            res.lateness_s = max(0.0, dispatched_s - req.arrival_s)
+            res = await send(client, base_url, req, opts.client, t0=t0, read_delay_s=delay)
             results.append(res)
             if publisher is not None:
                 publisher.add(res)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(_postfix(results), refresh=False)
+            return res
 
-        tasks = []
-        for req in sorted(plan, key=lambda r: r.arrival_s):
-            wait = req.arrival_s - (time.perf_counter() - t0)
-            if wait > 0:
-                await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(one(req)))
-        send_span = time.perf_counter() - t0
-        if tasks:
-            await asyncio.gather(*tasks)
-        if action_tasks:  # actions are bounded; a hung one is cancelled rather than waited for
-            _, pending = await asyncio.wait(action_tasks, timeout=opts.client.timeout_s)
+        # the client's own lateness is the open loop's: a loop busy elsewhere (a slow or overloaded client)
+        # sends late, and then the target is measured under another load than the plan's (a
+        # --max-concurrency wait for a slot comes after it, and is counted in late_starts instead)
+        fired = await open_loop([r.arrival_s for r in plan], one, t0=t0, max_in_flight=opts.max_concurrency)
+        for res, late in zip(fired.results, fired.late_s, strict=True):
+            res.lateness_s = late
+        if acting is not None:  # actions are bounded; a hung one is cancelled rather than waited for
+            _, pending = await asyncio.wait([acting], timeout=opts.client.timeout_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            for task in action_tasks:
-                if not task.cancelled() and task.exception() is not None:
-                    done_log.append({"action": "error", "error": repr(task.exception())})
+            done_log.extend(action_errors)
         await scraper.scrape_once()
         scraper.stop()
         published = None
@@ -195,8 +193,8 @@ async def run_load(
             scraper.samples,
             wall_t0,
             time.perf_counter() - t0,
-            send_span,
-            late,
+            fired.span_s,
+            fired.queued,
             scraper.failures,
             published,
             done_log,
@@ -215,16 +213,6 @@ async def with_prompts(
         return opts, "token_ids"
     pool, form = await fetch_token_pool(client, base_url, plan, model=opts.client.model, seed=opts.client.seed)
     return replace(opts, client=replace(opts.client, token_pool=pool)), form
-
-
-async def _at(t0: float, action: TimedAction, log_to: list[dict]) -> None:
-    wait = action.at_s - (time.perf_counter() - t0)
-    if wait > 0:
-        await asyncio.sleep(wait)
-    started = time.perf_counter() - t0
-    await action.action()
-    took = time.perf_counter() - t0 - started
-    log_to.append({"action": action.name, "at_s": round(started, 3), "took_s": round(took, 3)})
 
 
 def _progress(total: int, enabled: bool):
