@@ -7,6 +7,7 @@ so no runtime package imports the benchmarks.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -14,12 +15,25 @@ import typer
 from kvpilot.cli_extras import require_extras
 
 bench_app = typer.Typer(no_args_is_help=True)
+_LOAD_AT_START: list[float] = []
+
+
+@bench_app.callback()
+def _bench() -> None:
+    """Benchmarks with JSON output."""
+    _LOAD_AT_START[:] = [round(x, 2) for x in os.getloadavg()]
+
 
 JsonOpt = typer.Option(None, "--json", help="write the figures to this file as JSON")
 QuickOpt = typer.Option(False, "--quick", help="a smaller run (within 60 s on 2 cores)")
 
 
 def emit(result: dict, json_path: Path | None) -> None:
+    """Print (and write) a bench's figures, with the machine's load average (1, 5, 15 min) when the bench
+    started and ended unless the bench measured its own: a figure from a loaded machine says so."""
+    if _LOAD_AT_START and not any(key.startswith("load_average") for key in result):
+        end = [round(x, 2) for x in os.getloadavg()]
+        result = {**result, "load_average": {"start": list(_LOAD_AT_START), "end": end, "cpus": os.cpu_count()}}
     text = json.dumps(result, indent=2)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,9 +221,13 @@ def bench_tune_vllm(
     """Tune a real vLLM for SLO capacity: simulation-screened search vs a live-only search; the candidate against
     the running config in alternating live pairs on held-out seeds, with an A/A check."""
     require_extras(ctx, "tune")
-    from benchmarks.tune_vllm_bench import run_tune_vllm_bench
+    from benchmarks.tune_vllm_bench import TuneVllmBenchError, run_tune_vllm_bench
 
-    result = run_tune_vllm_bench(
-        quick=quick, allow_memory=allow_memory, json_path=json_path, python=vllm_python, out_dir=out_dir
-    )
+    try:
+        result = run_tune_vllm_bench(
+            quick=quick, allow_memory=allow_memory, json_path=json_path, python=vllm_python, out_dir=out_dir
+        )
+    except TuneVllmBenchError as exc:
+        typer.echo(f"kvpilot bench tune-vllm: {exc}", err=True)
+        raise typer.Exit(1) from None
     emit(result, json_path)

@@ -34,11 +34,11 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from integrations.vllm import find_vllm_python
+from integrations.vllm import VllmExitedError, VllmSetupError, find_vllm_python
 from integrations.vllm.config import VllmConfig
 from kvpilot.vllm.workbench import workbench
 from tuner import workloads as WL
-from tuner.backends import InfeasibleTrialError
+from tuner.backends import InfeasibleTrialError, NotMeasuredError
 from tuner.capacity import MIN_MULTIPLIER, Capacity, compress
 from tuner.jobs import workload_factory
 from tuner.metrics import SLO, TrialMetrics
@@ -46,7 +46,13 @@ from tuner.study import run_study
 from tuner.vllm import fidelity
 from tuner.vllm.backend import VllmBackend
 from tuner.vllm.space import load_vllm_space
-from tuner.vllm.tune import SCREEN_OVERLOAD, Budget, LateWorkload, VllmTuning, checkpoint_model
+from tuner.vllm.tune import SCREEN_OVERLOAD, Budget, LateWorkload, TuneError, VllmTuning, checkpoint_model
+
+
+class TuneVllmBenchError(RuntimeError):
+    """The bench could not measure (vLLM would not start or serve, a replay the client sent late every time):
+    the message says which; the JSON file keeps the plan, `status: failed` and the error."""
+
 
 MODEL = "bench"
 KV_BYTES = 16 * 2**20
@@ -136,14 +142,20 @@ def run_tune_vllm_bench(
     if json_path is not None:  # the plan is on disk before the first measurement
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
-    python = find_vllm_python(python)
     work = (out_dir or Path("kvpilot-data/bench-tune-vllm")) / time.strftime("%Y%m%dT%H%M%S")
-    # Each trial's vLLM registers its /metrics as a scrape target on the workbench's collector (its own admin
-    # token, loopback targets allowed) and the backend deletes it when that vLLM stops.
-    with workbench(work) as wb:
-        result.update(
-            _run(the_plan, work, wb.checkpoint, wb.db, wb.collector_url, wb.admin_token, python, t0, json_path)
-        )
+    try:
+        python = find_vllm_python(python)
+        # Each trial's vLLM registers its /metrics as a scrape target on the workbench's collector (its own admin
+        # token, loopback targets allowed) and the backend deletes it when that vLLM stops.
+        with workbench(work) as wb:
+            result.update(
+                _run(the_plan, work, wb.checkpoint, wb.db, wb.collector_url, wb.admin_token, python, t0, json_path)
+            )
+    except (TuneError, NotMeasuredError, InfeasibleTrialError, VllmExitedError, VllmSetupError) as exc:
+        result.update(status="failed", error=str(exc), wall_s=round(time.time() - t0, 1), work_dir=str(work))
+        if json_path is not None:
+            json_path.write_text(json.dumps(result, indent=2) + "\n")
+        raise TuneVllmBenchError(f"{exc} (logs in {work})") from exc
     return result
 
 

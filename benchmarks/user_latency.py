@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine
 
+from benchmarks.asgi.kvpilot_bench_timing import BENCH_TIMING_ENV
 from benchmarks.light_client import ClientTiming, TraceRequest, replay, shared_prefix_trace
 from collector import queries
 from collector.histograms import bucket_quantile, parse_le
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             vllm_args += ["--middleware", "kvpilot_bench_timing.ResponseTimes"]
             here = str(Path(__file__).resolve().parent / "asgi")
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-            env["KVPILOT_BENCH_TIMING_FILE"] = str(timing_file)
+            env[BENCH_TIMING_ENV] = str(timing_file)
         options = LaunchOptions(
             vllm_args=vllm_args,
             python=find_vllm_python(),

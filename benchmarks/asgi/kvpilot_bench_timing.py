@@ -1,7 +1,8 @@
 """Benchmark-only ASGI middleware for vLLM's API server: when it took each request and wrote its first and last token.
 
 `benchmarks.user_latency --decompose` runs vLLM with `--middleware kvpilot_bench_timing.ResponseTimes` (this
-directory on its PYTHONPATH) and `KVPILOT_BENCH_TIMING_FILE` set: one JSON line per HTTP request, wall-clock
+directory on its PYTHONPATH) and `BENCH_TIMING_ENV` set (not a `KVPILOT_` name: the launcher keeps those from
+vLLM): one JSON line per HTTP request, wall-clock
 seconds, keyed by the client's `X-Request-Id`: `entry` (the ASGI app called), `first` (the first body chunk
 with completion text handed to the server), `last` (the final chunk). On one host the client's and vLLM's
 wall clocks are the same clock, so the benchmark can split the client's TTFT into where it was spent.
@@ -16,6 +17,7 @@ import time
 from collections.abc import MutableMapping
 from typing import Any
 
+BENCH_TIMING_ENV = "KVBENCH_TIMING_FILE"
 TEXT = b'"text":"'
 EMPTY_TEXT = b'"text":""'
 
@@ -23,7 +25,7 @@ EMPTY_TEXT = b'"text":""'
 class ResponseTimes:
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.path = os.environ["KVPILOT_BENCH_TIMING_FILE"]
+        self.path = os.environ[BENCH_TIMING_ENV]
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope.get("type") != "http":

@@ -53,3 +53,35 @@ def test_an_entry_point_that_does_not_load_is_named() -> None:
     broken = EntryPoint("benchmarks", "benchmarks.no_such_module:bench_app", BENCH_GROUP)
     res = runner.invoke(_cli([broken]), ["bench", "tuner"])
     assert res.exit_code == 2 and "benchmarks.no_such_module:bench_app" in res.output
+
+
+def test_bench_tune_vllm_that_cannot_measure_says_why_without_a_traceback(tmp_path: Path) -> None:
+    """A failure inside the bench (here: no vLLM interpreter) is a message and exit 1, and the JSON file keeps
+    the plan with `status: failed` and the error."""
+    import json
+
+    from kvpilot.cli import app
+
+    out_json = tmp_path / "tv.json"
+    out = runner.invoke(
+        app,
+        ["bench", "tune-vllm", "--quick", "--vllm-python", str(tmp_path / "no-python"), "--json", str(out_json)],
+    )
+    assert out.exit_code == 1, out.output
+    assert "kvpilot bench tune-vllm:" in out.output and "no-python" in out.output
+    assert "Traceback" not in out.output
+    written = json.loads(out_json.read_text())
+    assert written["status"] == "failed" and "no-python" in written["error"] and written["plan"]
+
+
+def test_every_bench_json_carries_the_load_average_unless_it_measured_its_own(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks import cli as bench_cli
+
+    bench_cli._bench()  # what `kvpilot bench ...` runs before its command
+    bench_cli.emit({"figure": 1.0}, tmp_path / "a.json")
+    load = json.loads((tmp_path / "a.json").read_text())["load_average"]
+    assert len(load["start"]) == len(load["end"]) == 3 and load["cpus"] >= 1
+    bench_cli.emit({"figure": 1.0, "load_average_at_start": 0.5}, tmp_path / "b.json")
+    assert "load_average" not in json.loads((tmp_path / "b.json").read_text())

@@ -192,3 +192,12 @@ def test_the_first_streamed_bytes_go_on_the_request_span(monkeypatch: pytest.Mon
     assert abs(stream.attributes[mw.FIRST_BYTE_ATTRIBUTE] - time.time()) < 60
     assert mw.FIRST_BYTE_ATTRIBUTE not in whole.attributes  # not streamed: its first bytes are its last
     assert stream.context.trace_state.get("kvpilot", "").startswith("t") and not mw._first_bytes
+
+
+def test_the_bench_timing_file_reaches_vllm_through_the_launchers_environment() -> None:
+    """`benchmarks.user_latency --decompose` names its timing file to the middleware inside vLLM; a KVPILOT_ name
+    would be kept from vLLM like kvpilot's credentials (that run died on a KeyError)."""
+    from benchmarks.asgi.kvpilot_bench_timing import BENCH_TIMING_ENV
+
+    env = build_env({BENCH_TIMING_ENV: "/tmp/t.jsonl"}, instance="i", run_id="r", token=None, traces=True)
+    assert env[BENCH_TIMING_ENV] == "/tmp/t.jsonl"
