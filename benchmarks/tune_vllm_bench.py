@@ -32,11 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine
-
 from integrations.vllm import VllmExitedError, VllmSetupError, find_vllm_python
 from integrations.vllm.config import VllmConfig
-from kvpilot.vllm.workbench import workbench
+from kvpilot.vllm.workbench import Workbench, workbench
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError, NotMeasuredError
 from tuner.capacity import MIN_MULTIPLIER, Capacity, compress
@@ -148,9 +146,7 @@ def run_tune_vllm_bench(
         # Each trial's vLLM registers its /metrics as a scrape target on the workbench's collector (its own admin
         # token, loopback targets allowed) and the backend deletes it when that vLLM stops.
         with workbench(work) as wb:
-            result.update(
-                _run(the_plan, work, wb.checkpoint, wb.db, wb.collector_url, wb.admin_token, python, t0, json_path)
-            )
+            result.update(_run(the_plan, work, wb, python, t0, json_path))
     except (TuneError, NotMeasuredError, InfeasibleTrialError, VllmExitedError, VllmSetupError) as exc:
         result.update(status="failed", error=str(exc), wall_s=round(time.time() - t0, 1), work_dir=str(work))
         if json_path is not None:
@@ -160,15 +156,9 @@ def run_tune_vllm_bench(
 
 
 def _tuning(
-    the_plan: dict[str, Any],
-    work: Path,
-    checkpoint: Path,
-    db: Engine,
-    collector_url: str,
-    admin_token: str,
-    python: str,
-    t0: float,
+    the_plan: dict[str, Any], work: Path, wb: Workbench, python: str, t0: float
 ) -> tuple[VllmTuning, VllmBackend, LateWorkload, VllmConfig]:
+    checkpoint, db = wb.checkpoint, wb.db
     slo = SLO(**SLO_PLAN).validate()
     base = VllmConfig(model=str(checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_BYTES)
     workload = LateWorkload()
@@ -177,8 +167,8 @@ def _tuning(
         db=db,
         slo=slo,
         python=python,
-        collector_url=collector_url,
-        admin_token=admin_token,
+        collector_url=wb.collector_url,
+        admin_token=wb.admin_token,
         log_dir=work / "vllm-logs",
     )
     budget = Budget(
@@ -211,17 +201,10 @@ def _tuning(
 
 
 def _run(
-    the_plan: dict[str, Any],
-    work: Path,
-    checkpoint: Path,
-    db: Engine,
-    collector_url: str,
-    admin_token: str,
-    python: str,
-    t0: float,
-    json_path: Path | None,
+    the_plan: dict[str, Any], work: Path, wb: Workbench, python: str, t0: float, json_path: Path | None
 ) -> dict[str, Any]:
-    tuning, backend, workload, base = _tuning(the_plan, work, checkpoint, db, collector_url, admin_token, python, t0)
+    tuning, backend, workload, base = _tuning(the_plan, work, wb, python, t0)
+    db = wb.db
     opts = WL.WorkloadOptions(
         load=WORKLOAD["load"],
         duration_s=WORKLOAD["duration_s"],
