@@ -68,6 +68,15 @@ class Capacity:
         return self.multiplier > 0 and self.upper is not None
 
     @property
+    def found(self) -> bool:
+        """A capacity, not a bound: bracketed, or 0 because the smallest multiplier failed. Not found: the SLOs
+        still held at the largest multiplier tried (a lower bound), or failed at every one tried above the
+        smallest (the search's budget ended first)."""
+        if self.multiplier > 0:
+            return self.upper is not None
+        return any(not p.holds and p.multiplier <= MIN_MULTIPLIER for p in self.probes)
+
+    @property
     def goodput_at_rate_tps(self) -> float | None:
         """Goodput at the recorded rate (multiplier 1), when the search probed it."""
         return next((p.metrics.goodput_tps for p in self.probes if p.multiplier == 1.0), None)

@@ -13,7 +13,11 @@ config changes are worth. Three things take that out of the answer:
 
 Verdict (`verdict`): `proposal` when the whole interval of the ratio is above 1 and above the equivalence margin;
 `no gain` when it is below 1, or inside 1 ± `margin` (the configs are equivalent to within what is worth a
-restart); otherwise `inconclusive`, said as such with the interval. The A/A check is the same protocol with the
+restart); otherwise `inconclusive`, said as such with the interval. A measurement whose SLOs still held at the
+largest rate its search tried is a lower bound, not a capacity (a workload too short to load the server: compressed
+far enough it is one batch), and one that failed at every rate its short budget reached is no capacity either: a
+ratio of such figures proves nothing (counted as equal they would narrow the interval toward "no gain"), so such a
+pair ends the comparison `inconclusive`, said as "capacity not found". The A/A check is the same protocol with the
 running config on both servers: it must not say `proposal`.
 
 Each measurement is a capacity (`tuner.capacity`), warm-started at that side's last answer with a short replay
@@ -105,6 +109,7 @@ class Comparison:
     pairs: list[dict[str, Any]] = field(default_factory=list)
     interval: Interval | None = None
     verdict: str = INCONCLUSIVE
+    lower_bounds: list[float] = field(default_factory=list)  # figures (req/s) of searches that found no capacity
 
     @property
     def gain(self) -> float:
@@ -134,6 +139,7 @@ class Comparison:
             "interval": self.interval.as_dict() if self.interval else None,
             "margin": self.margin,
             "level": LEVEL,
+            "capacity_not_found_rps": self.lower_bounds,
             "running_capacity_rps": self.mean_capacity("running"),
             "candidate_capacity_rps": self.mean_capacity("candidate"),
             "pairs": self.pairs,
@@ -143,6 +149,11 @@ class Comparison:
         """What the comparison says, with its interval."""
         if self.interval is None:
             return "not measured"
+        if self.lower_bounds:
+            return (
+                "inconclusive: capacity not found within a search's budget (the SLOs held at the largest rate tried, or"
+                " failed at every rate tried): no ratio; replay a longer workload or give the search more replays"
+            )
         iv = self.interval
         span = f"90% interval {iv.low - 1:+.1%}..{iv.high - 1:+.1%}, {iv.pairs} ABBA pair(s)"
         if self.verdict == PROPOSAL:
@@ -180,12 +191,14 @@ def compare(
             abba = (running, candidate, candidate, running)
             a1, b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(abba))
             rps = [c.capacity_rps for c in (a1, b1, b2, a2)]
+            open_ended = [c.capacity_rps for c in (a1, b1, b2, a2) if not c.found]
             out.pairs.append(
                 {
                     "seed": seed,
                     "running": [a1.capacity_rps, a2.capacity_rps],
                     "candidate": [b1.capacity_rps, b2.capacity_rps],
                     "replays": sum(len(c.probes) for c in (a1, b1, b2, a2)),
+                    "bracketed": not open_ended,
                     "log_ratio": pair_log_ratio(
                         a1.capacity_rps, b1.capacity_rps, b2.capacity_rps, a2.capacity_rps, floor=floor_rps
                     ),
@@ -193,8 +206,11 @@ def compare(
             )
             out.interval = interval([p["log_ratio"] for p in out.pairs])
             out.verdict = verdict(out.interval, margin=margin) if len(out.pairs) >= 2 else INCONCLUSIVE
+            if open_ended:  # more pairs on the same workload cannot bracket it either
+                out.verdict = INCONCLUSIVE
+                out.lower_bounds = open_ended
             say(f"pair {i + 1} (seed {seed}): capacities {', '.join(f'{x:.2f}' for x in rps)} req/s; {out.sentence()}")
-            if len(out.pairs) >= min_pairs and out.verdict != INCONCLUSIVE:
+            if open_ended or (len(out.pairs) >= min_pairs and out.verdict != INCONCLUSIVE):
                 break
     finally:
         running.resume()

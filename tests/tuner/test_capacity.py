@@ -144,3 +144,58 @@ def test_the_budget_refuses_a_comparison_that_can_only_be_inconclusive_and_ranks
     assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
     assert spearman([1.0, 1.0, 2.0], [5.0, 6.0, 7.0]) == pytest.approx(math.sqrt(3) / 2)  # ties: mean ranks
     assert spearman([1.0], [2.0]) is None and spearman([1.0, 1.0], [2.0, 3.0]) is None
+
+
+class _FixedSide:
+    """A compare() side whose every search answers the same capacity (rate 1 req/s), open-ended or bracketed."""
+
+    def __init__(self, label: str, multiplier: float, *, bracketed: bool, wobble: float = 0.0) -> None:
+        self.label, self.multiplier, self.bracketed, self.wobble = label, multiplier, bracketed, wobble
+        self.calls = 0
+
+    def capacity(self, *, seed: int, start: float, tag: str):
+        from tuner.capacity import Capacity
+
+        self.calls += 1
+        m = self.multiplier * (1 + self.wobble * (-1) ** self.calls)
+        return Capacity(rate_rps=1.0, multiplier=m, upper=m * 1.25 if self.bracketed else None)
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+def test_a_ratio_of_lower_bounds_is_never_a_proposal() -> None:
+    """The first bench run's held-out phase: the running config's search stopped at x32 within its budget and the
+    candidate's at x256, both still meeting the SLOs: +700% of nothing. Bracketed, the same ratio proposes."""
+    from tuner.compare import compare
+
+    run = dict(seeds=[1000, 1001, 1002], start=1.0, floor_rps=0.01, min_pairs=2, max_pairs=3)
+    bracketed = compare(
+        _FixedSide("running", 32.0, bracketed=True, wobble=0.01),
+        _FixedSide("candidate", 64.0, bracketed=True, wobble=0.01),
+        **run,
+    )
+    assert bracketed.verdict == PROPOSAL and bracketed.lower_bounds == [], bracketed.as_dict()
+    candidate = _FixedSide("candidate", 256.0, bracketed=False)
+    open_ended = compare(_FixedSide("running", 32.0, bracketed=True), candidate, **run)
+    assert open_ended.verdict == INCONCLUSIVE and open_ended.lower_bounds == [256.0, 256.0]
+    assert len(open_ended.pairs) == 1 and candidate.calls == 2  # more pairs cannot bracket it: stopped
+    assert "capacity not found" in open_ended.sentence() and open_ended.pairs[0]["bracketed"] is False
+    assert open_ended.as_dict()["capacity_not_found_rps"] == [256.0, 256.0]
+
+
+def test_a_search_that_never_held_above_the_floor_found_no_capacity() -> None:
+    """Held-out pairs of the same bench run measured 0, 0, 0, 0: each short search failed from x32 down to x13 and
+    its budget ended. That is no capacity; a 0 is one only when the smallest multiplier failed too."""
+    from tuner.capacity import MIN_MULTIPLIER, Capacity, Probe
+
+    def probes(*ms: float) -> list[Probe]:
+        return [Probe(multiplier=m, holds=False, breaches=("p99 TTFT",), metrics=None) for m in ms]
+
+    assert not Capacity(rate_rps=3.6, probes=probes(32.0, 25.6, 20.5, 16.4)).found
+    assert Capacity(rate_rps=3.6, probes=probes(1.0, 0.1, MIN_MULTIPLIER)).found
+    assert Capacity(rate_rps=3.6, multiplier=2.0, upper=2.5).found
+    assert not Capacity(rate_rps=3.6, multiplier=256.0).found
