@@ -17,8 +17,8 @@ restart); otherwise `inconclusive`, said as such with the interval. A measuremen
 largest rate its search tried is a lower bound, not a capacity (a workload too short to load the server: compressed
 far enough it is one batch), and one that failed at every rate its short budget reached is no capacity either: a
 ratio of such figures proves nothing (counted as equal they would narrow the interval toward "no gain"), so such a
-pair ends the comparison `inconclusive`, said as "capacity not found". The A/A check is the same protocol with the
-running config on both servers: it must not say `proposal`.
+pair makes the comparison `inconclusive`, said as "capacity not found", and ends it at the minimum of pairs.
+The A/A check is the same protocol with the running config on both servers: it must not say `proposal`.
 
 Each measurement is a capacity (`tuner.capacity`), warm-started at that side's last answer with a short replay
 budget: a full search from scratch costs 5-8 replays, four per pair would take a quarter of an hour per pair on
@@ -206,11 +206,12 @@ def compare(
             )
             out.interval = interval([p["log_ratio"] for p in out.pairs])
             out.verdict = verdict(out.interval, margin=margin) if len(out.pairs) >= 2 else INCONCLUSIVE
-            if open_ended:  # more pairs on the same workload cannot bracket it either
+            out.lower_bounds.extend(open_ended)
+            if out.lower_bounds:
                 out.verdict = INCONCLUSIVE
-                out.lower_bounds = open_ended
             say(f"pair {i + 1} (seed {seed}): capacities {', '.join(f'{x:.2f}' for x in rps)} req/s; {out.sentence()}")
-            if open_ended or (len(out.pairs) >= min_pairs and out.verdict != INCONCLUSIVE):
+            # past the minimum, a capacity not found stops it too: more pairs of this workload cannot find it
+            if len(out.pairs) >= min_pairs and (out.lower_bounds or out.verdict != INCONCLUSIVE):
                 break
     finally:
         running.resume()

@@ -181,10 +181,10 @@ def test_a_ratio_of_lower_bounds_is_never_a_proposal() -> None:
     assert bracketed.verdict == PROPOSAL and bracketed.lower_bounds == [], bracketed.as_dict()
     candidate = _FixedSide("candidate", 256.0, bracketed=False)
     open_ended = compare(_FixedSide("running", 32.0, bracketed=True), candidate, **run)
-    assert open_ended.verdict == INCONCLUSIVE and open_ended.lower_bounds == [256.0, 256.0]
-    assert len(open_ended.pairs) == 1 and candidate.calls == 2  # more pairs cannot bracket it: stopped
+    assert open_ended.verdict == INCONCLUSIVE and open_ended.lower_bounds == [256.0] * 4
+    assert len(open_ended.pairs) == 2 and candidate.calls == 4  # more pairs cannot bracket it: stopped at min_pairs
     assert "capacity not found" in open_ended.sentence() and open_ended.pairs[0]["bracketed"] is False
-    assert open_ended.as_dict()["capacity_not_found_rps"] == [256.0, 256.0]
+    assert open_ended.as_dict()["capacity_not_found_rps"] == [256.0] * 4
 
 
 def test_a_search_that_never_held_above_the_floor_found_no_capacity() -> None:
