@@ -37,7 +37,7 @@ from integrations.vllm.config import VllmConfig
 from kvpilot.vllm.workbench import Workbench, workbench
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError, NotMeasuredError
-from tuner.capacity import MIN_MULTIPLIER, Capacity, compress
+from tuner.capacity import MIN_MULTIPLIER, Capacity, at_rate
 from tuner.jobs import workload_factory
 from tuner.metrics import SLO, TrialMetrics
 from tuner.study import run_study
@@ -57,7 +57,8 @@ KV_BYTES = 16 * 2**20
 # The workload: the seed's `sustained` scenario at half the running config's offline capacity (the scenario mix,
 # 96 requests at once, measured live before any tuning and written to the JSON before the first tuning run), for
 # 10 s, lengths scaled to the 512-token model. Under capacity, as production traffic mostly is: the capacity search
-# compresses its arrivals to find how much more each config takes.
+# replays it at multiples of its rate, each replay as long as the recording (`tuner.capacity.at_rate`), to find
+# how much more each config takes.
 # History (docs/benchmarks.md): the first plans measured goodput at one rate (the `burst` scenario at 12 req/s, then
 # `sustained` at 1.25 x capacity); under capacity nothing could gain, past it goodput swung 198-733 tokens/s
 # across seeds. This plan (SLO capacity, memory fixed, ABBA comparison) replaced them after those results.
@@ -118,8 +119,8 @@ class _Overloaded:
         self.backend, self.multiplier = backend, multiplier
 
     def evaluate(self, config: VllmConfig, *, run_id: str, seed: int) -> TrialMetrics:
-        reqs, prompts = self.backend.requests(seed)
-        return self.backend.measure_requests(config, compress(reqs, self.multiplier), prompts, run_id=run_id)
+        reqs, prompts = at_rate(*self.backend.requests(seed), self.multiplier)
+        return self.backend.measure_requests(config, reqs, prompts, run_id=run_id)
 
 
 def _say(t0: float, message: str) -> None:

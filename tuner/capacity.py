@@ -2,19 +2,26 @@
 
 Goodput at one fixed rate cannot rank configs that all keep up with that rate (every one serves all of it), and
 at a rate past everyone's capacity it swings with the queue's chaos. Capacity asks what an operator buys: how
-much more of *this* traffic (its arrivals, bursts kept, time-compressed by the multiplier) one server of the
-config takes before its users see the SLOs break. The SLOs are read from the request rows as the collector
-stored them (`tuner.metrics.trial_metrics`: p99 TTFT as users see it, p99 TPOT) and at least `MIN_FINISHED` of
-the requests must finish.
+much more of *this* traffic one server of the config takes before its users see the SLOs break. The SLOs are
+read from the request rows as the collector stored them (`tuner.metrics.trial_metrics`: p99 TTFT as users see
+it, p99 TPOT) and at least `MIN_FINISHED` of the requests must finish.
+
+The traffic at `m` times its rate (`at_rate`) lasts as long as the recorded traffic: past x1 the recording is
+time-compressed by `m` and repeated back to back until its own span is filled (bursts kept, `m` times as many
+requests), each repeat's prompts made distinct so that no repeat hits the prefix cache another one filled;
+under x1 it is thinned evenly. Compressing alone (the first version) shortened the replay with the rate: a
+40-request recording at x32 was one batch of 40 that any config absorbed within the SLOs, so the search never
+found a limit. At a rate the server cannot keep up with for the whole span, the queue grows and the SLOs fail,
+as they would in production.
 
 `search` is a bracketing search on one running server (no restart between its replays): the multiplier grows
 geometrically from `start` while the SLOs hold (or shrinks while they fail) until one probe holds and another
 fails, then the bracket is bisected geometrically until its ends are within `rel_tol` of each other, all within
 `max_replays` replays. The capacity is the largest multiplier that held, in requests/s the multiplier times the
-workload's own rate. When even `MAX_MULTIPLIER` holds (the whole replay meets the SLOs as one batch) the search
-stops there, unbracketed: the capacity is at least that. Any backend that can replay a request list on a config
-serves (`Replayer`): the vLLM backend (`tuner.vllm.backend`), a live kvpilot engine (`tuner.live`), and the
-simulators (`tuner.backends`).
+workload's own rate. The search stops unbracketed past `MAX_MULTIPLIER` or when a replay would exceed
+`MAX_REPLAY_REQUESTS`: the capacity is then at least what held. Any backend that can replay a request list on a
+config serves (`Replayer`): the vLLM backend (`tuner.vllm.backend`), a live kvpilot engine (`tuner.live`), and
+the simulators (`tuner.backends`).
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from engine import workload as W
 from tuner.metrics import SLO, TrialMetrics
 
 MIN_FINISHED = 0.99  # share of the replayed requests that must finish
-MAX_REPLAYS = 20  # one search's bound: each replay is the whole workload, time-compressed
+MAX_REPLAYS = 20  # one search's bound: each replay lasts the workload's span (plus the queue's drain)
 MIN_MULTIPLIER = 1 / 64  # below this the config serves (almost) none of the traffic: capacity 0
-MAX_MULTIPLIER = 256.0  # past this the replay is one batch: a workload this short cannot say more ("at least")
+MAX_MULTIPLIER = 256.0  # the search's ceiling ("at least" past it)
+MAX_REPLAY_REQUESTS = 20_000  # a replay's size bound: a search that would send more stops there ("at least")
+PROMPT_VOCAB = 256  # prompt bodies are byte tokens (`engine.workload.prompt_ids`); repeats shift them within it
 
 
 class Replayer(Protocol):
@@ -124,11 +133,81 @@ def arrival_rate(reqs: Sequence[W.WorkloadRequest]) -> float:
     return (len(reqs) - 1) / span
 
 
-def compress(reqs: Sequence[W.WorkloadRequest], multiplier: float) -> list[W.WorkloadRequest]:
-    """The same requests arriving `multiplier` times as fast (the gaps divided by it, bursts kept)."""
+def at_rate(
+    reqs: Sequence[W.WorkloadRequest], prompts: Sequence[list[int]], multiplier: float
+) -> tuple[list[W.WorkloadRequest], list[list[int]]]:
+    """The workload at `multiplier` times its arrival rate over its own span, and each request's prompt (module
+    docstring): repeats of the compressed recording past x1, each repeat's prompts distinct; thinned under x1."""
+    if len(prompts) != len(reqs):
+        raise ValueError(f"at_rate: {len(reqs)} requests but {len(prompts)} prompts")
+    picks, stride = _at_rate_picks(reqs, multiplier), _group_stride(reqs)
+    out_reqs = [_repeat(reqs[i], arrival, k, stride) for i, arrival, k in picks]
+    out_prompts = [_distinct_prompt(prompts[i], k) for i, _, k in picks]
+    return out_reqs, out_prompts
+
+
+def at_rate_requests(reqs: Sequence[W.WorkloadRequest], multiplier: float) -> list[W.WorkloadRequest]:
+    """`at_rate` for a backend that makes the prompts itself from the requests (the simulators): each repeat's
+    prefix groups renumbered, so that its prompts share prefixes within the repeat, not with another."""
+    stride = _group_stride(reqs)
+    return [_repeat(reqs[i], arrival, k, stride) for i, arrival, k in _at_rate_picks(reqs, multiplier)]
+
+
+def requests_at(reqs: Sequence[W.WorkloadRequest], multiplier: float) -> int:
+    """How many requests the replay at `multiplier` sends (what `MAX_REPLAY_REQUESTS` bounds)."""
+    return len(_at_rate_picks(reqs, multiplier))
+
+
+def _at_rate_picks(reqs: Sequence[W.WorkloadRequest], multiplier: float) -> list[tuple[int, float, int]]:
+    """(index into `reqs`, arrival, repeat) of every request the replay at `multiplier` sends, in arrival order."""
     if not multiplier > 0:
         raise ValueError(f"multiplier: must be positive, got {multiplier}")
-    return [dataclasses.replace(r, arrival_s=r.arrival_s / multiplier) for r in reqs]
+    if not reqs:
+        return []
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
+    t0 = reqs[order[0]].arrival_s
+    if multiplier <= 1:  # thinned: every request whose running share crosses a whole one, arrivals kept
+        kept = [i for n, i in enumerate(order) if math.floor((n + 1) * multiplier) > math.floor(n * multiplier)]
+        return [(i, reqs[i].arrival_s - t0, 0) for i in (kept or order[:1])]
+    # the recording's period: its span plus one mean gap, so that repeats back to back keep the rate even
+    period = arrival_rate_period(reqs)
+    span = period / multiplier
+    out = []
+    for k in range(math.ceil(multiplier)):
+        for i in order:
+            arrival = (reqs[i].arrival_s - t0) / multiplier + k * span
+            if arrival < period:
+                out.append((i, arrival, k))
+    return out
+
+
+def arrival_rate_period(reqs: Sequence[W.WorkloadRequest]) -> float:
+    """The time one pass of the workload stands for at its own rate: its requests over `arrival_rate`."""
+    return len(reqs) / arrival_rate(reqs)
+
+
+def _group_stride(reqs: Sequence[W.WorkloadRequest]) -> int:
+    """How far one repeat's prefix groups are moved from the previous repeat's: past every group used."""
+    return 1 + max((r.prefix_group or 0 for r in reqs), default=0)
+
+
+def _repeat(r: W.WorkloadRequest, arrival: float, k: int, stride: int) -> W.WorkloadRequest:
+    group = r.prefix_group if r.prefix_group is None else r.prefix_group + k * stride
+    return dataclasses.replace(r, arrival_s=arrival, prefix_group=group)
+
+
+def _distinct_prompt(prompt: list[int], k: int) -> list[int]:
+    """Repeat `k`'s copy of `prompt`: the first body tokens shifted by `k`'s digits in the prompt vocabulary (the
+    first token, BOS, kept), so repeats share no prefix-cache block while one repeat's prefix groups still do."""
+    if k == 0:
+        return prompt
+    out = list(prompt)
+    pos = 1
+    while k and pos < len(out):
+        k, digit = divmod(k, PROMPT_VOCAB)
+        out[pos] = (out[pos] + digit) % PROMPT_VOCAB if out[pos] < PROMPT_VOCAB else out[pos]
+        pos += 1
+    return out
 
 
 def search(
@@ -140,8 +219,10 @@ def search(
     growth: float = 2.0,
     rel_tol: float = 0.05,
     max_replays: int = 8,
+    too_big: Callable[[float], bool] | None = None,
 ) -> Capacity:
-    """The bracketing search (module docstring); `measure(multiplier)` replays the workload compressed by it."""
+    """The bracketing search (module docstring); `measure(multiplier)` replays the workload at that multiple of
+    its rate; `too_big(multiplier)` says a replay would be past the size bound (the search stops growing)."""
     if not 1 <= max_replays <= MAX_REPLAYS:
         raise ValueError(f"max_replays: must be within 1..{MAX_REPLAYS}, got {max_replays}")
     if not growth > 1 or not rel_tol > 0 or not start > 0 or not rate_rps > 0:
@@ -163,7 +244,7 @@ def search(
             m = math.sqrt(low * out.upper)
         elif low is not None:
             m = low * growth
-            if m > MAX_MULTIPLIER:
+            if m > MAX_MULTIPLIER or (too_big is not None and too_big(m)):
                 break
         else:
             m = m / growth
@@ -190,7 +271,8 @@ def replay_capacity(
 
     def measure(multiplier: float) -> TrialMetrics:
         tag = f"{run_id}-x{multiplier:.4g}"
-        return backend.measure_requests(config, compress(reqs, multiplier), prompts, run_id=tag)
+        scaled, scaled_prompts = at_rate(reqs, prompts, multiplier)
+        return backend.measure_requests(config, scaled, scaled_prompts, run_id=tag)
 
     return search(
         measure,
@@ -200,4 +282,5 @@ def replay_capacity(
         growth=growth,
         rel_tol=rel_tol,
         max_replays=max_replays,
+        too_big=lambda m: requests_at(reqs, m) > MAX_REPLAY_REQUESTS,
     )

@@ -3,6 +3,7 @@ and the ABBA comparison's statistics (`tuner.compare`) on synthetic paired sampl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -12,8 +13,17 @@ from collector.db import make_engine
 from collector.queries import stored_steps
 from integrations.vllm.config import VllmConfig
 from tests.tuner.test_vllm_sim import CKPT_MODEL, _synthetic_steps
+from tuner import capacity
 from tuner import workloads as WL
-from tuner.capacity import MIN_FINISHED, arrival_rate, breaches, compress, replay_capacity
+from tuner.capacity import (
+    MIN_FINISHED,
+    arrival_rate,
+    at_rate,
+    at_rate_requests,
+    breaches,
+    replay_capacity,
+    requests_at,
+)
 from tuner.compare import INCONCLUSIVE, NO_GAIN, PROPOSAL, interval, pair_log_ratio, verdict
 from tuner.metrics import SLO, store_events
 from tuner.replay import prepare_prompts
@@ -35,17 +45,78 @@ def sim(sqlite_url: str):
     db.dispose()
 
 
-def test_compress_keeps_the_bursts_and_multiplies_the_rate() -> None:
+def test_at_rate_multiplies_the_rate_over_the_recordings_own_span_with_bursts_kept() -> None:
     opts = WL.WorkloadOptions(requests=40, scale=8.0, output_range=(16, 64))
     reqs = WL.scenario("burst", 10.0, opts, seed=0)
-    fast = compress(reqs, 4.0)
-    assert arrival_rate(fast) == pytest.approx(4 * arrival_rate(reqs))
-    assert [r.arrival_s * 4 for r in fast] == pytest.approx([r.arrival_s for r in reqs])
-    assert [(r.prompt_tokens, r.output_tokens) for r in fast] == [(r.prompt_tokens, r.output_tokens) for r in reqs]
+    prompts = prepare_prompts(reqs, 0)
+    rate, span = arrival_rate(reqs), reqs[-1].arrival_s - reqs[0].arrival_s
+    for m in (2.0, 4.0, 2.5, 7.3):
+        fast, fast_prompts = at_rate(reqs, prompts, m)
+        assert len(fast) == len(fast_prompts) == requests_at(reqs, m)
+        # m times as many requests (a fraction of a repeat: the recording's first part, its burst or not) ...
+        assert len(fast) == m * len(reqs) if m.is_integer() else m - 1 < len(fast) / len(reqs) < m + 1
+        assert arrival_rate(fast) == pytest.approx(m * rate, rel=0.15)  # ... at m times the rate ...
+        assert fast[-1].arrival_s - fast[0].arrival_s == pytest.approx(span, rel=0.1)  # ... over the same span
+    fast, fast_prompts = at_rate(reqs, prompts, 4.0)
+    # the first repeat is the recording compressed: its gaps divided by 4, its lengths and prompts kept
+    first = fast[: len(reqs)]
+    t0 = reqs[0].arrival_s
+    assert [r.arrival_s * 4 for r in first] == pytest.approx([r.arrival_s - t0 for r in reqs])
+    assert [(r.prompt_tokens, r.output_tokens) for r in first] == [(r.prompt_tokens, r.output_tokens) for r in reqs]
+    assert fast_prompts[: len(reqs)] == prompts
+    # repeats: the same lengths, prompts of the same length and BOS, none equal to another repeat's
+    assert len({tuple(p) for p in fast_prompts}) == len(fast_prompts)
+    assert all(len(p) == len(prompts[i % len(reqs)]) and p[0] == prompts[0][0] for i, p in enumerate(fast_prompts))
+    # under x1: thinned evenly, arrivals kept, never empty
+    slow, _ = at_rate(reqs, prompts, 0.5)
+    assert len(slow) == len(reqs) // 2 and {r.arrival_s + t0 for r in slow} <= {r.arrival_s for r in reqs}
+    assert len(at_rate(reqs, prompts, 1 / 1000)[0]) == 1
     with pytest.raises(ValueError, match="multiplier"):
-        compress(reqs, 0.0)
+        at_rate(reqs, prompts, 0.0)
+    with pytest.raises(ValueError, match="prompts"):
+        at_rate(reqs, prompts[:-1], 2.0)
     with pytest.raises(ValueError, match="at once"):
-        arrival_rate(compress([r for r in reqs if r.arrival_s == reqs[0].arrival_s] * 2, 1.0))
+        arrival_rate([r for r in reqs if r.arrival_s == reqs[0].arrival_s] * 2)
+
+
+def test_repeats_share_prefixes_within_themselves_not_with_each_other() -> None:
+    opts = WL.WorkloadOptions(requests=48, scale=8.0, output_range=(16, 64))
+    plain = WL.scenario("mixed", 8.0, opts, seed=1)
+    reqs = [dataclasses.replace(r, prefix_group=i % 3 if i % 4 else None) for i, r in enumerate(plain)]
+    groups = {0, 1, 2}
+    tiled = at_rate_requests(reqs, 3.0)
+    by_repeat = [{r.prefix_group for r in tiled[k * len(reqs) : (k + 1) * len(reqs)]} - {None} for k in range(3)]
+    assert by_repeat[0] == groups and len(by_repeat[1]) == len(groups)
+    assert not by_repeat[0] & by_repeat[1] and not by_repeat[1] & by_repeat[2]
+    # live prompts: one repeat's requests of a group keep one prefix, another repeat's another
+    prompts = prepare_prompts(reqs, 1)
+    _, tiled_prompts = at_rate(reqs, prompts, 2.0)
+    a, b = [i for i, r in enumerate(reqs) if r.prefix_group == 1][:2]
+    n = len(reqs)
+    assert tiled_prompts[a][:8] == tiled_prompts[b][:8]
+    assert tiled_prompts[n + a][:8] == tiled_prompts[n + b][:8] != tiled_prompts[a][:8]
+
+
+def test_a_recording_too_short_to_load_a_server_still_finds_its_limit(sim) -> None:
+    """The first version compressed the recording: at x32, 40 requests became one batch any config absorbed. At a
+    multiple of the rate over the recording's own span, the queue grows past capacity and the SLOs fail."""
+    backend, reqs, prompts = sim
+    short = reqs[:16]
+    config = VllmConfig(model="/m", kv_cache_memory_bytes=16 * 2**20)
+    cap = replay_capacity(backend, config, short, prompts[:16], slo=SLO_CAP, run_id="short", max_replays=12)
+    assert cap.bracketed and cap.found and cap.multiplier < 256
+    assert requests_at(short, cap.upper) > len(short)
+
+
+def test_the_search_stops_growing_at_the_replay_size_bound(sim, monkeypatch) -> None:
+    backend, reqs, prompts = sim
+    config = VllmConfig(model="/m", kv_cache_memory_bytes=16 * 2**20)
+    monkeypatch.setattr(capacity, "MAX_REPLAY_REQUESTS", 600)
+    lax = SLO(ttft_s=1e6, tpot_s=1e6, p99_ttft_s=1e6)  # every rate holds: only the size bound stops the search
+    cap = replay_capacity(backend, config, reqs[:8], prompts[:8], slo=lax, run_id="bound", max_replays=12)
+    assert not cap.found and cap.upper is None and cap.multiplier < capacity.MAX_MULTIPLIER
+    assert requests_at(reqs[:8], cap.multiplier) <= 600 < requests_at(reqs[:8], 2 * cap.multiplier)
+    assert max(p.metrics.requests for p in cap.probes) <= 600
 
 
 def test_capacity_search_brackets_the_largest_rate_that_meets_the_slos(sim) -> None:
@@ -59,8 +130,8 @@ def test_capacity_search_brackets_the_largest_rate_that_meets_the_slos(sim) -> N
     assert max(held) == cap.multiplier and min(failed) == cap.upper and cap.multiplier < cap.upper
     assert all(not p.breaches for p in cap.probes if p.holds) and all(p.breaches for p in cap.probes if not p.holds)
     # the answer is what a replay at it says: deterministic, so the same replays hold and fail again
-    again = backend.measure_requests(config, compress(reqs, cap.multiplier), prompts, run_id="again")
-    past = backend.measure_requests(config, compress(reqs, cap.upper), prompts, run_id="past")
+    again = backend.measure_requests(config, *at_rate(reqs, prompts, cap.multiplier), run_id="again")
+    past = backend.measure_requests(config, *at_rate(reqs, prompts, cap.upper), run_id="past")
     assert breaches(again, SLO_CAP) == () and breaches(past, SLO_CAP) != ()
     assert again.finished >= MIN_FINISHED * again.requests
     assert cap.goodput_at_rate_tps is not None and cap.goodput_at_rate_tps > 0  # the search started at x1

@@ -198,7 +198,7 @@ def test_live_study_through_a_real_collector_and_engine_processes(tmp_path) -> N
 
 
 def test_capacity_search_on_a_live_engine_replays_each_request_once_and_rolls_back(sqlite_url: str) -> None:
-    from tuner.capacity import breaches, replay_capacity
+    from tuner.capacity import breaches, replay_capacity, requests_at
     from tuner.replay import prepare_prompts
 
     db, cfg, app, engine = _setup(sqlite_url)
@@ -221,6 +221,6 @@ def test_capacity_search_on_a_live_engine_replays_each_request_once_and_rolls_ba
         assert engine.config.scheduler.max_num_seqs == 32  # rolled back after every replay
     db.dispose()
     assert len(cap.probes) == 2 and cap.probes[0].multiplier == 1.0
-    for probe in cap.probes:  # each replay's window holds exactly its own requests
-        assert probe.metrics.requests == 12 and probe.holds == (breaches(probe.metrics, slo) == ())
+    for probe in cap.probes:  # each replay's window holds exactly its own requests (x2: the recording twice)
+        assert probe.metrics.requests == requests_at(reqs, probe.multiplier) and probe.holds == (breaches(probe.metrics, slo) == ())
     assert cap.multiplier == max((p.multiplier for p in cap.probes if p.holds), default=0.0)

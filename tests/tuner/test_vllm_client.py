@@ -101,8 +101,21 @@ class _GilHog(threading.Thread):
         super().__init__(daemon=True)
         self.seconds, self.server = seconds, server
         self.stretches: list[float] = []
-        self.values = list(range(400_000))
-        random.Random(0).shuffle(self.values)
+        self.values = self._sized(0.4)
+
+    @staticmethod
+    def _sized(stretch_s: float) -> list[int]:
+        """A list whose sort holds the lock about `stretch_s` on this machine (its speed varies several-fold)."""
+        n = 200_000
+        while True:
+            values = list(range(n))
+            random.Random(0).shuffle(values)
+            t = time.perf_counter()
+            sorted(values)
+            took = time.perf_counter() - t
+            if took >= stretch_s or n >= 32_000_000:
+                return values
+            n = int(n * min(8.0, 1.2 * stretch_s / max(took, 1e-3)))
 
     def run(self) -> None:
         while not self.server.bodies:

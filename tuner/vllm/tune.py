@@ -43,7 +43,7 @@ from engine.config import ModelConfig
 from integrations.vllm.config import VllmConfig, VllmConfigError
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError
-from tuner.capacity import MIN_MULTIPLIER, Capacity, compress, replay_capacity
+from tuner.capacity import MIN_MULTIPLIER, Capacity, at_rate_requests, replay_capacity
 from tuner.compare import MAX_PAIRS, PROPOSAL, Comparison, ReplayerSide, compare
 from tuner.metrics import SLO, TrialMetrics
 from tuner.replay import TrialSink, replay
@@ -397,7 +397,7 @@ class VllmTuning:
         self.sim_running = self.sim_capacity(plain, self.base)
         overload = SCREEN_OVERLOAD * max(self.sim_running.multiplier, MIN_MULTIPLIER)
         self.sim_backend = VllmSimBackend(
-            self.profile, lambda seed: compress(self.workload(seed), overload), None, self.slo
+            self.profile, lambda seed: at_rate_requests(self.workload(seed), overload), None, self.slo
         )
         self.say(
             f"simulated capacity of the running config: x{self.sim_running.multiplier:.2f}; the screen replays "
