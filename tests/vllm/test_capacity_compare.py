@@ -12,7 +12,7 @@ import pytest
 from collector.db import make_engine
 from integrations.vllm.config import VllmConfig
 from tuner import workloads as WL
-from tuner.capacity import breaches
+from tuner.capacity import breaches, requests_at
 from tuner.compare import PROPOSAL
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
@@ -65,8 +65,10 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
     try:
         cap = tuning.baseline_capacity()
         assert 1 <= len(cap.probes) <= 2 and cap.capacity_rps > 0
-        for probe in cap.probes:  # what each replay's stored rows say is what the search concluded
-            assert probe.holds == (breaches(probe.metrics, SLO_CAP) == ()) and probe.metrics.requests == 10
+        reqs, _ = backend.requests(tuning.budget.tuning_seeds[0])
+        for probe in cap.probes:  # what each replay's stored rows say is what the search concluded; x2: 20 requests
+            assert probe.holds == (breaches(probe.metrics, SLO_CAP) == ())
+            assert probe.metrics.requests == requests_at(reqs, probe.multiplier) == round(10 * probe.multiplier)
         assert cap.multiplier == max(p.multiplier for p in cap.probes if p.holds)
         assert cap.upper is None or cap.upper == min(p.multiplier for p in cap.probes if not p.holds)
         aa = tuning.aa_check()
