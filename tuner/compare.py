@@ -20,9 +20,14 @@ ratio of such figures proves nothing (counted as equal they would narrow the int
 pair makes the comparison `inconclusive`, said as "capacity not found", and ends it at the minimum of pairs.
 The A/A check is the same protocol with the running config on both servers: it must not say `proposal`.
 
-Each measurement is a capacity (`tuner.capacity`), warm-started at that side's last answer with a short replay
-budget: a full search from scratch costs 5-8 replays, four per pair would take a quarter of an hour per pair on
-a CPU vLLM; started next to the answer a bracket of +-`step` takes 2-4.
+Each measurement is a capacity (`tuner.capacity`). A held-out seed's traffic is not the tuning seed's, and its
+capacity can sit well away from the running config's known one: the first measurement of a seed (A1 of its first
+pair) is a scout, a search of `scout_replays` from the known capacity that brackets it (doubling or halving
+first, then bisecting); the pair's other three
+start there with a short replay budget, and every later one at its side's last answer on that seed. A full
+search from scratch for all four would cost 5-8 replays each (a quarter of an hour per pair on a CPU vLLM);
+started next to the answer a bracket of +-`step` takes 2-3. (Without the scout, the first bench runs' short
+searches started at the tuning seed's capacity failed on a heavier held-out seed at every rate they reached.)
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ LEVEL = 0.90
 _T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
 _T95_LARGE = 1.645
 MAX_PAIRS = 10
+SCOUT_GROWTH = 2.0  # a scout's steps until it brackets (a held-out seed's capacity may be half the tuning seed's)
 PROPOSAL, NO_GAIN, INCONCLUSIVE = "proposal", "no gain", "inconclusive"
 
 
@@ -53,7 +59,7 @@ class Side(Protocol):
 
     label: str
 
-    def capacity(self, *, seed: int, start: float, tag: str) -> Capacity: ...
+    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False) -> Capacity: ...
 
     def pause(self) -> None: ...
 
@@ -175,21 +181,26 @@ def compare(
     floor_rps: float,
     say: Callable[[str], None] = lambda message: None,
 ) -> Comparison:
-    """ABBA pairs on `seeds` in turn (module docstring). `start` is the multiplier both sides' first search starts
-    at (e.g. the running config's known capacity); each later one starts at its side's last answer."""
+    """ABBA pairs on `seeds` in turn (module docstring). `start` is the multiplier each seed's scout starts at
+    (e.g. the running config's known capacity); the rest start at the scout's answer, then at their side's last."""
     if not 2 <= min_pairs <= max_pairs <= MAX_PAIRS:
         raise ValueError(f"pairs: need 2 <= min_pairs <= max_pairs <= {MAX_PAIRS}, got {min_pairs}, {max_pairs}")
     if not seeds:
         raise ValueError("seeds: at least one held-out seed")
     out = Comparison(running.label, candidate.label, margin, list(seeds))
-    prior = {running.label: start, candidate.label: start}
+    priors: dict[int, dict[str, float]] = {}  # per seed: each side's last answer (the scout's at first)
     running.pause()
     candidate.pause()
     try:
         for i in range(max_pairs):
             seed = seeds[i % len(seeds)]
-            abba = (running, candidate, candidate, running)
-            a1, b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(abba))
+            rest = (candidate, candidate, running)
+            scout = seed not in priors
+            prior = priors.setdefault(seed, {running.label: start, candidate.label: start})
+            a1 = _measure(running, seed, prior, f"p{i}-0", scout=scout)
+            if scout and a1.multiplier > 0:
+                prior[candidate.label] = a1.multiplier
+            b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(rest, start=1))
             rps = [c.capacity_rps for c in (a1, b1, b2, a2)]
             open_ended = [c.capacity_rps for c in (a1, b1, b2, a2) if not c.found]
             out.pairs.append(
@@ -219,11 +230,11 @@ def compare(
     return out
 
 
-def _measure(side: Side, seed: int, prior: dict[str, float], tag: str) -> Capacity:
+def _measure(side: Side, seed: int, prior: dict[str, float], tag: str, *, scout: bool = False) -> Capacity:
     """One capacity of `side` with the other paused: resumed for it, paused after, warm-started at its last."""
     side.resume()
     try:
-        cap = side.capacity(seed=seed, start=prior[side.label], tag=tag)
+        cap = side.capacity(seed=seed, start=prior[side.label], tag=tag, scout=scout)
     finally:
         side.pause()
     if cap.multiplier > 0:
@@ -234,7 +245,8 @@ def _measure(side: Side, seed: int, prior: dict[str, float], tag: str) -> Capaci
 @dataclass
 class ReplayerSide:
     """A `Side` on any `tuner.capacity.Replayer`: the held-out seed's requests from `requests(seed)`, a short
-    search of `max_replays` around the prior in steps of `step`, pausing through the given callables."""
+    search of `max_replays` around the prior in steps of `step` (a scout: `scout_replays`), pausing through the
+    given callables."""
 
     label: str
     backend: Replayer
@@ -242,14 +254,15 @@ class ReplayerSide:
     requests: Callable[[int], tuple[list[W.WorkloadRequest], list[list[int]]]]
     slo: SLO
     name: str
-    step: float = 1.25
-    rel_tol: float = 0.06
-    max_replays: int = 4
+    step: float = 1.15
+    rel_tol: float = 0.05
+    max_replays: int = 3
+    scout_replays: int = 6
     on_pause: Callable[[], None] = lambda: None
     on_resume: Callable[[], None] = lambda: None
     measured: list[Capacity] = field(default_factory=list)
 
-    def capacity(self, *, seed: int, start: float, tag: str) -> Capacity:
+    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False) -> Capacity:
         reqs, prompts = self.requests(seed)
         cap = replay_capacity(
             self.backend,
@@ -259,9 +272,9 @@ class ReplayerSide:
             slo=self.slo,
             run_id=f"{self.name}-{self.label}-s{seed}-{tag}",
             start=max(start, MIN_MULTIPLIER),
-            growth=self.step,
+            growth=SCOUT_GROWTH if scout else self.step,
             rel_tol=self.rel_tol,
-            max_replays=self.max_replays,
+            max_replays=self.scout_replays if scout else self.max_replays,
         )
         self.measured.append(cap)
         return cap

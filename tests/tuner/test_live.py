@@ -222,5 +222,7 @@ def test_capacity_search_on_a_live_engine_replays_each_request_once_and_rolls_ba
     db.dispose()
     assert len(cap.probes) == 2 and cap.probes[0].multiplier == 1.0
     for probe in cap.probes:  # each replay's window holds exactly its own requests (x2: the recording twice)
-        assert probe.metrics.requests == requests_at(reqs, probe.multiplier) and probe.holds == (breaches(probe.metrics, slo) == ())
+        assert probe.metrics.requests == requests_at(reqs, probe.multiplier) and probe.holds == (
+            breaches(probe.metrics, slo) == ()
+        )
     assert cap.multiplier == max((p.multiplier for p in cap.probes if p.holds), default=0.0)

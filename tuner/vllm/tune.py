@@ -494,6 +494,7 @@ class VllmTuning:
             slo=self.slo,
             name=self.name,
             max_replays=b.pair_replays,
+            scout_replays=b.capacity_replays,
             on_pause=lambda: self.backend.pause(config, slot),
             on_resume=lambda: self.backend.resume(config, slot),
         )
