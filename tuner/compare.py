@@ -23,11 +23,12 @@ The A/A check is the same protocol with the running config on both servers: it m
 Each measurement is a capacity (`tuner.capacity`). A held-out seed's traffic is not the tuning seed's, and its
 capacity can sit well away from the running config's known one: the first measurement of a seed (A1 of its first
 pair) is a scout, a search of `scout_replays` from the known capacity that brackets it (doubling or halving
-first, then bisecting); the pair's other three
-start there with a short replay budget, and every later one at its side's last answer on that seed. A full
-search from scratch for all four would cost 5-8 replays each (a quarter of an hour per pair on a CPU vLLM);
-started next to the answer a bracket of +-`step` takes 2-3. (Without the scout, the first bench runs' short
-searches started at the tuning seed's capacity failed on a heavier held-out seed at every rate they reached.)
+first, then bisecting). The pair's other three start at the scout's answer, every later one at its side's last
+answer on that seed; each is a short search that stops at its first bracket one `step` wide: 2 replays, more
+(up to `max_replays`) when the answer moved by more than a step; its answer is the bracket's lower end. A full
+search for all four would cost 5-8 replays each, a quarter of an hour per pair on a CPU vLLM. (The first bench
+runs had neither: short searches started at the tuning seed's capacity failed at every rate they reached on a
+heavier held-out seed, and a fixed budget of 2 replays that held twice ended unbracketed.)
 """
 
 from __future__ import annotations
@@ -255,8 +256,8 @@ class ReplayerSide:
     slo: SLO
     name: str
     step: float = 1.15
-    rel_tol: float = 0.05
-    max_replays: int = 3
+    rel_tol: float = 0.05  # a scout's
+    max_replays: int = 4  # a short search's bound: it stops earlier, at its first bracket
     scout_replays: int = 6
     on_pause: Callable[[], None] = lambda: None
     on_resume: Callable[[], None] = lambda: None
@@ -273,7 +274,8 @@ class ReplayerSide:
             run_id=f"{self.name}-{self.label}-s{seed}-{tag}",
             start=max(start, MIN_MULTIPLIER),
             growth=SCOUT_GROWTH if scout else self.step,
-            rel_tol=self.rel_tol,
+            # a short search stops at its first bracket one step wide (usually 2 replays); a scout bisects on
+            rel_tol=self.rel_tol if scout else self.step - 1 + 1e-9,
             max_replays=self.scout_replays if scout else self.max_replays,
         )
         self.measured.append(cap)

@@ -90,7 +90,7 @@ class Budget:
     repeats: int = 1  # the held-out seeds are cycled this many times: at most seeds x repeats ABBA pairs
     min_effect: float = 0.01  # a simulated change stays only if its revert costs this much goodput (the pruning)
     capacity_replays: int = 7  # a full capacity search (the running config's, each confirmation's)
-    pair_replays: int = 3  # one capacity measurement of the comparison, warm-started at its side's last answer
+    pair_replays: int = 4  # one measurement of the comparison (warm-started, it stops at its first bracket)
     min_pairs: int = 2
     margin: float = 0.03  # capacity ratios within 1 +- margin are "no gain": not worth a restart
 
