@@ -35,6 +35,7 @@ WORKLOAD_HELP = (
 )
 WorkloadOpt = typer.Option("mixed", "--workload", help=WORKLOAD_HELP)
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="log progress details")
+SeedsPerTrialOpt = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together")
 EngineAdminTokenOpt = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN")
 
 

@@ -28,6 +28,7 @@ from kvpilot.cli_options import (
     EngineAdminTokenOpt,
     LiveArgs,
     ProfileOpt,
+    SeedsPerTrialOpt,
     SloArgs,
     VerboseOpt,
     WorkloadArgs,
@@ -128,6 +129,8 @@ def _study_lines(summary: dict[str, Any]) -> list[str]:
 
 
 KVPILOT_SLO = SLO_OPTIONS.without(p99_ttft_slo=None)  # kvpilot's engine: p99 TTFT is the TTFT SLO
+BackendOpt = typer.Option("sim", "--backend", help="sim | engine | live")
+SeedOpt = typer.Option(0, "--seed")
 
 
 def _only_knobs(space, knobs: list[str]):
@@ -147,7 +150,7 @@ def _only_knobs(space, knobs: list[str]):
 def study_cmd(
     ctx: typer.Context,
     trials: int = typer.Option(40, "--trials", help="trials in the study (and in the random baseline)"),
-    backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
+    backend: str = BackendOpt,
     sampler: str | None = typer.Option(
         None,
         "--sampler",
@@ -166,8 +169,8 @@ def study_cmd(
     workload_args: WorkloadArgs = WORKLOAD,
     instance: str | None = typer.Option(None, "--instance", help="stored/fitted/live: the engine instance"),
     slo_args: SloArgs = KVPILOT_SLO,
-    seed: int = typer.Option(0, "--seed"),
-    seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
+    seed: int = SeedOpt,
+    seeds_per_trial: int = SeedsPerTrialOpt,
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(
         None,
@@ -261,7 +264,7 @@ def study_cmd(
 def nightly_cmd(
     ctx: typer.Context,
     trials: int = typer.Option(40, "--trials"),
-    backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
+    backend: str = BackendOpt,
     out_dir: Path = typer.Option(Path("kvpilot-data/proposals"), "--out-dir", help="proposal files go here"),
     workload: str = typer.Option("stored", "--workload", help=WORKLOAD_HELP),
     config: Path | None = ConfigOpt,
@@ -271,12 +274,12 @@ def nightly_cmd(
     instance: str | None = typer.Option(None, "--instance", help="replay the stored requests of this instance only"),
     slo_args: SloArgs = KVPILOT_SLO,
     confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="new workload seeds for the confirmation"),
-    seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
+    seeds_per_trial: int = SeedsPerTrialOpt,
     min_gain: float = typer.Option(0.02, "--min-gain", help="propose only above this relative goodput gain"),
     min_effect: float = typer.Option(
         0.01, "--min-effect", help="drop a change whose revert costs less goodput than this (the noise)"
     ),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = SeedOpt,
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL"),
     live_args: LiveArgs = LIVE.but(
@@ -495,7 +498,7 @@ def sim_run_cmd(
     workload: str = WorkloadOpt,
     workload_args: WorkloadArgs = WORKLOAD,
     slo_args: SloArgs = SLO_OPTIONS.without(p99_e2e_slo=None, p99_ttft_slo=None, max_rejection_rate=1.0, max_oom=10**9),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = SeedOpt,
     db_url: str | None = typer.Option(None, "--db-url", help="store the run here (default: a temporary database)"),
     json_path: Path | None = typer.Option(None, "--json", help="also write the figures as JSON to this file"),
     verbose: bool = VerboseOpt,

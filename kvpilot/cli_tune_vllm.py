@@ -34,6 +34,7 @@ from kvpilot.cli_options import (
     WORKLOAD,
     WORKLOAD_HELP,
     DbOpt,
+    SeedsPerTrialOpt,
     SloArgs,
     VerboseOpt,
     WorkloadArgs,
@@ -63,7 +64,7 @@ VLLM_WORKLOAD = WORKLOAD.but(
 )
 ScreenOpt = typer.Option(200, "--screen", help="configs simulated")
 SeedOpt = typer.Option(0, "--seed", help="the first tuning seed (and the Optuna seed)")
-SeedsOpt = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together")
+ConfirmOpt = typer.Option(2, "--confirm", help="the best simulated configs confirmed live (a restart each)")
 MinStepsOpt = typer.Option(200, "--min-steps", help="stored vLLM steps the calibration needs at least")
 VllmPythonOpt = typer.Option(None, "--vllm-python", help="Python with vLLM (KVPILOT_VLLM_PYTHON, ./.venv-vllm)")
 ArgCheckOpt = typer.Option(
@@ -334,9 +335,9 @@ def study_cmd(
     workload_args: WorkloadArgs = VLLM_WORKLOAD,
     slo_args: SloArgs = SLO_OPTIONS,
     screen: int = ScreenOpt,
-    confirm: int = typer.Option(2, "--confirm", help="the best simulated configs confirmed live (a restart each)"),
+    confirm: int = ConfirmOpt,
     seed: int = SeedOpt,
-    seeds_per_trial: int = SeedsOpt,
+    seeds_per_trial: int = SeedsPerTrialOpt,
     heldout_seeds: int = HeldoutSeedsOpt,
     repeats: int = typer.Option(1, "--repeats", help="passes over the held-out seeds"),
     instance: str | None = typer.Option(
@@ -415,7 +416,7 @@ def nightly_cmd(
     ).without(scale=4.0, output_range="16,256", load=None, duration=None, length_scale=1.0),
     slo_args: SloArgs = SLO_OPTIONS.without(max_oom=0),
     screen: int = ScreenOpt,
-    confirm: int = typer.Option(2, "--confirm", help="the best simulated configs confirmed live (a restart each)"),
+    confirm: int = ConfirmOpt,
     heldout_seeds: int = HeldoutSeedsOpt,
     min_steps: int = MinStepsOpt,
     port_range: str | None = PortRangeOpt,
@@ -586,7 +587,7 @@ def screen_cmd(
     screen: int = ScreenOpt,
     top: int = typer.Option(5, "--top", help="configs shown, best first (each pruned in the simulator)"),
     seed: int = SeedOpt,
-    seeds_per_trial: int = SeedsOpt,
+    seeds_per_trial: int = SeedsPerTrialOpt,
     min_steps: int = MinStepsOpt,
     db_url: str | None = DbOpt,
     vllm_python: str | None = VllmPythonOpt,
