@@ -99,7 +99,6 @@ async def drive_demo_load(
     refused = 0
     errors = 0
     shapes: list[W.WorkloadRequest] = []  # by request index, as the arrivals come
-    ended = 0  # answered or failed
 
     async def one(client: httpx.AsyncClient, req: W.WorkloadRequest) -> None:
         nonlocal refused, errors
@@ -148,20 +147,12 @@ async def drive_demo_load(
                 last_report = now
                 say(f"load: t={now:4.0f} s sent {len(shapes)} answered {len(results)} refused {refused}")
         say_burst_ended()
-        if len(shapes) > ended:
-            say(f"load: waiting for {len(shapes) - ended} requests in flight")
+        if in_flight := len(shapes) - len(results) - refused - errors:
+            say(f"load: waiting for {in_flight} requests in flight")
 
     limits = httpx.Limits(max_connections=512)
     async with httpx.AsyncClient(limits=limits, transport=transport) as client:
-
-        async def send(i: int) -> None:
-            nonlocal ended
-            try:
-                await one(client, shapes[i])
-            finally:
-                ended += 1
-
-        await open_loop(offsets(), send, t0=t0)
+        await open_loop(offsets(), lambda i: one(client, shapes[i]), t0=t0)
     wall = time.perf_counter() - t0
     e2e = [r["timings"]["e2e_s"] for r in results] or [0.0]
     ttft = [r["timings"]["ttft_s"] for r in results if r["timings"]["ttft_s"] is not None] or [0.0]

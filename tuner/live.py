@@ -132,7 +132,7 @@ class LiveBackend:
             log.info("live replay %s: applied %s, %d requests", run_id, config.tunable(), len(reqs))
             time.sleep(self.settle_s)
             start = time.time()
-            fired = self._fire([r.arrival_s for r in reqs], lambda i: (_text(prompts[i]), reqs[i].output_tokens))
+            fired = self._fire([r.arrival_s for r in reqs], lambda i: (prompts[i], reqs[i].output_tokens))
             log.info("live replay %s: p99 send lateness %s s", run_id, lateness(fired.late_s).p99_s)
             end = time.time()
         finally:
@@ -177,29 +177,29 @@ class LiveBackend:
         """The workload over and over (each pass a second after the last arrival of the one before) until `stop`."""
         n, period = len(reqs), reqs[-1].arrival_s + 1.0
         offsets = ((i // n) * period + reqs[i % n].arrival_s for i in itertools.count())
-        self._fire(
-            offsets, lambda i: (_text(W.prompt_ids(reqs[i % n], i)), reqs[i % n].output_tokens), stop=stop.is_set
-        )
+        self._fire(offsets, lambda i: (W.prompt_ids(reqs[i % n], i), reqs[i % n].output_tokens), stop=stop.is_set)
 
     def _fire(
         self,
         offsets: Iterable[float],
-        request: Callable[[int], tuple[str, int]],
+        request: Callable[[int], tuple[list[int], int]],
         *,
         stop: Callable[[], bool] | None = None,
     ) -> Fired[None]:
-        """Request i (its prompt and max tokens) sent to /generate at its offset from now; every answer awaited."""
+        """Request i (its prompt's token ids, its max tokens) sent to /generate at its offset from now; every
+        answer awaited."""
 
         async def run() -> Fired[None]:
-            async with httpx.AsyncClient(
+            client = httpx.AsyncClient(
                 base_url=self.engine_url, timeout=120.0, headers=self.headers, transport=self.transport
-            ) as http:
+            )
+            async with client as http:
 
                 async def send(i: int) -> None:
-                    prompt, max_tokens = request(i)
+                    ids, max_tokens = request(i)
                     try:
                         await http.post(
-                            "/generate", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+                            "/generate", json={"prompt": _text(ids), "max_tokens": max_tokens, "ignore_eos": True}
                         )
                     except httpx.HTTPError as exc:
                         log.debug("live driver: request failed: %s", exc)
