@@ -18,6 +18,23 @@ from typing import Any
 import typer
 
 from kvpilot.cli_extras import require_extras
+from kvpilot.cli_options import (
+    LIVE,
+    SLO_OPTIONS,
+    WORKLOAD,
+    WORKLOAD_HELP,
+    ConfigOpt,
+    DbOpt,
+    EngineAdminTokenOpt,
+    LiveArgs,
+    ProfileOpt,
+    SeedsPerTrialOpt,
+    SloArgs,
+    VerboseOpt,
+    WorkloadArgs,
+    WorkloadOpt,
+    with_groups,
+)
 
 tune_app = typer.Typer(no_args_is_help=True)
 sim_app = typer.Typer(no_args_is_help=True)
@@ -62,49 +79,6 @@ def _setup_logging(verbose: bool) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-
-
-def _output_range(value: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(v) for v in value.split(","))
-    except ValueError:
-        raise ValueError(f"output_range: expected LOW,HIGH, got {value!r}") from None
-    return lo, hi
-
-
-def _options(
-    requests: int,
-    scale: float,
-    output_range: str,
-    load: float | None,
-    duration: float | None,
-    time_scale: float,
-    length_scale: float,
-    hours: float,
-):
-    from tuner.workloads import WorkloadOptions
-
-    return WorkloadOptions(
-        requests=requests,
-        scale=scale,
-        output_range=_output_range(output_range),
-        load=load,
-        duration_s=duration,
-        time_scale=time_scale,
-        length_scale=length_scale,
-        hours=hours,
-    ).validate()
-
-
-def _slo(ttft: float, tpot: float, p99_e2e: float | None, max_rejection: float, max_oom: int):
-    from tuner.metrics import SLO
-
-    try:
-        return SLO(
-            ttft_s=ttft, tpot_s=tpot, p99_e2e_s=p99_e2e, max_rejection_rate=max_rejection, max_oom=max_oom
-        ).validate()
-    except ValueError as exc:
-        raise ValueError(f"slo: {exc}") from None
 
 
 def _emit(data: Any, json_path: Path | None) -> None:
@@ -154,47 +128,9 @@ def _study_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-# Shared options
-DbOpt = typer.Option(None, "--db-url", envvar="KVPILOT_DB_URL", help="kvpilot database (default: collector settings)")
-ProfileOpt = typer.Option("cpu-2core", "--profile", help="cost profile: a shipped name or a JSON file")
-ConfigOpt = typer.Option(None, "--config", help="current EngineConfig YAML (default: the profile's defaults)")
-WORKLOAD_HELP = (
-    "mixed | burst | sustained | trace:FILE | stored (the stored requests at their recorded arrivals, bursts "
-    "kept; of --instance, else of every serving instance) | stored:INSTANCE | fitted (the stored requests' "
-    "average rates per minute)"
-)
-WorkloadOpt = typer.Option("mixed", "--workload", help=WORKLOAD_HELP)
-RequestsOpt = typer.Option(200, "--requests", help="requests per workload (at most)")
-ScaleOpt = typer.Option(4.0, "--scale", help="divide the mix's prompt lengths (4: CPU size, 1: seed size)")
-OutRangeOpt = typer.Option("16,256", "--output-range", help="output tokens LOW,HIGH of scenario requests")
-LoadOpt = typer.Option(None, "--load", help="arrival rate as a multiple of the default config's capacity")
-DurationOpt = typer.Option(None, "--duration", help="burst/sustained/trace length in seconds")
-TimeScaleOpt = typer.Option(1.0, "--time-scale", help="trace/stored/fitted: 2.0 replays twice as fast")
-LengthScaleOpt = typer.Option(1.0, "--length-scale", help="trace/stored/fitted: divide token counts")
-HoursOpt = typer.Option(24.0, "--hours", help="stored/fitted workloads: the last N hours of stored requests")
-TtftOpt = typer.Option(1.0, "--ttft-slo", help="TTFT SLO, seconds (goodput and p99 constraint)")
-TpotOpt = typer.Option(0.1, "--tpot-slo", help="time per output token SLO, seconds")
-E2eOpt = typer.Option(None, "--p99-e2e-slo", help="optional constraint on p99 end-to-end latency, seconds")
-RejOpt = typer.Option(0.01, "--max-rejection-rate", help="constraint: share of requests refused at admission")
-OomOpt = typer.Option(0, "--max-oom", help="constraint: failed KV allocations per trial")
-VerboseOpt = typer.Option(False, "--verbose", "-v", help="log progress details")
-
-
-def _live_options(
-    backend: str, engine_url: str | None, instance: str | None, admin_token: str | None, window: float, settle: float
-) -> dict | None:
-    """The live backend's settings from the CLI options (None for the other backends)."""
-    if backend != "live":
-        return None
-    if not engine_url or not instance:
-        raise ValueError("engine_url: the live backend needs --engine-url and --instance")
-    return {
-        "engine_url": engine_url,
-        "admin_token": admin_token,
-        "instance": instance,
-        "window_s": window,
-        "settle_s": settle,
-    }
+KVPILOT_SLO = SLO_OPTIONS.without(p99_ttft_slo=None)  # kvpilot's engine: p99 TTFT is the TTFT SLO
+BackendOpt = typer.Option("sim", "--backend", help="sim | engine | live")
+SeedOpt = typer.Option(0, "--seed")
 
 
 def _only_knobs(space, knobs: list[str]):
@@ -210,10 +146,11 @@ def _only_knobs(space, knobs: list[str]):
 
 
 @tune_app.command("study")
+@with_groups
 def study_cmd(
     ctx: typer.Context,
     trials: int = typer.Option(40, "--trials", help="trials in the study (and in the random baseline)"),
-    backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
+    backend: str = BackendOpt,
     sampler: str | None = typer.Option(
         None,
         "--sampler",
@@ -229,22 +166,11 @@ def study_cmd(
     config: Path | None = ConfigOpt,
     profile: str = ProfileOpt,
     workload: str = WorkloadOpt,
-    requests: int = RequestsOpt,
-    scale: float = ScaleOpt,
-    output_range: str = OutRangeOpt,
-    load: float | None = LoadOpt,
-    duration: float | None = DurationOpt,
-    time_scale: float = TimeScaleOpt,
-    length_scale: float = LengthScaleOpt,
-    hours: float = HoursOpt,
+    workload_args: WorkloadArgs = WORKLOAD,
     instance: str | None = typer.Option(None, "--instance", help="stored/fitted/live: the engine instance"),
-    ttft_slo: float = TtftOpt,
-    tpot_slo: float = TpotOpt,
-    p99_e2e_slo: float | None = E2eOpt,
-    max_rejection_rate: float = RejOpt,
-    max_oom: int = OomOpt,
-    seed: int = typer.Option(0, "--seed"),
-    seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
+    slo_args: SloArgs = KVPILOT_SLO,
+    seed: int = SeedOpt,
+    seeds_per_trial: int = SeedsPerTrialOpt,
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(
         None,
@@ -252,10 +178,7 @@ def study_cmd(
         envvar="KVPILOT_TUNER_STORAGE_URL",
         help="Optuna storage URL (default: next to the kvpilot database)",
     ),
-    engine_url: str | None = typer.Option(None, "--engine-url", help="live: the engine's base URL"),
-    admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
-    window: float = typer.Option(30.0, "--window", help="live: seconds observed per trial"),
-    settle: float = typer.Option(5.0, "--settle", help="live: seconds after a change before observing"),
+    live_args: LiveArgs = LIVE,
     json_path: Path | None = typer.Option(None, "--json", help="also write the summary as JSON to this file"),
     verbose: bool = VerboseOpt,
 ) -> None:
@@ -281,9 +204,9 @@ def study_cmd(
             raise ValueError(f"trials: must be >= 1, got {trials}")
         if seeds_per_trial < 1:
             raise ValueError(f"seeds_per_trial: must be >= 1, got {seeds_per_trial}")
-        live = _live_options(backend, engine_url, instance, admin_token, window, settle)
-        slo = _slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate, max_oom)
-        opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
+        live = live_args.backend(backend, instance)
+        slo = slo_args.slo()
+        opts = workload_args.options()
         prof = load_profile(profile)
         base = base_config(config, prof, backend)
         sp = _only_knobs(load_space(space, base=base), knob)
@@ -337,44 +260,33 @@ def study_cmd(
 
 
 @tune_app.command("nightly")
+@with_groups
 def nightly_cmd(
     ctx: typer.Context,
     trials: int = typer.Option(40, "--trials"),
-    backend: str = typer.Option("sim", "--backend", help="sim | engine | live"),
+    backend: str = BackendOpt,
     out_dir: Path = typer.Option(Path("kvpilot-data/proposals"), "--out-dir", help="proposal files go here"),
     workload: str = typer.Option("stored", "--workload", help=WORKLOAD_HELP),
     config: Path | None = ConfigOpt,
     profile: str = ProfileOpt,
     space: Path | None = typer.Option(None, "--space"),
-    requests: int = RequestsOpt,
-    scale: float = ScaleOpt,
-    output_range: str = OutRangeOpt,
-    load: float | None = LoadOpt,
-    duration: float | None = DurationOpt,
-    time_scale: float = TimeScaleOpt,
-    length_scale: float = LengthScaleOpt,
-    hours: float = HoursOpt,
+    workload_args: WorkloadArgs = WORKLOAD,
     instance: str | None = typer.Option(None, "--instance", help="replay the stored requests of this instance only"),
-    ttft_slo: float = TtftOpt,
-    tpot_slo: float = TpotOpt,
-    p99_e2e_slo: float | None = E2eOpt,
-    max_rejection_rate: float = RejOpt,
-    max_oom: int = OomOpt,
+    slo_args: SloArgs = KVPILOT_SLO,
     confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="new workload seeds for the confirmation"),
-    seeds_per_trial: int = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together"),
+    seeds_per_trial: int = SeedsPerTrialOpt,
     min_gain: float = typer.Option(0.02, "--min-gain", help="propose only above this relative goodput gain"),
     min_effect: float = typer.Option(
         0.01, "--min-effect", help="drop a change whose revert costs less goodput than this (the noise)"
     ),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = SeedOpt,
     db_url: str | None = DbOpt,
     storage: str | None = typer.Option(None, "--storage", envvar="KVPILOT_TUNER_STORAGE_URL"),
-    engine_url: str | None = typer.Option(
-        None, "--engine-url", help="the running engine: its tunables are the baseline (live: trials run there)"
+    live_args: LiveArgs = LIVE.but(
+        engine_url=typer.Option(
+            None, "--engine-url", help="the running engine: its tunables are the baseline (live: trials run there)"
+        )
     ),
-    admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
-    window: float = typer.Option(30.0, "--window", help="live: seconds observed per trial"),
-    settle: float = typer.Option(5.0, "--settle", help="live: seconds after a change before observing"),
     verbose: bool = VerboseOpt,
 ) -> None:
     """The stored traffic as it came -> study -> confirmation -> a proposal (only if the gain holds).
@@ -385,8 +297,7 @@ def nightly_cmd(
     with _errors():
         from tuner.nightly import run_nightly
 
-        live = _live_options(backend, engine_url, instance, admin_token, window, settle)
-
+        live = live_args.backend(backend, instance)
         result = run_nightly(
             db_url=_db_url(db_url),
             out_dir=out_dir,
@@ -394,10 +305,10 @@ def nightly_cmd(
             backend=backend,
             profile=profile,
             workload=workload,
-            options=_options(requests, scale, output_range, load, duration, time_scale, length_scale, hours),
+            options=workload_args.options(),
             config_path=config,
             space_path=space,
-            slo=_slo(ttft_slo, tpot_slo, p99_e2e_slo, max_rejection_rate, max_oom),
+            slo=slo_args.slo(),
             seed=seed,
             confirm_seeds=confirm_seeds,
             seeds_per_trial=seeds_per_trial,
@@ -406,8 +317,8 @@ def nightly_cmd(
             instance=instance,
             storage_url=storage,
             live=live,
-            engine_url=engine_url,
-            admin_token=admin_token,
+            engine_url=live_args.engine_url,
+            admin_token=live_args.admin_token,
         )
         typer.echo(result.decision)
         for kind, path in result.files.items():
@@ -421,7 +332,7 @@ def apply_cmd(
     ctx: typer.Context,
     proposal_id: int = typer.Argument(..., help="proposal id"),
     engine_url: str = typer.Option("http://127.0.0.1:8000", "--engine-url"),
-    admin_token: str | None = typer.Option(None, "--admin-token", envvar="KVPILOT_ADMIN_TOKEN"),
+    admin_token: str | None = EngineAdminTokenOpt,
     force: bool = typer.Option(
         False, "--force", help="apply even if the engine is another instance than the proposal's"
     ),
@@ -573,6 +484,7 @@ def profiles_cmd(ctx: typer.Context) -> None:
 
 
 @sim_app.command("run")
+@with_groups
 def sim_run_cmd(
     ctx: typer.Context,
     profile: str = ProfileOpt,
@@ -584,17 +496,9 @@ def sim_run_cmd(
         "the profile sets the model)",
     ),
     workload: str = WorkloadOpt,
-    requests: int = RequestsOpt,
-    scale: float = ScaleOpt,
-    output_range: str = OutRangeOpt,
-    load: float | None = LoadOpt,
-    duration: float | None = DurationOpt,
-    time_scale: float = TimeScaleOpt,
-    length_scale: float = LengthScaleOpt,
-    hours: float = HoursOpt,
-    ttft_slo: float = TtftOpt,
-    tpot_slo: float = TpotOpt,
-    seed: int = typer.Option(0, "--seed"),
+    workload_args: WorkloadArgs = WORKLOAD,
+    slo_args: SloArgs = SLO_OPTIONS.without(p99_e2e_slo=None, p99_ttft_slo=None, max_rejection_rate=1.0, max_oom=10**9),
+    seed: int = SeedOpt,
     db_url: str | None = typer.Option(None, "--db-url", help="store the run here (default: a temporary database)"),
     json_path: Path | None = typer.Option(None, "--json", help="also write the figures as JSON to this file"),
     verbose: bool = VerboseOpt,
@@ -623,8 +527,8 @@ def sim_run_cmd(
             patch.setdefault(section, {})[field] = yaml.safe_load(raw)
         frozen = {"model": f"the simulator runs the profile's model ({prof.model.name}); pick another --profile"}
         cfg = base.with_overrides(patch, frozen=frozen) if patch else base
-        slo = _slo(ttft_slo, tpot_slo, None, 1.0, 10**9)
-        opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
+        slo = slo_args.slo()
+        opts = workload_args.options()
         with tempfile.TemporaryDirectory() as tmp:
             url = db_url or f"sqlite:///{tmp}/sim.db"
             if db_url is None:
@@ -657,7 +561,7 @@ def sim_run_cmd(
             ),
             f"  {m.finished}/{m.requests} requests finished, {m.rejected} refused, {m.preemptions} preemptions",
             f"  throughput {_num(m.throughput_tps, ' tokens/s')}, goodput {_num(m.goodput_tps, ' tokens/s')} "
-            f"({m.good_fraction:.0%} of requests within TTFT {ttft_slo:g} s and TPOT {tpot_slo:g} s)",
+            f"({m.good_fraction:.0%} of requests within TTFT {slo.ttft_s:g} s and TPOT {slo.tpot_s:g} s)",
             f"  TTFT p50 {_num(m.ttft_p50_s, ' s')}, p99 {_num(m.ttft_p99_s, ' s')}; "
             f"TPOT p99 {_num(m.tpot_p99_s, ' s')}; end-to-end p99 {_num(m.e2e_p99_s, ' s')}",
             f"  simulated {_num(rep.duration_s if rep else None, ' s')} in {backend.sim_seconds:.3g} s{speed}",

@@ -29,29 +29,18 @@ from typing import Any
 import typer
 
 from kvpilot.cli_extras import require_extras
-from kvpilot.cli_tune import (
+from kvpilot.cli_options import (
+    SLO_OPTIONS,
+    WORKLOAD,
     WORKLOAD_HELP,
     DbOpt,
-    DurationOpt,
-    E2eOpt,
-    LengthScaleOpt,
-    OomOpt,
-    OutRangeOpt,
-    RejOpt,
-    RequestsOpt,
-    ScaleOpt,
-    TimeScaleOpt,
-    TpotOpt,
-    TtftOpt,
+    SeedsPerTrialOpt,
+    SloArgs,
     VerboseOpt,
-    _db_url,
-    _errors,
-    _num,
-    _options,
-    _report,
-    _setup_logging,
-    _slo,
+    WorkloadArgs,
+    with_groups,
 )
+from kvpilot.cli_tune import _db_url, _errors, _num, _report, _setup_logging
 from kvpilot.cli_vllm import COLLECTOR_HELP, TOKEN_HELP, check_collector_url
 
 tune_vllm_app = typer.Typer(no_args_is_help=True)
@@ -67,14 +56,15 @@ CapacityOpt = typer.Option(
     "--capacity",
     help="scenarios: the running config's requests/s (default: study measures it live, screen simulates it)",
 )
-LoadOpt = typer.Option(None, "--load", help="scenarios: arrival rate as a multiple of the running config's capacity")
-HoursOpt = typer.Option(
-    24.0, "--hours", help="how far back the collector is read: stored/fitted workloads and --instance's steps"
+VLLM_WORKLOAD = WORKLOAD.but(
+    load=typer.Option(None, "--load", help="scenarios: arrival rate as a multiple of the running config's capacity"),
+    hours=typer.Option(
+        24.0, "--hours", help="how far back the collector is read: stored/fitted workloads and --instance's steps"
+    ),
 )
-P99TtftOpt = typer.Option(None, "--p99-ttft-slo", help="constraint on p99 TTFT, seconds (default: the TTFT SLO)")
 ScreenOpt = typer.Option(200, "--screen", help="configs simulated")
 SeedOpt = typer.Option(0, "--seed", help="the first tuning seed (and the Optuna seed)")
-SeedsOpt = typer.Option(1, "--seeds-per-trial", help="workload seeds per trial, scored together")
+ConfirmOpt = typer.Option(2, "--confirm", help="the best simulated configs confirmed live (a restart each)")
 MinStepsOpt = typer.Option(200, "--min-steps", help="stored vLLM steps the calibration needs at least")
 VllmPythonOpt = typer.Option(None, "--vllm-python", help="Python with vLLM (KVPILOT_VLLM_PYTHON, ./.venv-vllm)")
 ArgCheckOpt = typer.Option(
@@ -140,19 +130,6 @@ def _base(config: Path, model: Path | None):
     return base, checkpoint_model(base.model, base.dtype)
 
 
-def _slo_with_ttft(ttft, tpot, p99_e2e, p99_ttft, max_rejection, max_oom):
-    slo = _slo(ttft, tpot, p99_e2e, max_rejection, max_oom)
-    if p99_ttft is not None and not p99_ttft > 0:
-        raise ValueError(f"slo: p99_ttft_s: must be positive, got {p99_ttft}")
-    return dataclasses.replace(slo, p99_ttft_s=p99_ttft)
-
-
-def _opts(requests, scale, output_range, load, duration, time_scale, length_scale, hours, base):
-    """The workload options with prompt + output clipped to vLLM's max-model-len."""
-    opts = _options(requests, scale, output_range, load, duration, time_scale, length_scale, hours)
-    return dataclasses.replace(opts, max_total_tokens=base.max_model_len)
-
-
 def _check_space(space, path: Path | None, base, python: str | None, *, say) -> str:
     """The space against the installed vLLM's own parser (when `python` is given); what the check said."""
     from integrations.vllm.argcheck import check_space
@@ -198,8 +175,8 @@ class StudyArgs:
     space: Path | None
     workload: str
     capacity: float | None
-    opts: tuple  # requests, scale, output_range, load, duration, time_scale, length_scale, hours
-    slo: tuple  # ttft, tpot, p99_e2e, p99_ttft, max_rejection, max_oom
+    opts: WorkloadArgs
+    slo: SloArgs
     screen: int
     confirm: int
     seed: int
@@ -245,7 +222,7 @@ def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
     from tuner.vllm.tune import Budget, LateWorkload, VllmTuning
 
     workload_kind(a.workload)
-    slo = _slo_with_ttft(*a.slo)
+    slo = a.slo.slo()
     _check_seeds(a.seeds_per_trial, a.heldout_seeds)
     ports = parse_port_range(a.port_range) if a.port_range is not None else None
     budget = Budget(
@@ -261,11 +238,11 @@ def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
         raise ValueError("running_url: --running-url and --running-run-id go together")
     collector_url = check_collector_url(a.collector)
     base, model_shape = _base(a.config, a.model)
-    opts = _opts(*a.opts, base)
+    opts = a.opts.options(max_total_tokens=base.max_model_len)
     sp = load_vllm_space(a.space, base=base)
     python = find_vllm_python(a.vllm_python)
     name = a.study_name or f"tune-vllm-{uuid.uuid4().hex[:8]}"
-    hours = a.opts[-1]
+    hours = a.opts.hours
     url = _db_url(a.db_url)
     db = open_db(url)
     try:
@@ -347,6 +324,7 @@ LogDirOpt = typer.Option(None, "--log-dir", help="trial vLLM logs (default kvpil
 
 
 @tune_vllm_app.command("study")
+@with_groups
 def study_cmd(
     ctx: typer.Context,
     config: Path = ConfigOpt,
@@ -354,24 +332,12 @@ def study_cmd(
     space: Path | None = SpaceOpt,
     workload: str = WorkloadOpt,
     capacity: float | None = CapacityOpt,
-    requests: int = RequestsOpt,
-    scale: float = ScaleOpt,
-    output_range: str = OutRangeOpt,
-    load: float | None = LoadOpt,
-    duration: float | None = DurationOpt,
-    time_scale: float = TimeScaleOpt,
-    length_scale: float = LengthScaleOpt,
-    hours: float = HoursOpt,
-    ttft_slo: float = TtftOpt,
-    tpot_slo: float = TpotOpt,
-    p99_e2e_slo: float | None = E2eOpt,
-    p99_ttft_slo: float | None = P99TtftOpt,
-    max_rejection_rate: float = RejOpt,
-    max_oom: int = OomOpt,
+    workload_args: WorkloadArgs = VLLM_WORKLOAD,
+    slo_args: SloArgs = SLO_OPTIONS,
     screen: int = ScreenOpt,
-    confirm: int = typer.Option(2, "--confirm", help="the best simulated configs confirmed live (a restart each)"),
+    confirm: int = ConfirmOpt,
     seed: int = SeedOpt,
-    seeds_per_trial: int = SeedsOpt,
+    seeds_per_trial: int = SeedsPerTrialOpt,
     heldout_seeds: int = HeldoutSeedsOpt,
     repeats: int = typer.Option(1, "--repeats", help="passes over the held-out seeds"),
     instance: str | None = typer.Option(
@@ -420,8 +386,7 @@ def study_cmd(
     t0 = time.time()
     args = StudyArgs(
         config=config, model=model, space=space, workload=workload, capacity=capacity,
-        opts=(requests, scale, output_range, load, duration, time_scale, length_scale, hours),
-        slo=(ttft_slo, tpot_slo, p99_e2e_slo, p99_ttft_slo, max_rejection_rate, max_oom),
+        opts=workload_args, slo=slo_args,
         screen=screen, confirm=confirm, seed=seed, seeds_per_trial=seeds_per_trial, heldout_seeds=heldout_seeds,
         repeats=repeats, instance=instance, min_steps=min_steps, running_url=running_url,
         running_run_id=running_run_id, port_range=port_range, collector=collector, ingest_token=ingest_token,
@@ -436,6 +401,7 @@ def study_cmd(
 
 
 @tune_vllm_app.command("nightly")
+@with_groups
 def nightly_cmd(
     config: Path = ConfigOpt,
     instance: str = typer.Option(
@@ -444,16 +410,13 @@ def nightly_cmd(
     model: Path | None = ModelOpt,
     space: Path | None = SpaceOpt,
     workload: str = WorkloadOpt,
-    requests: int = typer.Option(400, "--requests", help="the latest N stored requests of the window, at most"),
-    time_scale: float = TimeScaleOpt,
-    hours: float = typer.Option(24.0, "--hours", help="how far back the stored requests and steps are read"),
-    ttft_slo: float = TtftOpt,
-    tpot_slo: float = TpotOpt,
-    p99_e2e_slo: float | None = E2eOpt,
-    p99_ttft_slo: float | None = P99TtftOpt,
-    max_rejection_rate: float = RejOpt,
+    workload_args: WorkloadArgs = WORKLOAD.but(
+        requests=typer.Option(400, "--requests", help="the latest N stored requests of the window, at most"),
+        hours=typer.Option(24.0, "--hours", help="how far back the stored requests and steps are read"),
+    ).without(scale=4.0, output_range="16,256", load=None, duration=None, length_scale=1.0),
+    slo_args: SloArgs = SLO_OPTIONS.without(max_oom=0),
     screen: int = ScreenOpt,
-    confirm: int = typer.Option(2, "--confirm", help="the best simulated configs confirmed live (a restart each)"),
+    confirm: int = ConfirmOpt,
     heldout_seeds: int = HeldoutSeedsOpt,
     min_steps: int = MinStepsOpt,
     port_range: str | None = PortRangeOpt,
@@ -475,8 +438,7 @@ def nightly_cmd(
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(t0))
     args = StudyArgs(
         config=config, model=model, space=space, workload=workload, capacity=None,
-        opts=(requests, 4.0, "16,256", None, None, time_scale, 1.0, hours),
-        slo=(ttft_slo, tpot_slo, p99_e2e_slo, p99_ttft_slo, max_rejection_rate, 0),
+        opts=workload_args, slo=slo_args,
         screen=screen, confirm=confirm, seed=0, seeds_per_trial=1, heldout_seeds=heldout_seeds, repeats=1,
         instance=instance, min_steps=min_steps, running_url=None, running_run_id=None, port_range=port_range,
         collector=collector, ingest_token=ingest_token, admin_token=admin_token, db_url=db_url,
@@ -609,6 +571,7 @@ def _study_lines(s: dict[str, Any]) -> list[str]:
 
 
 @tune_vllm_app.command("screen")
+@with_groups
 def screen_cmd(
     ctx: typer.Context,
     config: Path = ConfigOpt,
@@ -619,24 +582,12 @@ def screen_cmd(
     space: Path | None = SpaceOpt,
     workload: str = WorkloadOpt,
     capacity: float | None = CapacityOpt,
-    requests: int = RequestsOpt,
-    scale: float = ScaleOpt,
-    output_range: str = OutRangeOpt,
-    load: float | None = LoadOpt,
-    duration: float | None = DurationOpt,
-    time_scale: float = TimeScaleOpt,
-    length_scale: float = LengthScaleOpt,
-    hours: float = HoursOpt,
-    ttft_slo: float = TtftOpt,
-    tpot_slo: float = TpotOpt,
-    p99_e2e_slo: float | None = E2eOpt,
-    p99_ttft_slo: float | None = P99TtftOpt,
-    max_rejection_rate: float = RejOpt,
-    max_oom: int = OomOpt,
+    workload_args: WorkloadArgs = VLLM_WORKLOAD,
+    slo_args: SloArgs = SLO_OPTIONS,
     screen: int = ScreenOpt,
     top: int = typer.Option(5, "--top", help="configs shown, best first (each pruned in the simulator)"),
     seed: int = SeedOpt,
-    seeds_per_trial: int = SeedsOpt,
+    seeds_per_trial: int = SeedsPerTrialOpt,
     min_steps: int = MinStepsOpt,
     db_url: str | None = DbOpt,
     vllm_python: str | None = VllmPythonOpt,
@@ -661,7 +612,7 @@ def screen_cmd(
         from tuner.vllm.tune import MAX_LIVE, MAX_SIM_TRIALS, calibrate_from_store, preview, sim_capacity_rps
 
         workload_kind(workload)
-        slo = _slo_with_ttft(ttft_slo, tpot_slo, p99_e2e_slo, p99_ttft_slo, max_rejection_rate, max_oom)
+        slo = slo_args.slo()
         if screen < 1 or top < 1 or seeds_per_trial < 1:
             raise ValueError("screen: --screen, --top and --seeds-per-trial must be >= 1")
         if screen > MAX_SIM_TRIALS:
@@ -671,7 +622,7 @@ def screen_cmd(
         if capacity is not None and not capacity > 0:
             raise ValueError(f"capacity: must be positive, got {capacity}")
         base, model_shape = _base(config, model)
-        opts = _opts(requests, scale, output_range, load, duration, time_scale, length_scale, hours, base)
+        opts = workload_args.options(max_total_tokens=base.max_model_len)
         sp = load_vllm_space(space, base=base)
         python = None
         if arg_check:
@@ -689,7 +640,7 @@ def screen_cmd(
                 db,
                 model=model_shape,
                 block_size=base.block_size,
-                start=t0 - hours * 3600.0,
+                start=t0 - workload_args.hours * 3600.0,
                 end=t0 + 60.0,
                 instances=[instance],
                 min_steps=min_steps,

@@ -1,4 +1,5 @@
-"""The demo's traffic: open-loop mixed load on the engine's /generate with a +500% burst in the middle.
+"""The demo's traffic: open-loop mixed load (`plumbing.openloop`) on the engine's /generate with a +500% burst
+in the middle.
 
 The burst lasts until the alert it is there to show has fired (`BurstGate`), not a fixed two seconds:
 KV memory must stay over 90% for the rule's `for`, and how long the burst needs for that depends on the
@@ -7,7 +8,6 @@ machine. A bound keeps a machine that never gets there from bursting forever; th
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 import time
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from engine import workload as W
+from plumbing.openloop import open_loop
 from plumbing.percentile import nearest_rank
 
 BURST_FACTOR = 6.0  # +500%
@@ -97,6 +98,7 @@ async def drive_demo_load(
     results: list[dict] = []
     refused = 0
     errors = 0
+    shapes: list[W.WorkloadRequest] = []  # by request index, as the arrivals come
 
     async def one(client: httpx.AsyncClient, req: W.WorkloadRequest) -> None:
         nonlocal refused, errors
@@ -118,40 +120,45 @@ async def drive_demo_load(
         else:
             errors += 1
 
-    t0 = time.monotonic()
+    t0 = time.perf_counter()
     last_report = 0.0
     burst_said = False
-    limits = httpx.Limits(max_connections=512)
-    async with httpx.AsyncClient(limits=limits, transport=transport) as client:
-        tasks = []
+
+    def say_burst_ended() -> None:
+        nonlocal burst_said
+        if gate.ended_s is not None and not burst_said:
+            burst_said = True
+            say(f"load: burst ended at t={gate.ended_s:.1f} s after {gate.length_s:.1f} s: {gate.outcome}")
+
+    def offsets() -> Iterator[float]:
+        """The arrivals as the load goes (the gate asks whether the alert fired yet), until they end or `stop`;
+        the progress is said as each request has started (the loop asks for the next arrival then)."""
+        nonlocal last_report
         for arrival_s, req in arrivals(
-            gate, duration_s=duration_s, base_rate=base_rate, now=lambda: time.monotonic() - t0
+            gate, duration_s=duration_s, base_rate=base_rate, now=lambda: time.perf_counter() - t0
         ):
             if stop.is_set():
                 break
-            delay = arrival_s - (time.monotonic() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(client, req)))
-            now = time.monotonic() - t0
-            if gate.ended_s is not None and not burst_said:
-                burst_said = True
-                say(f"load: burst ended at t={gate.ended_s:.1f} s after {gate.length_s:.1f} s: {gate.outcome}")
+            shapes.append(req)
+            yield arrival_s
+            now = time.perf_counter() - t0
+            say_burst_ended()
             if now - last_report >= 5:
                 last_report = now
-                say(f"load: t={now:4.0f} s sent {len(tasks)} answered {len(results)} refused {refused}")
-        if gate.ended_s is not None and not burst_said:
-            say(f"load: burst ended at t={gate.ended_s:.1f} s after {gate.length_s:.1f} s: {gate.outcome}")
-        pending = [t for t in tasks if not t.done()]
-        if pending:
-            say(f"load: waiting for {len(pending)} requests in flight")
-            await asyncio.gather(*pending)
-    wall = time.monotonic() - t0
+                say(f"load: t={now:4.0f} s sent {len(shapes)} answered {len(results)} refused {refused}")
+        say_burst_ended()
+        if in_flight := len(shapes) - len(results) - refused - errors:
+            say(f"load: waiting for {in_flight} requests in flight")
+
+    limits = httpx.Limits(max_connections=512)
+    async with httpx.AsyncClient(limits=limits, transport=transport) as client:
+        await open_loop(offsets(), lambda i: one(client, shapes[i]), t0=t0)
+    wall = time.perf_counter() - t0
     e2e = [r["timings"]["e2e_s"] for r in results] or [0.0]
     ttft = [r["timings"]["ttft_s"] for r in results if r["timings"]["ttft_s"] is not None] or [0.0]
     tokens = sum(r["output_tokens"] for r in results)
     return {
-        "sent": len(tasks),
+        "sent": len(shapes),
         "answered": len(results),
         "refused": refused,
         "errors": errors,

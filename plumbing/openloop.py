@@ -12,6 +12,11 @@ was busy elsewhere (a slow or overloaded client), and then the target was measur
 the plan's. A wait for a free slot (`max_in_flight`) comes after that; it is in `start_late_s` and counts
 the request in `queued`. `lateness` summarises either with the one percentile definition (nearest rank).
 
+The offsets are a list (taken earliest first) or any other iterable, read one offset at a time as the loop
+goes: arrivals that depend on what happened so far (a burst until an alert fired) or that never end (a
+workload driven until told to stop). `stop`, asked before each request's turn and while waiting for it,
+ends the sending: no request starts after it said yes, and those started are awaited.
+
 A request that raises does not stop the others: every request is started and awaited, then the first
 exception (in index order) is raised. Cancelling `open_loop` cancels the requests it started.
 """
@@ -20,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from plumbing.percentile import nearest_rank
 
 T = TypeVar("T")
+
+STOP_POLL_S = 0.05  # how often `stop` is asked while waiting for a request's turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +54,8 @@ def lateness(late: Iterable[float | None]) -> Lateness:
 
 @dataclass(frozen=True, slots=True)
 class Fired(Generic[T]):
-    """An open-loop run, every list by request index (the order of the offsets given)."""
+    """An open-loop run, every list by request index (the order of the offsets given), of the requests started
+    (all of them unless `stop` ended the run)."""
 
     results: list[T]
     offsets: list[float]
@@ -68,29 +76,31 @@ class Fired(Generic[T]):
 
 
 async def open_loop(
-    offsets: Sequence[float],
+    offsets: Iterable[float],
     send: Callable[[int], Awaitable[T]],
     *,
     t0: float | None = None,
     max_in_flight: int | None = None,
     prepare: Callable[[int], Awaitable[object]] | None = None,
     lead_s: float = 0.0,
+    stop: Callable[[], bool] | None = None,
 ) -> Fired[T]:
     """Call `send(i)` at `t0 + offsets[i]` (`time.perf_counter` seconds; t0 defaults to now) for every i,
-    earliest offset first (ties in index order), each without waiting for earlier ones; wait for all.
+    earliest offset first (ties in index order; an iterable that is not a sequence in its own order), each
+    without waiting for earlier ones; wait for all.
 
     `max_in_flight` bounds the sends running at once (a request waits for a slot after its turn).
     `prepare(i)`, when given, runs `lead_s` before request i's time (to open its connection, say); the
-    request's turn still comes at its offset."""
+    request's turn still comes at its offset. `stop()` true: no further request starts."""
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
     if lead_s < 0:
         raise ValueError(f"lead_s: must be >= 0, got {lead_s}")
     start = time.perf_counter() if t0 is None else t0
     lead = lead_s if prepare is not None else 0.0
-    n = len(offsets)
-    dispatched = [0.0] * n
-    started = [0.0] * n
+    planned: dict[int, float] = {}
+    dispatched: dict[int, float] = {}
+    started: dict[int, float] = {}
     sem = asyncio.Semaphore(max_in_flight) if max_in_flight else None
     queued = 0
 
@@ -98,7 +108,7 @@ async def open_loop(
         nonlocal queued
         if prepare is not None:
             await prepare(i)
-            await _until(start + offsets[i])
+            await _until(start + planned[i])
         dispatched[i] = time.perf_counter() - start
         if sem is None:
             started[i] = dispatched[i]
@@ -111,8 +121,10 @@ async def open_loop(
 
     tasks: dict[int, asyncio.Task[T]] = {}
     try:
-        for i in sorted(range(n), key=lambda i: offsets[i]):
-            await _until(start + offsets[i] - lead)
+        for i, offset in _in_order(offsets):
+            if not await _until(start + offset - lead, stop):
+                break
+            planned[i] = offset
             tasks[i] = asyncio.create_task(one(i))
         if tasks:
             await asyncio.wait(tasks.values())
@@ -121,14 +133,31 @@ async def open_loop(
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         raise
-    errors = [exc for i in range(n) if (exc := tasks[i].exception()) is not None]
+    sent = sorted(tasks)
+    errors = [exc for i in sent if (exc := tasks[i].exception()) is not None]
     if errors:  # every request has ended; the first failure in index order
         raise errors[0]
-    results = [tasks[i].result() for i in range(n)]
-    return Fired(results, list(offsets), dispatched, started, queued, max(dispatched, default=0.0))
+    return Fired(
+        [tasks[i].result() for i in sent],
+        [planned[i] for i in sent],
+        [dispatched[i] for i in sent],
+        [started[i] for i in sent],
+        queued,
+        max(dispatched.values(), default=0.0),
+    )
 
 
-async def _until(when: float) -> None:
-    wait = when - time.perf_counter()
-    if wait > 0:
-        await asyncio.sleep(wait)
+def _in_order(offsets: Iterable[float]) -> Iterator[tuple[int, float]]:
+    """(index, offset) in sending order: a sequence earliest first, any other iterable as it comes."""
+    if isinstance(offsets, Sequence):
+        return ((i, offsets[i]) for i in sorted(range(len(offsets)), key=offsets.__getitem__))
+    return enumerate(offsets)
+
+
+async def _until(when: float, stop: Callable[[], bool] | None = None) -> bool:
+    """Sleep until `when`; False when `stop` said yes first (asked every `STOP_POLL_S` meanwhile)."""
+    while (wait := when - time.perf_counter()) > 0:
+        if stop is not None and stop():
+            return False
+        await asyncio.sleep(wait if stop is None else min(wait, STOP_POLL_S))
+    return stop is None or not stop()

@@ -2,7 +2,8 @@
 started with their output in a log file, waited on until their health endpoint answers, stopped.
 
 `wait_healthy` fails fast when the child exits before it serves and names the tail of its log either way,
-so a failed start says why without anyone opening the log. `stop_process` is SIGTERM, then SIGKILL after a
+so a failed start says why without anyone opening the log. On a thread of its own it can wait without a
+deadline (`timeout_s=math.inf`) until a stop event gives up for it. `stop_process` is SIGTERM, then SIGKILL after a
 grace period; it always reaps the child.
 """
 
@@ -12,6 +13,7 @@ import contextlib
 import os
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,26 +80,30 @@ def wait_healthy(
     what: str = "child process",
     log_path: str | os.PathLike | None = None,
     poll_s: float = 0.1,
-) -> None:
-    """Poll `url` (a health endpoint) until it answers 200; raise ProcessStartError when `proc` exits first or
-    `timeout_s` passes, with the tail of `log_path`. The caller stops the child on failure."""
+    stop: threading.Event | None = None,
+) -> bool:
+    """Poll `url` (a health endpoint) until it answers 200 (True); raise ProcessStartError when `proc` exits
+    first or `timeout_s` passes, with the tail of `log_path`; False when `stop` is set first. The caller stops
+    the child on failure."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
+    pause = stop or threading.Event()  # without a stop, never set: a plain sleep between polls
     with httpx.Client(timeout=2.0) as client:
-        while True:
+        while not pause.is_set():
             if proc is not None and proc.poll() is not None:
                 raise ProcessStartError(_with_tail(f"{what} exited with {proc.returncode} before serving", log_path))
             try:
                 response = client.get(url)
                 if response.status_code == 200:
-                    return
+                    return True
                 last = f"HTTP {response.status_code}"
             except httpx.HTTPError as exc:
                 last = str(exc) or type(exc).__name__
             if time.monotonic() > deadline:
                 message = f"{what} did not answer {url} within {timeout_s:.0f} s ({last})"
                 raise ProcessStartError(_with_tail(message, log_path))
-            time.sleep(poll_s)
+            pause.wait(poll_s)
+    return False
 
 
 def _with_tail(message: str, log_path: str | os.PathLike | None) -> str:

@@ -7,16 +7,18 @@ a failed rollback stops the study. Guard limits end a trial early: a rejection r
 the guard while observing (checked every `guard_interval_s`). `drive=True` sends the study's workload
 to the engine's /generate while observing (for staging engines without production traffic).
 `measure_requests` instead sends one given request list at its arrival times (e.g. time-compressed by
-`tuner.capacity`) under the config and measures the window until the last answer.
+`tuner.capacity`) under the config and measures the window until the last answer. Either way the requests
+go out open-loop (`plumbing.openloop`), at most `drive_concurrency` in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
@@ -24,6 +26,7 @@ from sqlalchemy import Engine
 
 from engine import workload as W
 from engine.config import EngineConfig
+from plumbing.openloop import Fired, lateness, open_loop
 from tuner.metrics import SLO, TrialMetrics, trial_metrics
 
 log = logging.getLogger("kvpilot.tuner.live")
@@ -55,6 +58,7 @@ class LiveBackend:
         timeout_s: float = 10.0,
         ingest_lag_s: float = 2.0,
         client: httpx.Client | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if window_s <= 0 or settle_s < 0:
             raise ValueError("window_s must be positive and settle_s >= 0")
@@ -66,9 +70,9 @@ class LiveBackend:
         self.guard_interval_s = guard_interval_s
         self.drive, self.drive_concurrency = drive, drive_concurrency
         self.ingest_lag_s = ingest_lag_s
-        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self._own_client = client is None
-        self.http = client or httpx.Client(base_url=engine_url, timeout=timeout_s, headers=headers)
+        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.http = client or httpx.Client(base_url=engine_url, timeout=timeout_s, headers=self.headers)
+        self.transport = transport  # the requests' (`client` carries the admin calls): tests serve the app in process
         self.engine_url = engine_url
         self.original: dict[str, Any] | None = None
         self.aborted_trials = 0
@@ -117,6 +121,8 @@ class LiveBackend:
         self, config: EngineConfig, reqs: list[W.WorkloadRequest], prompts: list[list[int]], *, run_id: str
     ) -> TrialMetrics:
         """`reqs` sent at their arrivals with `config` applied, every answer awaited, then rolled back."""
+        if len(prompts) != len(reqs):
+            raise ValueError(f"prompts: one per request, got {len(prompts)} for {len(reqs)}")
         current = self._call("GET", "/admin/config")["tunable"]
         if self.original is None:
             self.original = current
@@ -126,11 +132,8 @@ class LiveBackend:
             log.info("live replay %s: applied %s, %d requests", run_id, config.tunable(), len(reqs))
             time.sleep(self.settle_s)
             start = time.time()
-            t0 = time.monotonic()
-            with ThreadPoolExecutor(self.drive_concurrency) as pool:
-                for req, ids in sorted(zip(reqs, prompts, strict=True), key=lambda x: x[0].arrival_s):
-                    time.sleep(max(0.0, t0 + req.arrival_s - time.monotonic()))
-                    pool.submit(self._send, _text(ids), req.output_tokens)
+            fired = self._fire([r.arrival_s for r in reqs], lambda i: (prompts[i], reqs[i].output_tokens))
+            log.info("live replay %s: p99 send lateness %s s", run_id, lateness(fired.late_s).p99_s)
             end = time.time()
         finally:
             self.restore()
@@ -171,24 +174,39 @@ class LiveBackend:
         log.info("live: rolled back to the original config")
 
     def _drive(self, reqs: list[W.WorkloadRequest], stop: threading.Event) -> None:
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(self.drive_concurrency) as pool:
-            i = 0
-            while not stop.is_set():
-                req = reqs[i % len(reqs)]
-                loop = (i // len(reqs)) * (reqs[-1].arrival_s + 1.0)
-                delay = t0 + loop + req.arrival_s - time.monotonic()
-                if delay > 0 and stop.wait(delay):
-                    break
-                pool.submit(self._send, _text(W.prompt_ids(req, i)), req.output_tokens)
-                i += 1
+        """The workload over and over (each pass a second after the last arrival of the one before) until `stop`."""
+        n, period = len(reqs), reqs[-1].arrival_s + 1.0
+        offsets = ((i // n) * period + reqs[i % n].arrival_s for i in itertools.count())
+        self._fire(offsets, lambda i: (W.prompt_ids(reqs[i % n], i), reqs[i % n].output_tokens), stop=stop.is_set)
 
-    def _send(self, prompt: str, max_tokens: int) -> None:
-        try:
-            extra = {"timeout": 120.0} if self._own_client else {}
-            self.http.post("/generate", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}, **extra)
-        except httpx.HTTPError as exc:
-            log.debug("live driver: request failed: %s", exc)
+    def _fire(
+        self,
+        offsets: Iterable[float],
+        request: Callable[[int], tuple[list[int], int]],
+        *,
+        stop: Callable[[], bool] | None = None,
+    ) -> Fired[None]:
+        """Request i (its prompt's token ids, its max tokens) sent to /generate at its offset from now; every
+        answer awaited."""
+
+        async def run() -> Fired[None]:
+            client = httpx.AsyncClient(
+                base_url=self.engine_url, timeout=120.0, headers=self.headers, transport=self.transport
+            )
+            async with client as http:
+
+                async def send(i: int) -> None:
+                    ids, max_tokens = request(i)
+                    try:
+                        await http.post(
+                            "/generate", json={"prompt": _text(ids), "max_tokens": max_tokens, "ignore_eos": True}
+                        )
+                    except httpx.HTTPError as exc:
+                        log.debug("live driver: request failed: %s", exc)
+
+                return await open_loop(offsets, send, max_in_flight=self.drive_concurrency, stop=stop)
+
+        return asyncio.run(run())
 
 
 def _text(ids: list[int]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -46,6 +47,7 @@ from integrations.vllm.wiring import (
     register_target,
     stopped_cleanly,
 )
+from plumbing.process import ProcessStartError, wait_healthy
 
 log = logging.getLogger("kvpilot.vllm")
 
@@ -291,7 +293,7 @@ class VllmLauncher:
 
     def _watch(self) -> None:
         with httpx.Client(timeout=5.0) as client:
-            if not self._await_health(client):
+            if not self._await_health():
                 return
             try:
                 blocks, block_size = read_kv_capacity(client, f"{self.url}/metrics")
@@ -301,15 +303,14 @@ class VllmLauncher:
             self._ready.set()
             self._register(client)
 
-    def _await_health(self, client: httpx.Client) -> bool:
-        while not self._stopping.is_set() and self.proc is not None and self.proc.poll() is None:
-            try:
-                if client.get(f"{self.url}/health").status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            self._stopping.wait(0.5)
-        return False
+    def _await_health(self) -> bool:
+        """True once vLLM answers /health; False when it exited first (`wait_ready` says so) or on `close()`."""
+        try:
+            return wait_healthy(
+                f"{self.url}/health", self.proc, timeout_s=math.inf, what="vLLM", poll_s=0.5, stop=self._stopping
+            )
+        except ProcessStartError:
+            return False
 
     def _register(self, client: httpx.Client) -> None:
         if not self.options.admin_token:

@@ -62,7 +62,7 @@ def test_run_serves_the_api(sqlite_url):
     import httpx
 
     from alerts.alertmanager import rfc3339
-    from plumbing.process import free_port
+    from plumbing.process import ProcessStartError, free_port, wait_healthy
 
     port = free_port()
     done: dict = {}
@@ -88,14 +88,10 @@ def test_run_serves_the_api(sqlite_url):
     )
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if httpx.get(f"{url}/-/healthy", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            assert time.monotonic() < deadline and thread.is_alive(), done
-            time.sleep(0.05)
+    try:
+        wait_healthy(f"{url}/-/healthy", None, timeout_s=10, what="kvpilot alerts run", poll_s=0.05)
+    except ProcessStartError as exc:
+        raise AssertionError(done) from exc
     now = time.time()
     body = {
         "matchers": [{"name": "alertname", "value": "MemoryPressure", "isRegex": False}],

@@ -12,15 +12,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvpilot.cli_extras import EXTRA_MODULES
-from plumbing.process import free_port, stop_process
+from plumbing.process import free_port, spawn, stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUSED = ("torch", "streamlit", "optuna")
@@ -91,22 +88,12 @@ def test_the_collector_serves_without_the_extras(sqlite_url: str, tmp_path: Path
     port = free_port()
     log = tmp_path / "collector.log"
     args = ["collector", "serve", "--port", str(port), "--db-url", sqlite_url, "--no-scrape"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", CLI, *args], cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT
-        )
+    proc = spawn([sys.executable, "-c", CLI, *args], log_path=log, env=_env(), cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 90
-        health = None
-        while health is None and proc.poll() is None and time.monotonic() < deadline:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, timeout_s=90, what="collector", log_path=log)
     finally:
         stop_process(proc)
     output = log.read_text()
-    assert health is not None and health.status_code == 200, output
     assert REFUSED_MARK not in output, output
 
 

@@ -152,3 +152,43 @@ def test_no_requests() -> None:
 
     fired = asyncio.run(open_loop([], send))
     assert fired.results == [] and fired.late_s == [] and fired.span_s == 0.0
+
+
+def test_offsets_read_as_the_loop_goes_and_a_stop_that_ends_the_sending() -> None:
+    asked: list[int] = []
+    sent: list[int] = []
+
+    def offsets():  # never ends: the stop ends it
+        i = 0
+        while True:
+            asked.append(i)
+            yield 0.05 * i
+            i += 1
+
+    async def send(i: int) -> int:
+        sent.append(i)
+        await asyncio.sleep(0.1)  # still in flight when the stop comes: awaited, not cancelled
+        return i
+
+    began = time.perf_counter()
+    fired = asyncio.run(asyncio.wait_for(open_loop(offsets(), send, stop=lambda: len(sent) >= 5), timeout=30))
+    assert fired.results == [0, 1, 2, 3, 4] and fired.offsets == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2])
+    assert asked == [0, 1, 2, 3, 4, 5]  # read as the loop went: the sixth was asked for, the stop kept it back
+    assert time.perf_counter() - began >= 0.3  # the last one ran to its end
+
+
+def test_a_stop_ends_the_wait_for_a_far_turn() -> None:
+    async def send(i: int) -> int:
+        return i
+
+    flag = {"stop": False}
+
+    async def run():
+        task = asyncio.create_task(open_loop([0.0, 60.0], send, stop=lambda: flag["stop"]))
+        await asyncio.sleep(0.1)
+        flag["stop"] = True
+        return await task
+
+    began = time.perf_counter()
+    fired = asyncio.run(asyncio.wait_for(run(), timeout=30))
+    assert fired.results == [0] and time.perf_counter() - began < 5.0

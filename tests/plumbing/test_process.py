@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +52,15 @@ def test_no_answer_in_time_is_an_error(tmp_path: Path) -> None:
             wait_healthy(f"http://127.0.0.1:{free_port()}/health", proc, timeout_s=1, what="child")
     finally:
         stop_process(proc)
+
+
+def test_a_wait_without_deadline_gives_up_when_stopped() -> None:
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    t0 = time.monotonic()
+    url = f"http://127.0.0.1:{free_port()}/health"  # nobody answers
+    assert wait_healthy(url, None, timeout_s=math.inf, poll_s=0.05, stop=stop) is False
+    assert time.monotonic() - t0 < 10
 
 
 def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The live backend against a running engine app: apply, observe through the database, roll back, guard."""
+"""The live backend against a running engine app: apply, observe through the database, roll back, guard.
+The admin calls go through a TestClient (which runs the app's lifespan), the requests through an ASGI transport."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def test_live_trial_applies_observes_and_rolls_back(sqlite_url: str) -> None:
             drive_concurrency=4,
             ingest_lag_s=0.2,
             client=client,
+            transport=httpx.ASGITransport(app),
         )
         trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 4}})
         seen: list[int] = []
@@ -118,6 +120,7 @@ def test_live_guard_ends_a_bad_trial_early(sqlite_url: str) -> None:
             drive_concurrency=8,
             ingest_lag_s=0.2,
             client=client,
+            transport=httpx.ASGITransport(app),
         )
         trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 1, "queue_limit": 1}})
         metrics = backend.evaluate(trial, run_id="live-bad", seed=0)
@@ -215,6 +218,7 @@ def test_capacity_search_on_a_live_engine_replays_each_request_once_and_rolls_ba
             drive_concurrency=12,
             ingest_lag_s=0.2,
             client=client,
+            transport=httpx.ASGITransport(app),
         )
         trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 8}})
         cap = replay_capacity(backend, trial, reqs, prepare_prompts(reqs, 1), slo=slo, run_id="cap", max_replays=2)

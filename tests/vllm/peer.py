@@ -34,7 +34,7 @@ from collector.server import CollectorProcess, start_subprocess
 from collector.settings import CollectorSettings
 from integrations.vllm.wiring import VllmSetupError, find_vllm_python
 from kvpilot.cli import app
-from plumbing.process import free_port
+from plumbing.process import ProcessStartError, free_port, spawn, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRE_ENV = "KVPILOT_REQUIRE_VLLM"
@@ -176,8 +176,7 @@ def start_peer(tmp: Path, sqlite_template: Path) -> VllmPeer:
         "--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    with kvpilot_log.open("wb") as err:
-        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=tmp)
+    proc = spawn(command, log_path=kvpilot_log, env=env, cwd=tmp)
     peer = VllmPeer(
         url=f"http://127.0.0.1:{port}",
         checkpoint=checkpoint,
@@ -198,37 +197,41 @@ def start_peer(tmp: Path, sqlite_template: Path) -> VllmPeer:
 
 
 def _wait_ready(peer: VllmPeer) -> None:
+    """Serving, and registered (the launcher registers vLLM's /metrics once it has read its KV block count)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        wait_healthy(
+            f"{peer.url}/health",
+            peer.proc,
+            timeout_s=STARTUP_TIMEOUT_S,
+            what="kvpilot vllm serve",
+            log_path=peer.kvpilot_log,
+            poll_s=0.5,
+        )
+    except ProcessStartError as exc:
+        pytest.fail(f"{exc}\n{peer.where()}")
     with httpx.Client(timeout=2.0) as client:
-        while True:
-            if peer.proc.poll() is not None:
-                tail = peer.kvpilot_log.read_text(errors="replace")[-3000:]
-                pytest.fail(f"kvpilot vllm serve exited with {peer.proc.returncode} {peer.where()}:\n{tail}")
-            try:  # serving, and registered (the launcher registers once it has read vLLM's KV block count)
-                if client.get(f"{peer.url}/health").status_code == 200 and _registered(client, peer):
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM did not answer /health within {STARTUP_TIMEOUT_S:.0f}s {peer.where()}")
+        while not _registered(client, peer):
+            if peer.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vLLM's /metrics not registered within {STARTUP_TIMEOUT_S:.0f}s {peer.where()}")
             time.sleep(0.5)
 
 
 def _registered(client: httpx.Client, peer: VllmPeer) -> bool:
-    resp = client.get(f"{peer.collector_url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"})
+    try:
+        resp = client.get(f"{peer.collector_url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"})
+    except httpx.HTTPError:
+        return False
     return resp.status_code == 200 and any(t["url"] == f"{peer.url}/metrics" for t in resp.json())
 
 
 def stop_peer(peer: VllmPeer) -> int | None:
-    """SIGTERM to `kvpilot vllm serve` (it forwards it to vLLM); its exit code."""
+    """SIGTERM to `kvpilot vllm serve` (it forwards it to vLLM), SIGKILL past a minute; its exit code."""
     code = None
     if peer.proc.poll() is None:
-        peer.proc.send_signal(signal.SIGTERM)
-        try:
-            code = peer.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            peer.proc.kill()
-            code = peer.proc.wait()
+        stop_process(peer.proc, timeout_s=60)
+        code = peer.proc.returncode
+        if code == -signal.SIGKILL:  # the launcher was killed: vLLM's process group outlives it
             _kill_orphaned_vllm(peer)
     peer.stop_collector()
     return code
