@@ -19,9 +19,11 @@ geometrically from `start` while the SLOs hold (or shrinks while they fail) unti
 fails, then the bracket is bisected geometrically until its ends are within `rel_tol` of each other, all within
 `max_replays` replays. The capacity is the largest multiplier that held, in requests/s the multiplier times the
 workload's own rate. The search stops unbracketed past `MAX_MULTIPLIER` or when a replay would exceed
-`MAX_REPLAY_REQUESTS`: the capacity is then at least what held. Any backend that can replay a request list on a
-config serves (`Replayer`): the vLLM backend (`tuner.vllm.backend`), a live kvpilot engine (`tuner.live`), and
-the simulators (`tuner.backends`).
+`MAX_REPLAY_REQUESTS`: the capacity is then at least what held. A replay that could not be measured (its sender
+late on every attempt: a rate past what the client sends on time here) ends the search with what it has and
+says why (`not_measured`); only the first replay's failure is the caller's. Any backend that can replay a
+request list on a config serves (`Replayer`): the vLLM backend (`tuner.vllm.backend`), a live kvpilot engine
+(`tuner.live`), and the simulators (`tuner.backends`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine import workload as W
+from tuner.backends import NotMeasuredError
 from tuner.metrics import SLO, TrialMetrics
 
 MIN_FINISHED = 0.99  # share of the replayed requests that must finish
@@ -67,6 +70,7 @@ class Capacity:
     multiplier: float = 0.0
     upper: float | None = None  # the smallest multiplier that failed (None: never bracketed from above)
     probes: list[Probe] = field(default_factory=list)
+    not_measured: str | None = None  # why the search stopped early: a replay its sender could not send on time
 
     @property
     def capacity_rps(self) -> float:
@@ -98,6 +102,7 @@ class Capacity:
             "rate_rps": round(self.rate_rps, 4),
             "goodput_at_rate_tps": self.goodput_at_rate_tps,
             "replays": len(self.probes),
+            "not_measured": self.not_measured,
             "probes": [
                 {"multiplier": round(p.multiplier, 4), "holds": p.holds, "breaches": list(p.breaches)}
                 for p in self.probes
@@ -231,7 +236,13 @@ def search(
     low: float | None = None  # the largest multiplier that held
     m = start
     while len(out.probes) < max_replays:
-        metrics = measure(m)
+        try:
+            metrics = measure(m)
+        except NotMeasuredError as exc:  # the sender, not the server, could not keep up with this rate
+            if not out.probes:
+                raise
+            out.not_measured = f"x{m:.4g}: {exc.reason}"
+            break
         missed = breaches(metrics, slo)
         out.probes.append(Probe(m, not missed, missed, metrics))
         if not missed:

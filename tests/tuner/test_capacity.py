@@ -317,3 +317,32 @@ def test_each_held_out_seed_is_scouted_before_its_pair_so_a_heavier_seed_still_h
         floor_rps=0.01,
     )  # fmt: skip
     assert blind.lower_bounds and blind.verdict == INCONCLUSIVE
+
+
+def test_a_rate_the_sender_cannot_keep_up_with_ends_the_search_with_what_it_has() -> None:
+    """A tiny study on the CI's vLLM with lax SLOs grew its search to 768 requests in 1.5 s; the replay client
+    sent late on every attempt and the whole study stopped ("not measured"). The search now ends there: the
+    capacity is at least what held, and says why; a first replay that cannot be measured is still an error."""
+    from tuner.backends import NotMeasuredError
+
+    opts = WL.WorkloadOptions(requests=24, scale=8.0, output_range=(16, 64))
+    reqs = WL.scenario("sustained", 6.0, opts, seed=1000)
+    prompts = prepare_prompts(reqs, 1000)
+    slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=1.0)
+
+    class LateAbove(_Threshold):
+        def __init__(self, limit: int) -> None:
+            super().__init__({1000: reqs}, {1000: 64.0})
+            self.limit = limit
+
+        def measure_requests(self, config, scaled, scaled_prompts, *, run_id: str) -> TrialMetrics:
+            if len(scaled) > self.limit:
+                raise NotMeasuredError(f"the replay client sent late in all 3 attempts ({len(scaled)} requests)")
+            return super().measure_requests(config, scaled, scaled_prompts, run_id=run_id)
+
+    cap = replay_capacity(LateAbove(5 * len(reqs)), None, reqs, prompts, slo=slo, run_id="x-s1000", max_replays=8)
+    assert cap.multiplier == 4.0 and not cap.found and cap.upper is None
+    assert cap.not_measured is not None and cap.not_measured.startswith("x8: the replay client sent late")
+    assert cap.summary()["not_measured"] == cap.not_measured and len(cap.probes) == 3
+    with pytest.raises(NotMeasuredError):
+        replay_capacity(LateAbove(0), None, reqs, prompts, slo=slo, run_id="x-s1000", max_replays=8)

@@ -111,7 +111,7 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
         app,
         [
             "tune", "vllm", "study", "--config", str(config), "--space", str(space), *workload, *budget,
-            "--ttft-slo", "5", "--tpot-slo", "1", "--hours", "1", "--no-arg-check",
+            "--ttft-slo", "1", "--tpot-slo", "1", "--hours", "1", "--no-arg-check",
             "--running-url", vllm_peer.url, "--running-run-id", "vllm-session",
             "--collector", vllm_peer.collector_url, "--ingest-token", TOKEN, "--admin-token", ADMIN_TOKEN,
             "--db-url", vllm_peer.db_url,

@@ -352,6 +352,7 @@ class VllmTuning:
         self.say(
             f"capacity of {_label(self.base, config)}: {cap.capacity_rps:.2f} req/s (x{cap.multiplier:.2f} the "
             f"workload's {cap.rate_rps:.2f} req/s; {len(cap.probes)} replays, {time.perf_counter() - t:.0f} s)"
+            + (f"; at least that: the search stopped at {cap.not_measured}" if cap.not_measured else "")
         )
         return cap
 
