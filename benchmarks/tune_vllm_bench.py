@@ -233,7 +233,7 @@ def _run(
             base,
             name="live-only",
             trials=the_plan["live_only_trials"],
-            slo=tuning.slo,
+            slo=tuning.slo.past_capacity(),  # past capacity, as the screen's simulated trials
             workload_seed=tuning_seeds,
             random_baseline=False,
             progress=False,

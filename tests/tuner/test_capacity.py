@@ -346,3 +346,17 @@ def test_a_rate_the_sender_cannot_keep_up_with_ends_the_search_with_what_it_has(
     assert cap.summary()["not_measured"] == cap.not_measured and len(cap.probes) == 3
     with pytest.raises(NotMeasuredError):
         replay_capacity(LateAbove(0), None, reqs, prompts, slo=slo, run_id="x-s1000", max_replays=8)
+
+
+def test_past_capacity_only_the_tails_stop_constraining() -> None:
+    """The screen and the bench's live-only search replay past the running config's capacity, where p99 TTFT
+    misses its SLO by construction: judged by it, every trial was infeasible (the sixth bench run's live-only
+    trials all were) and the screen confirmed nothing. Past capacity, goodput ranks them; refusals, OOM and
+    unfinished work still constrain."""
+    slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=2.0, p99_e2e_s=5.0)
+    late = TrialMetrics("r", 1.0, 10, 10, 0, 0, 1.0, 1.0, 1.0, 0.5, 0.0, 1.0, 4.0, 0.05, 1.0, 9.0, 0, 0)
+    assert not late.feasible(slo) and {"p99_ttft", "p99_e2e"} <= set(late.constraints(slo))
+    past = slo.past_capacity()
+    assert late.feasible(past) and set(late.constraints(past)) == {"oom", "rejection"}
+    refused = dataclasses.replace(late, rejection_rate=0.5)
+    assert not refused.feasible(past) and past.ttft_s == slo.ttft_s and past.tails is False

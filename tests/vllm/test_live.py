@@ -48,6 +48,7 @@ def prompt(seed: int, words: int) -> str:
 
 
 def test_completions_become_one_step_row_per_iteration_line(vllm_peer: VllmPeer) -> None:
+    vllm_peer.wait_steps_stored()  # an earlier test's steps still on their way are not this test's
     before = vllm_peer.query("SELECT coalesce(max(id), 0) FROM steps WHERE instance = :i", i=INSTANCE)[0][0]
     jobs = [(100 + i, 15 + 40 * i, 6 + 3 * i) for i in range(5)]  # (seed, prompt words, output tokens)
     with httpx.Client() as client, cf.ThreadPoolExecutor(len(jobs)) as pool:

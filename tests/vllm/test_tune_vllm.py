@@ -111,7 +111,7 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
         app,
         [
             "tune", "vllm", "study", "--config", str(config), "--space", str(space), *workload, *budget,
-            "--ttft-slo", "1", "--tpot-slo", "1", "--hours", "1", "--no-arg-check",
+            "--ttft-slo", "5", "--p99-ttft-slo", "1", "--tpot-slo", "1", "--hours", "1", "--no-arg-check",
             "--running-url", vllm_peer.url, "--running-run-id", "vllm-session",
             "--collector", vllm_peer.collector_url, "--ingest-token", TOKEN, "--admin-token", ADMIN_TOKEN,
             "--db-url", vllm_peer.db_url,
@@ -121,6 +121,7 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
     )  # fmt: skip
     assert res.exit_code in (0, 3), res.output
     s = json.loads(out.read_text())
+    assert len(s["screened"]) == 2, (res.output, s["screened"])
     running, confirmed = s["screened"]
     assert s["baseline"]["metrics"]["finished"] == 12 and running["changed"] == {} and running["feasible"]
     assert confirmed["changed"]["block_size"] == 64 and confirmed["feasible"] and confirmed["live_goodput"] > 0

@@ -190,14 +190,17 @@ def screen(
     progress: bool = False,
     min_effect: float = 0.01,
     storage: Any = None,
+    sim_slo: SLO | None = None,
 ) -> ScreenResult:
-    """Screen `sim_trials` configs in the simulator, confirm the `top_k` best live (see the module docstring)."""
+    """Screen `sim_trials` configs in the simulator, confirm the `top_k` best live (see the module docstring).
+    `sim_slo` constrains the simulated trials (default `slo`; past capacity, `SLO.past_capacity`)."""
+    sim_slo = slo if sim_slo is None else sim_slo
     sim = simulate(
         sim_backend,
         space,
         base,
         sim_trials=sim_trials,
-        slo=slo,
+        slo=sim_slo,
         seeds=seeds,
         name=name,
         seed=seed,
@@ -206,7 +209,7 @@ def screen(
         kind="study",
     )
     result = ScreenResult(sim=sim, baseline=baseline, min_effect=min_effect)
-    picked = candidates(sim_backend, space, base, sim, slo=slo, seeds=seeds, name=name, min_effect=min_effect)
+    picked = candidates(sim_backend, space, base, sim, slo=sim_slo, seeds=seeds, name=name, min_effect=min_effect)
     for c in itertools.islice(picked, top_k):
         log.info(
             "confirming live: sim goodput %.1f, %s (put back: %s)", c.sim_goodput, base.changed(c.config), c.reverted

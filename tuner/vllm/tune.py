@@ -434,6 +434,7 @@ class VllmTuning:
             progress=self.progress,
             min_effect=b.min_effect,
             storage=self.storage,
+            sim_slo=self.slo.past_capacity(),  # the simulated replays run past the running config's capacity
         )
         sim_base = self.screened.sim.baseline
         self.baseline.sim_goodput = sim_base.goodput if sim_base else None
