@@ -170,19 +170,20 @@ def _at_rate_picks(reqs: Sequence[W.WorkloadRequest], multiplier: float) -> list
     if not reqs:
         return []
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
-    t0 = reqs[order[0]].arrival_s
     if multiplier <= 1:  # thinned: every request whose running share crosses a whole one, arrivals kept
         kept = [i for n, i in enumerate(order) if math.floor((n + 1) * multiplier) > math.floor(n * multiplier)]
-        return [(i, reqs[i].arrival_s - t0, 0) for i in (kept or order[:1])]
-    # the recording's period: its span plus one mean gap, so that repeats back to back keep the rate even
+        return [(i, reqs[i].arrival_s, 0) for i in (kept or order[:1])]
+    # the first arrival stays where the recording has it (a replay's window opens before its first request);
+    # the recording's period is its span plus one mean gap, so that repeats back to back keep the rate even
+    t0 = reqs[order[0]].arrival_s
     period = arrival_rate_period(reqs)
     span = period / multiplier
     out = []
     for k in range(math.ceil(multiplier)):
         for i in order:
-            arrival = (reqs[i].arrival_s - t0) / multiplier + k * span
-            if arrival < period:
-                out.append((i, arrival, k))
+            offset = (reqs[i].arrival_s - t0) / multiplier + k * span
+            if offset < period:
+                out.append((i, t0 + offset, k))
     return out
 
 
