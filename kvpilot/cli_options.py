@@ -97,8 +97,6 @@ class SloArgs:
             ).validate()
         except ValueError as exc:
             raise ValueError(f"slo: {exc}") from None
-        if self.p99_ttft_slo is not None and not self.p99_ttft_slo > 0:
-            raise ValueError(f"slo: p99_ttft_s: must be positive, got {self.p99_ttft_slo}")
         return slo
 
 

@@ -145,17 +145,14 @@ def at_rate(
     docstring): repeats of the compressed recording past x1, each repeat's prompts distinct; thinned under x1."""
     if len(prompts) != len(reqs):
         raise ValueError(f"at_rate: {len(reqs)} requests but {len(prompts)} prompts")
-    picks, stride = _at_rate_picks(reqs, multiplier), _group_stride(reqs)
-    out_reqs = [_repeat(reqs[i], arrival, k, stride) for i, arrival, k in picks]
-    out_prompts = [_distinct_prompt(prompts[i], k) for i, _, k in picks]
-    return out_reqs, out_prompts
+    picks = _at_rate_picks(reqs, multiplier)
+    return _repeats(reqs, picks), [_distinct_prompt(prompts[i], k) for i, _, k in picks]
 
 
 def at_rate_requests(reqs: Sequence[W.WorkloadRequest], multiplier: float) -> list[W.WorkloadRequest]:
     """`at_rate` for a backend that makes the prompts itself from the requests (the simulators): each repeat's
     prefix groups renumbered, so that its prompts share prefixes within the repeat, not with another."""
-    stride = _group_stride(reqs)
-    return [_repeat(reqs[i], arrival, k, stride) for i, arrival, k in _at_rate_picks(reqs, multiplier)]
+    return _repeats(reqs, _at_rate_picks(reqs, multiplier))
 
 
 def requests_at(reqs: Sequence[W.WorkloadRequest], multiplier: float) -> int:
@@ -192,14 +189,16 @@ def arrival_rate_period(reqs: Sequence[W.WorkloadRequest]) -> float:
     return len(reqs) / arrival_rate(reqs)
 
 
-def _group_stride(reqs: Sequence[W.WorkloadRequest]) -> int:
-    """How far one repeat's prefix groups are moved from the previous repeat's: past every group used."""
-    return 1 + max((r.prefix_group or 0 for r in reqs), default=0)
-
-
-def _repeat(r: W.WorkloadRequest, arrival: float, k: int, stride: int) -> W.WorkloadRequest:
-    group = r.prefix_group if r.prefix_group is None else r.prefix_group + k * stride
-    return dataclasses.replace(r, arrival_s=arrival, prefix_group=group)
+def _repeats(reqs: Sequence[W.WorkloadRequest], picks: list[tuple[int, float, int]]) -> list[W.WorkloadRequest]:
+    """The picked requests at their new arrivals, repeat k's prefix groups moved past every group of the ones
+    before it."""
+    stride = 1 + max((r.prefix_group or 0 for r in reqs), default=0)
+    return [
+        dataclasses.replace(
+            reqs[i], arrival_s=arrival, prefix_group=None if (g := reqs[i].prefix_group) is None else g + k * stride
+        )
+        for i, arrival, k in picks
+    ]
 
 
 def _distinct_prompt(prompt: list[int], k: int) -> list[int]:

@@ -190,18 +190,18 @@ def compare(
         raise ValueError("seeds: at least one held-out seed")
     out = Comparison(running.label, candidate.label, margin, list(seeds))
     priors: dict[int, dict[str, float]] = {}  # per seed: each side's last answer (the scout's at first)
+    bba = (candidate, candidate, running)  # the pair after its A1
     running.pause()
     candidate.pause()
     try:
         for i in range(max_pairs):
             seed = seeds[i % len(seeds)]
-            rest = (candidate, candidate, running)
             scout = seed not in priors
             prior = priors.setdefault(seed, {running.label: start, candidate.label: start})
             a1 = _measure(running, seed, prior, f"p{i}-0", scout=scout)
             if scout and a1.multiplier > 0:
                 prior[candidate.label] = a1.multiplier
-            b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(rest, start=1))
+            b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(bba, start=1))
             rps = [c.capacity_rps for c in (a1, b1, b2, a2)]
             open_ended = [c.capacity_rps for c in (a1, b1, b2, a2) if not c.found]
             out.pairs.append(

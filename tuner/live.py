@@ -6,9 +6,9 @@ original tunables are restored after every trial — also when the trial fails o
 a failed rollback stops the study. Guard limits end a trial early: a rejection rate or p99 TTFT over
 the guard while observing (checked every `guard_interval_s`). `drive=True` sends the study's workload
 to the engine's /generate while observing (for staging engines without production traffic).
-`measure_requests` instead sends one given request list at its arrival times (e.g. time-compressed by
-`tuner.capacity`) under the config and measures the window until the last answer. Either way the requests
-go out open-loop (`plumbing.openloop`), at most `drive_concurrency` in flight.
+`measure_requests` instead sends one given request list at its arrival times (e.g. the workload at a multiple
+of its rate, `tuner.capacity.at_rate`) under the config and measures the window until the last answer. Either
+way the requests go out open-loop (`plumbing.openloop`), at most `drive_concurrency` in flight.
 """
 
 from __future__ import annotations

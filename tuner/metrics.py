@@ -52,6 +52,8 @@ class SLO:
             raise ValueError(f"max_rejection_rate: must be within [0, 1], got {self.max_rejection_rate}")
         if self.max_oom < 0:
             raise ValueError(f"max_oom: must be >= 0, got {self.max_oom}")
+        if self.p99_ttft_s is not None and not self.p99_ttft_s > 0:
+            raise ValueError(f"p99_ttft_s: must be positive, got {self.p99_ttft_s}")
         return self
 
 
