@@ -249,7 +249,7 @@ def _run(
     finally:
         backend.close()
     fid = fidelity.compare(backend.evaluations, profile, workload, db, tuning.slo, calibrated_on=base)
-    lo_rps = lo_cap.capacity_rps if lo_cap is not None else 0.0
+    lo_rps = lo_cap.estimate_rps if lo_cap is not None else 0.0
     outcome = tuning.finish(
         title="kvpilot vLLM tuning — bench tune-vllm",
         workload={**WORKLOAD, "capacity_rps": the_plan["capacity_rps"]},
@@ -269,8 +269,8 @@ def _run(
         "memory_fixed": the_plan["memory_fixed"],
         "workload": {**WORKLOAD, "capacity_rps": the_plan["capacity_rps"], "rate_rps": running.rate_rps},
         "slo": SLO_PLAN,
-        "default_capacity_rps": h.mean_capacity("running") if h else running.capacity_rps,
-        "proposal_capacity_rps": h.mean_capacity("candidate") if h else running.capacity_rps,
+        "default_capacity_rps": h.mean_capacity("running") if h else running.estimate_rps,
+        "proposal_capacity_rps": h.mean_capacity("candidate") if h else running.estimate_rps,
         "capacity_gain": h.gain if h else 0.0,
         "capacity_gain_low": h.gain_low if h else None,
         "capacity_gain_high": h.gain_high if h else None,

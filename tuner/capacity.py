@@ -15,15 +15,18 @@ found a limit. At a rate the server cannot keep up with for the whole span, the 
 as they would in production.
 
 `search` is a bracketing search on one running server (no restart between its replays): the multiplier grows
-geometrically from `start` while the SLOs hold (or shrinks while they fail) until one probe holds and another
-fails, then the bracket is bisected geometrically until its ends are within `rel_tol` of each other, all within
+geometrically from `start` while the SLOs hold (or shrinks while they fail) until one probe holds and another fails,
+then the bracket is bisected geometrically until its ends are within `rel_tol` of each other, all within
 `max_replays` replays. The capacity is the largest multiplier that held, in requests/s the multiplier times the
-workload's own rate. The search stops unbracketed past `MAX_MULTIPLIER` or when a replay would exceed
-`MAX_REPLAY_REQUESTS`: the capacity is then at least what held. A replay that could not be measured (its sender
-late on every attempt: a rate past what the client sends on time here) ends the search with what it has and
-says why (`not_measured`); only the first replay's failure is the caller's. Any backend that can replay a
-request list on a config serves (`Replayer`): the vLLM backend (`tuner.vllm.backend`), a live kvpilot engine
-(`tuner.live`), and the simulators (`tuner.backends`).
+workload's own rate. Within the bracket the SLOs break somewhere; `Capacity.estimate` places it where the SLO
+pressure (`pressure`: the most-stretched SLO's figure over its limit, 1 at the edge) crosses 1, interpolated in
+log-log between the two ends. A comparison's ratios read the estimate: the lower end alone moves in whole steps (two
+configs 5% apart read equal, or one step apart), a quantization that no number of pairs averages away. The search
+stops unbracketed past `MAX_MULTIPLIER` or when a replay would exceed `MAX_REPLAY_REQUESTS`: the capacity is then at
+least what held. A replay that could not be measured (its sender late on every attempt: a rate past what the client
+sends on time here) ends the search with what it has and says why (`not_measured`); only the first replay's failure
+is the caller's. Any backend that can replay a request list on a config serves (`Replayer`): the vLLM backend
+(`tuner.vllm.backend`), a live kvpilot engine (`tuner.live`), and the simulators (`tuner.backends`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Probe:
     holds: bool
     breaches: tuple[str, ...]  # which SLOs failed, with the figures
     metrics: TrialMetrics
+    pressure: float | None = None  # `pressure(metrics, slo)`: <= 1 where the SLOs hold
 
 
 @dataclass
@@ -75,6 +79,25 @@ class Capacity:
     @property
     def capacity_rps(self) -> float:
         return self.multiplier * self.rate_rps
+
+    @property
+    def estimate(self) -> float:
+        """The multiplier where the SLOs break (module docstring): the SLO pressure's crossing of 1, interpolated in
+        log-log between the bracket's ends and kept within them; `multiplier` when not bracketed or a pressure is
+        unknown (an end that served nothing: no figure to interpolate)."""
+        if not self.bracketed:
+            return self.multiplier
+        assert self.upper is not None
+        low = _pressure_at(self.probes, self.multiplier)
+        high = _pressure_at(self.probes, self.upper)
+        if low is None or high is None or not 0 < low <= 1 < high < math.inf:
+            return self.multiplier
+        share = -math.log(low) / (math.log(high) - math.log(low))
+        return math.exp(math.log(self.multiplier) + share * (math.log(self.upper) - math.log(self.multiplier)))
+
+    @property
+    def estimate_rps(self) -> float:
+        return self.estimate * self.rate_rps
 
     @property
     def bracketed(self) -> bool:
@@ -97,6 +120,7 @@ class Capacity:
     def summary(self) -> dict[str, Any]:
         return {
             "capacity_rps": round(self.capacity_rps, 4),
+            "estimate_rps": round(self.estimate_rps, 4),
             "multiplier": round(self.multiplier, 4),
             "upper": None if self.upper is None else round(self.upper, 4),
             "rate_rps": round(self.rate_rps, 4),
@@ -104,7 +128,12 @@ class Capacity:
             "replays": len(self.probes),
             "not_measured": self.not_measured,
             "probes": [
-                {"multiplier": round(p.multiplier, 4), "holds": p.holds, "breaches": list(p.breaches)}
+                {
+                    "multiplier": round(p.multiplier, 4),
+                    "holds": p.holds,
+                    "pressure": None if p.pressure is None else round(p.pressure, 4),
+                    "breaches": list(p.breaches),
+                }
                 for p in self.probes
             ],
         }
@@ -121,6 +150,23 @@ def breaches(m: TrialMetrics, slo: SLO) -> tuple[str, ...]:
     if m.requests == 0 or m.finished < MIN_FINISHED * m.requests:
         out.append(f"{m.finished}/{m.requests} finished < {MIN_FINISHED:.0%}")
     return tuple(out)
+
+
+def pressure(m: TrialMetrics, slo: SLO) -> float:
+    """How far `m` is stretched against its SLOs: the largest of p99 TTFT over its limit, p99 TPOT over the TPOT
+    SLO and the unfinished share over the share allowed (1 - `MIN_FINISHED`); above 1 exactly where `breaches`
+    names one, infinite when nothing was served."""
+    ttft_limit = slo.p99_ttft_s if slo.p99_ttft_s is not None else slo.ttft_s
+    if m.ttft_p99_s is None or m.requests == 0:
+        return math.inf
+    figures = [m.ttft_p99_s / ttft_limit, (1.0 - m.finished / m.requests) / (1.0 - MIN_FINISHED)]
+    if m.tpot_p99_s is not None:
+        figures.append(m.tpot_p99_s / slo.tpot_s)
+    return max(figures)
+
+
+def _pressure_at(probes: Sequence[Probe], multiplier: float) -> float | None:
+    return next((p.pressure for p in probes if p.multiplier == multiplier), None)
 
 
 def _s(v: float | None) -> str:
@@ -244,7 +290,7 @@ def search(
             out.not_measured = f"x{m:.4g}: {exc.reason}"
             break
         missed = breaches(metrics, slo)
-        out.probes.append(Probe(m, not missed, missed, metrics))
+        out.probes.append(Probe(m, not missed, missed, metrics, pressure(metrics, slo)))
         if not missed:
             low = m if low is None else max(low, m)
         else:

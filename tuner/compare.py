@@ -20,12 +20,14 @@ ratio of such figures proves nothing (counted as equal they would narrow the int
 pair makes the comparison `inconclusive`, said as "capacity not found", and ends it at the minimum of pairs.
 The A/A check is the same protocol with the running config on both servers: it must not say `proposal`.
 
-Each measurement is a capacity (`tuner.capacity`). A held-out seed's traffic is not the tuning seed's, and its
+Each measurement is a capacity (`tuner.capacity`), read as its estimate (`Capacity.estimate`: where the SLO pressure
+crosses 1 within the bracket): the bracket's lower end moves in whole steps, and with 15% steps an A/A pair read 0
+or +-14% and never the few percent an equivalence needs. A held-out seed's traffic is not the tuning seed's, and its
 capacity can sit well away from the running config's known one: the first measurement of a seed (A1 of its first
-pair) is a scout, a search of `scout_replays` from the known capacity that brackets it (doubling or halving
-first, then bisecting). The pair's other three start at the scout's answer, every later one at its side's last
-answer on that seed; each is a short search that stops at its first bracket one `step` wide: 2 replays, more
-(up to `max_replays`) when the answer moved by more than a step; its answer is the bracket's lower end. A full
+pair) is a scout, a search of `scout_replays` from the known capacity that brackets it (doubling or halving first,
+then bisecting). The pair's other three start at the scout's answer, every later one at its side's last answer on
+that seed; each is a short search that stops at its first bracket one `step` wide: 2 replays, more
+(up to `max_replays`) when the answer moved by more than a step; its answer is the estimate within it. A full
 search for all four would cost 5-8 replays each, a quarter of an hour per pair on a CPU vLLM. (The first bench
 runs had neither: short searches started at the tuning seed's capacity failed at every rate they reached on a
 heavier held-out seed, and a fixed budget of 2 replays that held twice ended unbracketed.)
@@ -202,18 +204,17 @@ def compare(
             if scout and a1.multiplier > 0:
                 prior[candidate.label] = a1.multiplier
             b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(bba, start=1))
-            rps = [c.capacity_rps for c in (a1, b1, b2, a2)]
+            rps = [c.estimate_rps for c in (a1, b1, b2, a2)]
             open_ended = [c.capacity_rps for c in (a1, b1, b2, a2) if not c.found]
             out.pairs.append(
                 {
                     "seed": seed,
-                    "running": [a1.capacity_rps, a2.capacity_rps],
-                    "candidate": [b1.capacity_rps, b2.capacity_rps],
+                    "running": [a1.estimate_rps, a2.estimate_rps],
+                    "candidate": [b1.estimate_rps, b2.estimate_rps],
+                    "held": [c.capacity_rps for c in (a1, b1, b2, a2)],  # each bracket's lower end, A B B A
                     "replays": sum(len(c.probes) for c in (a1, b1, b2, a2)),
                     "bracketed": not open_ended,
-                    "log_ratio": pair_log_ratio(
-                        a1.capacity_rps, b1.capacity_rps, b2.capacity_rps, a2.capacity_rps, floor=floor_rps
-                    ),
+                    "log_ratio": pair_log_ratio(*rps, floor=floor_rps),
                 }
             )
             out.interval = interval([p["log_ratio"] for p in out.pairs])

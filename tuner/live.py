@@ -9,6 +9,11 @@ to the engine's /generate while observing (for staging engines without productio
 `measure_requests` instead sends one given request list at its arrival times (e.g. the workload at a multiple
 of its rate, `tuner.capacity.at_rate`) under the config and measures the window until the last answer. Either
 way the requests go out open-loop (`plumbing.openloop`), at most `drive_concurrency` in flight.
+
+The engine stores a row for every request it answers, a 429 of its admission control included; a request that
+failed on the wire or was answered with another error never becomes a row, so `measure_requests` counts those
+against the config (`tuner.metrics.with_unrecorded`: as the vLLM backend does) with a WARNING line, and
+`lost_requests` totals them (the drive's as well).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,7 +33,7 @@ from sqlalchemy import Engine
 from engine import workload as W
 from engine.config import EngineConfig
 from plumbing.openloop import Fired, lateness, open_loop
-from tuner.metrics import SLO, TrialMetrics, trial_metrics
+from tuner.metrics import SLO, TrialMetrics, trial_metrics, with_unrecorded
 
 log = logging.getLogger("kvpilot.tuner.live")
 
@@ -77,6 +83,7 @@ class LiveBackend:
         self.original: dict[str, Any] | None = None
         self.aborted_trials = 0
         self.trials = 0
+        self.lost_requests = 0  # sent but never answered, or answered with an error other than the 429 stored
 
     def _call(self, method: str, path: str, json: Any = None) -> dict:
         try:
@@ -132,13 +139,22 @@ class LiveBackend:
             log.info("live replay %s: applied %s, %d requests", run_id, config.tunable(), len(reqs))
             time.sleep(self.settle_s)
             start = time.time()
-            fired = self._fire([r.arrival_s for r in reqs], lambda i: (prompts[i], reqs[i].output_tokens))
+            fired, answers = self._fire([r.arrival_s for r in reqs], lambda i: (prompts[i], reqs[i].output_tokens))
             log.info("live replay %s: p99 send lateness %s s", run_id, lateness(fired.late_s).p99_s)
             end = time.time()
         finally:
             self.restore()
         time.sleep(self.ingest_lag_s)
-        return trial_metrics(self.db, run_id=None, start=start, end=end, slo=self.slo, instances=[self.instance])
+        m = trial_metrics(self.db, run_id=None, start=start, end=end, slo=self.slo, instances=[self.instance])
+        return with_unrecorded(m, refused=0, lost=self._lost(run_id, answers))
+
+    def _lost(self, run_id: str, answers: Counter[str]) -> int:
+        """The requests of `answers` (by outcome) that the engine stored no row for, counted and logged."""
+        lost = sum(n for outcome, n in answers.items() if outcome not in ("ok", "429"))
+        if lost:
+            self.lost_requests += lost
+            log.warning("live %s: %d request(s) lost (%s)", run_id, lost, dict(answers))
+        return lost
 
     def _guard_tripped(self, start: float, now: float, run_id: str) -> bool:
         if now - start < self.guard_interval_s:
@@ -177,7 +193,10 @@ class LiveBackend:
         """The workload over and over (each pass a second after the last arrival of the one before) until `stop`."""
         n, period = len(reqs), reqs[-1].arrival_s + 1.0
         offsets = ((i // n) * period + reqs[i % n].arrival_s for i in itertools.count())
-        self._fire(offsets, lambda i: (W.prompt_ids(reqs[i % n], i), reqs[i % n].output_tokens), stop=stop.is_set)
+        _, answers = self._fire(
+            offsets, lambda i: (W.prompt_ids(reqs[i % n], i), reqs[i % n].output_tokens), stop=stop.is_set
+        )
+        self._lost("drive", answers)
 
     def _fire(
         self,
@@ -185,9 +204,10 @@ class LiveBackend:
         request: Callable[[int], tuple[list[int], int]],
         *,
         stop: Callable[[], bool] | None = None,
-    ) -> Fired[None]:
+    ) -> tuple[Fired[None], Counter[str]]:
         """Request i (its prompt's token ids, its max tokens) sent to /generate at its offset from now; every
-        answer awaited."""
+        answer awaited, counted by outcome: `ok`, the HTTP status of an error answer, or `wire` (no answer)."""
+        answers: Counter[str] = Counter()
 
         async def run() -> Fired[None]:
             client = httpx.AsyncClient(
@@ -198,15 +218,18 @@ class LiveBackend:
                 async def send(i: int) -> None:
                     ids, max_tokens = request(i)
                     try:
-                        await http.post(
+                        resp = await http.post(
                             "/generate", json={"prompt": _text(ids), "max_tokens": max_tokens, "ignore_eos": True}
                         )
                     except httpx.HTTPError as exc:
+                        answers["wire"] += 1
                         log.debug("live driver: request failed: %s", exc)
+                        return
+                    answers["ok" if resp.is_success else str(resp.status_code)] += 1
 
                 return await open_loop(offsets, send, max_in_flight=self.drive_concurrency, stop=stop)
 
-        return asyncio.run(run())
+        return asyncio.run(run()), answers
 
 
 def _text(ids: list[int]) -> str:

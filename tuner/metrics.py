@@ -136,6 +136,26 @@ def combine(runs: Sequence[TrialMetrics]) -> TrialMetrics:
     )
 
 
+def with_unrecorded(m: TrialMetrics, *, refused: int, lost: int) -> TrialMetrics:
+    """`m` with the requests its rows never saw counted against the config: `refused` (answered 429/503 by a
+    server that stores no row for them) and `lost` (failed on the wire, answered with an error, or answered but
+    never stored) join the requests and the failed, and both the rejection rate (the constraint that refuses a
+    config whose users were turned away or lost)."""
+    if refused < 0 or lost < 0:
+        raise ValueError(f"unrecorded: counts must be >= 0, got refused={refused}, lost={lost}")
+    if not refused and not lost:
+        return m
+    total = m.requests + refused + lost
+    return dataclasses.replace(
+        m,
+        requests=total,
+        rejected=m.rejected + refused,
+        failed=m.failed + lost,
+        rejection_rate=(m.rejected + refused + lost) / total,
+        good_fraction=m.good_fraction * m.requests / total,
+    )
+
+
 def store_events(db: Engine, events: Sequence[AnyEvent], *, key_prefix: str) -> int:
     """Store events through the collector's ingest (validated, atomic per chunk, idempotent)."""
     stored = 0

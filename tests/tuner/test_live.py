@@ -230,3 +230,49 @@ def test_capacity_search_on_a_live_engine_replays_each_request_once_and_rolls_ba
             breaches(probe.metrics, slo) == ()
         )
     assert cap.multiplier == max((p.multiplier for p in cap.probes if p.holds), default=0.0)
+
+
+class _Flaky(httpx.AsyncBaseTransport):
+    """Every second request never reaches the engine: one in four fails on the wire, one in four is answered 500
+    by a proxy in front of it."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner, self.n = inner, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.n += 1
+        if self.n % 4 == 2:
+            raise httpx.ConnectError("connection refused", request=request)
+        if self.n % 4 == 0:
+            return httpx.Response(500, request=request)
+        return await self.inner.handle_async_request(request)
+
+
+def test_requests_the_engine_never_recorded_count_against_the_config(sqlite_url: str, caplog) -> None:
+    """A request that failed on the wire or was answered with an error never becomes a row: counted against
+    the config (requests, failed, rejection rate), logged, and totalled on the backend."""
+    from tuner.capacity import breaches
+    from tuner.replay import prepare_prompts
+
+    db, cfg, app, _ = _setup(sqlite_url)
+    slo = SLO(ttft_s=5.0, tpot_s=1.0)
+    reqs = WL.scenario("mixed", 4.0, WL.WorkloadOptions(requests=12, scale=32.0, output_range=(2, 6)), seed=1)
+    with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
+        backend = LiveBackend(
+            db=db,
+            slo=slo,
+            workload=_workload,
+            engine_url="http://engine",
+            instance="live-1",
+            settle_s=0.0,
+            drive_concurrency=12,
+            ingest_lag_s=0.2,
+            client=client,
+            transport=_Flaky(httpx.ASGITransport(app)),
+        )
+        with caplog.at_level("WARNING", logger="kvpilot.tuner.live"):
+            m = backend.measure_requests(cfg, reqs, prepare_prompts(reqs, 1), run_id="flaky")
+    db.dispose()
+    assert m.requests == 12 and m.finished == 6 and m.failed >= 6 and m.rejection_rate >= 0.5
+    assert backend.lost_requests == 6 and "6 request(s) lost" in caplog.text and "'wire': 3" in caplog.text
+    assert any("finished" in b for b in breaches(m, slo))  # half of them lost: the SLOs do not hold

@@ -26,7 +26,6 @@ with that reason and goes on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -56,7 +55,7 @@ from integrations.vllm.client import (
 from integrations.vllm.config import VllmConfig
 from integrations.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
 from tuner.backends import InfeasibleTrialError, NotMeasuredError
-from tuner.metrics import SLO, TrialMetrics, trial_metrics
+from tuner.metrics import SLO, TrialMetrics, trial_metrics, with_unrecorded
 from tuner.replay import Prepared, prepare_prompts, prepared_workload
 
 log = logging.getLogger("kvpilot.tuner.vllm.backend")
@@ -313,17 +312,8 @@ class VllmBackend:
                 self.ingest_timeout_s,
             )
         m = trial_metrics(self.db, run_id=run_id, start=start, end=end, slo=self.slo)
-        refused, lost = result.rejected, result.failed + max(0, result.ok - stored)
-        if refused or lost:  # what never became a span row still counts against the config
-            total = m.requests + refused + lost
-            m = dataclasses.replace(
-                m,
-                requests=total,
-                rejected=m.rejected + refused,
-                failed=m.failed + lost,
-                rejection_rate=(m.rejected + refused + lost) / total,
-            )
-        return m
+        # what never became a span row still counts against the config
+        return with_unrecorded(m, refused=result.rejected, lost=result.failed + max(0, result.ok - stored))
 
     # ------------------------------------------------------------------ servers
     def _server(self, config: VllmConfig, run_id: str, slot: str = "") -> _Server:

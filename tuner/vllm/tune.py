@@ -476,8 +476,9 @@ class VllmTuning:
         return {
             "config": config,
             "changed": changes(self.base, config),
-            "predicted_capacity_rps": predicted.capacity_rps,
-            "live_capacity_rps": cap.capacity_rps,
+            # each search's estimate within its bracket: lower ends alone tie configs a step apart (`tuner.capacity`)
+            "predicted_capacity_rps": predicted.estimate_rps,
+            "live_capacity_rps": cap.estimate_rps,
             "live": cap.summary(),
         }
 
@@ -594,7 +595,7 @@ class VllmTuning:
             f"the traffic ({cap.rate_rps:.2f} req/s) is {1 / cap.multiplier:.0%} of the running config's capacity "
             f"({cap.capacity_rps:.2f} req/s): {cap.multiplier - 1:.0%} headroom"
         )
-        more = [r for r in self.confirmed[1:] if r["live_capacity_rps"] > cap.capacity_rps]
+        more = [r for r in self.confirmed[1:] if r["live_capacity_rps"] > self.confirmed[0]["live_capacity_rps"]]
         if more:
             best = max(more, key=lambda r: r["live_capacity_rps"])
             line += f"; {_label(self.base, best['config'])} would have {best['live_capacity_rps']:.2f} req/s"
