@@ -217,6 +217,11 @@ def bench_tune_vllm(
     allow_memory: bool = typer.Option(
         False, "--allow-memory", help="search the KV cache's size too (default: held at the running config's)"
     ),
+    running_max_num_seqs: int | None = typer.Option(
+        None,
+        "--running-max-num-seqs",
+        help="the running config's --max-num-seqs (default: vLLM's); e.g. 2 for a deliberately poor one",
+    ),
 ) -> None:
     """Tune a real vLLM for SLO capacity: simulation-screened search vs a live-only search; the candidate against
     the running config in alternating live pairs on held-out seeds, with an A/A check."""
@@ -225,8 +230,16 @@ def bench_tune_vllm(
 
     try:
         result = run_tune_vllm_bench(
-            quick=quick, allow_memory=allow_memory, json_path=json_path, python=vllm_python, out_dir=out_dir
+            quick=quick,
+            allow_memory=allow_memory,
+            json_path=json_path,
+            python=vllm_python,
+            out_dir=out_dir,
+            running_max_num_seqs=running_max_num_seqs,
         )
+    except ValueError as exc:
+        typer.echo(f"kvpilot bench tune-vllm: {exc}", err=True)
+        raise typer.Exit(2) from None
     except TuneVllmBenchError as exc:
         typer.echo(f"kvpilot bench tune-vllm: {exc}", err=True)
         raise typer.Exit(1) from None

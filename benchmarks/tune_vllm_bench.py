@@ -69,6 +69,9 @@ SLO_PLAN = {"ttft_s": 1.0, "tpot_s": 0.2, "p99_ttft_s": 2.0, "max_rejection_rate
 # A screened candidate keeps a change only when reverting it costs simulated goodput on every tuning seed and at
 # least this much on average, or misses the SLOs (tuner.prune.drop_noise_knobs, the nightly job's rule).
 PRUNE_MIN_EFFECT = 0.01
+# `--running-max-num-seqs`: a deliberately poor running config (e.g. 2, the memory unchanged) that a tuning must
+# beat; bounded by what the space searches
+MAX_RUNNING_SEQS = 256
 BUDGETS = {
     True: {
         "tuning_seeds": [0],
@@ -97,13 +100,17 @@ BUDGETS = {
 }
 
 
-def plan(quick: bool, allow_memory: bool = False) -> dict[str, Any]:
+def plan(quick: bool, allow_memory: bool = False, running_max_num_seqs: int | None = None) -> dict[str, Any]:
+    if running_max_num_seqs is not None and not 1 <= running_max_num_seqs <= MAX_RUNNING_SEQS:
+        raise ValueError(f"running_max_num_seqs: must be within 1..{MAX_RUNNING_SEQS}, got {running_max_num_seqs}")
+    seqs = "" if running_max_num_seqs is None else f", --max-num-seqs {running_max_num_seqs}"
     return {
         "objective": "slo_capacity",
         "workload": WORKLOAD,
         "slo": SLO_PLAN,
         "memory_fixed": not allow_memory,
-        "running_config": "vLLM 0.32 CPU defaults, 16 MiB KV",
+        "running_config": f"vLLM 0.32 CPU defaults, 16 MiB KV{seqs}",
+        "running_max_num_seqs": running_max_num_seqs,
         "prune_min_effect": PRUNE_MIN_EFFECT,
         **BUDGETS[quick],
     }
@@ -134,9 +141,10 @@ def run_tune_vllm_bench(
     json_path: Path | None = None,
     python: str | None = None,
     out_dir: Path | None = None,
+    running_max_num_seqs: int | None = None,
 ) -> dict[str, Any]:
     t0 = time.time()
-    the_plan = plan(quick, allow_memory)
+    the_plan = plan(quick, allow_memory, running_max_num_seqs)
     result: dict[str, Any] = {"plan": the_plan, "status": "running", "quick": quick}
     if json_path is not None:  # the plan is on disk before the first measurement
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,6 +170,8 @@ def _tuning(
     checkpoint, db = wb.checkpoint, wb.db
     slo = SLO(**SLO_PLAN).validate()
     base = VllmConfig(model=str(checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_BYTES)
+    if the_plan["running_max_num_seqs"] is not None:
+        base = base.replace(max_num_seqs=the_plan["running_max_num_seqs"])
     workload = LateWorkload()
     backend = VllmBackend(
         workload=workload,

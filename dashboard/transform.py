@@ -100,12 +100,21 @@ def metric_comparison(before: dict[str, Any] | None, after: dict[str, Any] | Non
 def proposal_measurements(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[tuple[str, list]]:
     """(title, rows) sections comparing a proposal's baseline and best measurements.
 
-    The tuner records the study's trial metrics (`trial`), the parameters (`params`) and confirmation re-runs
-    on fresh seeds (`confirmation`: a list of runs for the baseline, `{runs: [...], gain, ...}` for the best).
-    Plain flat metric dicts are compared as they are.
+    The tuner records the study's trial metrics (`trial`), the parameters (`params`) and the confirmation on
+    fresh seeds: each side's mean capacity over the comparison's pairs (`heldout_capacity_rps`), or in proposals
+    written before the capacity comparison, re-runs (`confirmation`: a list of runs for the baseline,
+    `{runs: [...], gain, ...}` for the best). Plain flat metric dicts are compared as they are.
     """
     before, after = before or {}, after or {}
     sections: list[tuple[str, list]] = []
+    cap_before, cap_after = before.get("heldout_capacity_rps"), after.get("heldout_capacity_rps")
+    if _is_num(cap_before) and _is_num(cap_after):
+        sections.append(
+            (
+                "SLO capacity on held-out seeds (requests/s; mean over the comparison's ABBA pairs)",
+                metric_comparison({"capacity_rps": cap_before}, {"capacity_rps": cap_after}),
+            )
+        )
     runs_before, conf_after = before.get("confirmation"), after.get("confirmation")
     runs_after = conf_after.get("runs") if isinstance(conf_after, dict) else None
     if isinstance(runs_before, list) and isinstance(runs_after, list):
@@ -128,12 +137,21 @@ def proposal_measurements(before: dict[str, Any] | None, after: dict[str, Any] |
 
 
 def confirmation_verdict(after: dict[str, Any] | None) -> str | None:
-    """'holds: +12.0% goodput (needed +5.0%)' from the tuner's confirmation, or None without one."""
+    """'Confirmation holds: serves +12.0% traffic at the same SLOs (90% interval ...)' from the tuner's capacity
+    comparison (every engine's), 'Confirmation holds: +12.0% goodput (needed +5.0%)' from a proposal written
+    before it; None without one."""
     conf = (after or {}).get("confirmation")
     if not isinstance(conf, dict) or not _is_num(conf.get("gain")):
         return None
+    holds = conf.get("holds")
+    if holds is None and _is_num(conf.get("gain_low")):  # a vLLM proposal of the first capacity comparisons
+        holds = conf["gain_low"] > 0
+    verdict = "holds" if holds else "does not hold"
+    if conf.get("objective") == "slo_capacity" and isinstance(conf.get("sentence"), str):
+        return f"Confirmation {verdict}: {conf['sentence']}."
+    if _is_num(conf.get("gain_low")):
+        return f"Confirmation {verdict}: {conf['gain']:+.1%} capacity (lower bound {conf['gain_low']:+.1%})."
     needed = f" (needed {conf['min_gain']:+.1%})" if _is_num(conf.get("min_gain")) else ""
-    verdict = "holds" if conf.get("holds") else "does not hold"
     return f"Confirmation {verdict}: {conf['gain']:+.1%} goodput{needed}."
 
 

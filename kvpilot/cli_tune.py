@@ -273,9 +273,13 @@ def nightly_cmd(
     workload_args: WorkloadArgs = WORKLOAD,
     instance: str | None = typer.Option(None, "--instance", help="replay the stored requests of this instance only"),
     slo_args: SloArgs = KVPILOT_SLO,
-    confirm_seeds: int = typer.Option(3, "--confirm-seeds", help="new workload seeds for the confirmation"),
+    confirm_seeds: int = typer.Option(
+        3, "--confirm-seeds", help="new workload seeds for the capacity confirmation (2..10: one ABBA pair each)"
+    ),
     seeds_per_trial: int = SeedsPerTrialOpt,
-    min_gain: float = typer.Option(0.02, "--min-gain", help="propose only above this relative goodput gain"),
+    margin: float = typer.Option(
+        0.03, "--margin", help="capacity ratios within 1 +- this are 'no gain': a proposal's interval must pass it"
+    ),
     min_effect: float = typer.Option(
         0.01, "--min-effect", help="drop a change whose revert costs less goodput than this (the noise)"
     ),
@@ -289,7 +293,8 @@ def nightly_cmd(
     ),
     verbose: bool = VerboseOpt,
 ) -> None:
-    """The stored traffic as it came -> study -> confirmation -> a proposal (only if the gain holds).
+    """The stored traffic as it came -> study -> capacity confirmation on new seeds -> a proposal (only if the
+    whole 90% interval of the capacity gain is above 1).
 
     For a vLLM: `kvpilot tune vllm nightly`."""
     require_extras(ctx, "tune")
@@ -312,7 +317,7 @@ def nightly_cmd(
             seed=seed,
             confirm_seeds=confirm_seeds,
             seeds_per_trial=seeds_per_trial,
-            min_gain=min_gain,
+            margin=margin,
             min_effect=min_effect,
             instance=instance,
             storage_url=storage,
@@ -379,7 +384,7 @@ def proposals_list(
     limit: int = typer.Option(50, "--limit"),
     db_url: str | None = DbOpt,
 ) -> None:
-    """Proposals, newest first: id, status, engine (kvpilot or vllm), confirmed goodput gain, study."""
+    """Proposals, newest first: id, status, engine (kvpilot or vllm), confirmed gain, study."""
     require_extras(ctx, "tune")
     with _errors():
         from tuner.jobs import open_db

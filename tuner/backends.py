@@ -210,9 +210,14 @@ class EngineBackend(_Base):
         self.warmup = warmup
 
     def evaluate(self, config: EngineConfig, *, run_id: str, seed: int) -> TrialMetrics:
-        reqs, prompts = self.requests(seed)
+        return self.measure_requests(config, *self.requests(seed), run_id=run_id)
+
+    def measure_requests(
+        self, config: EngineConfig, reqs: list[W.WorkloadRequest], prompts: list[list[int]], *, run_id: str
+    ) -> TrialMetrics:
+        """`reqs` as given (e.g. at a multiple of their rate, `tuner.capacity`) on a fresh engine of `config`."""
         sink = TrialSink(keep_steps=True)
         engine = LLMEngine(_telemetry(config, run_id, self.instance), clock=SkipClock(), sink=sink)
         engine.warmup(self.warmup)
-        result = replay(engine, reqs, seed=seed, prompts=prompts)
+        result = replay(engine, reqs, prompts=prompts)
         return self._measure(sink, result, run_id)

@@ -166,7 +166,8 @@ def pressure(m: TrialMetrics, slo: SLO) -> float:
 
 
 def _pressure_at(probes: Sequence[Probe], multiplier: float) -> float | None:
-    return next((p.pressure for p in probes if p.multiplier == multiplier), None)
+    """The pressure of the last probe at `multiplier` (a search continued by another measures a rate again)."""
+    return next((p.pressure for p in reversed(probes) if p.multiplier == multiplier), None)
 
 
 def _s(v: float | None) -> str:

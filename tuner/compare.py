@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine import workload as W
-from tuner.capacity import MIN_MULTIPLIER, Capacity, Replayer, replay_capacity
+from tuner.capacity import MAX_MULTIPLIER, MIN_MULTIPLIER, Capacity, Replayer, replay_capacity
 from tuner.metrics import SLO
 
 log = logging.getLogger("kvpilot.tuner.compare")
@@ -53,6 +53,7 @@ LEVEL = 0.90
 _T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
 _T95_LARGE = 1.645
 MAX_PAIRS = 10
+DEFAULT_MARGIN = 0.03  # capacity ratios within 1 +- this are "no gain": not worth a restart
 SCOUT_GROWTH = 2.0  # a scout's steps until it brackets (a held-out seed's capacity may be half the tuning seed's)
 PROPOSAL, NO_GAIN, INCONCLUSIVE = "proposal", "no gain", "inconclusive"
 
@@ -138,10 +139,15 @@ class Comparison:
         return statistics.fmean(values) if values else 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """The comparison as a proposal records it (`best_metrics["confirmation"]`, every engine alike)."""
         return {
+            "objective": "slo_capacity",
             "running": self.running,
             "candidate": self.candidate,
+            "seeds": self.seeds,
             "verdict": self.verdict,
+            "holds": self.verdict == PROPOSAL,
+            "sentence": self.sentence(),
             "gain": self.gain,
             "gain_low": self.gain_low,
             "gain_high": self.gain_high,
@@ -180,7 +186,7 @@ def compare(
     start: float,
     min_pairs: int = 2,
     max_pairs: int = 4,
-    margin: float = 0.03,
+    margin: float = DEFAULT_MARGIN,
     floor_rps: float,
     say: Callable[[str], None] = lambda message: None,
 ) -> Comparison:
@@ -233,10 +239,20 @@ def compare(
 
 
 def _measure(side: Side, seed: int, prior: dict[str, float], tag: str, *, scout: bool = False) -> Capacity:
-    """One capacity of `side` with the other paused: resumed for it, paused after, warm-started at its last."""
+    """One capacity of `side` with the other paused: resumed for it, paused after, warm-started at its last. A
+    short search that ended without a capacity (the SLOs held at every rate it reached, or failed at every one)
+    goes on as a scout from past its last rate: a candidate with twice the running config's capacity is out of a
+    short search's reach from the running config's answer. The answer's `probes` hold both searches' replays."""
     side.resume()
     try:
         cap = side.capacity(seed=seed, start=prior[side.label], tag=tag, scout=scout)
+        if not scout and not cap.found and cap.not_measured is None and cap.probes:
+            tried = [p.multiplier for p in cap.probes]
+            restart = cap.multiplier * SCOUT_GROWTH if cap.multiplier > 0 else min(tried) / SCOUT_GROWTH
+            if MIN_MULTIPLIER <= restart <= MAX_MULTIPLIER:
+                scouted = side.capacity(seed=seed, start=restart, tag=f"{tag}s", scout=True)
+                scouted.probes[:0] = cap.probes
+                cap = scouted
     finally:
         side.pause()
     if cap.multiplier > 0:

@@ -34,6 +34,7 @@ from engine import workload as W
 from engine.config import EngineConfig
 from plumbing.openloop import Fired, lateness, open_loop
 from tuner.metrics import SLO, TrialMetrics, trial_metrics, with_unrecorded
+from tuner.replay import Prepared, prepared_workload
 
 log = logging.getLogger("kvpilot.tuner.live")
 
@@ -84,6 +85,11 @@ class LiveBackend:
         self.aborted_trials = 0
         self.trials = 0
         self.lost_requests = 0  # sent but never answered, or answered with an error other than the 429 stored
+        self._workloads: dict[int, Prepared] = {}
+
+    def requests(self, seed: int) -> Prepared:
+        """The workload of `seed` and its prompts' token ids (what a capacity search replays at multiples)."""
+        return prepared_workload(self._workloads, self.workload, seed)
 
     def _call(self, method: str, path: str, json: Any = None) -> dict:
         try:

@@ -1,5 +1,11 @@
-"""`kvpilot tune nightly`: the stored traffic as it came -> study (+ random baseline) -> confirmation
-re-run of the current and the best config on new workload seeds -> a proposal only when the gain holds.
+"""`kvpilot tune nightly`: the stored traffic as it came -> study (+ random baseline) -> confirmation of the
+current and the best config on new workload seeds -> a proposal only when the gain holds.
+
+The confirmation is the comparison `kvpilot tune vllm` makes (`tuner.compare`, one gain rule for every engine):
+each config's SLO capacity on held-out seeds (`tuner.capacity`: how many times the traffic's rate it serves
+within the SLOs), measured in ABBA pairs, and the 90% interval of the capacity ratio; the gain holds when the
+verdict is `proposal` (the whole interval above 1, and above the equivalence margin). The study ranks its trials
+by goodput at the traffic's rate, as before; what a proposal claims is capacity: "+X% traffic at the same SLOs".
 
 A proposal is three files and a row: `proposal-<id>.yaml` (an EngineConfig: `kvpilot engine serve
 --config` applies it), `report-<id>.md`, `pareto-<id>.png`, and a `proposals` row (status pending).
@@ -11,26 +17,37 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import statistics
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from engine.config import EngineConfig
 from tuner import workloads as WL
 from tuner.backends import Backend
+from tuner.capacity import MIN_MULTIPLIER, Replayer, arrival_rate
+from tuner.compare import DEFAULT_MARGIN, MAX_PAIRS, ReplayerSide, compare
 from tuner.jobs import base_config, make_backend, open_db, workload_factory
 from tuner.metrics import SLO
 from tuner.profile import load_profile
 from tuner.proposals import ProposalView, create_proposal, running_tunables
 from tuner.prune import drop_noise_knobs, seed_measurer
+from tuner.replay import Prepared
 from tuner.report import pareto_png, render_markdown, search_summary
 from tuner.space import load_space
 from tuner.storage import open_storage
 from tuner.study import StudyResult, run_study
 
 log = logging.getLogger("kvpilot.tuner.nightly")
+
+
+@runtime_checkable
+class CapacityBackend(Replayer, Protocol):
+    """A backend whose capacity can be searched: it replays any request list and has each seed's workload (the
+    simulators, the in-process engine, a live kvpilot engine, a vLLM)."""
+
+    name: str
+
+    def requests(self, seed: int) -> Prepared: ...
 
 
 @dataclass
@@ -45,33 +62,45 @@ class NightlyResult:
 
 
 def confirm(
-    backend: Backend, base: EngineConfig, best: EngineConfig, *, slo: SLO, seeds: list[int], name: str, min_gain: float
+    backend: Backend,
+    base: Any,
+    best: Any,
+    *,
+    slo: SLO,
+    seeds: list[int],
+    name: str,
+    margin: float = DEFAULT_MARGIN,
+    pair_replays: int = 4,
+    scout_replays: int = 8,
 ) -> dict[str, Any]:
-    """Re-run current and best on the same new seeds; the gain holds only if the best is feasible and
-    ahead on every seed and its mean gain reaches `min_gain`."""
-    runs: dict[str, list[dict]] = {"baseline": [], "best": []}
-    feasible = []
-    for seed in seeds:
-        for label, cfg in (("baseline", base), ("best", best)):
-            m = backend.evaluate(cfg, run_id=f"{name}-confirm-{label}-s{seed}-{uuid.uuid4().hex[:6]}", seed=seed)
-            runs[label].append(m.as_dict())
-            if label == "best":
-                feasible.append(m.feasible(slo))
-    before = [m["goodput_tps"] for m in runs["baseline"]]
-    after = [m["goodput_tps"] for m in runs["best"]]
-    mean_before = statistics.fmean(before)
-    gain = (statistics.fmean(after) / mean_before - 1.0) if mean_before > 0 else (float("inf") if any(after) else 0.0)
-    ahead = all(a > b for a, b in zip(after, before, strict=True))
-    return {
-        "seeds": seeds,
-        "baseline": runs["baseline"],
-        "best": runs["best"],
-        "gain": gain,
-        "min_gain": min_gain,
-        "best_feasible_all": all(feasible),
-        "best_ahead_all": ahead,
-        "holds": all(feasible) and ahead and gain >= min_gain,
-    }
+    """The capacity comparison of `best` against `base` on the held-out `seeds` (module docstring): ABBA pairs,
+    one per seed at most, at least 2; the record is the comparison's (`Comparison.as_dict`: `holds` when the
+    verdict is `proposal`)."""
+    if len(seeds) < 2:
+        raise ValueError(f"seeds: the comparison needs at least 2 held-out seeds (one pair has no interval): {seeds}")
+    if not isinstance(backend, CapacityBackend):
+        raise ValueError(f"backend {backend.name}: cannot replay a request list, so it cannot measure capacity")
+    replayer = backend
+
+    def side(label: str, config: Any) -> ReplayerSide:
+        return ReplayerSide(
+            label, replayer, config, replayer.requests, slo, f"{name}-confirm", max_replays=pair_replays,
+            scout_replays=scout_replays,
+        )  # fmt: skip
+
+    rate = arrival_rate(replayer.requests(seeds[0])[0])
+    c = compare(
+        side("running", base),
+        side("candidate", best),
+        seeds=seeds,
+        start=1.0,
+        min_pairs=2,
+        max_pairs=min(len(seeds), MAX_PAIRS),
+        margin=margin,
+        floor_rps=MIN_MULTIPLIER * rate,
+    )
+    log.info("nightly %s: confirmation: %s", name, c.sentence())
+    return c.as_dict()
 
 
 def run_nightly(
@@ -89,7 +118,7 @@ def run_nightly(
     seed: int = 0,
     confirm_seeds: int = 3,
     seeds_per_trial: int = 1,
-    min_gain: float = 0.02,
+    margin: float = DEFAULT_MARGIN,
     min_effect: float = 0.01,
     instance: str | None = None,
     storage_url: str | None = None,
@@ -107,8 +136,13 @@ def run_nightly(
     GET /admin/config on top of the config file), so the proposal is measured against what it would replace."""
     slo = (slo or SLO()).validate()
     opts = (options or WL.WorkloadOptions()).validate()
-    if confirm_seeds < 1:
-        raise ValueError(f"confirm_seeds: must be >= 1, got {confirm_seeds}")
+    if not 2 <= confirm_seeds <= MAX_PAIRS:
+        raise ValueError(
+            f"confirm_seeds: must be within 2..{MAX_PAIRS}, got {confirm_seeds}: the confirmation's interval needs "
+            "at least 2 held-out seeds"
+        )
+    if not 0 <= margin < 0.5:
+        raise ValueError(f"margin: must be within [0, 0.5), got {margin}")
     out = Path(out_dir)
     prof = load_profile(profile)
     base = base_config(config_path, prof, backend)
@@ -161,11 +195,11 @@ def run_nightly(
             else:
                 best_cfg = space.apply(base, kept)
                 seeds = [seed + 1000 + k for k in range(confirm_seeds)]
-                confirmation = confirm(be, base, best_cfg, slo=slo, seeds=seeds, name=name, min_gain=min_gain)
+                confirmation = confirm(be, base, best_cfg, slo=slo, seeds=seeds, name=name, margin=margin)
                 decision = (
-                    f"propose: {confirmation['gain']:+.1%} goodput, held on {len(seeds)} new seeds"
+                    f"propose: {confirmation['sentence']}"
                     if confirmation["holds"]
-                    else f"no proposal: the gain did not hold on new seeds ({confirmation['gain']:+.1%})"
+                    else f"no proposal: the gain did not hold on {len(seeds)} new seeds: {confirmation['sentence']}"
                 )
         log.info("nightly %s: %s", name, decision)
         png = pareto_png(result)
@@ -188,7 +222,11 @@ def run_nightly(
             return NightlyResult(result, decision, None, confirmation, {"report": path}, md, pruning)
         best_cfg = space.apply(base, kept)
         cfg_yaml = best_cfg.to_yaml()
-        metrics_base = {"trial": current.metrics, "confirmation": confirmation["baseline"], "params": current.params}
+        metrics_base = {
+            "trial": current.metrics,
+            "heldout_capacity_rps": confirmation["running_capacity_rps"],
+            "params": current.params,
+        }
         metrics_best = {
             "trial": best.metrics,
             "params": kept,
@@ -197,8 +235,8 @@ def run_nightly(
             "search": search_summary(result),
             "workload": wdesc,
             "backend": backend,
-            "confirmation": {k: v for k, v in confirmation.items() if k not in ("baseline", "best")}
-            | {"runs": confirmation["best"]},
+            "heldout_capacity_rps": confirmation["candidate_capacity_rps"],
+            "confirmation": confirmation,
         }
         return _publish(
             db,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import statistics
 from typing import Any
 
@@ -20,12 +21,48 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _n(v: float) -> str:
+    return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def spread(values: list[float]) -> str:
+    """mean ± sd (min, max, n), with the digits small figures (seconds) need."""
     if not values:
         return "—"
     mean = statistics.fmean(values)
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.1f} ± {sd:.1f} (min {min(values):.1f}, max {max(values):.1f}, n={len(values)})"
+    return f"{_n(mean)} ± {_n(sd)} (min {_n(min(values))}, max {_n(max(values))}, n={len(values)})"
+
+
+def comparison_lines(record: dict[str, Any], heading: str, *, setting: str) -> list[str]:
+    """A capacity comparison (`tuner.compare.Comparison.as_dict`) as a report section: each ABBA pair's
+    capacities and ratio, both sides' spread, and the verdict with its interval. `setting`: how the two configs
+    ran (each on its own server, a simulator...)."""
+    lines = [
+        "",
+        heading,
+        "",
+        f"{setting} Each pair is four capacity measurements in the order running, candidate, candidate, running on "
+        "one held-out seed; a capacity is the largest multiple of the seed's arrival rate within the SLOs.",
+        "",
+        "| seed | running req/s | candidate req/s | pair ratio | replays |",
+        "|---|---|---|---|---|",
+    ]
+    for p in record["pairs"]:
+        run, cand = p["running"], p["candidate"]
+        lines.append(
+            f"| {p['seed']} | {run[0]:.2f}, {run[1]:.2f} | {cand[0]:.2f}, {cand[1]:.2f} | "
+            f"{math.exp(p['log_ratio']):.3f} | {p['replays']} |"
+        )
+    runs = [x for p in record["pairs"] for x in p["running"]]
+    cands = [x for p in record["pairs"] for x in p["candidate"]]
+    lines += [
+        "",
+        f"Running {spread(runs)} req/s; candidate {spread(cands)} req/s.",
+        "",
+        f"**{record['verdict']}**: {record['sentence']}.",
+    ]
+    return lines
 
 
 def changes(baseline: dict[str, Any], best: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -92,32 +129,11 @@ def render_markdown(
         diff = changes(base.params, best.params)
         lines += [f"| `{k}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in diff] or ["| (none) | | |"]
     if confirmation:
-        lines += [
-            "",
-            "## Confirmation (new workload seeds)",
-            "",
-            f"Seeds {confirmation['seeds']}; goodput tokens/s as mean ± sd (min, max).",
-            "",
-            "| metric | before (current) | after (proposed) |",
-            "|---|---|---|",
-        ]
-        for key, label in (
-            ("goodput_tps", "goodput tokens/s"),
-            ("throughput_tps", "throughput tokens/s"),
-            ("ttft_p99_s", "p99 TTFT s"),
-            ("e2e_p99_s", "p99 end-to-end s"),
-            ("rejection_rate", "rejection rate"),
-            ("preemptions", "preemptions"),
-        ):
-            before = [m[key] for m in confirmation["baseline"] if m.get(key) is not None]
-            after = [m[key] for m in confirmation["best"] if m.get(key) is not None]
-            lines.append(f"| {label} | {spread(before)} | {spread(after)} |")
-        lines += [
-            "",
-            f"Gain: {confirmation['gain']:+.1%} (threshold {confirmation['min_gain']:+.1%}); "
-            f"best feasible on every seed: {confirmation['best_feasible_all']}; "
-            f"best ahead on every seed: {confirmation['best_ahead_all']}.",
-        ]
+        lines += comparison_lines(
+            confirmation,
+            "## Confirmation: SLO capacity on new workload seeds",
+            setting=f"The current and the proposed config on the `{backend}` backend, one after the other.",
+        )
     if plot_name:
         lines += ["", "## Trade-off", "", f"![throughput vs p99]({plot_name})"]
     return "\n".join(lines) + "\n"

@@ -202,3 +202,32 @@ def test_lines_break_where_there_is_no_data() -> None:
     values = next(iter(spec["datasets"].values()))
     assert sum(v["v"] is None for v in values) == 1  # the chart's data carries the break as null
     assert charts.break_gaps(df.iloc[:0], y="v", by=["i"]).empty
+
+
+def test_a_capacity_confirmation_reads_as_its_verdict_and_its_capacities() -> None:
+    """Every engine's proposal records the capacity comparison (`Comparison.as_dict`) and each side's mean
+    held-out capacity: the page says the verdict with its interval and compares the capacities."""
+    from tuner.compare import Comparison, interval
+
+    c = Comparison("running", "candidate", 0.03, [1000, 1001], verdict="proposal")
+    c.pairs = [
+        {"seed": 1000, "running": [10.0, 10.4], "candidate": [12.0, 12.2], "log_ratio": 0.17, "replays": 8},
+        {"seed": 1001, "running": [9.0, 9.2], "candidate": [11.0, 10.6], "log_ratio": 0.18, "replays": 8},
+    ]
+    c.interval = interval([0.17, 0.18])
+    record = json.loads(json.dumps(c.as_dict()))  # as the proposals row stores it
+    text = transform.confirmation_verdict({"confirmation": record})
+    assert text is not None and text.startswith("Confirmation holds: serves +19.1% traffic at the same SLOs")
+    assert "90% interval" in text and "2 ABBA pair(s)" in text
+    c.verdict = "no gain"
+    assert transform.confirmation_verdict({"confirmation": c.as_dict()}).startswith("Confirmation does not hold")
+    # the first vLLM proposals recorded the gain and its bounds only (always a proposal)
+    old = transform.confirmation_verdict({"confirmation": {"gain": 0.1, "gain_low": 0.02, "gain_high": 0.2}})
+    assert old == "Confirmation holds: +10.0% capacity (lower bound +2.0%)."
+    sections = transform.proposal_measurements(
+        {"heldout_capacity_rps": record["running_capacity_rps"]},
+        {"heldout_capacity_rps": record["candidate_capacity_rps"], "confirmation": record},
+    )
+    title, rows = sections[0]
+    assert title.startswith("SLO capacity on held-out seeds") and rows[0]["metric"] == "capacity_rps"
+    assert rows[0]["before"] == pytest.approx(9.65) and rows[0]["after"] == pytest.approx(11.45)

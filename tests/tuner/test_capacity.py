@@ -312,12 +312,16 @@ def test_each_held_out_seed_is_scouted_before_its_pair_so_a_heavier_seed_still_h
         m, rate = fake.true_multiplier[pair["seed"]], arrival_rate(workloads[pair["seed"]])
         # within a step of the truth (the fake judges by request count, which moves in whole requests)
         assert all(m / 1.2 <= c / rate <= m * 1.1 for c in pair["held"]), pair
-    # the same short searches with no scout's budget cannot reach seed 1000's capacity from x3.67
+    # with scouts too short to bracket (3 replays), the short searches after them cannot reach seed 1000's
+    # capacity from x3.67 either: each goes on as a scout of its own from past its last rate, and finds it
+    fake.replays = 0
     blind = compare(
         side("running", scout_replays=3), side("candidate", scout_replays=3), seeds=[1000, 1001], start=3.67,
         floor_rps=0.01,
     )  # fmt: skip
-    assert blind.lower_bounds and blind.verdict == INCONCLUSIVE
+    assert blind.lower_bounds == [] and all(p["bracketed"] for p in blind.pairs), blind.as_dict()
+    assert fake.replays == sum(p["replays"] for p in blind.pairs)  # every replay, both searches', counted
+    assert blind.pairs[0]["replays"] > 3 + 3 * 4  # the scout's 3 and more than 3 short searches' budget
 
 
 def test_a_rate_the_sender_cannot_keep_up_with_ends_the_search_with_what_it_has() -> None:

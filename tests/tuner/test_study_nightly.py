@@ -12,6 +12,7 @@ from collector.db import make_engine
 from collector.queries import goodput
 from engine.config import ConfigError, EngineConfig
 from engine.events import RequestEvent
+from tuner import nightly
 from tuner import workloads as WL
 from tuner.backends import SimBackend
 from tuner.metrics import SLO, store_events, trial_metrics
@@ -243,9 +244,23 @@ def test_nightly_writes_a_proposal_only_when_the_gain_holds(sqlite_url: str, tmp
     assert "## What changed" in report and "random search, same budget" in report and "± " in report
     assert result.files["plot"].read_bytes()[:4] == b"\x89PNG"
     assert get_proposal(make_engine(sqlite_url), p.id).report_md == report
-    # Same search, but a gain threshold nothing can reach: a report, no proposal, no row.
-    none = run_nightly(out_dir=tmp_path / "out2", min_gain=10.0, **common)
-    assert none.proposal is None and "did not hold" in none.decision
+    # the confirmation is the capacity comparison of every engine: ABBA pairs on the 2 new seeds, the whole
+    # 90% interval above 1; its record is the proposal's, its table the report's
+    conf = p.best_metrics["confirmation"]
+    assert conf["objective"] == "slo_capacity" and conf["verdict"] == "proposal" and conf["seeds"] == [1000, 1001]
+    assert conf["gain_low"] > 0 and len(conf["pairs"]) == 2 and p.gain == conf["gain"]
+    assert p.best_metrics["heldout_capacity_rps"] > p.baseline_metrics["heldout_capacity_rps"] > 0
+    assert "## Confirmation: SLO capacity on new workload seeds" in report and conf["sentence"] in report
+    assert result.decision == f"propose: {conf['sentence']}"
+    # The same search, but a comparison that does not say `proposal`: a report, no proposal, no row.
+    real = nightly.confirm
+
+    def doubtful(*args, **kwargs) -> dict:
+        return {**real(*args, **kwargs), "verdict": "inconclusive", "holds": False}
+
+    monkeypatch.setattr(nightly, "confirm", doubtful)
+    none = run_nightly(out_dir=tmp_path / "out2", **common)
+    assert none.proposal is None and "did not hold on 2 new seeds" in none.decision
     assert none.files["report"].exists() and not list((tmp_path / "out2").glob("proposal-*.yaml"))
     assert [q.id for q in list_proposals(make_engine(sqlite_url))] == [p.id]
 
@@ -253,6 +268,8 @@ def test_nightly_writes_a_proposal_only_when_the_gain_holds(sqlite_url: str, tmp
 def test_nightly_from_an_empty_collector_is_a_clear_error(sqlite_url: str, tmp_path) -> None:
     path = tmp_path / "tiny.json"
     tiny_profile().save(path)
+    with pytest.raises(ValueError, match="at least 2 held-out seeds"):  # one pair has no interval
+        run_nightly(db_url=sqlite_url, out_dir=tmp_path / "o", confirm_seeds=1, profile=str(path), progress=False)
     with pytest.raises(WL.WorkloadError, match="holds 0 requests"):
         run_nightly(db_url=sqlite_url, out_dir=tmp_path / "o", trials=2, profile=str(path), progress=False)
     assert not (tmp_path / "o").exists()
@@ -356,7 +373,7 @@ def test_nightly_replays_the_stored_traffic(sqlite_url: str, tmp_path, workload:
         options=WL.WorkloadOptions(hours=1.0, requests=40),
         slo=SLO_T,
         instance="prod-7",
-        confirm_seeds=1,
+        confirm_seeds=2,
         progress=False,
     )
     assert f"kind={workload}" in result.report_md and described in result.report_md

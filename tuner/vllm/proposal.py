@@ -7,8 +7,6 @@ renamed into place.
 from __future__ import annotations
 
 import logging
-import math
-import statistics
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,23 +19,10 @@ from tuner.capacity import MIN_FINISHED
 from tuner.compare import Comparison
 from tuner.metrics import SLO
 from tuner.proposals import ProposalView, create_proposal
-from tuner.report import _fmt
+from tuner.report import _fmt, comparison_lines
 from tuner.vllm.screen import ScreenResult
 
 log = logging.getLogger("kvpilot.tuner.vllm.proposal")
-
-
-def _n(v: float) -> str:
-    return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}"
-
-
-def spread(values: list[float]) -> str:
-    """mean ± sd (min, max, n), with the digits small figures (seconds) need."""
-    if not values:
-        return "—"
-    mean = statistics.fmean(values)
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{_n(mean)} ± {_n(sd)} (min {_n(min(values))}, max {_n(max(values))}, n={len(values)})"
 
 
 def render_report(
@@ -138,30 +123,9 @@ def _changes(base: VllmConfig, config: VllmConfig) -> str:
 
 
 def _comparison(c: Comparison, heading: str) -> list[str]:
-    lines = [
-        "",
-        heading,
-        "",
-        "Both configs on their own server, both up, the idle one paused; each pair is four capacity measurements "
-        "in the order running, candidate, candidate, running on one held-out seed.",
-        "",
-        "| seed | running req/s | candidate req/s | pair ratio | replays |",
-        "|---|---|---|---|---|",
-    ]
-    for p in c.pairs:
-        run, cand = p["running"], p["candidate"]
-        lines.append(
-            f"| {p['seed']} | {run[0]:.2f}, {run[1]:.2f} | {cand[0]:.2f}, {cand[1]:.2f} | "
-            f"{math.exp(p['log_ratio']):.3f} | {p['replays']} |"
-        )
-    runs, cands = [x for p in c.pairs for x in p["running"]], [x for p in c.pairs for x in p["candidate"]]
-    lines += [
-        "",
-        f"Running {spread(runs)} req/s; candidate {spread(cands)} req/s.",
-        "",
-        f"**{c.verdict}**: {c.sentence()}.",
-    ]
-    return lines
+    return comparison_lines(
+        c.as_dict(), heading, setting="Both configs on their own server, both up, the idle one paused."
+    )
 
 
 @dataclass(frozen=True)

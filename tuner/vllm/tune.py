@@ -44,7 +44,7 @@ from integrations.vllm.config import VllmConfig, VllmConfigError
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError
 from tuner.capacity import MIN_MULTIPLIER, Capacity, at_rate_requests, replay_capacity
-from tuner.compare import MAX_PAIRS, PROPOSAL, Comparison, ReplayerSide, compare
+from tuner.compare import DEFAULT_MARGIN, MAX_PAIRS, PROPOSAL, Comparison, ReplayerSide, compare
 from tuner.metrics import SLO, TrialMetrics
 from tuner.replay import TrialSink, replay
 from tuner.study import StudyResult
@@ -92,7 +92,7 @@ class Budget:
     capacity_replays: int = 7  # a full capacity search (the running config's, each confirmation's)
     pair_replays: int = 4  # one measurement of the comparison (warm-started, it stops at its first bracket)
     min_pairs: int = 2
-    margin: float = 0.03  # capacity ratios within 1 +- margin are "no gain": not worth a restart
+    margin: float = DEFAULT_MARGIN  # capacity ratios within 1 +- margin are "no gain": not worth a restart
 
     @property
     def max_pairs(self) -> int:
@@ -679,11 +679,7 @@ class VllmTuning:
                 best=best,
                 report_md=report,
                 baseline_metrics={"capacity": running, "heldout_capacity_rps": h.mean_capacity("running")},
-                best_metrics={
-                    "heldout_capacity_rps": h.mean_capacity("candidate"),
-                    "comparison": h.as_dict(),
-                    "confirmation": {"gain": h.gain, "gain_low": h.gain_low, "gain_high": h.gain_high},
-                },
+                best_metrics={"heldout_capacity_rps": h.mean_capacity("candidate"), "confirmation": h.as_dict()},
             )
             report_path = proposal.report_path
         else:
