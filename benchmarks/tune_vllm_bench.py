@@ -337,3 +337,6 @@ def _capacity_or_none(tuning: VllmTuning, config: VllmConfig) -> Capacity | None
     except InfeasibleTrialError as exc:
         _say(tuning.t0, f"live-only best: infeasible: {exc.reason[:300]}")
         return None
+    except NotMeasuredError as exc:  # the sender's fault, not the config's: no capacity to report for it
+        _say(tuning.t0, f"live-only best: not measured: {exc.reason[:300]}")
+        return None
