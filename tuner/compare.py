@@ -170,7 +170,9 @@ class Comparison:
                 " failed at every rate tried): no ratio; replay a longer workload or give the search more replays"
             )
         iv = self.interval
-        span = f"90% interval {iv.low - 1:+.1%}..{iv.high - 1:+.1%}, {iv.pairs} ABBA pair(s)"
+        if iv.pairs < 2:
+            return f"{self.gain:+.1%} capacity in the first ABBA pair (an interval needs two)"
+        span = f"90% interval {iv.low - 1:+.1%}..{iv.high - 1:+.1%}, {iv.pairs} ABBA pairs"
         if self.verdict == PROPOSAL:
             return f"serves {self.gain:+.1%} traffic at the same SLOs ({span})"
         if self.verdict == NO_GAIN:

@@ -80,7 +80,7 @@ def confirm(
         raise ValueError(f"seeds: the comparison needs at least 2 held-out seeds (one pair has no interval): {seeds}")
     if not isinstance(backend, CapacityBackend):
         raise ValueError(f"backend {backend.name}: cannot replay a request list, so it cannot measure capacity")
-    replayer = backend
+    replayer: CapacityBackend = backend  # the narrowed type, for the closure below
 
     def side(label: str, config: Any) -> ReplayerSide:
         return ReplayerSide(

@@ -15,8 +15,14 @@ from dashboard.data.base import TTL_S, Filters, engine, label_text
 # How the tuner names what it stores (tuner/backends.py, tuner/study.py, tuner/nightly.py): its replay
 # backends push as instance `tuner-sim` (the simulator) or `tuner-engine` (an in-process engine), and each
 # trial's events carry the run id `<study>-t<n>-<6 hex>` (`-s<seed>` per extra seed), confirmation re-runs
-# `<study>-confirm-<baseline|best>-s<seed>-<6 hex>`.
-TUNER_RUN_ID = re.compile(r"-(?:t\d+-[0-9a-f]{6}(?:-s\d+)?|confirm-[A-Za-z0-9_.]+-s\d+-[0-9a-f]{6})$")
+# `<study>-confirm-<baseline|best>-s<seed>-<6 hex>` (before the capacity comparison), and every capacity replay
+# (`tuner.capacity.replay_capacity`) `<search>-x<multiplier>`, where a comparison's search is
+# `<name>-<running|candidate>-s<seed>-p<pair>-<k>` (`s` when it went on as a scout) and a tuning's own
+# `<name>-capacity-<label>` or `<name>-simcap`.
+TUNER_RUN_ID = re.compile(
+    r"-(?:t\d+-[0-9a-f]{6}(?:-s\d+)?|confirm-[A-Za-z0-9_.]+-s\d+-[0-9a-f]{6}"
+    r"|(?:s\d+-p\d+-\d+s?|capacity-[A-Za-z0-9_.-]+|simcap)-x\d+(?:\.\d+)?(?:e[+-]\d+)?)$"
+)
 
 
 def is_simulated(instance: str, run_id: str | None = None) -> bool:

@@ -129,10 +129,14 @@ def test_simulated_data_is_named_by_one_rule() -> None:
         "nightly-20261203T150700-4df6-t11-8c4a8a",  # tuner/study.py: <study>-t<n>-<hex6>
         "nightly-20261203T150700-4df6-random-t5-4a4d7f",
         "kv-t3-abcdef-s2",  # one of several seeds
-        "nightly-20261203T150700-4df6-confirm-best-s1001-964437",  # tuner/nightly.py confirmation
+        "nightly-20261203T150700-4df6-confirm-best-s1001-964437",  # tuner/nightly.py confirmation, before
+        "nightly-20261204T230256-eb41-confirm-candidate-s1000-p0-1-x2.3",  # a capacity comparison's replay
+        "nightly-20261204T230256-eb41-confirm-running-s1001-p1-0s-x0.01562",  # one gone on as a scout
+        "bench-capacity-running-x3.67",  # a vLLM tuning's capacity search
+        "bench-simcap-x256",
     ):
         assert is_simulated("e0", run), run
-    for run in ("demo-20261203-150608", "r1", "shift-t2", "prod-t3-XYZXYZ"):
+    for run in ("demo-20261203-150608", "r1", "shift-t2", "prod-t3-XYZXYZ", "exp-x2", "prod-s1-x3"):
         assert not is_simulated("demo-engine", run), run
 
 
@@ -218,7 +222,7 @@ def test_a_capacity_confirmation_reads_as_its_verdict_and_its_capacities() -> No
     record = json.loads(json.dumps(c.as_dict()))  # as the proposals row stores it
     text = transform.confirmation_verdict({"confirmation": record})
     assert text is not None and text.startswith("Confirmation holds: serves +19.1% traffic at the same SLOs")
-    assert "90% interval" in text and "2 ABBA pair(s)" in text
+    assert "90% interval" in text and "2 ABBA pairs" in text
     c.verdict = "no gain"
     assert transform.confirmation_verdict({"confirmation": c.as_dict()}).startswith("Confirmation does not hold")
     # the first vLLM proposals recorded the gain and its bounds only (always a proposal)
