@@ -17,7 +17,9 @@ restart); otherwise `inconclusive`, said as such with the interval. A measuremen
 largest rate its search tried is a lower bound, not a capacity (a workload too short to load the server: compressed
 far enough it is one batch), and one that failed at every rate its short budget reached is no capacity either: a
 ratio of such figures proves nothing (counted as equal they would narrow the interval toward "no gain"), so such a
-pair makes the comparison `inconclusive`, said as "capacity not found", and ends it at the minimum of pairs.
+pair makes the comparison `inconclusive`, said as "capacity not found", and ends it at the minimum of pairs. A
+measurement that could not be made at all (its first replay sent late on every attempt: `NotMeasuredError`) voids
+its pair and ends the comparison `inconclusive`, with the reason (`not_measured`), never a crash of the caller.
 The A/A check is the same protocol with the running config on both servers: it must not say `proposal`.
 
 Each measurement is a capacity (`tuner.capacity`), read as its estimate (`Capacity.estimate`: where the SLO pressure
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine import workload as W
+from tuner.backends import NotMeasuredError
 from tuner.capacity import MAX_MULTIPLIER, MIN_MULTIPLIER, Capacity, Replayer, replay_capacity
 from tuner.metrics import SLO
 
@@ -120,6 +123,7 @@ class Comparison:
     interval: Interval | None = None
     verdict: str = INCONCLUSIVE
     lower_bounds: list[float] = field(default_factory=list)  # figures (req/s) of searches that found no capacity
+    not_measured: str | None = None  # why a measurement could not be made (its first replay sent late every time)
 
     @property
     def gain(self) -> float:
@@ -155,6 +159,7 @@ class Comparison:
             "margin": self.margin,
             "level": LEVEL,
             "capacity_not_found_rps": self.lower_bounds,
+            "not_measured": self.not_measured,
             "running_capacity_rps": self.mean_capacity("running"),
             "candidate_capacity_rps": self.mean_capacity("candidate"),
             "pairs": self.pairs,
@@ -162,6 +167,8 @@ class Comparison:
 
     def sentence(self) -> str:
         """What the comparison says, with its interval."""
+        if self.not_measured is not None:
+            return f"inconclusive: a measurement could not be made ({self.not_measured}); no verdict from the rest"
         if self.interval is None:
             return "not measured"
         if self.lower_bounds:
@@ -208,10 +215,16 @@ def compare(
             seed = seeds[i % len(seeds)]
             scout = seed not in priors
             prior = priors.setdefault(seed, {running.label: start, candidate.label: start})
-            a1 = _measure(running, seed, prior, f"p{i}-0", scout=scout)
-            if scout and a1.multiplier > 0:
-                prior[candidate.label] = a1.multiplier
-            b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(bba, start=1))
+            try:
+                a1 = _measure(running, seed, prior, f"p{i}-0", scout=scout)
+                if scout and a1.multiplier > 0:
+                    prior[candidate.label] = a1.multiplier
+                b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(bba, start=1))
+            except NotMeasuredError as exc:  # the sender's limit, not a config's: the pair is void, and so is the rest
+                out.not_measured = f"pair {i + 1}, seed {seed}: {exc.reason}"
+                out.verdict = INCONCLUSIVE
+                say(f"pair {i + 1} (seed {seed}): {out.sentence()}")
+                break
             rps = [c.estimate_rps for c in (a1, b1, b2, a2)]
             open_ended = [c.capacity_rps for c in (a1, b1, b2, a2) if not c.found]
             out.pairs.append(

@@ -456,3 +456,33 @@ def test_an_aa_comparison_with_a_noisy_machine_reads_no_gain_from_its_estimates(
         assert all(abs(math.log(c / rate / truth[pair["seed"]])) < 0.1 for c in (*pair["running"], *pair["candidate"]))
         abba = [pair["running"][0], *pair["candidate"], pair["running"][1]]
         assert all(held <= est for held, est in zip(pair["held"], abba, strict=True))  # lower ends under estimates
+
+
+def test_a_measurement_the_sender_could_not_make_ends_the_comparison_inconclusive() -> None:
+    """Bench run 9: a held-out measurement's first replay lagged in all 5 attempts and the whole bench stopped.
+    The comparison now ends there, `inconclusive` with the reason, the pairs before it kept."""
+    from tuner.backends import NotMeasuredError
+    from tuner.compare import ReplayerSide, compare
+
+    opts = WL.WorkloadOptions(requests=24, scale=8.0, output_range=(16, 64))
+    workloads = {seed: WL.scenario("sustained", 6.0, opts, seed=seed) for seed in (1000, 1001)}
+    prompts = {seed: prepare_prompts(reqs, seed) for seed, reqs in workloads.items()}
+    slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=0.5)
+
+    class LagsOnSeed1001(_PowerLaw):
+        def measure_requests(self, config, reqs, prompts, *, run_id: str) -> TrialMetrics:
+            if "-s1001-" in run_id:
+                raise NotMeasuredError("the replay client sent late in all 5 attempts")
+            return super().measure_requests(config, reqs, prompts, run_id=run_id)
+
+    fake = LagsOnSeed1001({1000: 2.3, 1001: 3.3})
+
+    def side(label: str) -> ReplayerSide:
+        return ReplayerSide(label, fake, None, lambda seed: (workloads[seed], prompts[seed]), slo, "nm")
+
+    said: list[str] = []
+    c = compare(side("running"), side("candidate"), seeds=[1000, 1001], start=3.0, floor_rps=0.01, say=said.append)
+    assert c.verdict == INCONCLUSIVE and len(c.pairs) == 1 and c.pairs[0]["seed"] == 1000
+    assert c.not_measured == "pair 2, seed 1001: the replay client sent late in all 5 attempts"
+    assert c.sentence().startswith("inconclusive: a measurement could not be made (pair 2, seed 1001")
+    assert c.as_dict()["not_measured"] == c.not_measured and said[-1].startswith("pair 2 (seed 1001): inconclusive")
