@@ -200,26 +200,36 @@ def test_live_study_through_a_real_collector_and_engine_processes(tmp_path) -> N
         collector.stop()
 
 
+def _replayed() -> list:
+    """12 short requests at 4/s: what the replaying tests send."""
+    return WL.scenario("mixed", 4.0, WL.WorkloadOptions(requests=12, scale=32.0, output_range=(2, 6)), seed=1)
+
+
+def _replaying(db, slo: SLO, client: TestClient, transport: httpx.AsyncBaseTransport) -> LiveBackend:
+    """A live backend whose admin calls go through `client` and whose requests go through `transport`."""
+    return LiveBackend(
+        db=db,
+        slo=slo,
+        workload=_workload,
+        engine_url="http://engine",
+        instance="live-1",
+        settle_s=0.0,
+        drive_concurrency=12,
+        ingest_lag_s=0.2,
+        client=client,
+        transport=transport,
+    )
+
+
 def test_capacity_search_on_a_live_engine_replays_each_request_once_and_rolls_back(sqlite_url: str) -> None:
     from tuner.capacity import breaches, replay_capacity, requests_at
     from tuner.replay import prepare_prompts
 
     db, cfg, app, engine = _setup(sqlite_url)
     slo = SLO(ttft_s=5.0, tpot_s=1.0)
-    reqs = WL.scenario("mixed", 4.0, WL.WorkloadOptions(requests=12, scale=32.0, output_range=(2, 6)), seed=1)
+    reqs = _replayed()
     with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
-        backend = LiveBackend(
-            db=db,
-            slo=slo,
-            workload=_workload,
-            engine_url="http://engine",
-            instance="live-1",
-            settle_s=0.0,
-            drive_concurrency=12,
-            ingest_lag_s=0.2,
-            client=client,
-            transport=httpx.ASGITransport(app),
-        )
+        backend = _replaying(db, slo, client, httpx.ASGITransport(app))
         trial = cfg.with_tunable({"scheduler": {"max_num_seqs": 8}})
         cap = replay_capacity(backend, trial, reqs, prepare_prompts(reqs, 1), slo=slo, run_id="cap", max_replays=2)
         assert engine.config.scheduler.max_num_seqs == 32  # rolled back after every replay
@@ -256,20 +266,9 @@ def test_requests_the_engine_never_recorded_count_against_the_config(sqlite_url:
 
     db, cfg, app, _ = _setup(sqlite_url)
     slo = SLO(ttft_s=5.0, tpot_s=1.0)
-    reqs = WL.scenario("mixed", 4.0, WL.WorkloadOptions(requests=12, scale=32.0, output_range=(2, 6)), seed=1)
+    reqs = _replayed()
     with TestClient(app, base_url="http://engine", headers={"Authorization": "Bearer tok"}) as client:
-        backend = LiveBackend(
-            db=db,
-            slo=slo,
-            workload=_workload,
-            engine_url="http://engine",
-            instance="live-1",
-            settle_s=0.0,
-            drive_concurrency=12,
-            ingest_lag_s=0.2,
-            client=client,
-            transport=_Flaky(httpx.ASGITransport(app)),
-        )
+        backend = _replaying(db, slo, client, _Flaky(httpx.ASGITransport(app)))
         with caplog.at_level("WARNING", logger="kvpilot.tuner.live"):
             m = backend.measure_requests(cfg, reqs, prepare_prompts(reqs, 1), run_id="flaky")
     db.dispose()
