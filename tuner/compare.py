@@ -257,7 +257,9 @@ def _measure(side: Side, seed: int, prior: dict[str, float], tag: str, *, scout:
     """One capacity of `side` with the other paused: resumed for it, paused after, warm-started at its last. A
     short search that ended without a capacity (the SLOs held at every rate it reached, or failed at every one)
     goes on as a scout from past its last rate: a candidate with twice the running config's capacity is out of a
-    short search's reach from the running config's answer. The answer's `probes` hold both searches' replays."""
+    short search's reach from the running config's answer. The answer's `probes` hold both searches' replays; a
+    scout whose first rate the sender cannot send on time leaves the short search's answer (a bound, `not_measured`
+    saying why)."""
     side.resume()
     try:
         cap = side.capacity(seed=seed, start=prior[side.label], tag=tag, scout=scout)
@@ -265,9 +267,13 @@ def _measure(side: Side, seed: int, prior: dict[str, float], tag: str, *, scout:
             tried = [p.multiplier for p in cap.probes]
             restart = cap.multiplier * SCOUT_GROWTH if cap.multiplier > 0 else min(tried) / SCOUT_GROWTH
             if MIN_MULTIPLIER <= restart <= MAX_MULTIPLIER:
-                scouted = side.capacity(seed=seed, start=restart, tag=f"{tag}s", scout=True)
-                scouted.probes[:0] = cap.probes
-                cap = scouted
+                try:
+                    scouted = side.capacity(seed=seed, start=restart, tag=f"{tag}s", scout=True)
+                except NotMeasuredError as exc:  # a rate past what the sender sends on time: the short one stands
+                    cap.not_measured = f"x{restart:.4g}: {exc.reason}"
+                else:
+                    scouted.probes[:0] = cap.probes
+                    cap = scouted
     finally:
         side.pause()
     if cap.multiplier > 0:

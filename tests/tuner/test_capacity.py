@@ -486,3 +486,31 @@ def test_a_measurement_the_sender_could_not_make_ends_the_comparison_inconclusiv
     assert c.not_measured == "pair 2, seed 1001: the replay client sent late in all 5 attempts"
     assert c.sentence().startswith("inconclusive: a measurement could not be made (pair 2, seed 1001")
     assert c.as_dict()["not_measured"] == c.not_measured and said[-1].startswith("pair 2 (seed 1001): inconclusive")
+
+
+def test_a_short_search_whose_scout_the_sender_cannot_send_stays_a_bound() -> None:
+    """The CI's tiny A/A check on the real vLLM: a short search held at both its rates, its scout's first rate
+    (twice the last) was past what the sender sends on time. The short search's answer stands as a bound (the
+    pair says "capacity not found"), not a measurement lost."""
+    from tuner.backends import NotMeasuredError
+    from tuner.compare import ReplayerSide, compare
+
+    opts = WL.WorkloadOptions(requests=24, scale=8.0, output_range=(16, 64))
+    workloads = {seed: WL.scenario("sustained", 6.0, opts, seed=seed) for seed in (1000, 1001)}
+    prompts = {seed: prepare_prompts(reqs, seed) for seed, reqs in workloads.items()}
+    slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=0.5)
+
+    class SlowSender(_PowerLaw):
+        def measure_requests(self, config, reqs, prompts, *, run_id: str) -> TrialMetrics:
+            if float(run_id.rsplit("-x", 1)[1]) > 5.0:
+                raise NotMeasuredError("the replay client sent late in all 5 attempts")
+            return super().measure_requests(config, reqs, prompts, run_id=run_id)
+
+    fake = SlowSender({1000: 50.0, 1001: 50.0})  # far past what the sender reaches
+
+    def side(label: str) -> ReplayerSide:
+        return ReplayerSide(label, fake, None, lambda seed: (workloads[seed], prompts[seed]), slo, "ss")
+
+    c = compare(side("running"), side("candidate"), seeds=[1000, 1001], start=1.0, floor_rps=0.01)
+    assert c.verdict == INCONCLUSIVE and c.not_measured is None and c.lower_bounds, c.as_dict()
+    assert "capacity not found" in c.sentence() and len(c.pairs) == 2

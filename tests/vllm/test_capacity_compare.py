@@ -5,6 +5,7 @@ and what the replays' SLO outcomes say."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,17 @@ SLO_CAP = SLO(ttft_s=2.0, tpot_s=0.5, p99_ttft_s=2.0)
 def _state(pid: int) -> str:
     """The process's state letter from /proc (T: stopped)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _becomes(pid: int, stopped: bool, timeout_s: float = 5.0) -> bool:
+    """Whether the process is (or is no longer) stopped within `timeout_s`: a signal takes effect when the kernel
+    next schedules the process, not when kill() returns (a CI run read 'R' right after SIGSTOP)."""
+    deadline = time.monotonic() + timeout_s
+    while (_state(pid) == "T") != stopped:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.mark.timeout(900)  # one vLLM start: 40-100 s on 2 busy cores, minutes under load (plus the session vLLM's)
@@ -74,8 +86,8 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
         aa = tuning.aa_check()
         # the second server is ours: pausing stops its whole process group, resuming continues it
         pid = backend._servers[("aa", *base.to_args())].launcher.proc.pid
-        assert backend.pause(base, "aa") and _state(pid) == "T"
-        assert backend.resume(base, "aa") and _state(pid) != "T"
+        assert backend.pause(base, "aa") and _becomes(pid, stopped=True), _state(pid)
+        assert backend.resume(base, "aa") and _becomes(pid, stopped=False), _state(pid)
         assert not backend.pause(base)  # the attached vLLM is not ours to stop
     finally:
         backend.close()
