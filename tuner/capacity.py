@@ -141,7 +141,7 @@ class Capacity:
 
 def breaches(m: TrialMetrics, slo: SLO) -> tuple[str, ...]:
     """The SLOs `m` misses: p99 TTFT (user-facing) over its limit, p99 TPOT over the TPOT SLO, too few finished."""
-    ttft_limit = slo.p99_ttft_s if slo.p99_ttft_s is not None else slo.ttft_s
+    ttft_limit = slo.p99_ttft_limit_s
     out = []
     if m.ttft_p99_s is None or m.ttft_p99_s > ttft_limit:
         out.append(f"p99 TTFT {_s(m.ttft_p99_s)} > {ttft_limit:g} s")
@@ -156,7 +156,7 @@ def pressure(m: TrialMetrics, slo: SLO) -> float:
     """How far `m` is stretched against its SLOs: the largest of p99 TTFT over its limit, p99 TPOT over the TPOT
     SLO and the unfinished share over the share allowed (1 - `MIN_FINISHED`); above 1 exactly where `breaches`
     names one, infinite when nothing was served."""
-    ttft_limit = slo.p99_ttft_s if slo.p99_ttft_s is not None else slo.ttft_s
+    ttft_limit = slo.p99_ttft_limit_s
     if m.ttft_p99_s is None or m.requests == 0:
         return math.inf
     figures = [m.ttft_p99_s / ttft_limit, (1.0 - m.finished / m.requests) / (1.0 - MIN_FINISHED)]

@@ -38,6 +38,11 @@ class SLO:
     # the p99 TTFT and end-to-end constraints apply; off past capacity (`past_capacity`)
     tails: bool = True
 
+    @property
+    def p99_ttft_limit_s(self) -> float:
+        """The limit p99 TTFT is held to: `p99_ttft_s`, or the TTFT SLO itself when none is set."""
+        return self.p99_ttft_s if self.p99_ttft_s is not None else self.ttft_s
+
     def past_capacity(self) -> SLO:
         """The SLO for a replay past the running config's capacity (the screen's objective): such a replay
         breaks the p99 latency constraints by construction, so only the others constrain it, and goodput (the
@@ -80,7 +85,7 @@ class TrialMetrics:
 
     def constraints(self, slo: SLO) -> dict[str, float]:
         """Optuna constraint values: feasible when every value is <= 0."""
-        p99_ttft_limit = slo.p99_ttft_s if slo.p99_ttft_s is not None else slo.ttft_s
+        p99_ttft_limit = slo.p99_ttft_limit_s
         out = {
             "oom": float(self.oom - slo.max_oom),
             "rejection": self.rejection_rate - slo.max_rejection_rate,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -371,12 +372,24 @@ class _PowerLaw:
     """A `Replayer` whose p99 TTFT grows as a power of the rate: exactly the SLO at its seed's true capacity (a
     multiple of that seed's rate), each measurement's true capacity jittered by `noise` (a lognormal sd)."""
 
-    def __init__(self, true_multiplier: dict[int, float], *, noise: float = 0.0, seed: int = 0) -> None:
-        self.true_multiplier, self.noise, self.rng = true_multiplier, noise, random.Random(seed)
+    def __init__(
+        self,
+        true_multiplier: dict[int, float],
+        *,
+        noise: float = 0.0,
+        seed: int = 0,
+        late: Callable[[int, float], bool] = lambda seed, m: False,
+    ) -> None:
+        """`late(seed, multiplier)`: the replays whose sender lags on every attempt (not measured)."""
+        self.true_multiplier, self.noise, self.rng, self.late = true_multiplier, noise, random.Random(seed), late
 
     def measure_requests(self, config, reqs, prompts, *, run_id: str) -> TrialMetrics:
+        from tuner.backends import NotMeasuredError
+
         seed = int(run_id.split("-s")[1].split("-")[0])
         m = float(run_id.rsplit("-x", 1)[1])
+        if self.late(seed, m):
+            raise NotMeasuredError("the replay client sent late in all 5 attempts")
         true = self.true_multiplier[seed] * math.exp(self.rng.gauss(0.0, self.noise))
         ttft = 0.5 * (m / true) ** 4
         n = len(reqs)
@@ -461,21 +474,13 @@ def test_an_aa_comparison_with_a_noisy_machine_reads_no_gain_from_its_estimates(
 def test_a_measurement_the_sender_could_not_make_ends_the_comparison_inconclusive() -> None:
     """Bench run 9: a held-out measurement's first replay lagged in all 5 attempts and the whole bench stopped.
     The comparison now ends there, `inconclusive` with the reason, the pairs before it kept."""
-    from tuner.backends import NotMeasuredError
     from tuner.compare import ReplayerSide, compare
 
     opts = WL.WorkloadOptions(requests=24, scale=8.0, output_range=(16, 64))
     workloads = {seed: WL.scenario("sustained", 6.0, opts, seed=seed) for seed in (1000, 1001)}
     prompts = {seed: prepare_prompts(reqs, seed) for seed, reqs in workloads.items()}
     slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=0.5)
-
-    class LagsOnSeed1001(_PowerLaw):
-        def measure_requests(self, config, reqs, prompts, *, run_id: str) -> TrialMetrics:
-            if "-s1001-" in run_id:
-                raise NotMeasuredError("the replay client sent late in all 5 attempts")
-            return super().measure_requests(config, reqs, prompts, run_id=run_id)
-
-    fake = LagsOnSeed1001({1000: 2.3, 1001: 3.3})
+    fake = _PowerLaw({1000: 2.3, 1001: 3.3}, late=lambda seed, m: seed == 1001)
 
     def side(label: str) -> ReplayerSide:
         return ReplayerSide(label, fake, None, lambda seed: (workloads[seed], prompts[seed]), slo, "nm")
@@ -492,21 +497,14 @@ def test_a_short_search_whose_scout_the_sender_cannot_send_stays_a_bound() -> No
     """The CI's tiny A/A check on the real vLLM: a short search held at both its rates, its scout's first rate
     (twice the last) was past what the sender sends on time. The short search's answer stands as a bound (the
     pair says "capacity not found"), not a measurement lost."""
-    from tuner.backends import NotMeasuredError
     from tuner.compare import ReplayerSide, compare
 
     opts = WL.WorkloadOptions(requests=24, scale=8.0, output_range=(16, 64))
     workloads = {seed: WL.scenario("sustained", 6.0, opts, seed=seed) for seed in (1000, 1001)}
     prompts = {seed: prepare_prompts(reqs, seed) for seed, reqs in workloads.items()}
     slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=0.5)
-
-    class SlowSender(_PowerLaw):
-        def measure_requests(self, config, reqs, prompts, *, run_id: str) -> TrialMetrics:
-            if float(run_id.rsplit("-x", 1)[1]) > 5.0:
-                raise NotMeasuredError("the replay client sent late in all 5 attempts")
-            return super().measure_requests(config, reqs, prompts, run_id=run_id)
-
-    fake = SlowSender({1000: 50.0, 1001: 50.0})  # far past what the sender reaches
+    # capacities far past what the sender reaches: it lags on every replay past x5
+    fake = _PowerLaw({1000: 50.0, 1001: 50.0}, late=lambda seed, m: m > 5.0)
 
     def side(label: str) -> ReplayerSide:
         return ReplayerSide(label, fake, None, lambda seed: (workloads[seed], prompts[seed]), slo, "ss")

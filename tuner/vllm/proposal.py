@@ -46,7 +46,7 @@ def render_report(
     comparison with its interval, and the headroom or extra memory (`notes`)."""
     lines = [f"# {title}", "", f"**Decision:** {decision}", ""]
     lines += [f"- {note}" for note in notes or []] + ([""] if notes else [])
-    ttft = slo.p99_ttft_s if slo.p99_ttft_s is not None else slo.ttft_s
+    ttft = slo.p99_ttft_limit_s
     lines += ["## Workload and SLOs", "", f"- workload: {', '.join(f'{k}={v}' for k, v in workload.items())}"]
     lines += [
         f"- SLO capacity: the most of this traffic (its arrivals time-compressed) served with p99 TTFT as users see "
