@@ -54,7 +54,7 @@ class TuneVllmBenchError(RuntimeError):
 
 MODEL = "bench"
 KV_BYTES = 16 * 2**20
-# The workload: the seed's `sustained` scenario at half the running config's offline capacity (the scenario mix,
+# The workload: the seed's `sustained` scenario at half vLLM's defaults' offline capacity (the scenario mix,
 # 96 requests at once, measured live before any tuning and written to the JSON before the first tuning run), for
 # 10 s, lengths scaled to the 512-token model. Under capacity, as production traffic mostly is: the capacity search
 # replays it at multiples of its rate, each replay as long as the recording (`tuner.capacity.at_rate`), to find
@@ -225,7 +225,12 @@ def _run(
     )
     tuning_seeds = the_plan["tuning_seeds"]
     try:
-        workload.factory, wdesc = workload_factory(WORKLOAD["scenario"], opts, capacity=tuning.capacity_rps)
+        # the traffic's rate comes from vLLM's defaults whatever the running config: a poor one (max_num_seqs 2)
+        # anchored it at 3.4 req/s once, a traffic neither the search nor the sender measured well
+        defaults = base.replace(max_num_seqs=VllmConfig().max_num_seqs)
+        workload.factory, wdesc = workload_factory(
+            WORKLOAD["scenario"], opts, capacity=lambda o: tuning.capacity_rps(o, anchor=defaults)
+        )
         the_plan["capacity_rps"] = wdesc["capacity_rps"]
         the_plan["workload_described"] = WL.describe(workload(tuning_seeds[0]))
         if json_path is not None:  # the measured offline capacity joins the plan before the first tuning run

@@ -303,15 +303,19 @@ class VllmTuning:
     def _phase(self, key: str, since: float) -> None:
         self.phases[key] = round(time.time() - since, 1)
 
-    def capacity_rps(self, opts: WL.WorkloadOptions) -> float:
-        """The running config's offline requests/s on vLLM, the scenario's rate anchor (a `workload_factory`
-        capacity hook); not its SLO capacity (`baseline_capacity`)."""
+    def capacity_rps(self, opts: WL.WorkloadOptions, *, anchor: VllmConfig | None = None) -> float:
+        """The offline requests/s on vLLM of `anchor` (default: the running config), the scenario's rate anchor
+        (a `workload_factory` capacity hook); not an SLO capacity (`baseline_capacity`). A traffic is what
+        users send, not what the running config can take: a bench that starts from a deliberately poor config
+        anchors its traffic on vLLM's defaults, as the plain run's."""
         t = time.time()
-        self.say("the running config's offline throughput: the scenario mix all at once (the first vLLM start)")
+        config = anchor or self.base
+        which = "the running config's" if config == self.base else f"{_label(self.base, config)}:"
+        self.say(f"{which} offline throughput: the scenario mix all at once (the first vLLM start)")
         try:
-            cap = self.backend.capacity_rps(self.base, WL.offline_mix(opts), run_id=f"{self.name}-capacity")
+            cap = self.backend.capacity_rps(config, WL.offline_mix(opts), run_id=f"{self.name}-capacity")
         except InfeasibleTrialError as exc:
-            raise TuneError(f"the running config did not serve on vLLM: {exc.reason}") from exc
+            raise TuneError(f"the traffic's anchor config did not serve on vLLM: {exc.reason}") from exc
         self._phase("capacity_s", t)
         started = [x.ready_s for x in self.backend.launches if x.ready_s is not None]
         self.say(f"offline {cap:.2f} req/s" + (f" (vLLM started in {started[-1]:.0f} s)" if started else ""))
