@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +39,24 @@ from kvpilot.vllm.workbench import Workbench, workbench
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError, NotMeasuredError
 from tuner.capacity import MIN_MULTIPLIER, Capacity, at_rate
+from tuner.compare import Comparison
 from tuner.jobs import workload_factory
 from tuner.metrics import SLO, TrialMetrics
-from tuner.study import run_study
+from tuner.pipeline import Choice, Verdict
+from tuner.study import StudyResult, run_study
 from tuner.vllm import fidelity
 from tuner.vllm.backend import VllmBackend
 from tuner.vllm.space import load_vllm_space
-from tuner.vllm.tune import SCREEN_OVERLOAD, Budget, LateWorkload, TuneError, VllmTuning, checkpoint_model
+from tuner.vllm.tune import (
+    SCREEN_OVERLOAD,
+    Budget,
+    LateWorkload,
+    Outcome,
+    ReportTo,
+    TuneError,
+    VllmTuning,
+    checkpoint_model,
+)
 
 
 class TuneVllmBenchError(RuntimeError):
@@ -78,7 +90,7 @@ BUDGETS = {
         "sim_trials": 100,
         "top_k": 1,
         "live_only_trials": 3,
-        "heldout_seeds": [1000, 1001, 1002],
+        "heldout_seeds": [1000, 1001, 1002, 1003],
         "repeats": 1,
         "capacity_replays": 6,
         "pair_replays": 4,
@@ -166,7 +178,7 @@ def run_tune_vllm_bench(
 
 def _tuning(
     the_plan: dict[str, Any], work: Path, wb: Workbench, python: str, t0: float
-) -> tuple[VllmTuning, VllmBackend, LateWorkload, VllmConfig]:
+) -> tuple[_BenchTuning, VllmBackend, LateWorkload, VllmConfig]:
     checkpoint, db = wb.checkpoint, wb.db
     slo = SLO(**SLO_PLAN).validate()
     base = VllmConfig(model=str(checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_BYTES)
@@ -194,7 +206,7 @@ def _tuning(
         min_pairs=the_plan["min_pairs"],
         margin=the_plan["margin"],
     )
-    tuning = VllmTuning(
+    tuning = _BenchTuning(
         backend=backend,
         db=db,
         base=base,
@@ -207,8 +219,59 @@ def _tuning(
         say=lambda message: _say(t0, message),
         allow_memory=not the_plan["memory_fixed"],
         t0=t0,
+        live_only_trials=the_plan["live_only_trials"],
     )
     return tuning, backend, workload, base
+
+
+@dataclass
+class _BenchTuning(VllmTuning):
+    """The tuning the bench measures, with its two additions: a live-only search after the screen's confirmation
+    (`confirm`), and the A/A check, in the held-out comparison's rounds (`held_out`) or alone when no candidate
+    was compared (`finish`)."""
+
+    live_only_trials: int = 3
+    live_only_study: StudyResult | None = None
+    live_only_capacity: Capacity | None = None
+
+    def confirm(self) -> Choice:
+        choice = super().confirm()
+        t = time.time()
+        running = self.running_capacity
+        assert running is not None  # the baseline phase measured it
+        overload = SCREEN_OVERLOAD * max(running.multiplier, MIN_MULTIPLIER)
+        study = run_study(
+            _Overloaded(self.backend, overload),
+            self.space,
+            self.base,
+            name="live-only",
+            trials=self.live_only_trials,
+            slo=self.slo.past_capacity(),  # past capacity, as the screen's simulated trials
+            workload_seed=list(self.budget.tuning_seeds),
+            random_baseline=False,
+            progress=False,
+        )
+        best = self.space.apply(self.base, study.best.params) if study.best is not None else self.base
+        self.live_only_study = study
+        self.live_only_capacity = running if best == self.base else _capacity_or_none(self, best)
+        cap = self.live_only_capacity
+        self.live_only = {"trials": study.measured, "best_capacity_rps": cap.estimate_rps if cap else 0.0}
+        self.phases["live_only_s"] = round(time.time() - t, 1)
+        _say(
+            self.t0,
+            f"live-only search: {study.measured} trials, best {self.base.changed(best) or 'the running config'}",
+        )
+        return choice
+
+    def held_out(self, candidate: VllmConfig) -> Comparison:
+        """The held-out comparison and the A/A check in shared rounds (A B A' A' B A)."""
+        heldout, _ = self.held_out_with_aa(candidate)
+        return heldout
+
+    def finish(self, verdict: Verdict) -> Outcome:
+        if self.aa is None:  # no candidate was compared: the A/A check alone
+            self.aa_check()
+        return super().finish(verdict)
 
 
 def _run(
@@ -223,56 +286,28 @@ def _run(
         output_range=tuple(WORKLOAD["output_range"]),
         max_total_tokens=512,
     )
-    tuning_seeds = the_plan["tuning_seeds"]
-    try:
-        # the traffic's rate comes from vLLM's defaults whatever the running config: a poor one (max_num_seqs 2)
-        # anchored it at 3.4 req/s once, a traffic neither the search nor the sender measured well
-        defaults = base.replace(max_num_seqs=VllmConfig().max_num_seqs)
-        workload.factory, wdesc = workload_factory(
-            WORKLOAD["scenario"], opts, capacity=lambda o: tuning.capacity_rps(o, anchor=defaults)
-        )
-        the_plan["capacity_rps"] = wdesc["capacity_rps"]
-        the_plan["workload_described"] = WL.describe(workload(tuning_seeds[0]))
-        if json_path is not None:  # the measured offline capacity joins the plan before the first tuning run
-            json_path.write_text(json.dumps({"plan": the_plan, "status": "running"}, indent=2) + "\n")
-        tuning.measure_baseline()
-        running = tuning.baseline_capacity()
-        profile = tuning.calibrate()
-        screened = tuning.screen()
-        tuning.confirm()
-        t = time.time()
-        overload = SCREEN_OVERLOAD * max(running.multiplier, MIN_MULTIPLIER)
-        live_only = run_study(
-            _Overloaded(backend, overload),
-            tuning.space,
-            base,
-            name="live-only",
-            trials=the_plan["live_only_trials"],
-            slo=tuning.slo.past_capacity(),  # past capacity, as the screen's simulated trials
-            workload_seed=tuning_seeds,
-            random_baseline=False,
-            progress=False,
-        )
-        lo_best = live_only.best
-        lo_cfg = tuning.space.apply(base, lo_best.params) if lo_best is not None else base
-        lo_cap = running if lo_cfg == base else _capacity_or_none(tuning, lo_cfg)
-        tuning.phases["live_only_s"] = round(time.time() - t, 1)
-        _say(t0, f"live-only search: {live_only.measured} trials, best {base.changed(lo_cfg) or 'the running config'}")
-        if tuning.candidate is not None and base.changed(tuning.candidate):
-            tuning.held_out()
-        aa = tuning.aa_check()
-    finally:
-        backend.close()
-    fid = fidelity.compare(backend.evaluations, profile, workload, db, tuning.slo, calibrated_on=base)
-    lo_rps = lo_cap.estimate_rps if lo_cap is not None else 0.0
-    outcome = tuning.finish(
+    # the traffic's rate comes from vLLM's defaults whatever the running config: a poor one (max_num_seqs 2)
+    # anchored it at 3.4 req/s once, a traffic neither the search nor the sender measured well
+    defaults = base.replace(max_num_seqs=VllmConfig().max_num_seqs)
+    workload.factory, wdesc = workload_factory(
+        WORKLOAD["scenario"], opts, capacity=lambda o: tuning.capacity_rps(o, anchor=defaults)
+    )
+    the_plan["capacity_rps"] = wdesc["capacity_rps"]
+    the_plan["workload_described"] = WL.describe(workload(the_plan["tuning_seeds"][0]))
+    if json_path is not None:  # the measured offline capacity joins the plan before the first tuning run
+        json_path.write_text(json.dumps({"plan": the_plan, "status": "running"}, indent=2) + "\n")
+    tuning.report_to = ReportTo(
         title="kvpilot vLLM tuning — bench tune-vllm",
         workload={**WORKLOAD, "capacity_rps": the_plan["capacity_rps"]},
         out_dir=work / "proposals",
-        instance=backend.instance,
         report_path=work / "report.md",
-        live_only={"trials": live_only.measured, "best_capacity_rps": lo_rps},
     )
+    outcome = tuning.run()
+    running, profile, screened = tuning.running_capacity, tuning.profile, tuning._screened()
+    aa, live_only, lo_cap = tuning.aa, tuning.live_only_study, tuning.live_only_capacity
+    assert running is not None and profile is not None and aa is not None and live_only is not None
+    fid = fidelity.compare(backend.evaluations, profile, workload, db, tuning.slo, calibrated_on=base)
+    lo_rps = lo_cap.estimate_rps if lo_cap is not None else 0.0
     h = tuning.heldout
     p = outcome.proposal
     rows = tuning.confirmed
@@ -330,6 +365,7 @@ def _run(
         "profile": {**outcome.profile, "source": profile.source},
         "fidelity_replays": fid["replays"],
         "phases_s": tuning.phases,
+        "pipeline_s": outcome.verdict.phases_s if outcome.verdict else None,
         "wall_s": round(time.time() - t0, 1),
         "work_dir": str(work),
     }

@@ -98,15 +98,9 @@ def _report(lines: list[str], data: Any, json_path: Path | None) -> None:
     typer.echo("\n".join(lines))
 
 
-def _num(value: Any, unit: str = "", digits: int = 3) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return (f"{value:,.1f}" if abs(value) >= 100 else f"{value:.{digits}g}") + unit
-    return f"{value}{unit}"
-
-
 def _study_lines(summary: dict[str, Any]) -> list[str]:
+    from tuner.report import num as _num
+
     s = summary
     head = (
         f"study {s['study']} ({s['sampler']}, backend {s['backend']}): {s['trials']} trials measured, "
@@ -325,11 +319,8 @@ def nightly_cmd(
             engine_url=live_args.engine_url,
             admin_token=live_args.admin_token,
         )
-        typer.echo(result.decision)
-        for kind, path in result.files.items():
-            typer.echo(f"  {kind}: {path}")
-        if result.proposal is not None:
-            typer.echo(f"  proposal id {result.proposal.id} (pending): kvpilot tune apply {result.proposal.id}")
+        for line in result.lines():
+            typer.echo(line)
 
 
 @tune_app.command("apply")
@@ -520,6 +511,7 @@ def sim_run_cmd(
         from tuner.backends import SimBackend
         from tuner.jobs import base_config, open_db, workload_factory
         from tuner.profile import load_profile
+        from tuner.report import num as _num
 
         prof = load_profile(profile)
         base = base_config(config, prof, "sim")

@@ -40,7 +40,7 @@ from kvpilot.cli_options import (
     WorkloadArgs,
     with_groups,
 )
-from kvpilot.cli_tune import _db_url, _errors, _num, _report, _setup_logging
+from kvpilot.cli_tune import _db_url, _errors, _report, _setup_logging
 from kvpilot.cli_vllm import COLLECTOR_HELP, TOKEN_HELP, check_collector_url
 
 tune_vllm_app = typer.Typer(no_args_is_help=True)
@@ -153,19 +153,6 @@ def _sayer(t0: float):
     return say
 
 
-def _changes(changed: dict[str, Any]) -> str:
-    return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items()) or "none"
-
-
-def _none_confirmed(sim_feasible: int) -> str:
-    if sim_feasible == 0:
-        return (
-            "no simulated config met the constraints (p99 TTFT, p99 end-to-end, refusals); loosen "
-            "--p99-ttft-slo / --p99-e2e-slo or lower the load"
-        )
-    return "every feasible simulated config pruned back to the running one (no change moved its goodput by 1%)"
-
-
 @dataclasses.dataclass(frozen=True)
 class StudyArgs:
     """One vLLM tuning's inputs as the CLI took them (`study` and `nightly` alike), before any check."""
@@ -219,7 +206,8 @@ def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
     from tuner.vllm.backend import VllmBackend, parse_port_range
     from tuner.vllm.calibrate import CalibrationError
     from tuner.vllm.space import load_vllm_space
-    from tuner.vllm.tune import Budget, LateWorkload, VllmTuning
+    from tuner.vllm.summary import study_summary
+    from tuner.vllm.tune import Budget, LateWorkload, ReportTo, VllmTuning
 
     workload_kind(a.workload)
     slo = a.slo.slo()
@@ -288,21 +276,21 @@ def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
             )
             if a.capacity is not None:
                 wdesc["capacity_given"] = True
-            tuning.run()
+            tuning.report_to = ReportTo(
+                title=f"kvpilot vLLM tuning — {name}",
+                workload=wdesc,
+                out_dir=a.out_dir,
+                report_path=a.out_dir / f"report-{name}.md",
+                instance=a.instance,
+            )
+            outcome = tuning.run()
         except CalibrationError as exc:
             raise CalibrationError(f"{exc}; {CALIBRATION_HINT}") from None
         finally:
             backend.close()
-        outcome = tuning.finish(
-            title=f"kvpilot vLLM tuning — {name}",
-            workload=wdesc,
-            out_dir=a.out_dir,
-            instance=a.instance,
-            report_path=a.out_dir / f"report-{name}.md",
-        )
     finally:
         db.dispose()
-    return _study_summary(tuning, outcome, name=name, workload=wdesc, checked=checked, t0=t0)
+    return study_summary(tuning, outcome, name=name, workload=wdesc, checked=checked, t0=t0)
 
 
 PortRangeOpt = typer.Option(
@@ -394,8 +382,10 @@ def study_cmd(
         out_dir=out_dir, log_dir=log_dir, allow_memory=allow_memory,
     )  # fmt: skip
     with _vllm_errors():
+        from tuner.vllm.summary import study_lines
+
         summary = _run_study(args, t0=t0, say=_sayer(t0))
-        _report(_study_lines(summary), summary, json_path)
+        _report(study_lines(summary), summary, json_path)
     if summary["proposal"] is None:
         raise typer.Exit(NO_PROPOSAL)
 
@@ -464,112 +454,6 @@ CALIBRATION_HINT = (
 )
 
 
-def _broken(metrics: dict[str, Any] | None, slo) -> dict[str, float]:
-    """The constraints a measurement broke and by how much (`TrialMetrics.constraints`: > 0 is broken)."""
-    from tuner.metrics import TrialMetrics
-
-    if not metrics:
-        return {}
-    return {k: v for k, v in TrialMetrics(**metrics).constraints(slo).items() if v > 0}
-
-
-def _study_summary(tuning, outcome, *, name: str, workload: dict, checked: str, t0: float) -> dict[str, Any]:
-    screened, base, cap = tuning.screened, tuning.baseline, tuning.running_capacity
-    p = outcome.proposal
-    return {
-        "study": name,
-        "decision": outcome.decision,
-        "proposal": {"id": p.row.id, "config": str(p.config_path), "report": str(p.report_path)} if p else None,
-        "report": str(outcome.report_path),
-        "changed": outcome.changed,
-        "workload": workload,
-        "slo": dataclasses.asdict(tuning.slo),
-        "budget": dataclasses.asdict(tuning.budget),
-        "space": checked,
-        "baseline": {
-            "goodput_tps": base.metrics["goodput_tps"] if base.metrics else None,
-            "feasible": base.feasible,
-            "constraints_broken": _broken(base.metrics, tuning.slo),
-            "sim_goodput_tps": base.sim_goodput,
-            "metrics": base.metrics,
-        },
-        "sim_trials": screened.sim_trials,
-        "sim_feasible": sum(t.feasible for t in screened.sim.completed),
-        "live_trials": screened.live_trials,
-        "screened": tuning.screened_rows(),
-        "capacity": None if cap is None else cap.summary(),
-        "capacities": [{k: v for k, v in r.items() if k != "config"} for r in tuning.confirmed],
-        "heldout": tuning.heldout_summary(),
-        "notes": outcome.notes,
-        "restart_cost": outcome.restart,
-        "client": tuning.backend.client_lateness(),  # how late the replay client sent; late replays repeated
-        "scrape_targets": {  # each started trial's /metrics: registered ('created'/'exists'/None), and left behind
-            "registered": [x.target for x in tuning.backend.launches],
-            "left": tuning.backend.stale_targets,
-        },
-        "profile": outcome.profile,
-        "phases_s": tuning.phases,
-        "wall_s": round(time.time() - t0, 1),
-    }
-
-
-def _study_lines(s: dict[str, Any]) -> list[str]:
-    w = s["workload"]
-    lines = [f"tune vllm study {s['study']}: {s['decision']}"]
-    rate = f", capacity {w['capacity_rps']} req/s" if "capacity_rps" in w else ""
-    lines.append(f"  workload: {w.get('kind')}{rate}; space {s['space']}")
-    h, cap = s["heldout"], s["capacity"]
-    if cap is not None:
-        lines.append(
-            f"  running config: capacity {cap['capacity_rps']:.2f} req/s (x{cap['multiplier']:.2f} the traffic)"
-        )
-    lines += [f"  {note}" for note in s["notes"]]
-    if h is not None:
-        lines.append(
-            f"  live comparison: running {h['running_capacity_rps']:.2f} req/s, candidate "
-            f"{h['candidate_capacity_rps']:.2f} req/s over {len(h['pairs'])} ABBA pair(s): {h['verdict']}"
-        )
-    else:
-        b = s["baseline"]
-        broken = ", ".join(f"{k} over its limit by {v:.3g}" for k, v in b["constraints_broken"].items())
-        verdict = "" if b["feasible"] else f" (infeasible: {broken or 'not measured'})"
-        lines.append(f"  running config: {_num(b['goodput_tps'], ' goodput tokens/s')} on the tuning seeds{verdict}")
-    lines.append(f"  changes: {_changes(s['changed'])}")
-    prof = s["profile"]
-    lines.append(
-        f"  search: {s['sim_trials']} configs simulated (cost model from {prof.get('steps')} stored steps, "
-        f"R² {prof.get('r2')}), {s['live_trials']} measured live"
-    )
-    if len(s["screened"]) == 1:
-        lines.append(f"    nothing confirmed live: {_none_confirmed(s['sim_feasible'])}")
-    for row in s["screened"][1:]:
-        live = f"{_num(row['live_goodput'])} live" if row["feasible"] else f"infeasible: {row['infeasible'] or 'SLO'}"
-        lines.append(f"    {_changes(row['changed'])}: {_num(row['sim_goodput'])} simulated, {live}")
-    c = s["client"]
-    if c["late_p99_s"] is not None:
-        lines.append(
-            f"  replay client: p99 send lateness {c['late_p99_s'] * 1e3:.0f} ms at worst; {c['late_replays']} "
-            f"replay(s) repeated for lateness, {c['not_measured']} not measured"
-        )
-    r = s["restart_cost"]
-    if r.get("ready_s"):
-        rd, st = r["ready_s"], r.get("stop_s") or {}
-        lines.append(
-            f"  restart cost per trial: {rd['mean']} s to serve ({rd['min']}–{rd['max']}) over {r['launches']} "
-            f"start(s), {st.get('mean', '—')} s to stop; {r['refused_or_crashed']} refused or crashed"
-        )
-    p = s["proposal"]
-    if p is not None:
-        lines.append(
-            f"  proposal {p['id']} (pending): {p['config']} — restart vLLM with `vllm serve --config {p['config']}`"
-        )
-        lines.append(f"  report: {p['report']}")
-    else:
-        lines.append(f"  report: {s['report']}")
-    lines.append(f"  wall time {s['wall_s']:.0f} s")
-    return lines
-
-
 @tune_vllm_app.command("screen")
 @with_groups
 def screen_cmd(
@@ -607,8 +491,10 @@ def screen_cmd(
         from integrations.vllm import VllmSetupError, find_vllm_python
         from tuner import workloads as WL
         from tuner.jobs import open_db, workload_factory, workload_kind
+        from tuner.report import num
         from tuner.storage import open_storage
         from tuner.vllm.space import load_vllm_space
+        from tuner.vllm.summary import changes_text, none_confirmed
         from tuner.vllm.tune import MAX_LIVE, MAX_SIM_TRIALS, calibrate_from_store, preview, sim_capacity_rps
 
         workload_kind(workload)
@@ -708,17 +594,17 @@ def screen_cmd(
             f"  workload: {wdesc.get('kind')}"
             + (f", capacity {wdesc['capacity_rps']} req/s ({wdesc['capacity']})" if "capacity_rps" in wdesc else "")
             + f"; space {checked}",
-            f"  running config: {_num(base_goodput, ' goodput tokens/s')} predicted"
+            f"  running config: {num(base_goodput, ' goodput tokens/s')} predicted"
             + ("" if running is None or running.feasible else " (infeasible under the SLOs)"),
             f"  study {sim.name}: on the dashboard's Tuning page",
         ]
         if not best:
-            lines.append(f"  nothing to show: {_none_confirmed(sum(t.feasible for t in sim.completed))}")
+            lines.append(f"  nothing to show: {none_confirmed(sum(t.feasible for t in sim.completed))}")
         for i, row in enumerate(data["top"], 1):
             gain = f" ({row['gain']:+.1%})" if row["gain"] is not None else ""
             back = f"  [put back: {', '.join(row['put_back'])}]" if row["put_back"] else ""
             lines.append(
-                f"  {i}. {_num(row['sim_goodput_tps'], ' goodput tokens/s')}{gain}: {_changes(row['changed'])}{back}"
+                f"  {i}. {num(row['sim_goodput_tps'], ' goodput tokens/s')}{gain}: {changes_text(row['changed'])}{back}"
             )
         lines.append(
             "  predictions only (the simulator misses vLLM's frontend; docs/tuning.md 'Tuning a vLLM'): "

@@ -78,20 +78,6 @@ def run_demo_tuning(
         config_path=current,
         progress=False,
     )
-    for line in tuning_lines(result.decision, result.pruning, result.files, result.proposal):
+    first, *rest = result.lines()
+    for line in [f"  tuning: {first}", *(f"  {line}" for line in rest)]:
         typer.echo(line)
-
-
-def tuning_lines(decision: str, pruning: dict | None, files: dict[str, Path], proposal: Any) -> list[str]:
-    lines = [f"  tuning: {decision}"]
-    for knob in (pruning or {}).get("knobs", []):
-        verdict = "kept" if knob["kept"] else "dropped (inside the noise)"
-        lines.append(
-            f"    {knob['knob']}: {knob['current']} -> {knob['proposed']}, reverting it costs "
-            f"{knob['effect']:+.1%} goodput: {verdict}"
-        )
-    if proposal is not None:
-        lines.append(f"    proposal {proposal.id}: {', '.join(str(p) for p in files.values())}")
-    elif files.get("report"):
-        lines.append(f"    report: {files['report']}")
-    return lines

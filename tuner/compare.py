@@ -21,6 +21,10 @@ pair makes the comparison `inconclusive`, said as "capacity not found", and ends
 measurement that could not be made at all (its first replay sent late on every attempt: `NotMeasuredError`) voids
 its pair and ends the comparison `inconclusive`, with the reason (`not_measured`), never a crash of the caller.
 The A/A check is the same protocol with the running config on both servers: it must not say `proposal`.
+`compare_arms` runs several comparisons against one running config in shared rounds, each arm's pair nested
+inside the others' (A B A' A' B A for the candidate B and the A/A check's second server A'): every arm's two
+measurements sit symmetrically about the round's middle, so a linear drift still cancels in each, and the
+running config is measured twice a round rather than twice per arm.
 
 Each measurement is a capacity (`tuner.capacity`), read as its estimate (`Capacity.estimate`: where the SLO pressure
 crosses 1 within the bracket): the bracket's lower end moves in whole steps, and with 15% steps an A/A pair read 0
@@ -201,56 +205,108 @@ def compare(
 ) -> Comparison:
     """ABBA pairs on `seeds` in turn (module docstring). `start` is the multiplier each seed's scout starts at
     (e.g. the running config's known capacity); the rest start at the scout's answer, then at their side's last."""
+    (out,) = compare_arms(
+        running, [candidate], seeds=seeds, start=start, min_pairs=min_pairs, max_pairs=max_pairs, margin=margin,
+        floor_rps=floor_rps, say=say,
+    )  # fmt: skip
+    return out
+
+
+def compare_arms(
+    running: Side,
+    arms: Sequence[Side],
+    *,
+    seeds: Sequence[int],
+    start: float,
+    min_pairs: int = 2,
+    max_pairs: int = 4,
+    margin: float = DEFAULT_MARGIN,
+    floor_rps: float,
+    say: Callable[[str], None] = lambda message: None,
+) -> list[Comparison]:
+    """Several comparisons against one running config in shared rounds, one `Comparison` per arm. A round on a
+    seed nests the arms' pairs around the running config's two measurements: A X1 X2 X2 X1 A for arms X1 and X2
+    (A B B A for one), so every arm's two measurements sit symmetrically about the round's middle, as A's do, and
+    a drift linear over the round cancels in each arm's ratio; the running config is measured twice per round
+    instead of twice per arm (the A/A check's arm, a second server of the running config, costs 2 measurements
+    a round, not 4). An arm whose comparison has said (at least `min_pairs` pairs) leaves the later rounds. Arms
+    need labels of their own (each side's warm start is kept by label)."""
     if not 2 <= min_pairs <= max_pairs <= MAX_PAIRS:
         raise ValueError(f"pairs: need 2 <= min_pairs <= max_pairs <= {MAX_PAIRS}, got {min_pairs}, {max_pairs}")
     if not seeds:
         raise ValueError("seeds: at least one held-out seed")
-    out = Comparison(running.label, candidate.label, margin, list(seeds))
+    if not arms or len({running.label, *(a.label for a in arms)}) != len(arms) + 1:
+        raise ValueError(f"arms: at least one, each labelled apart from the others and from {running.label!r}")
+    outs = [Comparison(running.label, arm.label, margin, list(seeds)) for arm in arms]
+    done = [False] * len(arms)
+
+    def who(k: int) -> str:
+        return f"{arms[k].label}: " if len(arms) > 1 else ""
+
     priors: dict[int, dict[str, float]] = {}  # per seed: each side's last answer (the scout's at first)
-    bba = (candidate, candidate, running)  # the pair after its A1
-    running.pause()
-    candidate.pause()
+    for side in (running, *arms):
+        side.pause()
     try:
         for i in range(max_pairs):
+            live = [k for k in range(len(arms)) if not done[k]]
+            if not live:
+                break
             seed = seeds[i % len(seeds)]
             scout = seed not in priors
-            prior = priors.setdefault(seed, {running.label: start, candidate.label: start})
+            prior = priors.setdefault(seed, {side.label: start for side in (running, *arms)})
+            order = [*live, *reversed(live)]  # X1 X2 .. X2 X1 between A1 and A2
             try:
                 a1 = _measure(running, seed, prior, f"p{i}-0", scout=scout)
                 if scout and a1.multiplier > 0:
-                    prior[candidate.label] = a1.multiplier
-                b1, b2, a2 = (_measure(side, seed, prior, f"p{i}-{k}") for k, side in enumerate(bba, start=1))
-            except NotMeasuredError as exc:  # the sender's limit, not a config's: the pair is void, and so is the rest
-                out.not_measured = f"pair {i + 1}, seed {seed}: {exc.reason}"
-                out.verdict = INCONCLUSIVE
-                say(f"pair {i + 1} (seed {seed}): {out.sentence()}")
+                    for k in live:
+                        prior[arms[k].label] = a1.multiplier
+                measured: dict[int, list[Capacity]] = {k: [] for k in live}
+                for n, k in enumerate(order, start=1):
+                    measured[k].append(_measure(arms[k], seed, prior, f"p{i}-{n}"))
+                a2 = _measure(running, seed, prior, f"p{i}-{len(order) + 1}")
+            except NotMeasuredError as exc:  # the sender's limit, not a config's: the round is void, and so is the rest
+                for k in live:
+                    outs[k].not_measured = f"pair {i + 1}, seed {seed}: {exc.reason}"
+                    outs[k].verdict = INCONCLUSIVE
+                    say(f"{who(k)}pair {i + 1} (seed {seed}): {outs[k].sentence()}")
                 break
-            rps = [c.estimate_rps for c in (a1, b1, b2, a2)]
-            open_ended = [c.capacity_rps for c in (a1, b1, b2, a2) if not c.found]
-            out.pairs.append(
-                {
-                    "seed": seed,
-                    "running": [a1.estimate_rps, a2.estimate_rps],
-                    "candidate": [b1.estimate_rps, b2.estimate_rps],
-                    "held": [c.capacity_rps for c in (a1, b1, b2, a2)],  # each bracket's lower end, A B B A
-                    "replays": sum(len(c.probes) for c in (a1, b1, b2, a2)),
-                    "bracketed": not open_ended,
-                    "log_ratio": pair_log_ratio(*rps, floor=floor_rps),
-                }
-            )
-            out.interval = interval([p["log_ratio"] for p in out.pairs])
-            out.verdict = verdict(out.interval, margin=margin) if len(out.pairs) >= 2 else INCONCLUSIVE
-            out.lower_bounds.extend(open_ended)
-            if out.lower_bounds:
-                out.verdict = INCONCLUSIVE
-            say(f"pair {i + 1} (seed {seed}): capacities {', '.join(f'{x:.2f}' for x in rps)} req/s; {out.sentence()}")
-            # past the minimum, a capacity not found stops it too: more pairs of this workload cannot find it
-            if len(out.pairs) >= min_pairs and (out.lower_bounds or out.verdict != INCONCLUSIVE):
-                break
+            for k in live:
+                b1, b2 = measured[k]
+                done[k] = _add_pair(outs[k], seed, (a1, b1, b2, a2), floor_rps=floor_rps, min_pairs=min_pairs)
+                rps = ", ".join(f"{c.estimate_rps:.2f}" for c in (a1, b1, b2, a2))
+                say(f"{who(k)}pair {i + 1} (seed {seed}): capacities {rps} req/s; {outs[k].sentence()}")
     finally:
-        running.resume()
-        candidate.resume()
-    return out
+        for side in (running, *arms):
+            side.resume()
+    return outs
+
+
+def _add_pair(
+    out: Comparison, seed: int, caps: tuple[Capacity, Capacity, Capacity, Capacity], *, floor_rps: float, min_pairs: int
+) -> bool:
+    """One ABBA pair (A1 B1 B2 A2) into `out`, its interval and verdict updated; True when the comparison has
+    said: past the minimum of pairs, a verdict, or a capacity not found (more pairs of this workload cannot find
+    it)."""
+    a1, b1, b2, a2 = caps
+    rps = [c.estimate_rps for c in caps]
+    open_ended = [c.capacity_rps for c in caps if not c.found]
+    out.pairs.append(
+        {
+            "seed": seed,
+            "running": [a1.estimate_rps, a2.estimate_rps],
+            "candidate": [b1.estimate_rps, b2.estimate_rps],
+            "held": [c.capacity_rps for c in caps],  # each bracket's lower end, A B B A
+            "replays": sum(len(c.probes) for c in caps),
+            "bracketed": not open_ended,
+            "log_ratio": pair_log_ratio(*rps, floor=floor_rps),
+        }
+    )
+    out.interval = interval([p["log_ratio"] for p in out.pairs])
+    out.verdict = verdict(out.interval, margin=out.margin) if len(out.pairs) >= 2 else INCONCLUSIVE
+    out.lower_bounds.extend(open_ended)
+    if out.lower_bounds:
+        out.verdict = INCONCLUSIVE
+    return len(out.pairs) >= min_pairs and (bool(out.lower_bounds) or out.verdict != INCONCLUSIVE)
 
 
 def _measure(side: Side, seed: int, prior: dict[str, float], tag: str, *, scout: bool = False) -> Capacity:

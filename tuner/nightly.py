@@ -1,11 +1,12 @@
-"""`kvpilot tune nightly`: the stored traffic as it came -> study (+ random baseline) -> confirmation of the
-current and the best config on new workload seeds -> a proposal only when the gain holds.
+"""`kvpilot tune nightly`: kvpilot's engine through the one tuning pipeline (`tuner.pipeline`): the running
+config's SLO capacity, a study on the stored traffic as it came (+ a random baseline), the best trial pruned to
+the changes that matter, the capacity comparison on held-out seeds, and a proposal only when it says `proposal`.
 
-The confirmation is the comparison `kvpilot tune vllm` makes (`tuner.compare`, one gain rule for every engine):
-each config's SLO capacity on held-out seeds (`tuner.capacity`: how many times the traffic's rate it serves
-within the SLOs), measured in ABBA pairs, and the 90% interval of the capacity ratio; the gain holds when the
-verdict is `proposal` (the whole interval above 1, and above the equivalence margin). The study ranks its trials
-by goodput at the traffic's rate, as before; what a proposal claims is capacity: "+X% traffic at the same SLOs".
+The comparison is the one `kvpilot tune vllm` makes (`tuner.compare`, one gain rule for every engine): each
+config's SLO capacity on held-out seeds (`tuner.capacity`: how many times the traffic's rate it serves within
+the SLOs), measured in ABBA pairs, and the 90% interval of the capacity ratio; the gain holds when the verdict is
+`proposal` (the whole interval above 1, and above the equivalence margin). The study ranks its trials by goodput
+at the traffic's rate, as before; what a proposal claims is capacity: "+X% traffic at the same SLOs".
 
 A proposal is three files and a row: `proposal-<id>.yaml` (an EngineConfig: `kvpilot engine serve
 --config` applies it), `report-<id>.md`, `pareto-<id>.png`, and a `proposals` row (status pending).
@@ -22,12 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from tuner import pipeline
 from tuner import workloads as WL
 from tuner.backends import Backend
-from tuner.capacity import MIN_MULTIPLIER, Replayer, arrival_rate
-from tuner.compare import DEFAULT_MARGIN, MAX_PAIRS, ReplayerSide, compare
+from tuner.capacity import MIN_MULTIPLIER, Capacity, Replayer, arrival_rate, replay_capacity
+from tuner.compare import DEFAULT_MARGIN, MAX_PAIRS, Comparison, ReplayerSide, compare
 from tuner.jobs import base_config, make_backend, open_db, workload_factory
 from tuner.metrics import SLO
+from tuner.pipeline import Choice, Verdict
 from tuner.profile import load_profile
 from tuner.proposals import ProposalView, create_proposal, running_tunables
 from tuner.prune import drop_noise_knobs, seed_measurer
@@ -50,6 +53,13 @@ class CapacityBackend(Replayer, Protocol):
     def requests(self, seed: int) -> Prepared: ...
 
 
+def capacity_backend(backend: Backend) -> CapacityBackend:
+    """`backend` as one whose capacity can be searched; ValueError naming it when it cannot replay a request list."""
+    if not isinstance(backend, CapacityBackend):
+        raise ValueError(f"backend {backend.name}: cannot replay a request list, so it cannot measure capacity")
+    return backend
+
+
 @dataclass
 class NightlyResult:
     study: StudyResult
@@ -59,6 +69,27 @@ class NightlyResult:
     files: dict[str, Path] = field(default_factory=dict)
     report_md: str = ""
     pruning: dict[str, Any] | None = None  # the changes kept and dropped (effect inside the noise)
+    verdict: Verdict | None = None  # the pipeline's: the running config's capacity, headroom, phase times
+
+    def lines(self) -> list[str]:
+        """The outcome as `kvpilot tune nightly` and the demo print it: the decision, the running config's
+        capacity and headroom, each change of the best trial kept or dropped, the files written."""
+        lines = [self.decision]
+        if self.verdict is not None:
+            c = self.verdict.running
+            within = f"{c.capacity_rps:.2f} req/s within the SLOs (x{c.multiplier:.2f} the traffic)"
+            lines.append(f"  running config: {within}")
+            lines += [f"  {note}" for note in self.verdict.notes]
+        for knob in (self.pruning or {}).get("knobs", []):
+            verdict = "kept" if knob["kept"] else "dropped (inside the noise)"
+            lines.append(
+                f"  {knob['knob']}: {knob['current']} -> {knob['proposed']}, reverting it costs "
+                f"{knob['effect']:+.1%} goodput: {verdict}"
+            )
+        lines += [f"  {kind}: {path}" for kind, path in self.files.items()]
+        if self.proposal is not None:
+            lines.append(f"  proposal id {self.proposal.id} (pending): kvpilot tune apply {self.proposal.id}")
+        return lines
 
 
 def confirm(
@@ -72,15 +103,14 @@ def confirm(
     margin: float = DEFAULT_MARGIN,
     pair_replays: int = 4,
     scout_replays: int = 8,
-) -> dict[str, Any]:
+    start: float = 1.0,
+) -> Comparison:
     """The capacity comparison of `best` against `base` on the held-out `seeds` (module docstring): ABBA pairs,
-    one per seed at most, at least 2; the record is the comparison's (`Comparison.as_dict`: `holds` when the
-    verdict is `proposal`)."""
+    one per seed at most, at least 2 (its record, `Comparison.as_dict`, is the proposal's). `start`: where each
+    seed's scout starts (the running config's known capacity, as a multiple of the traffic's rate)."""
     if len(seeds) < 2:
         raise ValueError(f"seeds: the comparison needs at least 2 held-out seeds (one pair has no interval): {seeds}")
-    if not isinstance(backend, CapacityBackend):
-        raise ValueError(f"backend {backend.name}: cannot replay a request list, so it cannot measure capacity")
-    replayer: CapacityBackend = backend  # the narrowed type, for the closure below
+    replayer = capacity_backend(backend)
 
     def side(label: str, config: Any) -> ReplayerSide:
         return ReplayerSide(
@@ -93,14 +123,177 @@ def confirm(
         side("running", base),
         side("candidate", best),
         seeds=seeds,
-        start=1.0,
+        start=start,
         min_pairs=2,
         max_pairs=min(len(seeds), MAX_PAIRS),
         margin=margin,
         floor_rps=MIN_MULTIPLIER * rate,
     )
     log.info("nightly %s: confirmation: %s", name, c.sentence())
-    return c.as_dict()
+    return c
+
+
+NIGHTLY_CAPACITY_REPLAYS = 7  # the running config's capacity search (the baseline phase)
+
+
+@dataclass
+class KvpilotTarget:
+    """kvpilot's engine through any of its backends as a `tuner.pipeline` target: the running config's capacity,
+    an Optuna study (the running config its first trial, a random search beside it), the best trial pruned to the
+    changes that matter, the capacity comparison on held-out seeds, and the report and proposal files."""
+
+    backend: Backend
+    backend_name: str
+    space: Any
+    base: Any
+    slo: SLO
+    name: str
+    db: Any
+    out: Path
+    workload: dict[str, Any]
+    trials: int = 40
+    seed: int = 0
+    seeds_per_trial: int = 1
+    confirm_seeds: int = 3
+    margin: float = DEFAULT_MARGIN
+    min_effect: float = 0.01
+    instance: str | None = None
+    storage: Any = None
+    progress: bool = True
+    notes: list[str] = field(default_factory=list)
+    running: Capacity | None = None  # the baseline phase's
+    result: StudyResult | None = None
+    pruning: dict[str, Any] | None = None
+    kept: dict[str, Any] = field(default_factory=dict)
+
+    def baseline(self) -> Capacity:
+        """The running config's SLO capacity on the first tuning seed."""
+        be = capacity_backend(self.backend)
+        reqs, prompts = be.requests(self.seed)
+        run_id = f"{self.name}-capacity-running"
+        cap = replay_capacity(
+            be, self.base, reqs, prompts, slo=self.slo, run_id=run_id, max_replays=NIGHTLY_CAPACITY_REPLAYS
+        )
+        log.info(
+            "nightly %s: the running config's capacity %.2f req/s (x%.2f)", self.name, cap.capacity_rps, cap.multiplier
+        )
+        self.running = cap
+        return cap
+
+    def screen(self) -> None:
+        self.result = run_study(
+            self.backend,
+            self.space,
+            self.base,
+            name=self.name,
+            trials=self.trials,
+            slo=self.slo,
+            seed=self.seed,
+            workload_seed=list(range(self.seed, self.seed + self.seeds_per_trial)),
+            storage=self.storage,
+            progress=self.progress,
+        )
+        self.result.notes.extend(self.notes)
+
+    def confirm(self) -> Choice:
+        """The best trial, each change whose revert costs less than `min_effect` of goodput dropped (on workload
+        seeds of their own: `tuner.prune.drop_noise_knobs`)."""
+        result = self._result()
+        best, current = result.best, result.baseline
+        if best is None:
+            return Choice(None, "no trial met the constraints")
+        if current is None:
+            return Choice(None, "the current config's trial did not complete")
+        if best.number == current.number:
+            return Choice(None, "the current config is already the best found")
+        prune_seeds = [self.seed + 2000 + k for k in range(self.confirm_seeds)]
+        measure = seed_measurer(
+            self.backend, self.space, self.base, slo=self.slo, seeds=prune_seeds, name=f"{self.name}-prune"
+        )
+        self.kept, knobs = drop_noise_knobs(current.params, best.params, measure, min_effect=self.min_effect)
+        self.pruning = {"seeds": prune_seeds, "min_effect": self.min_effect, "knobs": knobs}
+        if self.kept == current.params:
+            return Choice(None, "no change of the best trial had an effect above the noise")
+        return Choice(self.space.apply(self.base, self.kept))
+
+    def held_out(self, candidate: Any) -> Comparison:
+        seeds = [self.seed + 1000 + k for k in range(self.confirm_seeds)]
+        known = self.running.multiplier if self.running is not None and self.running.multiplier > 0 else 1.0
+        return confirm(
+            self.backend,
+            self.base,
+            candidate,
+            slo=self.slo,
+            seeds=seeds,
+            name=self.name,
+            margin=self.margin,
+            start=known,
+        )
+
+    def _result(self) -> StudyResult:
+        if self.result is None:
+            raise RuntimeError("screen first")
+        return self.result
+
+    def finish(self, verdict: Verdict) -> NightlyResult:
+        """The report (every night) and the proposal (only when the verdict says so), written all or nothing."""
+        result = self._result()
+        comparison = verdict.comparison.as_dict() if verdict.comparison is not None else None
+        png = pareto_png(result)
+        plot_name = f"pareto-{self.name}.png" if png else None
+        md = render_markdown(
+            result,
+            title=f"kvpilot tuning report — {self.name}",
+            workload=self.workload,
+            backend=self.backend_name,
+            confirmation=comparison,
+            decision=verdict.decision,
+            plot_name=plot_name,
+            pruning=self.pruning,
+            running_capacity=verdict.running.summary(),
+            notes=verdict.notes,
+        )
+        if not verdict.propose or comparison is None:
+            path = _write_atomic(self.out / f"report-{self.name}.md", md.encode())
+            if png and plot_name:
+                _write_atomic(self.out / plot_name, png)
+            files = {"report": path}
+            return NightlyResult(result, verdict.decision, None, comparison, files, md, self.pruning, verdict)
+        best, current = result.best, result.baseline
+        assert best is not None and current is not None  # a candidate comes from both
+        metrics_base = {
+            "trial": current.metrics,
+            "capacity": verdict.running.summary(),
+            "heldout_capacity_rps": comparison["running_capacity_rps"],
+            "params": current.params,
+        }
+        metrics_best = {
+            "trial": best.metrics,
+            "params": self.kept,
+            "patch": self.space.to_patch({k: v for k, v in self.kept.items() if current.params.get(k) != v}),
+            "pruning": self.pruning,
+            "search": search_summary(result),
+            "workload": self.workload,
+            "backend": self.backend_name,
+            "heldout_capacity_rps": comparison["candidate_capacity_rps"],
+            "confirmation": comparison,
+        }
+        return _publish(
+            self.db,
+            self.out,
+            self.name,
+            self.instance,
+            verdict.candidate.to_yaml(),
+            md,
+            png,
+            plot_name,
+            metrics_base,
+            metrics_best,
+            result,
+            verdict,
+            comparison,
+            self.pruning,
+        )
 
 
 def run_nightly(
@@ -127,11 +320,12 @@ def run_nightly(
     engine_url: str | None = None,
     admin_token: str | None = None,
 ) -> NightlyResult:
-    """The whole nightly job; returns the proposal (None when the gain did not hold).
+    """The whole nightly job (`tuner.pipeline` over a `KvpilotTarget`); the proposal is None when the gain did not
+    hold.
 
     The proposal changes only the knobs that measurably matter: each change of the best trial whose
     removal costs less than `min_effect` of goodput (1%: the noise floor) is dropped
-    (`tuner.prune.drop_noise_knobs`, on workload seeds of its own), and the confirmation runs what is left. With
+    (`tuner.prune.drop_noise_knobs`, on workload seeds of its own), and the comparison runs what is left. With
     `engine_url` (or a live backend) the baseline is the config the engine actually runs (its tunables from
     GET /admin/config on top of the config file), so the proposal is measured against what it would replace."""
     slo = (slo or SLO()).validate()
@@ -143,15 +337,16 @@ def run_nightly(
         )
     if not 0 <= margin < 0.5:
         raise ValueError(f"margin: must be within [0, 0.5), got {margin}")
-    out = Path(out_dir)
+    if seeds_per_trial < 1:
+        raise ValueError(f"seeds_per_trial: must be >= 1, got {seeds_per_trial}")
     prof = load_profile(profile)
     base = base_config(config_path, prof, backend)
     engine_url = engine_url or (live or {}).get("engine_url")
-    running_note = None
+    notes = []
     if engine_url:
         tunable, running_instance = running_tunables(engine_url, admin_token or (live or {}).get("admin_token"))
         base = base.with_tunable(tunable)
-        running_note = f"baseline: the tunables running on {engine_url} (instance {running_instance})"
+        notes.append(f"baseline: the tunables running on {engine_url} (instance {running_instance})")
     space = load_space(space_path, base=base)
     db = open_db(db_url)
     try:
@@ -159,101 +354,28 @@ def run_nightly(
         factory, wdesc = workload_factory(workload, opts, profile=prof, base=base, db=db, instances=instances)
         be = make_backend(backend, profile=prof, workload=factory, db=db, slo=slo, live=live)
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
-        name = f"nightly-{stamp}-{uuid.uuid4().hex[:4]}"
-        if seeds_per_trial < 1:
-            raise ValueError(f"seeds_per_trial: must be >= 1, got {seeds_per_trial}")
-        result = run_study(
-            be,
-            space,
-            base,
-            name=name,
-            trials=trials,
+        target = KvpilotTarget(
+            backend=be,
+            backend_name=backend,
+            space=space,
+            base=base,
             slo=slo,
+            name=f"nightly-{stamp}-{uuid.uuid4().hex[:4]}",
+            db=db,
+            out=Path(out_dir),
+            workload=wdesc,
+            trials=trials,
             seed=seed,
-            workload_seed=list(range(seed, seed + seeds_per_trial)),
+            seeds_per_trial=seeds_per_trial,
+            confirm_seeds=confirm_seeds,
+            margin=margin,
+            min_effect=min_effect,
+            instance=instance,
             storage=open_storage(db_url, storage_url=storage_url),
             progress=progress,
+            notes=notes,
         )
-        best, current = result.best, result.baseline
-        if running_note:
-            result.notes.append(running_note)
-        confirmation = pruning = None
-        kept: dict[str, Any] = {}
-        if best is None:
-            decision = "no proposal: no trial met the constraints"
-        elif current is None:
-            decision = "no proposal: the current config's trial did not complete"
-        elif best.number == current.number:
-            decision = "no proposal: the current config is already the best found"
-        else:
-            prune_seeds = [seed + 2000 + k for k in range(confirm_seeds)]
-            measure = seed_measurer(be, space, base, slo=slo, seeds=prune_seeds, name=f"{name}-prune")
-            kept, knobs = drop_noise_knobs(current.params, best.params, measure, min_effect=min_effect)
-            pruning = {"seeds": prune_seeds, "min_effect": min_effect, "knobs": knobs}
-            if kept == current.params:
-                decision = "no proposal: no change of the best trial had an effect above the noise"
-            else:
-                best_cfg = space.apply(base, kept)
-                seeds = [seed + 1000 + k for k in range(confirm_seeds)]
-                confirmation = confirm(be, base, best_cfg, slo=slo, seeds=seeds, name=name, margin=margin)
-                decision = (
-                    f"propose: {confirmation['sentence']}"
-                    if confirmation["holds"]
-                    else f"no proposal: the gain did not hold on {len(seeds)} new seeds: {confirmation['sentence']}"
-                )
-        log.info("nightly %s: %s", name, decision)
-        png = pareto_png(result)
-        propose = confirmation is not None and confirmation["holds"]
-        plot_name = f"pareto-{name}.png" if png else None
-        md = render_markdown(
-            result,
-            title=f"kvpilot tuning report — {name}",
-            workload=wdesc,
-            backend=backend,
-            confirmation=confirmation,
-            decision=decision,
-            plot_name=plot_name,
-            pruning=pruning,
-        )
-        if not propose:
-            path = _write_atomic(out / f"report-{name}.md", md.encode())
-            if png:
-                _write_atomic(out / plot_name, png)
-            return NightlyResult(result, decision, None, confirmation, {"report": path}, md, pruning)
-        best_cfg = space.apply(base, kept)
-        cfg_yaml = best_cfg.to_yaml()
-        metrics_base = {
-            "trial": current.metrics,
-            "heldout_capacity_rps": confirmation["running_capacity_rps"],
-            "params": current.params,
-        }
-        metrics_best = {
-            "trial": best.metrics,
-            "params": kept,
-            "patch": space.to_patch({k: v for k, v in kept.items() if current.params.get(k) != v}),
-            "pruning": pruning,
-            "search": search_summary(result),
-            "workload": wdesc,
-            "backend": backend,
-            "heldout_capacity_rps": confirmation["candidate_capacity_rps"],
-            "confirmation": confirmation,
-        }
-        return _publish(
-            db,
-            out,
-            name,
-            instance,
-            cfg_yaml,
-            md,
-            png,
-            plot_name,
-            metrics_base,
-            metrics_best,
-            result,
-            decision,
-            confirmation,
-            pruning,
-        )
+        return pipeline.run(target)
     finally:
         db.dispose()
 
@@ -270,7 +392,7 @@ def _publish(
     metrics_base: dict,
     metrics_best: dict,
     result: StudyResult,
-    decision: str,
+    verdict: Verdict,
     confirmation: dict,
     pruning: dict | None = None,
 ) -> NightlyResult:
@@ -307,7 +429,7 @@ def _publish(
         tmp_png.replace(files["plot"])
     _write_atomic(files["report"], md.encode())
     log.info("proposal %d written: %s", row.id, ", ".join(str(p) for p in files.values()))
-    return NightlyResult(result, decision, row, confirmation, files, md, pruning)
+    return NightlyResult(result, verdict.decision, row, confirmation, files, md, pruning, verdict)
 
 
 def _write_atomic(path: Path, data: bytes) -> Path:

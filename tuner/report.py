@@ -13,12 +13,14 @@ from tuner.study import StudyResult, TrialRecord
 log = logging.getLogger("kvpilot.tuner.report")
 
 
-def _fmt(v: Any, digits: int = 3) -> str:
-    if v is None:
+def num(value: Any, unit: str = "", digits: int = 3) -> str:
+    """A figure as reports and summaries print it: "—" for None, floats to `digits` significant digits (one
+    decimal with thousands separators from 100 on), then `unit`."""
+    if value is None:
         return "—"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}" if abs(v) < 100 else f"{v:,.1f}"
-    return str(v)
+    if isinstance(value, float):
+        return (f"{value:,.1f}" if abs(value) >= 100 else f"{value:.{digits}g}") + unit
+    return f"{value}{unit}"
 
 
 def _n(v: float) -> str:
@@ -100,23 +102,34 @@ def render_markdown(
     decision: str,
     plot_name: str | None,
     pruning: dict[str, Any] | None = None,
+    running_capacity: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
 ) -> str:
-    """`pruning`: which changes of the best trial were kept, measured one by one (tuner.prune.drop_noise_knobs)."""
+    """`pruning`: which changes of the best trial were kept, measured one by one (tuner.prune.drop_noise_knobs);
+    `running_capacity`: the running config's capacity (`Capacity.summary`); `notes`: the headroom line and such."""
     s = search_summary(result)
     base, best = result.baseline, result.best
     lines = [f"# {title}", "", f"**Decision:** {decision}", ""]
+    if running_capacity is not None:
+        c = running_capacity
+        lines += [
+            f"**The running config** serves {c['capacity_rps']:.3g} req/s within the SLOs (x{c['multiplier']:.3g} "
+            f"the traffic's {c['rate_rps']:.3g} req/s; {c['replays']} replays).",
+            "",
+        ]
+    lines += [f"- {n}" for n in notes or []] + ([""] if notes else [])
     lines += [
         "## Search",
         "",
         f"- backend `{backend}`, study `{result.name}`, sampler {result.sampler}, {s['trials']} trials "
         f"({s['feasible']} feasible, {s['failed']} failed); trial 0 is the current config",
         f"- workload: {', '.join(f'{k}={v}' for k, v in workload.items())}",
-        f"- best found: {_fmt(s['best_goodput_tps'])} goodput tokens/s (trial {s['best_trial']}); current config "
-        f"{_fmt(s['baseline_goodput_tps'])}",
+        f"- best found: {num(s['best_goodput_tps'])} goodput tokens/s (trial {s['best_trial']}); current config "
+        f"{num(s['baseline_goodput_tps'])}",
     ]
     if result.random is not None:
         rnd = s["random_best_goodput_tps"]
-        found = f"best {_fmt(rnd)} goodput tokens/s" if rnd is not None else "no feasible trial"
+        found = f"best {num(rnd)} goodput tokens/s" if rnd is not None else "no feasible trial"
         lines.append(
             f"- random search, same budget ({s['random_trials']} trials): {found}"
             + (f"; {result.sampler} is {s['best_over_random']:+.1%} against it" if "best_over_random" in s else "")
@@ -127,7 +140,7 @@ def render_markdown(
     elif base and best:
         lines += ["", "## What changed", "", "| knob | current | proposed |", "|---|---|---|"]
         diff = changes(base.params, best.params)
-        lines += [f"| `{k}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in diff] or ["| (none) | | |"]
+        lines += [f"| `{k}` | {num(a)} | {num(b)} |" for k, a, b in diff] or ["| (none) | | |"]
     if confirmation:
         lines += comparison_lines(
             confirmation,
@@ -155,9 +168,9 @@ def pruning_lines(pruning: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for k in knobs:
-        proposed = _fmt(k["proposed"]) if k["kept"] else f"{_fmt(k['current'])} (dropped)"
+        proposed = num(k["proposed"]) if k["kept"] else f"{num(k['current'])} (dropped)"
         cost = f"{k['effect']:+.1%}" + (" and misses an SLO" if k["slo"] else "")
-        lines.append(f"| `{k['knob']}` | {_fmt(k['current'])} | {_fmt(k['proposed'])} | {proposed} | {cost} |")
+        lines.append(f"| `{k['knob']}` | {num(k['current'])} | {num(k['proposed'])} | {proposed} | {cost} |")
     if not knobs:
         lines.append("| (none) | | | | |")
     lines += ["", f"{len(kept)} of {len(knobs)} changes kept."]

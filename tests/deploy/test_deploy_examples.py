@@ -79,6 +79,7 @@ def test_every_exec_start_is_a_kvpilot_command_the_cli_accepts() -> None:
         "kvpilot-dashboard.service",
         "kvpilot-db-upgrade.service",
         "kvpilot-nightly.service",
+        "kvpilot-nightly-vllm.service",
         "kvpilot-prune.service",
     }
     for path, argv in starts:

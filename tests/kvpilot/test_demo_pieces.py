@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import yaml
@@ -19,8 +20,9 @@ from kvpilot import demo_alerts as DA
 from kvpilot.demo import demo_engine_config
 from kvpilot.demo_load import BurstGate, arrivals, drive_demo_load
 from kvpilot.demo_report import dashboard_line, stored_counts, weights_line
-from kvpilot.demo_tune import DEMO_PROFILE, tuning_config, tuning_lines
+from kvpilot.demo_tune import DEMO_PROFILE, tuning_config
 from tuner.metrics import store_events
+from tuner.nightly import NightlyResult
 from tuner.profile import load_profile
 
 
@@ -190,16 +192,19 @@ def test_the_tuning_baseline_is_the_config_the_demo_engine_ran() -> None:
     assert profile.engine_config(cfg).model_dump() == cfg.model_dump()
 
 
-def test_tuning_lines_list_kept_and_dropped_changes() -> None:
+def test_the_nightly_outcome_lists_kept_and_dropped_changes() -> None:
     pruning = {
         "knobs": [
             {"knob": "scheduler.max_num_seqs", "current": 32, "proposed": 64, "effect": 0.08, "kept": True},
             {"knob": "recycler.threshold", "current": 0.85, "proposed": 0.7, "effect": 0.001, "kept": False},
         ]
     }
-    lines = tuning_lines("propose: +8.0% goodput", pruning, {}, None)
+    files = {"report": Path("r.md")}
+    result = NightlyResult(None, "propose: serves +8.0% traffic", None, None, files, "", pruning)  # type: ignore[arg-type]
+    lines = result.lines()
+    assert lines[0] == "propose: serves +8.0% traffic"
     assert "scheduler.max_num_seqs: 32 -> 64" in lines[1] and lines[1].endswith("kept")
-    assert lines[2].endswith("dropped (inside the noise)")
+    assert lines[2].endswith("dropped (inside the noise)") and lines[3] == "  report: r.md"
 
 
 def test_each_demo_run_gets_its_own_admin_token(tmp_path, monkeypatch) -> None:

@@ -512,3 +512,52 @@ def test_a_short_search_whose_scout_the_sender_cannot_send_stays_a_bound() -> No
     c = compare(side("running"), side("candidate"), seeds=[1000, 1001], start=1.0, floor_rps=0.01)
     assert c.verdict == INCONCLUSIVE and c.not_measured is None and c.lower_bounds, c.as_dict()
     assert "capacity not found" in c.sentence() and len(c.pairs) == 2
+
+
+class _DriftingSide:
+    """A side on a machine whose speed drifts by `drift` (log) per measurement, whatever config is measured: the
+    clock is shared, and every call is logged in order."""
+
+    def __init__(self, label: str, multiplier: float, clock: list[str], *, drift: float, wobble=lambda n: 0.0):
+        self.label, self.multiplier, self.clock, self.drift, self.wobble = label, multiplier, clock, drift, wobble
+        self.calls = 0
+
+    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False):
+        from tuner.capacity import Capacity
+
+        self.clock.append(self.label)
+        self.calls += 1
+        m = self.multiplier * math.exp(self.drift * len(self.clock) + self.wobble(self.calls))
+        return Capacity(rate_rps=1.0, multiplier=m, upper=m * 1.15)
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+def test_arms_share_rounds_nested_so_a_drift_cancels_in_each_and_a_decided_arm_leaves() -> None:
+    """The held-out comparison and the A/A check in one set of rounds: A X1 X2 X2 X1 A, six measurements where
+    two comparisons one after the other take eight. A machine slowing 3% per measurement cancels exactly in every
+    arm (each arm's two sit symmetrically about the round's middle, as the running config's do): the A/A arm
+    reads 1.000 and says `no gain`, the candidate's +20% reads +20.0%. An arm that has said leaves: the noisy
+    candidate goes on alone, A B B A, until it says."""
+    from tuner.compare import compare_arms
+
+    clock: list[str] = []
+    wobble = {3: 0.15, 4: 0.15}  # the candidate's calls in the second round read 15% high
+    running = _DriftingSide("running", 3.0, clock, drift=-0.03)
+    candidate = _DriftingSide("candidate", 3.6, clock, drift=-0.03, wobble=lambda n: wobble.get(n, 0.0))
+    aa = _DriftingSide("aa", 3.0, clock, drift=-0.03)
+    run = dict(seeds=[1000, 1001, 1002, 1003], start=3.0, floor_rps=0.01, min_pairs=2, max_pairs=4)
+    heldout, check = compare_arms(running, [candidate, aa], **run)
+    assert clock[:12] == ["running", "candidate", "aa", "aa", "candidate", "running"] * 2
+    assert [p["log_ratio"] for p in check.pairs] == pytest.approx([0.0, 0.0], abs=1e-12)
+    assert check.verdict == NO_GAIN and check.candidate == "aa" and len(check.pairs) == 2, check.as_dict()
+    # the candidate's second round read +15% high: inconclusive at 2 pairs, so it went on, with the A/A arm gone
+    assert clock[12:] == ["running", "candidate", "candidate", "running"] * (len(heldout.pairs) - 2)
+    assert heldout.pairs[0]["log_ratio"] == pytest.approx(math.log(1.2), abs=1e-12)
+    assert len(heldout.pairs) == 3 and heldout.verdict == PROPOSAL, heldout.as_dict()
+    with pytest.raises(ValueError, match="labelled apart"):
+        compare_arms(running, [aa, _DriftingSide("aa", 3.0, clock, drift=0.0)], **run)

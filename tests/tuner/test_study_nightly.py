@@ -15,6 +15,7 @@ from engine.events import RequestEvent
 from tuner import nightly
 from tuner import workloads as WL
 from tuner.backends import SimBackend
+from tuner.compare import INCONCLUSIVE, Comparison
 from tuner.metrics import SLO, store_events, trial_metrics
 from tuner.nightly import run_nightly
 from tuner.proposals import ProposalError, get_proposal, list_proposals, set_status
@@ -252,15 +253,22 @@ def test_nightly_writes_a_proposal_only_when_the_gain_holds(sqlite_url: str, tmp
     assert p.best_metrics["heldout_capacity_rps"] > p.baseline_metrics["heldout_capacity_rps"] > 0
     assert "## Confirmation: SLO capacity on new workload seeds" in report and conf["sentence"] in report
     assert result.decision == f"propose: {conf['sentence']}"
+    # the pipeline's first phase: the running config's capacity on the tuning seed, in the report and the row
+    running = result.verdict.running
+    assert running.found and p.baseline_metrics["capacity"]["capacity_rps"] == pytest.approx(running.capacity_rps, 1e-3)
+    assert f"serves {running.capacity_rps:.3g} req/s within the SLOs" in report
     # The same search, but a comparison that does not say `proposal`: a report, no proposal, no row.
     real = nightly.confirm
 
-    def doubtful(*args, **kwargs) -> dict:
-        return {**real(*args, **kwargs), "verdict": "inconclusive", "holds": False}
+    def doubtful(*args, **kwargs) -> Comparison:
+        c = real(*args, **kwargs)
+        c.verdict = INCONCLUSIVE
+        return c
 
     monkeypatch.setattr(nightly, "confirm", doubtful)
     none = run_nightly(out_dir=tmp_path / "out2", **common)
-    assert none.proposal is None and "did not hold on 2 new seeds" in none.decision
+    assert none.proposal is None and none.confirmation is not None and not none.confirmation["holds"]
+    assert none.decision == f"no proposal: {none.confirmation['sentence']}" and "inconclusive" in none.decision
     assert none.files["report"].exists() and not list((tmp_path / "out2").glob("proposal-*.yaml"))
     assert [q.id for q in list_proposals(make_engine(sqlite_url))] == [p.id]
 

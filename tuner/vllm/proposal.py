@@ -19,7 +19,7 @@ from tuner.capacity import MIN_FINISHED
 from tuner.compare import Comparison
 from tuner.metrics import SLO
 from tuner.proposals import ProposalView, create_proposal
-from tuner.report import _fmt, comparison_lines
+from tuner.report import comparison_lines, num
 from tuner.vllm.screen import ScreenResult
 
 log = logging.getLogger("kvpilot.tuner.vllm.proposal")
@@ -68,7 +68,7 @@ def render_report(
     if live_only:
         lines.append(
             f"- live-only Optuna search for comparison: {live_only['trials']} trials, best "
-            f"{_fmt(live_only.get('best_capacity_rps'))} req/s capacity"
+            f"{num(live_only.get('best_capacity_rps'))} req/s capacity"
         )
     if restart and restart.get("ready_s"):
         r = restart["ready_s"]
@@ -86,7 +86,7 @@ def render_report(
     ]
     for m in (screened.baseline, *screened.confirmed):
         label = _changes(base, m.config) if m is not screened.baseline else "running config"
-        live = _fmt(m.metrics["goodput_tps"]) if m.metrics else f"infeasible: {m.infeasible}"
+        live = num(m.metrics["goodput_tps"]) if m.metrics else f"infeasible: {m.infeasible}"
         lines.append(f"| {label} | {', '.join(m.reverted) or '—'} | {live} | {m.feasible} |")
     if capacities:
         lines += ["", "| config | predicted capacity req/s | live capacity req/s | replays |", "|---|---|---|---|"]
@@ -105,7 +105,7 @@ def render_report(
                 f"best ({_changes(base, by_live['config']) or 'the running config'}): the live figures decide.",
             ]
     lines += ["", "## What changed", "", "| argument | running | proposed |", "|---|---|---|"]
-    lines += [f"| `--{k.replace('_', '-')}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in base.changed(best)] or [
+    lines += [f"| `--{k.replace('_', '-')}` | {num(a)} | {num(b)} |" for k, a, b in base.changed(best)] or [
         "| (none) | | |"
     ]
     if heldout is not None:

@@ -1,25 +1,30 @@
 """One screened tuning of a vLLM, from the config it runs to a proposal: what `kvpilot tune vllm study` runs and
-`kvpilot bench tune-vllm` measures (the bench adds its live-only search between `screen` and `held_out`).
+`kvpilot bench tune-vllm` measures (the bench adds its live-only search to `confirm` and its A/A check to
+`finish`).
 
 The objective is SLO capacity (`tuner.capacity`): how many times the workload's arrival rate a config serves
 within its SLOs. Memory is a budget: the space holds the KV cache at the running config's size unless
 `allow_memory` (then a proposal's extra memory is its own line, with the best at fixed memory beside it).
 
-`VllmTuning` runs the phases in order on one `VllmBackend`, the running config's server pinned (kept up):
-1. `capacity_rps`: for a scenario workload, the running config's requests/s, live (the scenario mix all at once);
-2. `measure_baseline`: the running config live on the tuning seeds, at the recorded rate;
-3. `baseline_capacity`: its SLO capacity on the first tuning seed (a bracketing search on its server);
-4. `calibrate`: the simulator's cost model from the steps the collector stored for those replays, and for
-   `steps_instances` (e.g. the operator's own vLLM) since `steps_since`; the screen replays the workload past
-   the running config's simulated capacity, where configs differ in what they serve within the SLOs;
-5. `screen`: `sim_trials` configs in the simulator, the `top_k` best confirmed live (`tuner.vllm.screen`);
-6. `confirm`: the predicted (simulated) and live capacity of the running config and each confirmation; the
-   candidate is the one with the most live capacity, and the screen's ranking is scored (`rank_correlation`);
-7. `held_out`: the running config against the candidate on new seeds, both servers up, the idle one paused,
-   ABBA pairs until the 90% interval of the capacity ratio says (`tuner.compare`; `run` skips it when the
-   candidate is the running config); `aa_check` is the same protocol with the running config on both servers;
-8. `finish`: the decision, the markdown report, and a proposal (vLLM `--config` file, report, row) only when the
-   comparison's verdict is `proposal` (the whole interval above 1).
+`VllmTuning` is the vLLM target of the one tuning pipeline (`tuner.pipeline`: the order, the gain rule, the
+decision's words and the headroom line are the pipeline's), on one `VllmBackend`, the running config's server
+pinned (kept up):
+- `capacity_rps` (before the pipeline, for a scenario workload): the anchor config's requests/s, live (the
+  scenario mix all at once), which sets the traffic's rate;
+- `baseline`: the running config live on the tuning seeds at the recorded rate (`measure_baseline`), then its
+  SLO capacity on the first tuning seed (`baseline_capacity`: a bracketing search on its server);
+- `screen`: the simulator's cost model from the steps the collector stored for those replays, and for
+  `steps_instances` (e.g. the operator's own vLLM) since `steps_since` (`calibrate`); then `sim_trials` configs
+  in the simulator past the running config's simulated capacity, where configs differ in what they serve within
+  the SLOs, and the `top_k` best confirmed live (`screen_configs`, `tuner.vllm.screen`);
+- `confirm`: the predicted (simulated) and live capacity of the running config and each confirmation
+  (`confirm_capacities`); the candidate is the one with the most live capacity, and the screen's ranking is
+  scored (`rank_correlation`);
+- `held_out`: the running config against the candidate on new seeds, both servers up, the idle one paused,
+  ABBA pairs until the 90% interval of the capacity ratio says (`tuner.compare`); `aa_check` is the same
+  protocol with the running config on both servers;
+- `finish`: the markdown report, and a proposal (vLLM `--config` file, report, row) only when the pipeline's
+  verdict says so (the comparison's is `proposal`: the whole interval above 1).
 
 `preview` is the screen without vLLM: the simulator calibrated from what the collector already stores, and the
 best configs it finds with their predicted goodput, so an operator can look before paying for restarts.
@@ -41,11 +46,13 @@ from collector.queries import StoredStep, stored_steps
 from engine import workload as W
 from engine.config import ModelConfig
 from integrations.vllm.config import VllmConfig, VllmConfigError
+from tuner import pipeline
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError
 from tuner.capacity import MIN_MULTIPLIER, Capacity, at_rate_requests, replay_capacity
-from tuner.compare import DEFAULT_MARGIN, MAX_PAIRS, PROPOSAL, Comparison, ReplayerSide, compare
+from tuner.compare import DEFAULT_MARGIN, MAX_PAIRS, Comparison, ReplayerSide, compare_arms
 from tuner.metrics import SLO, TrialMetrics
+from tuner.pipeline import Choice, Verdict
 from tuner.replay import TrialSink, replay
 from tuner.study import StudyResult
 from tuner.vllm.backend import VllmBackend
@@ -79,6 +86,11 @@ MAX_HELDOUT = 20  # held-out seeds
 MAX_REPEATS = 5
 MAX_REPLAYS = 12  # per capacity search
 SCREEN_OVERLOAD = 1.25  # the screen replays at this multiple of the running config's simulated capacity
+
+
+def _aa_arm(base: VllmConfig) -> tuple[str, VllmConfig, str]:
+    """The A/A check's arm: a second server of the running config, in slot `aa`."""
+    return ("aa", base, "aa")
 
 
 @dataclass(frozen=True)
@@ -249,6 +261,18 @@ def _s(v: float | None) -> str:
     return "—" if v is None else f"{v:.2f} s"
 
 
+@dataclass(frozen=True)
+class ReportTo:
+    """Where and how `VllmTuning.finish` writes: the report's title, the workload's description, the proposal's
+    directory and instance, and the report's path when there is no proposal."""
+
+    title: str
+    workload: dict[str, Any]
+    out_dir: Path
+    report_path: Path
+    instance: str | None = None
+
+
 @dataclass
 class Outcome:
     decision: str
@@ -258,6 +282,7 @@ class Outcome:
     profile: dict[str, Any]
     restart: dict[str, Any]
     notes: list[str] = field(default_factory=list)  # headroom, extra memory
+    verdict: Verdict | None = None  # the pipeline's (`tuner.pipeline`)
 
 
 @dataclass
@@ -280,8 +305,10 @@ class VllmTuning:
     progress: bool = False
     storage: Any = None  # the Optuna storage the screen's study is kept in (None: memory)
     allow_memory: bool = False  # search the KV cache's size too (else held at the running config's)
+    report_to: ReportTo | None = None  # what `finish` writes (set before `run`)
+    live_only: dict[str, Any] | None = None  # a live-only search's figures for the report (the bench's)
     t0: float = field(default_factory=time.time)
-    baseline: LiveMeasurement | None = None
+    baseline_live: LiveMeasurement | None = None  # the running config at the recorded rate
     running_capacity: Capacity | None = None
     sim_running: Capacity | None = None  # the running config's simulated capacity
     profile: VllmProfile | None = None
@@ -335,7 +362,7 @@ class VllmTuning:
                 f"{self.backend.collector_url} writing to {self.db.url.render_as_string(hide_password=True)}, "
                 "and is the ingest token right?"
             )
-        self.baseline = m
+        self.baseline_live = m
         self._phase("baseline_s", t)
         return m
 
@@ -371,6 +398,12 @@ class VllmTuning:
             raise TuneError(f"the running config did not serve on vLLM: {exc.reason}") from exc
         self._phase("baseline_capacity_s", t)
         return self.running_capacity
+
+    def baseline(self) -> Capacity:
+        """The pipeline's first phase: the running config live on the tuning seeds at the recorded rate (what
+        calibrates the simulator), then its SLO capacity."""
+        self.measure_baseline()
+        return self.baseline_capacity()
 
     def _start_multiplier(self) -> float:
         cap = self.running_capacity
@@ -418,8 +451,13 @@ class VllmTuning:
             sim, config, reqs, prompts, slo=self.slo, run_id=f"{self.name}-simcap", start=self._start_multiplier()
         )
 
-    def screen(self) -> ScreenResult:
-        if self.baseline is None or self.sim_backend is None:
+    def screen(self) -> None:
+        """The pipeline's search: the simulator calibrated from the stored steps, then the screened study."""
+        self.calibrate()
+        self.screen_configs()
+
+    def screen_configs(self) -> ScreenResult:
+        if self.baseline_live is None or self.sim_backend is None:
             raise RuntimeError("screen: measure_baseline and calibrate first")
         t = time.time()
         b = self.budget
@@ -429,7 +467,7 @@ class VllmTuning:
             self.live,
             self.space,
             self.base,
-            baseline=self.baseline,
+            baseline=self.baseline_live,
             sim_trials=b.sim_trials,
             top_k=b.top_k,
             slo=self.slo,
@@ -441,7 +479,7 @@ class VllmTuning:
             sim_slo=self.slo.past_capacity(),  # the simulated replays run past the running config's capacity
         )
         sim_base = self.screened.sim.baseline
-        self.baseline.sim_goodput = sim_base.goodput if sim_base else None
+        self.baseline_live.sim_goodput = sim_base.goodput if sim_base else None
         best = self.screened.best
         self._phase("screen_s", t)
         self.say(
@@ -451,7 +489,16 @@ class VllmTuning:
         )
         return self.screened
 
-    def confirm(self) -> list[dict[str, Any]]:
+    def confirm(self) -> Choice:
+        """The pipeline's choice: the confirmed config with the most live capacity, unless that is the running
+        config; the others' capacities are the headroom line's rivals."""
+        rows = self.confirm_capacities()
+        rivals = tuple((_label(self.base, r["config"]), r["live_capacity_rps"]) for r in rows[1:])
+        if self.candidate is None or not changes(self.base, self.candidate):
+            return Choice(None, "the running config has the most capacity the screened search found", rivals)
+        return Choice(self.candidate, rivals=rivals)
+
+    def confirm_capacities(self) -> list[dict[str, Any]]:
         """Predicted and live capacity of the running config and of each live-feasible confirmation; the one with
         the most live capacity is the candidate. The confirmations still up are measured first (no restart)."""
         screened = self._screened()
@@ -506,30 +553,38 @@ class VllmTuning:
             on_resume=lambda: self.backend.resume(config, slot),
         )
 
-    def _compare(self, candidate: VllmConfig, slot: str, what: str) -> Comparison:
+    def _compare(self, arms: list[tuple[str, VllmConfig, str]], what: str) -> list[Comparison]:
+        """The running config against each arm (label, config, slot) in shared rounds (`compare_arms`), every
+        server up (pinned for the comparison) and the idle ones paused."""
         b = self.budget
         pairs = min(b.max_pairs, MAX_PAIRS)
         self.say(f"{what}: ABBA pairs on held-out seeds {list(b.heldout_seeds)}, {b.min_pairs}..{pairs} pairs")
-        self.backend.start(candidate, run_id=f"{self.name}-{slot or 'candidate'}", slot=slot)
+        for _, config, slot in arms:
+            self.backend.start(config, run_id=f"{self.name}-{slot or 'candidate'}", slot=slot)
+            self.backend.pin(config, slot)
         running = self.running_capacity
-        return compare(
-            self._side("running", self.base, ""),
-            self._side("candidate", candidate, slot),
-            seeds=list(b.heldout_seeds),
-            start=self._start_multiplier(),
-            min_pairs=b.min_pairs,
-            max_pairs=pairs,
-            margin=b.margin,
-            floor_rps=MIN_MULTIPLIER * (running.rate_rps if running else 1.0),
-            say=self.say,
-        )
+        try:
+            return compare_arms(
+                self._side("running", self.base, ""),
+                [self._side(label, config, slot) for label, config, slot in arms],
+                seeds=list(b.heldout_seeds),
+                start=self._start_multiplier(),
+                min_pairs=b.min_pairs,
+                max_pairs=pairs,
+                margin=b.margin,
+                floor_rps=MIN_MULTIPLIER * (running.rate_rps if running else 1.0),
+                say=self.say,
+            )
+        finally:
+            for _, config, slot in arms:
+                self.backend.unpin(config, slot)
 
-    def held_out(self) -> Comparison:
+    def held_out(self, candidate: VllmConfig) -> Comparison:
         """The running config against the candidate (`tuner.compare`), both servers up."""
-        if self.candidate is None:
-            raise RuntimeError("held_out: confirm first")
         t = time.time()
-        self.heldout = self._compare(self.candidate, "", "held-out: the running config against the candidate")
+        (self.heldout,) = self._compare(
+            [("candidate", candidate, "")], "held-out: the running config against the candidate"
+        )
         self._phase("heldout_s", t)
         self.say(f"held-out: {self.heldout.sentence()}")
         return self.heldout
@@ -538,22 +593,30 @@ class VllmTuning:
         """The same protocol with the running config on both servers (a second one in slot `aa`): it must not say
         `proposal`; what it says is the comparison's own false-alarm check on this machine."""
         t = time.time()
-        self.aa = self._compare(self.base, "aa", "A/A check: the running config against itself")
+        (self.aa,) = self._compare([_aa_arm(self.base)], "A/A check: the running config against itself")
         self._phase("aa_s", t)
         self.say(f"A/A check: {self.aa.verdict} ({self.aa.sentence()})")
         return self.aa
 
-    def run(self) -> None:
-        """Baseline, its capacity, calibration, screen, confirmation and (when the candidate is not the running
-        config) the held-out comparison."""
+    def held_out_with_aa(self, candidate: VllmConfig) -> tuple[Comparison, Comparison]:
+        """The held-out comparison and the A/A check in shared rounds (A B A' A' B A: `compare_arms`), three
+        servers up: 6 measurements a round where the two one after the other take 8."""
+        t = time.time()
+        self.heldout, self.aa = self._compare(
+            [("candidate", candidate, ""), _aa_arm(self.base)],
+            "held-out and A/A check: the running config against the candidate and against itself",
+        )
+        self._phase("heldout_aa_s", t)
+        self.say(f"held-out: {self.heldout.sentence()}")
+        self.say(f"A/A check: {self.aa.verdict} ({self.aa.sentence()})")
+        return self.heldout, self.aa
+
+    def run(self) -> Outcome:
+        """The whole tuning (`tuner.pipeline`): baseline, screen, confirmation, the held-out comparison when the
+        candidate is not the running config, the decision, the report and (when it says so) the proposal. The
+        servers are stopped however it ends."""
         try:
-            self.measure_baseline()
-            self.baseline_capacity()
-            self.calibrate()
-            self.screen()
-            self.confirm()
-            if self.candidate is not None and changes(self.base, self.candidate):
-                self.held_out()
+            return pipeline.run(self)
         finally:
             self.backend.close()
 
@@ -577,33 +640,6 @@ class VllmTuning:
             }
             for m in (screened.baseline, *screened.confirmed)
         ]
-
-    def decision(self) -> tuple[str, bool]:
-        if self.candidate is None:
-            raise RuntimeError("confirm first")
-        if not changes(self.base, self.candidate):
-            return "no proposal: the running config has the most capacity the screened search found", False
-        h = self.heldout
-        if h is None:
-            raise RuntimeError("held_out first")
-        if h.verdict == PROPOSAL:
-            return f"propose: {h.sentence()}", True
-        return f"no proposal: {h.sentence()}", False
-
-    def headroom(self) -> str | None:
-        """When the traffic is under the running config's capacity: how much, and which config would have more."""
-        cap = self.running_capacity
-        if cap is None or cap.multiplier <= 1.0:
-            return None
-        line = (
-            f"the traffic ({cap.rate_rps:.2f} req/s) is {1 / cap.multiplier:.0%} of the running config's capacity "
-            f"({cap.capacity_rps:.2f} req/s): {cap.multiplier - 1:.0%} headroom"
-        )
-        more = [r for r in self.confirmed[1:] if r["live_capacity_rps"] > self.confirmed[0]["live_capacity_rps"]]
-        if more:
-            best = max(more, key=lambda r: r["live_capacity_rps"])
-            line += f"; {_label(self.base, best['config'])} would have {best['live_capacity_rps']:.2f} req/s"
-        return line
 
     def memory_line(self) -> str | None:
         """A candidate's extra memory (only with `allow_memory`), and the best at fixed memory beside it."""
@@ -636,28 +672,23 @@ class VllmTuning:
             "overhead_ms": round(1000 * (p.overhead_s + 8 * p.overhead_per_seq_s), 2),
         }
 
-    def finish(
-        self,
-        *,
-        title: str,
-        workload: dict[str, Any],
-        out_dir: Path,
-        instance: str | None,
-        report_path: Path,
-        live_only: dict[str, Any] | None = None,
-    ) -> Outcome:
-        """The decision, the report, and the proposal when the verdict is `proposal` (else the report to
-        `report_path`)."""
+    def finish(self, verdict: Verdict) -> Outcome:
+        """The report, and the proposal when the verdict says so (else the report to `report_to.report_path`).
+        Every measurement is done by then: the servers are stopped first (their stop times join the restart
+        costs)."""
+        if self.report_to is None:
+            raise RuntimeError("finish: set report_to first")
+        to = self.report_to
+        self.backend.close()
         screened = self._screened()
-        decision, propose = self.decision()
-        best = self.candidate or self.base
+        best = verdict.candidate or self.base
         prof = self.profile_summary()
         restart = self.backend.restart_costs()
-        notes = [line for line in (self.headroom(), self.memory_line()) if line]
+        notes = [*verdict.notes, *[line for line in (self.memory_line(),) if line]]
         report = render_report(
-            title=title,
-            decision=decision,
-            workload=workload,
+            title=to.title,
+            decision=verdict.decision,
+            workload=to.workload,
             slo=self.slo,
             base=self.base,
             best=best,
@@ -668,28 +699,31 @@ class VllmTuning:
             notes=notes,
             restart=restart,
             profile=prof,
-            live_only=live_only,
+            live_only=self.live_only,
         )
         proposal = None
-        h = self.heldout
-        if propose and h is not None:
-            running = self.running_capacity.summary() if self.running_capacity else None
+        h = verdict.comparison
+        report_path = to.report_path
+        if verdict.propose and h is not None:
             proposal = publish(
                 self.db,
-                out_dir,
+                to.out_dir,
                 name=self.name,
-                instance=instance or self.backend.instance,
+                instance=to.instance or self.backend.instance,
                 base=self.base,
                 best=best,
                 report_md=report,
-                baseline_metrics={"capacity": running, "heldout_capacity_rps": h.mean_capacity("running")},
+                baseline_metrics={
+                    "capacity": verdict.running.summary(),
+                    "heldout_capacity_rps": h.mean_capacity("running"),
+                },
                 best_metrics={"heldout_capacity_rps": h.mean_capacity("candidate"), "confirmation": h.as_dict()},
             )
             report_path = proposal.report_path
         else:
             report_path.parent.mkdir(parents=True, exist_ok=True)
             report_path.write_text(report)
-        return Outcome(decision, changes(self.base, best), proposal, report_path, prof, restart, notes)
+        return Outcome(verdict.decision, changes(self.base, best), proposal, report_path, prof, restart, notes, verdict)
 
 
 class _InSlot:
