@@ -191,24 +191,11 @@ class Comparison:
         return f"inconclusive: {self.gain:+.1%} capacity ({span}); the pair budget ended first"
 
 
-def compare(
-    running: Side,
-    candidate: Side,
-    *,
-    seeds: Sequence[int],
-    start: float,
-    min_pairs: int = 2,
-    max_pairs: int = 4,
-    margin: float = DEFAULT_MARGIN,
-    floor_rps: float,
-    say: Callable[[str], None] = lambda message: None,
-) -> Comparison:
-    """ABBA pairs on `seeds` in turn (module docstring). `start` is the multiplier each seed's scout starts at
-    (e.g. the running config's known capacity); the rest start at the scout's answer, then at their side's last."""
-    (out,) = compare_arms(
-        running, [candidate], seeds=seeds, start=start, min_pairs=min_pairs, max_pairs=max_pairs, margin=margin,
-        floor_rps=floor_rps, say=say,
-    )  # fmt: skip
+def compare(running: Side, candidate: Side, **options: Any) -> Comparison:
+    """ABBA pairs on the held-out seeds in turn (module docstring): `compare_arms` with one arm, and its options
+    (`seeds`, `start`: the multiplier each seed's scout starts at, e.g. the running config's known capacity; the
+    rest start at the scout's answer, then at their side's last)."""
+    (out,) = compare_arms(running, [candidate], **options)
     return out
 
 

@@ -260,7 +260,7 @@ class KvpilotTarget:
             files = {"report": path}
             return NightlyResult(result, verdict.decision, None, comparison, files, md, self.pruning, verdict)
         best, current = result.best, result.baseline
-        assert best is not None and current is not None  # a candidate comes from both
+        assert best is not None and current is not None and verdict.candidate is not None  # a proposal has all three
         metrics_base = {
             "trial": current.metrics,
             "capacity": verdict.running.summary(),
