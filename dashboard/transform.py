@@ -155,6 +155,21 @@ def confirmation_verdict(after: dict[str, Any] | None) -> str | None:
     return f"Confirmation {verdict}: {conf['gain']:+.1%} goodput{needed}."
 
 
+def running_capacity_line(before: dict[str, Any] | None) -> str | None:
+    """'The running config served 40.1 req/s within the SLOs: 2.59x the traffic's 15.5 req/s (159% headroom).'
+    from the baseline phase's capacity (`baseline_metrics.capacity`, every engine since the one tuning
+    pipeline); None for a proposal that did not record it."""
+    cap = (before or {}).get("capacity")
+    if not isinstance(cap, dict) or not all(_is_num(cap.get(k)) for k in ("capacity_rps", "multiplier", "rate_rps")):
+        return None
+    m = float(cap["multiplier"])
+    room = f"{m - 1:.0%} headroom" if m > 1 else "the traffic is past it"
+    return (
+        f"The running config served {cap['capacity_rps']:.3g} req/s within the SLOs: {m:.3g}x the traffic's "
+        f"{cap['rate_rps']:.3g} req/s ({room})."
+    )
+
+
 def _mean_runs(runs: list[Any]) -> dict[str, float]:
     values: dict[str, list[float]] = {}
     for run in runs:

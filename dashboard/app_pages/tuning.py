@@ -143,6 +143,9 @@ with ui.guarded("Proposals"):
     verdict = transform.confirmation_verdict(p["best_metrics"])
     if verdict:
         (st.success if "holds:" in verdict else st.warning)(verdict)
+    running = transform.running_capacity_line(p["baseline_metrics"])
+    if running:
+        st.caption(running)
     sections = transform.proposal_measurements(p["baseline_metrics"], p["best_metrics"])
     if not sections:
         st.caption("The proposal carries no measurements.")

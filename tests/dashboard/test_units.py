@@ -235,3 +235,11 @@ def test_a_capacity_confirmation_reads_as_its_verdict_and_its_capacities() -> No
     title, rows = sections[0]
     assert title.startswith("SLO capacity on held-out seeds") and rows[0]["metric"] == "capacity_rps"
     assert rows[0]["before"] == pytest.approx(9.65) and rows[0]["after"] == pytest.approx(11.45)
+    # the pipeline's baseline phase: the running config's own capacity and the headroom it leaves
+    from tuner.capacity import Capacity
+
+    for multiplier, room in ((2.59, "159% headroom"), (0.84, "the traffic is past it")):
+        before = {"capacity": Capacity(rate_rps=15.45, multiplier=multiplier, upper=multiplier * 1.1).summary()}
+        line = transform.running_capacity_line(json.loads(json.dumps(before)))
+        assert line is not None and f"{multiplier:.3g}x the traffic's 15.4 req/s ({room})" in line, line
+    assert transform.running_capacity_line({"heldout_capacity_rps": 9.65}) is None
