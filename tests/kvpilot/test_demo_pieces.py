@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -200,7 +201,8 @@ def test_the_nightly_outcome_lists_kept_and_dropped_changes() -> None:
         ]
     }
     files = {"report": Path("r.md")}
-    result = NightlyResult(None, "propose: serves +8.0% traffic", None, None, files, "", pruning)  # type: ignore[arg-type]
+    no_study: Any = None  # the lines read no study
+    result = NightlyResult(no_study, "propose: serves +8.0% traffic", None, None, files, "", pruning)
     lines = result.lines()
     assert lines[0] == "propose: serves +8.0% traffic"
     assert "scheduler.max_num_seqs: 32 -> 64" in lines[1] and lines[1].endswith("kept")
