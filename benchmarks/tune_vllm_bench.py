@@ -291,20 +291,23 @@ def _run(
     # the traffic's rate comes from vLLM's defaults whatever the running config: a poor one (max_num_seqs 2)
     # anchored it at 3.4 req/s once, a traffic neither the search nor the sender measured well
     defaults = base.replace(max_num_seqs=VllmConfig().max_num_seqs)
-    workload.factory, wdesc = workload_factory(
-        WORKLOAD["scenario"], opts, capacity=lambda o: tuning.capacity_rps(o, anchor=defaults)
-    )
-    the_plan["capacity_rps"] = wdesc["capacity_rps"]
-    the_plan["workload_described"] = WL.describe(workload(the_plan["tuning_seeds"][0]))
-    if json_path is not None:  # the measured offline capacity joins the plan before the first tuning run
-        json_path.write_text(json.dumps({"plan": the_plan, "status": "running"}, indent=2) + "\n")
-    tuning.report_to = ReportTo(
-        title="kvpilot vLLM tuning — bench tune-vllm",
-        workload={**WORKLOAD, "capacity_rps": the_plan["capacity_rps"]},
-        out_dir=work / "proposals",
-        report_path=work / "report.md",
-    )
-    outcome = tuning.run()
+    try:  # the anchor's vLLM starts before the pipeline, which stops its own servers however it ends
+        workload.factory, wdesc = workload_factory(
+            WORKLOAD["scenario"], opts, capacity=lambda o: tuning.capacity_rps(o, anchor=defaults)
+        )
+        the_plan["capacity_rps"] = wdesc["capacity_rps"]
+        the_plan["workload_described"] = WL.describe(workload(the_plan["tuning_seeds"][0]))
+        if json_path is not None:  # the measured offline capacity joins the plan before the first tuning run
+            json_path.write_text(json.dumps({"plan": the_plan, "status": "running"}, indent=2) + "\n")
+        tuning.report_to = ReportTo(
+            title="kvpilot vLLM tuning — bench tune-vllm",
+            workload={**WORKLOAD, "capacity_rps": the_plan["capacity_rps"]},
+            out_dir=work / "proposals",
+            report_path=work / "report.md",
+        )
+        outcome = tuning.run()
+    finally:
+        backend.close()
     running, profile, screened = tuning.running_capacity, tuning.profile, tuning._screened()
     aa, live_only, lo_cap = tuning.aa, tuning.live_only_study, tuning.live_only_capacity
     assert running is not None and profile is not None and aa is not None and live_only is not None
@@ -367,7 +370,7 @@ def _run(
         "profile": {**outcome.profile, "source": profile.source},
         "fidelity_replays": fid["replays"],
         "phases_s": tuning.phases,
-        "pipeline_s": outcome.verdict.phases_s if outcome.verdict else None,
+        "pipeline_s": outcome.verdict.phases_s,
         "wall_s": round(time.time() - t0, 1),
         "work_dir": str(work),
     }

@@ -100,6 +100,11 @@ class Capacity:
         return self.estimate * self.rate_rps
 
     @property
+    def warm_start(self) -> float:
+        """Where a later search of the same traffic starts: the multiplier that held, 1 when none did."""
+        return self.multiplier if self.multiplier > 0 else 1.0
+
+    @property
     def bracketed(self) -> bool:
         return self.multiplier > 0 and self.upper is not None
 

@@ -218,7 +218,7 @@ class KvpilotTarget:
 
     def held_out(self, candidate: Any) -> Comparison:
         seeds = [self.seed + 1000 + k for k in range(self.confirm_seeds)]
-        known = self.running.multiplier if self.running is not None and self.running.multiplier > 0 else 1.0
+        known = self.running.warm_start if self.running is not None else 1.0
         return confirm(
             self.backend,
             self.base,

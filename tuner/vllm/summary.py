@@ -74,7 +74,7 @@ def study_summary(
         },
         "profile": outcome.profile,
         "phases_s": tuning.phases,
-        "pipeline_s": outcome.verdict.phases_s if outcome.verdict else None,  # baseline, screen, confirm, ...
+        "pipeline_s": outcome.verdict.phases_s,  # baseline, screen, confirm, ...
         "wall_s": round(time.time() - t0, 1),
     }
 

@@ -275,14 +275,17 @@ class ReportTo:
 
 @dataclass
 class Outcome:
-    decision: str
+    verdict: Verdict  # the pipeline's (`tuner.pipeline`): the decision, the running capacity, phase times
     changed: dict[str, Any]
     proposal: VllmProposal | None
     report_path: Path
     profile: dict[str, Any]
     restart: dict[str, Any]
     notes: list[str] = field(default_factory=list)  # headroom, extra memory
-    verdict: Verdict | None = None  # the pipeline's (`tuner.pipeline`)
+
+    @property
+    def decision(self) -> str:
+        return self.verdict.decision
 
 
 @dataclass
@@ -406,8 +409,7 @@ class VllmTuning:
         return self.baseline_capacity()
 
     def _start_multiplier(self) -> float:
-        cap = self.running_capacity
-        return cap.multiplier if cap is not None and cap.multiplier > 0 else 1.0
+        return self.running_capacity.warm_start if self.running_capacity is not None else 1.0
 
     def running_run_ids(self) -> list[str]:
         """The run ids the running config's replays were stored under (its server's, started or attached)."""
@@ -723,7 +725,7 @@ class VllmTuning:
         else:
             report_path.parent.mkdir(parents=True, exist_ok=True)
             report_path.write_text(report)
-        return Outcome(verdict.decision, changes(self.base, best), proposal, report_path, prof, restart, notes, verdict)
+        return Outcome(verdict, changes(self.base, best), proposal, report_path, prof, restart, notes)
 
 
 class _InSlot:
