@@ -12,7 +12,8 @@ rate whose replay keeps p99 TTFT as users see it, p99 TPOT, and >= 99% finished 
 2. Screening: an Optuna study on the simulator in vLLM's mode (`sim_trials` configs) past the running config's
    simulated capacity, the KV cache's size held (unless --allow-memory); the `top_k` best, each pruned in the
    simulator, confirmed live (one vLLM restart each), then the predicted and live capacity of each
-   (`rank_correlation`: Spearman over those configs). The candidate is the one with the most live capacity.
+   (`rank_correlation`: Spearman over those configs). The candidate is the confirmation with the most live
+   capacity (`tuner.vllm.tune.choose`), compared on the held-out seeds whatever its one search said.
 3. A live-only Optuna (TPE) study on vLLM, `live_only_trials` trials at the same overload, from the same running
    config; its best config's capacity (`live_only_best_capacity_rps`).
 4. Held-out: the running config against the candidate, both servers up, the idle one paused, ABBA pairs of short
@@ -329,7 +330,7 @@ def _run(
         "capacity_gain": h.gain if h else 0.0,
         "capacity_gain_low": h.gain_low if h else None,
         "capacity_gain_high": h.gain_high if h else None,
-        "verdict": h.verdict if h else "no gain",  # the running config had the most capacity: nothing to compare
+        "verdict": h.verdict if h else "no gain",  # no candidate (the decision says why): nothing compared
         "aa_verdict": aa.verdict,
         "aa": aa.as_dict(),
         "heldout": h.as_dict() if h else None,
