@@ -98,30 +98,6 @@ def _report(lines: list[str], data: Any, json_path: Path | None) -> None:
     typer.echo("\n".join(lines))
 
 
-def _study_lines(summary: dict[str, Any]) -> list[str]:
-    from tuner.report import num as _num
-
-    s = summary
-    head = (
-        f"study {s['study']} ({s['sampler']}, backend {s['backend']}): {s['trials']} trials measured, "
-        f"{s['feasible']} feasible, {s['failed']} failed, {s['duplicates']} repeats told a stored result"
-    )
-    base, best = s.get("baseline_goodput_tps"), s.get("best_goodput_tps")
-    lines = [head, f"  running config: {_num(base, ' goodput tokens/s')}"]
-    if best is None:
-        lines.append("  best: no trial met the constraints")
-    else:
-        gain = f" ({best / base - 1:+.1%})" if base else ""
-        lines.append(f"  best: {_num(best, ' goodput tokens/s')}{gain}, trial {s['best_trial']}")
-        changed = s.get("best_changes") or {}
-        lines.append("  changes: " + (", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()) or "none"))
-    if s.get("random_trials"):
-        vs = f" ({s['best_over_random']:+.1%} for {s['sampler']})" if "best_over_random" in s else ""
-        lines.append(f"  random search, same budget: {_num(s.get('random_best_goodput_tps'), ' goodput tokens/s')}{vs}")
-    lines += [f"  note: {n}" for n in s.get("notes", [])]
-    return lines
-
-
 KVPILOT_SLO = SLO_OPTIONS.without(p99_ttft_slo=None)  # kvpilot's engine: p99 TTFT is the TTFT SLO
 BackendOpt = typer.Option("sim", "--backend", help="sim | engine | live")
 SeedOpt = typer.Option(0, "--seed")
@@ -184,7 +160,7 @@ def study_cmd(
 
         from tuner.jobs import BACKENDS, base_config, make_backend, open_db, workload_factory
         from tuner.profile import load_profile
-        from tuner.report import search_summary
+        from tuner.report import study_lines, study_summary
         from tuner.space import load_space
         from tuner.storage import open_storage
         from tuner.study import DEFAULT_SAMPLER, SAMPLERS, run_study
@@ -228,28 +204,8 @@ def study_cmd(
             )
         finally:
             db.dispose()
-        best = result.best
-        base_params = result.baseline.params if result.baseline else {}
-        summary = {
-            **search_summary(result),
-            "workload": wdesc,
-            "backend": backend,
-            "best_params": best.params if best else None,
-            "best_changes": {k: (base_params.get(k), v) for k, v in best.params.items() if base_params.get(k) != v}
-            if best
-            else None,
-            "best_metrics": best.metrics if best else None,
-            "baseline_metrics": result.baseline.metrics if result.baseline else None,
-            "notes": result.notes,
-        }
-        if multi_objective:
-            summary["pareto"] = [
-                {"trial": t.number, "throughput_tps": t.values[0], "e2e_p99_s": t.values[1], "params": t.params}
-                for t in result.pareto
-            ]
-        lines = _study_lines(summary)
-        if multi_objective:
-            lines.append(f"  Pareto front: {len(summary['pareto'])} configs (throughput vs p99 end-to-end)")
+        summary = study_summary(result, workload=wdesc, backend=backend, multi_objective=multi_objective)
+        lines = study_lines(summary)
         _report(lines, summary, json_path)
 
 

@@ -127,6 +127,7 @@ class Comparison:
     interval: Interval | None = None
     verdict: str = INCONCLUSIVE
     lower_bounds: list[float] = field(default_factory=list)  # figures (req/s) of searches that found no capacity
+    unsent: list[str] = field(default_factory=list)  # of those, why a scout past them was not measured (the sender)
     not_measured: str | None = None  # why a measurement could not be made (its first replay sent late every time)
 
     @property
@@ -163,6 +164,7 @@ class Comparison:
             "margin": self.margin,
             "level": LEVEL,
             "capacity_not_found_rps": self.lower_bounds,
+            "unsent": self.unsent,
             "not_measured": self.not_measured,
             "running_capacity_rps": self.mean_capacity("running"),
             "candidate_capacity_rps": self.mean_capacity("candidate"),
@@ -175,6 +177,11 @@ class Comparison:
             return f"inconclusive: a measurement could not be made ({self.not_measured}); no verdict from the rest"
         if self.interval is None:
             return "not measured"
+        if self.unsent:
+            return (
+                "inconclusive: capacity not found: the SLOs held at the largest rate measured and the next one could"
+                f" not be sent on time ({self.unsent[0]}): no ratio"
+            )
         if self.lower_bounds:
             return (
                 "inconclusive: capacity not found within a search's budget (the SLOs held at the largest rate tried, or"
@@ -291,6 +298,7 @@ def _add_pair(
     out.interval = interval([p["log_ratio"] for p in out.pairs])
     out.verdict = verdict(out.interval, margin=out.margin) if len(out.pairs) >= 2 else INCONCLUSIVE
     out.lower_bounds.extend(open_ended)
+    out.unsent.extend(f"seed {seed}: {c.not_measured}" for c in caps if not c.found and c.not_measured)
     if out.lower_bounds:
         out.verdict = INCONCLUSIVE
     return len(out.pairs) >= min_pairs and (bool(out.lower_bounds) or out.verdict != INCONCLUSIVE)

@@ -92,6 +92,54 @@ def search_summary(result: StudyResult) -> dict[str, Any]:
     return out
 
 
+def study_summary(result: StudyResult, *, workload: Any, backend: str, multi_objective: bool = False) -> dict[str, Any]:
+    """What `kvpilot tune study` prints and writes as JSON: the search's figures, the best trial's changes and
+    metrics beside the running config's, and the Pareto front of a multi-objective study."""
+    best, baseline = result.best, result.baseline
+    base_params = baseline.params if baseline else {}
+    out = {
+        **search_summary(result),
+        "workload": workload,
+        "backend": backend,
+        "best_params": best.params if best else None,
+        "best_changes": {k: (a, b) for k, a, b in changes(base_params, best.params)} if best else None,
+        "best_metrics": best.metrics if best else None,
+        "baseline_metrics": baseline.metrics if baseline else None,
+        "notes": result.notes,
+    }
+    if multi_objective:
+        out["pareto"] = [
+            {"trial": t.number, "throughput_tps": t.values[0], "e2e_p99_s": t.values[1], "params": t.params}
+            for t in result.pareto
+        ]
+    return out
+
+
+def study_lines(summary: dict[str, Any]) -> list[str]:
+    """`study_summary` as the lines the CLI prints."""
+    s = summary
+    head = (
+        f"study {s['study']} ({s['sampler']}, backend {s['backend']}): {s['trials']} trials measured, "
+        f"{s['feasible']} feasible, {s['failed']} failed, {s['duplicates']} repeats told a stored result"
+    )
+    base, best = s.get("baseline_goodput_tps"), s.get("best_goodput_tps")
+    lines = [head, f"  running config: {num(base, ' goodput tokens/s')}"]
+    if best is None:
+        lines.append("  best: no trial met the constraints")
+    else:
+        gain = f" ({best / base - 1:+.1%})" if base else ""
+        lines.append(f"  best: {num(best, ' goodput tokens/s')}{gain}, trial {s['best_trial']}")
+        changed = s.get("best_changes") or {}
+        lines.append("  changes: " + (", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()) or "none"))
+    if s.get("random_trials"):
+        vs = f" ({s['best_over_random']:+.1%} for {s['sampler']})" if "best_over_random" in s else ""
+        lines.append(f"  random search, same budget: {num(s.get('random_best_goodput_tps'), ' goodput tokens/s')}{vs}")
+    lines += [f"  note: {n}" for n in s.get("notes", [])]
+    if "pareto" in s:
+        lines.append(f"  Pareto front: {len(s['pareto'])} configs (throughput vs p99 end-to-end)")
+    return lines
+
+
 def render_markdown(
     result: StudyResult,
     *,

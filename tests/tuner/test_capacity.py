@@ -511,7 +511,9 @@ def test_a_short_search_whose_scout_the_sender_cannot_send_stays_a_bound() -> No
 
     c = compare(side("running"), side("candidate"), seeds=[1000, 1001], start=1.0, floor_rps=0.01)
     assert c.verdict == INCONCLUSIVE and c.not_measured is None and c.lower_bounds, c.as_dict()
-    assert "capacity not found" in c.sentence() and len(c.pairs) == 2
+    assert len(c.pairs) == 2 and c.unsent and c.unsent[0].startswith("seed 1000: x")
+    assert c.sentence().startswith("inconclusive: capacity not found: the SLOs held at the largest rate measured")
+    assert "could not be sent on time (seed 1000: x" in c.sentence() and c.as_dict()["unsent"] == c.unsent
 
 
 class _DriftingSide:
