@@ -71,7 +71,7 @@ class FleetConfig:
     senders: int = 2  # processes; each pushes to one collector
     sender_threads: int = 4
     live_s: float = 150.0
-    history_events_per_instance: int = 600
+    history_events_per_instance: int = 3000  # over 24 h (`fleet_load.HISTORY_S`), thinned
     ceiling_batches: int = 100
     dcgm_nodes: int = 100
     scrape_interval_s: float = 15.0  # the collector's default, and Prometheus's
@@ -88,7 +88,7 @@ class FleetConfig:
                 collectors=collectors,
                 senders=senders,
                 live_s=60.0,
-                history_events_per_instance=100,
+                history_events_per_instance=300,
                 ceiling_batches=40,
                 alert_trials=3,
             )
@@ -389,7 +389,10 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
     from alerts.sink import run_webhook_sink
 
     result: dict[str, Any] = {"instances": config.instances, "collectors": config.collectors}
-    progress(f"loading a history of {config.instances} instances x {config.history_events_per_instance} events")
+    progress(
+        f"loading a history of {config.instances} instances x {config.history_events_per_instance} events over "
+        f"{fleet_load.HISTORY_S / 3600:.0f} h"
+    )
     result.update(_load_history(engine, config))
     progress("COPY ceiling (no HTTP)")
     result["copy_ceiling_events_per_s"] = round(_copy_ceiling(engine, config.ceiling_batches))

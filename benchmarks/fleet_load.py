@@ -27,6 +27,7 @@ from typing import Any
 
 LIVE_RUN = "fleet-live"
 HISTORY_RUN = "fleet-history"
+HISTORY_S = 86_400.0  # the history loaded before the live run spans a day, as the fleet bench asks
 GPUS_PER_NODE = 8
 HOT_QUEUE_DEPTH = 500  # far above the bench rule's threshold; the fleet's own stays below 64
 
@@ -158,10 +159,13 @@ def instance_name(i: int) -> str:
     return f"fleet-{i:04d}"
 
 
-def history_events(instances: int, events_per_instance: int, end: float, seed: int = 7) -> list[list[dict]]:
-    """Per instance, `events_per_instance` events of the hour before `end` (the engines' mix of types)."""
+def history_events(
+    instances: int, events_per_instance: int, end: float, span_s: float = HISTORY_S, seed: int = 7
+) -> list[list[dict]]:
+    """Per instance, `events_per_instance` events spread evenly over the `span_s` before `end` (the engines' mix of
+    types, thinned: a day of a real fleet is billions of rows), so that a window of the last hour reads its share
+    of the history, not all of it."""
     rates = Rates()
-    span_s = events_per_instance / rates.total
     out = []
     for i in range(instances):
         engine = Engine(instance_name(i), HISTORY_RUN, random.Random(seed * 100_003 + i))

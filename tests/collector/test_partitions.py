@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from alembic import command
@@ -18,7 +19,7 @@ from collector import partitions, queries
 from collector.db import alembic_config, make_engine, upgrade
 from collector.ingest import parse_batch, store_batch
 from collector.maintenance import Maintenance, MaintenanceMetrics, run_round
-from collector.queries.step_rollup import ROLLUP_NOTE
+from collector.queries.step_rollup import ROLLUP_AFTER_S, ROLLUP_NOTE
 from collector.retention import DAY, prune
 from collector.rollup import roll_up
 from collector.schema import DownsampledPoint, StepRollup, StepRow
@@ -220,6 +221,10 @@ def test_rollup_matches_raw_aggregates(db_engine: Engine) -> None:
         assert conn.execute(select(func.count()).select_from(StepRollup.__table__)).scalar_one() == len(expected)
 
 
+def _peaks(p: queries.EnginePeaks) -> tuple[Any, ...]:
+    return p.kv_usage_peak, p.running_peak, p.waiting_peak, p.steps
+
+
 def test_long_windows_read_the_rollup_with_the_same_peaks(db_engine: Engine) -> None:
     start = DAY0 + 600
     steps = _steps(random.Random(11), start, 3000)  # about six hours
@@ -227,6 +232,7 @@ def test_long_windows_read_the_rollup_with_the_same_peaks(db_engine: Engine) -> 
     window = {"start": start - 3600, "end": start + 8 * 3600}
     every_step = queries.engine_peaks(db_engine, **window)
     buckets = queries.step_load_over_time(db_engine, bucket_s=600, **window)
+    hour_every_step = queries.engine_peaks(db_engine, start=start + 600, end=start + 4200)
     with db_engine.begin() as conn:  # rolled up to the middle of the data: the rest is read raw
         roll_up(conn, now=start + 3 * 3600, first_start=start - 3600, lookback_s=0, settle_s=60, max_span_s=DAY)
 
@@ -240,8 +246,12 @@ def test_long_windows_read_the_rollup_with_the_same_peaks(db_engine: Engine) -> 
     assert flags == [(ts, ts < start + 3 * 3600 - 60) for ts, _ in flags]  # buckets before the watermark
     strip = {k: [(b.ts, b.kv_usage, b.running, b.waiting, b.steps) for b in v] for k, v in from_rollup.items()}
     assert strip == {k: [(b.ts, b.kv_usage, b.running, b.waiting, b.steps) for b in v] for k, v in buckets.items()}
-    short = queries.engine_peaks(db_engine, start=start, end=start + 3600)  # a short window reads every step
+    short = queries.engine_peaks(db_engine, start=start, end=start + ROLLUP_AFTER_S)  # a short one reads every step
     assert ROLLUP_NOTE not in short.source
+    hour = queries.engine_peaks(db_engine, start=start + 600, end=start + 4200)  # an hour reads its rolled minutes
+    assert ROLLUP_NOTE in hour.source and _peaks(hour) == _peaks(hour_every_step)
+    later = queries.engine_peaks(db_engine, start=start + 4 * 3600, end=start + 5 * 3600)  # past the watermark
+    assert later.steps > 0 and ROLLUP_NOTE not in later.source
     odd = queries.step_load_over_time(db_engine, bucket_s=90, **window)  # minutes do not nest in 90 s
     assert not any(b.rollup for bs in odd.values() for b in bs)
 
