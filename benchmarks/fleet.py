@@ -144,17 +144,23 @@ def _scalar(engine: Any, sql: str) -> Any:
 
 
 def _load_history(engine: Any, config: FleetConfig, batch_events: int = 5000) -> dict[str, Any]:
-    """Every instance's history through `store_batch` (COPY), several instances' events to a batch."""
+    """The day's history through `store_batch` (COPY) in time order, `batch_events` to a batch, into the day
+    partitions a running collector would have made (`collector.partitions.ensure_ahead`)."""
+    from collector import partitions
     from collector.ingest import parse_batch, store_batch
+    from collector.maintenance import BEHIND_DAYS
 
+    now = time.time()
+    with engine.connect() as conn:
+        partitions.ensure_ahead(conn, now=now, behind_days=BEHIND_DAYS, ahead_days=3)
     started = time.perf_counter()
-    per_instance = fleet_load.history_events(config.instances, config.history_events_per_instance, time.time())
-    group = max(1, batch_events // max(1, config.history_events_per_instance))
     stored = 0
-    for g in range(0, len(per_instance), group):
-        body = json.dumps({"events": [e for events in per_instance[g : g + group] for e in events]}).encode()
-        batch = parse_batch(body, max_events=100_000)
-        stored += store_batch(engine, batch, idempotency_key=f"history-{g}", content=body).events
+    batches = fleet_load.history_batches(config.instances, config.history_events_per_instance, now)
+    for k, events in enumerate(batches):
+        for g in range(0, len(events), batch_events):
+            body = json.dumps({"events": events[g : g + batch_events]}).encode()
+            batch = parse_batch(body, max_events=100_000)
+            stored += store_batch(engine, batch, idempotency_key=f"history-{k}-{g}", content=body).events
     elapsed = time.perf_counter() - started
     return {"history_events": stored, "history_load_events_per_s": round(stored / elapsed)}
 

@@ -22,12 +22,14 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 LIVE_RUN = "fleet-live"
 HISTORY_RUN = "fleet-history"
-HISTORY_S = 86_400.0  # the history loaded before the live run spans a day, as the fleet bench asks
+HISTORY_S = 86_400.0  # the history loaded before the live run spans a day
+HISTORY_SLICES = 96  # written in time order, 15 minutes at a time
 GPUS_PER_NODE = 8
 HOT_QUEUE_DEPTH = 500  # far above the bench rule's threshold; the fleet's own stays below 64
 
@@ -68,15 +70,16 @@ class Engine:
             counts[kind] = int(exact)
             self.carry[kind] = exact - counts[kind]
         offered = counts["step"] + 3 * counts["request"] + counts["sample"]
-        if offered > cap:
-            scale = cap / offered
-            counts = {k: math.floor(v * scale) for k, v in counts.items()}
+        return self.emit(start, end, thinned(counts, cap)), offered
+
+    def emit(self, start: float, end: float, counts: dict[str, int]) -> list[dict[str, Any]]:
+        """`counts[kind]` events of each kind spread evenly over [start, end)."""
         out: list[dict[str, Any]] = []
         for kind, n in counts.items():
             for i in range(n):
                 ts = start + (end - start) * (i + 1) / (n + 1)
                 out.extend(getattr(self, f"_{kind}")(ts))
-        return out, offered
+        return out
 
     def _base(self, ts: float) -> dict[str, Any]:
         return {"instance": self.instance, "run_id": self.run_id, "ts": ts}
@@ -159,19 +162,36 @@ def instance_name(i: int) -> str:
     return f"fleet-{i:04d}"
 
 
-def history_events(
-    instances: int, events_per_instance: int, end: float, span_s: float = HISTORY_S, seed: int = 7
-) -> list[list[dict]]:
-    """Per instance, `events_per_instance` events spread evenly over the `span_s` before `end` (the engines' mix of
-    types, thinned: a day of a real fleet is billions of rows), so that a window of the last hour reads its share
-    of the history, not all of it."""
+def thinned(counts: dict[str, int], cap: int) -> dict[str, int]:
+    """`counts` (events per kind; a request is 3 events) scaled down to at most `cap` events, the mix kept."""
+    offered = counts["step"] + 3 * counts["request"] + counts["sample"]
+    if offered <= cap:
+        return counts
+    return {k: math.floor(v * cap / offered) for k, v in counts.items()}
+
+
+def history_batches(
+    instances: int,
+    events_per_instance: int,
+    end: float,
+    *,
+    span_s: float = HISTORY_S,
+    slices: int = HISTORY_SLICES,
+    seed: int = 7,
+) -> Iterator[list[dict]]:
+    """The history before `end`, in time order as a fleet writes it: per slice of `span_s`, every instance's events
+    of that slice. Each instance has `events_per_instance` events over the span (thinned, the engines' mix of
+    types kept: a day of a real fleet is billions of rows), spread over the slices so that a window of the last
+    hour reads its share of them, and the table's time order is what BRIN indexes see in production."""
     rates = Rates()
-    out = []
-    for i in range(instances):
-        engine = Engine(instance_name(i), HISTORY_RUN, random.Random(seed * 100_003 + i))
-        events, _ = engine.events(end - span_s, end, rates, cap=events_per_instance)
-        out.append(events)
-    return out
+    engines = [Engine(instance_name(i), HISTORY_RUN, random.Random(seed * 100_003 + i)) for i in range(instances)]
+    whole = {kind: int(getattr(rates, kind) * span_s) for kind in ("step", "request", "sample")}
+    total = thinned(whole, events_per_instance)
+    width = span_s / slices
+    for k in range(slices):
+        counts = {kind: n * (k + 1) // slices - n * k // slices for kind, n in total.items()}
+        lo = end - span_s + k * width
+        yield [e for engine in engines for e in engine.emit(lo, lo + width, counts)]
 
 
 # --- OTLP -----------------------------------------------------------------------------------------

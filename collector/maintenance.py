@@ -4,7 +4,9 @@ every `maintenance_interval_s`, off the request path.
 On PostgreSQL one collector at a time does it (a session advisory lock; the others skip the round), so
 many stateless collectors on one database do not race on DDL. A round makes the partitions from
 yesterday to `partitions_ahead_days` ahead, gives rows that landed in a DEFAULT partition (a day older
-than that, within `raw_retention_days`) a partition of their own day, and reports what is left there in
+than that, within `raw_retention_days`) a partition of their own day, summarizes the BRIN ranges written to
+yesterday's and today's partitions since the last round (`partitions.summarize_brin`: an unsummarized range
+matches every read of a time window), and reports what is left in a DEFAULT partition in
 `kvpilot_collector_partition_default_rows{table}` (and a log line): such rows mean a day had no partition
 when they arrived. Every round's outcome is counted in `kvpilot_collector_maintenance_runs{result}`;
 a failed round is logged and retried at the next interval.
@@ -51,6 +53,11 @@ class MaintenanceMetrics:
             ["table"],
             registry=registry,
         )
+        self.brin_ranges = Counter(
+            "kvpilot_collector_brin_ranges_summarized",
+            "BRIN page ranges of recent partitions summarized by maintenance (unsummarized ones match every read)",
+            registry=registry,
+        )
         self.rollup_through = Gauge(
             "kvpilot_collector_rollup_through_ts", "the step rollup is complete before this time", registry=registry
         )
@@ -62,6 +69,7 @@ class RoundResult:
     created: list[str] = field(default_factory=list)
     default_rows: dict[str, int] = field(default_factory=dict)
     rollup: rollup.RollupResult | None = None
+    brin_ranges: int = 0  # BRIN page ranges summarized (PostgreSQL: `partitions.summarize_brin`)
 
 
 def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> RoundResult:
@@ -79,11 +87,12 @@ def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> Rou
             )
             since = partitions.day_start(now - settings.raw_retention_days * partitions.DAY_S)
             left = partitions.rehome_default(conn, since=since, max_days=REHOME_DAYS_PER_ROUND)
+            summarized = partitions.summarize_brin(conn, now=now)
             rolled = _roll(conn, settings, now)
         finally:
             conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})
             conn.commit()
-        return RoundResult(created=created, default_rows=left, rollup=rolled)
+        return RoundResult(created=created, default_rows=left, rollup=rolled, brin_ranges=summarized)
 
 
 def _roll(conn: Connection, settings: CollectorSettings, now: float) -> rollup.RollupResult | None:
@@ -144,6 +153,9 @@ class Maintenance:
                 log.warning("%d rows of %s are in its DEFAULT partition (past retention or not moved yet)", n, table)
         if result.rollup is not None:
             self.metrics.rollup_through.set(result.rollup.end)
+        if result.brin_ranges:
+            self.metrics.brin_ranges.inc(result.brin_ranges)
+            log.debug("summarized %d BRIN page ranges", result.brin_ranges)
 
     def _loop(self) -> None:
         self.run_once()  # at startup, in this thread: serving does not wait for it

@@ -156,6 +156,41 @@ def rehome_default(conn: Connection, *, since: float, max_days: int) -> dict[str
         return default_rows(conn)
 
 
+def summarize_brin(conn: Connection, *, now: float) -> int:
+    """Summarize the page ranges written since the last summary in the BRIN indexes of yesterday's and today's
+    partitions (`conn` has none open); how many ranges were summarized.
+
+    PostgreSQL summarizes a BRIN range when VACUUM gets to it (or soon after it fills, for an index created with
+    `autosummarize`): until then an unsummarized range matches every query, so a read of the last hour scans
+    every page written since the partition was last vacuumed. Only whole ranges (128 pages, 1 MB) are summarized:
+    the last, partial one of each partition stays a scan. Measured on an hour of a 1,000-engine fleet (1.3M steps
+    written in time order): the Overview's peaks query 192 ms with the day's ranges unsummarized, 33 ms after
+    `brin_summarize_new_values`."""
+    days = (day_start(now) - DAY_S, day_start(now))
+    names = [partition_name(table, day) for table in PARTITIONED for day in days]
+    with conn.begin():
+        indexes = (
+            conn.execute(
+                text(
+                    "SELECT i.indexrelid::regclass::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+                    " JOIN pg_am a ON a.oid = c.relam JOIN pg_class t ON t.oid = i.indrelid"
+                    " WHERE a.amname = 'brin' AND t.relname = ANY(:names)"
+                    " AND t.relnamespace = CAST(current_schema() AS regnamespace) ORDER BY 1"
+                ),
+                {"names": names},
+            )
+            .scalars()
+            .all()
+        )
+    summarized = 0
+    for index in indexes:
+        with conn.begin():
+            summarized += int(
+                conn.execute(text("SELECT brin_summarize_new_values(CAST(:i AS regclass))"), {"i": index}).scalar_one()
+            )
+    return summarized
+
+
 def drop_before(conn: Connection, cutoff: float) -> dict[str, int]:
     """Drop every day partition that ends at or before `cutoff` and delete the DEFAULT partition's rows before
     it; table -> rows removed (counted before the drop)."""

@@ -112,7 +112,11 @@ class CollectorSettings(BaseSettings):
     )
     downsample_retention_days: float = Field(90.0, gt=0)
     maintenance_interval_s: float = Field(
-        300.0, gt=0, le=86_400, description="how often maintenance makes partitions ahead and rolls up steps"
+        60.0,
+        gt=0,
+        le=86_400,
+        description="how often maintenance makes partitions ahead, summarizes BRIN ranges and rolls up steps (the "
+        "last hour's reads scan what it has not reached yet)",
     )
     partitions_ahead_days: int = Field(3, ge=1, le=60, description="PostgreSQL: day partitions made ahead of today")
     rollup_lookback_s: float = Field(

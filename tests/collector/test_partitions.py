@@ -130,6 +130,23 @@ def test_a_row_without_its_day_lands_in_default_and_maintenance_rehomes_it(pg_ur
     assert registry.get_sample_value("kvpilot_collector_maintenance_runs_total", {"result": "ok"}) == 2
 
 
+def test_maintenance_summarizes_the_brin_ranges_written_since_its_last_round(pg_url: str, pg_engine: Engine) -> None:
+    """An unsummarized BRIN range matches every window (a read of the last hour scanned the day's pages written
+    since the last VACUUM): each round summarizes what was written to yesterday's and today's partitions."""
+    now = DAY0 + 3600
+    registry = CollectorRegistry()
+    maintenance = Maintenance(pg_engine, settings(pg_url), metrics=MaintenanceMetrics(registry), clock=lambda: now)
+    first = maintenance.run_once()
+    assert first is not None and first.brin_ranges == 0  # empty partitions
+    for k in range(6):  # a few MB: PostgreSQL summarizes whole ranges of 128 pages, never the last partial one
+        ingest(pg_engine, [ev.step(i, ts=now + k * 600 + i * 0.1) for i in range(5000)], f"brin-{k}", now)
+    second = maintenance.run_once()
+    assert second is not None and second.brin_ranges > 0
+    assert registry.get_sample_value("kvpilot_collector_brin_ranges_summarized_total") == second.brin_ranges
+    third = maintenance.run_once()
+    assert third is not None and third.brin_ranges == 0  # nothing new since
+
+
 def test_maintenance_runs_one_collector_at_a_time(pg_url: str, pg_engine: Engine) -> None:
     with pg_engine.connect() as holder:
         holder.execute(text("SELECT pg_advisory_lock(:k)"), {"k": 0x6B76_7069_6D61})
