@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine, bindparam, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from collector import fastdecode
+from collector import fastdecode, rollup
 from collector.bulk import insert_rows
 from collector.claims import Claims
 from collector.db import translate_errors
@@ -271,6 +271,8 @@ def store_batch(
                     insert_rows(
                         conn, EVENT_TABLES[kind], EVENT_COLUMNS[kind], kind_rows, constants={"batch_id": int(batch_id)}
                     )
+                if rows.get("step"):  # the per-minute rollup, current to this batch (`collector.rollup`)
+                    rollup.add_steps(conn, rows["step"], EVENT_COLUMNS["step"])
                 if instances:
                     # Sorted, so concurrent batches take row locks in one order (no deadlocks on PostgreSQL).
                     dialect = conn.dialect.name

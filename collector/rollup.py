@@ -4,19 +4,27 @@ One row per (instance, run, minute) of non-warm-up steps: how many, their summed
 KV usage, batch size and queue depth among them. A maximum of maxima is the maximum, so peaks read from
 the rollup equal the peaks over every step (`collector.queries.step_rollup`).
 
-`roll_up` is run by the collector's maintenance (`collector.maintenance`): it recomputes whole minutes from
-`lookback_s` before the watermark up to `settle_s` before now (delete those buckets, insert them again from
-the raw steps, move the watermark), so it is idempotent, and a step that arrives late (a spooled batch)
-is counted if it arrives within `lookback_s` of the watermark; a later one is only in the raw rows.
-Each call covers at most `max_span_s`, so a collector catching up after a long stop does it in steps.
+Two writers keep it, and they agree:
+- ingest (`add_steps`, in the batch's own transaction): each batch's steps are added to their minutes (counts
+  and sums added, maxima raised), so the rollup is current to the last batch committed and a fleet's Overview
+  never reads millions of raw steps. A batch is stored once (its idempotency key), so it is added once.
+- the collector's maintenance (`roll_up`): it recomputes whole minutes from `lookback_s` before the watermark up
+  to `settle_s` before now from the raw steps (delete those buckets, insert them again), so it is idempotent and
+  repairs anything written around ingest (rows older than this writer, a bench's raw COPY). Each call covers at
+  most `max_span_s`, so a collector catching up after a long stop does it in steps. Under READ COMMITTED a
+  batch committing during a recompute is counted once either way: before the recompute's DELETE it is in the
+  raw rows the INSERT reads; after it, its own upsert adds to the recomputed row.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, Float, cast, delete, func, insert, literal, select
+from sqlalchemy.dialects import postgresql, sqlite
 
 from collector.queries import bucket_expr
 from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
@@ -81,3 +89,58 @@ def _set_watermark(conn: Connection, through: float, *, exists: bool) -> None:
 
 def _floor(ts: float) -> float:
     return math.floor(ts / BUCKET_S) * BUCKET_S
+
+
+def add_steps(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequence[str]) -> int:
+    """Add a batch's step rows (tuples in `columns`' order) to their minutes' rollup rows, in the caller's
+    transaction; how many rollup rows were touched. Warm-up steps are left out, as `roll_up` leaves them."""
+    at = {name: k for k, name in enumerate(columns)}
+    ins, run, ts, dur = at["instance"], at["run_id"], at["ts"], at["duration_s"]
+    used, total, seqs, queue, warm = (
+        at["kv_blocks_used"], at["kv_blocks_total"], at["num_seqs"], at["queue_depth"], at["warmup"]
+    )  # fmt: skip
+    buckets: dict[tuple[str, str, float], list[Any]] = {}
+    for row in rows:
+        if row[warm]:
+            continue
+        key = (row[ins], row[run], math.floor(row[ts] / BUCKET_S) * BUCKET_S)
+        kv = row[used] / row[total] if row[total] else None
+        b = buckets.get(key)
+        if b is None:
+            buckets[key] = [1, row[dur], kv, row[seqs], row[queue]]
+            continue
+        b[0] += 1
+        b[1] += row[dur]
+        if kv is not None and (b[2] is None or kv > b[2]):
+            b[2] = kv
+        b[3] = max(b[3], row[seqs])
+        b[4] = max(b[4], row[queue])
+    if not buckets:
+        return 0
+    values = [
+        {"instance": i, "run_id": r, "bucket_ts": t, "steps": n, "duration_sum": d, "kv_usage_max": kv,
+         "running_max": rm, "waiting_max": wm}
+        for (i, r, t), (n, d, kv, rm, wm) in sorted(buckets.items())  # one lock order for concurrent batches
+    ]  # fmt: skip
+    conn.execute(_add_statement(conn.dialect.name), values)
+    return len(values)
+
+
+def _add_statement(dialect: str) -> Any:
+    """INSERT ... ON CONFLICT: counts and sums added, maxima raised (a NULL KV usage is no maximum)."""
+    table = StepRollup.__table__
+    stmt = (sqlite.insert if dialect == "sqlite" else postgresql.insert)(table)
+    greatest = func.max if dialect == "sqlite" else func.greatest  # SQLite's two-argument max() is scalar
+    old, new = table.c, stmt.excluded
+    return stmt.on_conflict_do_update(
+        index_elements=["instance", "run_id", "bucket_ts"],
+        set_={
+            "steps": old.steps + new.steps,
+            "duration_sum": old.duration_sum + new.duration_sum,
+            "kv_usage_max": greatest(
+                func.coalesce(old.kv_usage_max, new.kv_usage_max), func.coalesce(new.kv_usage_max, old.kv_usage_max)
+            ),
+            "running_max": greatest(old.running_max, new.running_max),
+            "waiting_max": greatest(old.waiting_max, new.waiting_max),
+        },
+    )

@@ -98,17 +98,12 @@ def _scans(plan: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 def _raw_scans(engine: Engine, statements: list[tuple[str, Any]]) -> list[tuple[str, str]]:
     """(node type, relation) of every scan of a raw table or partition in the plans of `statements`."""
-    found = []
-    with engine.connect() as conn:
-        for statement, parameters in statements:
-            if not statement.lstrip().upper().startswith(("SELECT", "WITH")):
-                continue
-            plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters).scalar_one()
-            plan = json.loads(plan) if isinstance(plan, str) else plan
-            found += [
-                (node, rel) for node, rel in _scans(plan[0]["Plan"]) if rel.split("_p")[0] in partitions.PARTITIONED
-            ]
-    return found
+    return [
+        (node, rel)
+        for plan in _plans(engine, statements)
+        for node, rel in _scans(plan)
+        if rel.split("_p")[0] in partitions.PARTITIONED
+    ]
 
 
 READS: dict[str, Callable[[Engine], object]] = {
@@ -163,7 +158,29 @@ EARLIER = range(2)
 ALL_TIME = {"status diagnose": {"samples": EVERY_DAY, "alloc_events": EVERY_DAY, "requests": EARLIER}}
 
 
-@pytest.mark.parametrize("read", list(READS))
+# Reads of an hour that read the per-minute step rollup instead of any raw step (collector.queries.step_rollup)
+ROLLUP_ONLY = {"step_load_over_time"}
+
+
+def _plans(engine: Engine, statements: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    with engine.connect() as conn:
+        for statement, parameters in statements:
+            if statement.lstrip().upper().startswith(("SELECT", "WITH")):
+                plan = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters).scalar_one()
+                out.append((json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"])
+    return out
+
+
+@pytest.mark.parametrize("read", sorted(ROLLUP_ONLY))
+def test_an_hour_of_step_load_reads_the_rollup_by_its_index(loaded: Engine, read: str) -> None:
+    statements = _recorded(loaded, lambda: READS[read](loaded))
+    assert not _raw_scans(loaded, statements), f"{read} read raw rows"
+    scans = [scan for plan in _plans(loaded, statements) for scan in _scans(plan) if scan[1] == "step_rollups"]
+    assert scans and all("Index" in node for node, _ in scans), scans
+
+
+@pytest.mark.parametrize("read", [r for r in READS if r not in ROLLUP_ONLY])
 def test_reads_of_an_hour_scan_only_its_day(loaded: Engine, read: str) -> None:
     statements = _recorded(loaded, lambda: READS[read](loaded))
     scans = _raw_scans(loaded, statements)

@@ -198,77 +198,80 @@ def _steps(rng: random.Random, start: float, n: int) -> list[dict]:
     return out
 
 
-def test_rollup_matches_raw_aggregates(db_engine: Engine) -> None:
-    start = DAY0 + 600
-    steps = _steps(random.Random(7), start, 400)
-    ingest(db_engine, steps, "steps", steps[-1]["ts"])
-    with db_engine.begin() as conn:
-        done = roll_up(conn, now=start + 4000, first_start=start, lookback_s=0, settle_s=60, max_span_s=DAY)
-    assert done is not None and done.end == start + 3900
-
-    expected: dict[tuple[str, str, float], list] = {}
+def _expected_minutes(steps: list[dict], width: float = 60.0) -> dict[tuple[str, str, float], list]:
+    """The rollup computed here from the steps: per (instance, run, bucket) count, summed duration and maxima."""
+    out: dict[tuple[str, str, float], list] = {}
     for s in steps:
-        if s.get("warmup") or s["ts"] >= done.end:
+        if s.get("warmup"):
             continue
-        key = (s["instance"], s["run_id"], (s["ts"] // 60) * 60)
-        agg = expected.setdefault(key, [0, 0.0, 0.0, 0, 0])
+        agg = out.setdefault((s["instance"], s["run_id"], (s["ts"] // width) * width), [0, 0.0, 0.0, 0, 0])
         agg[0] += 1
         agg[1] += s["duration_s"]
         agg[2] = max(agg[2], s["kv_blocks_used"] / s["kv_blocks_total"])
         agg[3] = max(agg[3], s["num_seqs"])
         agg[4] = max(agg[4], s["queue_depth"])
-    r = StepRollup.__table__.c
-    with db_engine.connect() as conn:
-        cols = (
-            r.instance,
-            r.run_id,
-            r.bucket_ts,
-            r.steps,
-            r.duration_sum,
-            r.kv_usage_max,
-            r.running_max,
-            r.waiting_max,
-        )
-        rows = conn.execute(select(*cols)).all()
-    got = {(i, run, b): [n, pytest.approx(dur), pytest.approx(kv), rm, wm] for i, run, b, n, dur, kv, rm, wm in rows}
-    assert got == expected
+    return out
 
+
+def _rollup_rows(engine: Engine) -> dict[tuple[str, str, float], list]:
+    r = StepRollup.__table__.c
+    cols = (r.instance, r.run_id, r.bucket_ts, r.steps, r.duration_sum, r.kv_usage_max, r.running_max, r.waiting_max)
+    with engine.connect() as conn:
+        rows = conn.execute(select(*cols)).all()
+    return {(i, run, b): [n, pytest.approx(dur), pytest.approx(kv), rm, wm] for i, run, b, n, dur, kv, rm, wm in rows}
+
+
+def test_ingest_keeps_the_rollup_and_maintenance_recomputes_the_same(db_engine: Engine) -> None:
+    """Each batch adds its steps to their minutes (batches that share a minute add up, a batch sent twice is
+    stored and added once); maintenance's recompute from the raw steps gives the same rows, again and again."""
+    start = DAY0 + 600
+    steps = _steps(random.Random(7), start, 400)
+    for k, (a, b) in enumerate(((0, 150), (150, 301), (301, 400))):  # minutes straddle the batches
+        ingest(db_engine, steps[a:b], f"steps-{k}", steps[-1]["ts"])
+    ingest(db_engine, steps[150:301], "steps-1", steps[-1]["ts"])  # a retry of batch 1: a duplicate
+    expected = _expected_minutes(steps)
+    assert _rollup_rows(db_engine) == expected
+
+    with db_engine.begin() as conn:
+        done = roll_up(conn, now=start + 4000, first_start=start, lookback_s=0, settle_s=60, max_span_s=DAY)
+    assert done is not None and done.end == start + 3900
+    assert _rollup_rows(db_engine) == expected
     with db_engine.begin() as conn:  # idempotent: the same minutes again give the same rows
         roll_up(conn, now=start + 4000, first_start=start, lookback_s=3900, settle_s=60, max_span_s=DAY)
-        assert conn.execute(select(func.count()).select_from(StepRollup.__table__)).scalar_one() == len(expected)
+    assert _rollup_rows(db_engine) == expected
 
 
 def _peaks(p: queries.EnginePeaks) -> tuple[Any, ...]:
-    return p.kv_usage_peak, p.running_peak, p.waiting_peak, p.steps
+    return p.kv_usage_peak, p.running_peak, p.steps  # waiting: from request rows for engines without samples
 
 
-def test_long_windows_read_the_rollup_with_the_same_peaks(db_engine: Engine) -> None:
+def _peaks_of(steps: list[dict], lo: float, hi: float) -> tuple[Any, ...]:
+    mine = [s for s in steps if lo <= s["ts"] < hi and not s.get("warmup")]
+    kv = max(s["kv_blocks_used"] / s["kv_blocks_total"] for s in mine)
+    return kv, max(s["num_seqs"] for s in mine), len(mine)
+
+
+def test_long_windows_read_the_rollup_in_whole_minutes(db_engine: Engine) -> None:
     start = DAY0 + 600
     steps = _steps(random.Random(11), start, 3000)  # about six hours
     ingest(db_engine, steps, "steps", steps[-1]["ts"])
     window = {"start": start - 3600, "end": start + 8 * 3600}
-    every_step = queries.engine_peaks(db_engine, **window)
-    buckets = queries.step_load_over_time(db_engine, bucket_s=600, **window)
-    hour_every_step = queries.engine_peaks(db_engine, start=start + 600, end=start + 4200)
-    with db_engine.begin() as conn:  # rolled up to the middle of the data: the rest is read raw
-        roll_up(conn, now=start + 3 * 3600, first_start=start - 3600, lookback_s=0, settle_s=60, max_span_s=DAY)
-
     rolled = queries.engine_peaks(db_engine, **window)
-    assert (rolled.kv_usage_peak, rolled.running_peak, rolled.waiting_peak, rolled.steps) == (
-        every_step.kv_usage_peak, every_step.running_peak, every_step.waiting_peak, every_step.steps
-    )  # fmt: skip
-    assert ROLLUP_NOTE in rolled.source and ROLLUP_NOTE not in every_step.source
-    from_rollup = queries.step_load_over_time(db_engine, bucket_s=600, **window)
-    flags = [(b.ts, b.rollup) for b in from_rollup["e0"]]
-    assert flags == [(ts, ts < start + 3 * 3600 - 60) for ts, _ in flags]  # buckets before the watermark
-    strip = {k: [(b.ts, b.kv_usage, b.running, b.waiting, b.steps) for b in v] for k, v in from_rollup.items()}
-    assert strip == {k: [(b.ts, b.kv_usage, b.running, b.waiting, b.steps) for b in v] for k, v in buckets.items()}
-    short = queries.engine_peaks(db_engine, start=start, end=start + ROLLUP_AFTER_S)  # a short one reads every step
+    assert _peaks(rolled) == pytest.approx(_peaks_of(steps, *window.values())) and ROLLUP_NOTE in rolled.source
+    charted = queries.step_load_over_time(db_engine, bucket_s=600, **window)
+    expected = {}
+    for (name, _, ts), (n, _, kv, running, waiting) in sorted(_expected_minutes(steps, 600.0).items()):
+        b = expected.setdefault(name, {}).setdefault(ts, [0, 0.0, 0, 0])
+        b[0], b[1], b[2], b[3] = b[0] + n, max(b[1], kv), max(b[2], running), max(b[3], waiting)
+    got = {k: {b.ts: [b.steps, pytest.approx(b.kv_usage), b.running, b.waiting] for b in v} for k, v in charted.items()}
+    assert got == expected and all(b.rollup for bs in charted.values() for b in bs)
+
+    # a window off the minute is read in whole minutes: its first and last minutes whole
+    hour = queries.engine_peaks(db_engine, start=start + 30, end=start + 3630)
+    assert _peaks(hour) == pytest.approx(_peaks_of(steps, start, start + 3660)) and ROLLUP_NOTE in hour.source
+    short = queries.engine_peaks(db_engine, start=start + 30, end=start + 30 + ROLLUP_AFTER_S)  # every step
+    assert _peaks(short) == pytest.approx(_peaks_of(steps, start + 30, start + 30 + ROLLUP_AFTER_S))
     assert ROLLUP_NOTE not in short.source
-    hour = queries.engine_peaks(db_engine, start=start + 600, end=start + 4200)  # an hour reads its rolled minutes
-    assert ROLLUP_NOTE in hour.source and _peaks(hour) == _peaks(hour_every_step)
-    later = queries.engine_peaks(db_engine, start=start + 4 * 3600, end=start + 5 * 3600)  # past the watermark
-    assert later.steps > 0 and ROLLUP_NOTE not in later.source
     odd = queries.step_load_over_time(db_engine, bucket_s=90, **window)  # minutes do not nest in 90 s
     assert not any(b.rollup for bs in odd.values() for b in bs)
 
