@@ -30,7 +30,7 @@ from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, _bound, _dialect, bucket_expr
 from collector.queries.step_rollup import ROLLUP_NOTE, load_rows
-from collector.queries.timeseries import series_points
+from collector.queries.timeseries import series_instances, series_points
 from collector.schema import RequestRow, SampleRow
 
 VLLM_STEPS = "vLLM iteration log (every step)"
@@ -165,7 +165,7 @@ def step_load_over_time(
             .group_by(rows.c.instance, b)
             .order_by(rows.c.instance, b)
         )
-        for row in conn.execute(stmt):
+        for row in conn.execute(stmt).all():  # fetched at once: 60,000 rows for an hour of 1,000 instances
             name, bucket, kv, running, waiting, n, rolled = tuple(row)
             kv_usage = None if kv is None else float(kv)
             out.setdefault(name, []).append(
@@ -261,9 +261,14 @@ def _sampled(
     skip: set[str],
     pushing: set[str],
 ) -> list[tuple[float, str]]:
-    """(highest sample, its source) per instance not in `skip`, from every label set of the gauge."""
+    """(highest sample, its source) per instance not in `skip`, from every label set of the gauge. Only those
+    instances' points are read: a fleet whose engines all have steps reads none (1,000 instances' samples of an
+    hour were 140,000 rows fetched to be dropped)."""
+    wanted = series_instances(db, name=name, start=start, end=end, instances=instances) - skip
+    if not wanted:
+        return []
     by_instance: dict[str, list[tuple[float, float]]] = {}
-    for sid, points in series_points(db, name=name, start=start, end=end, instances=instances).items():
+    for sid, points in series_points(db, name=name, start=start, end=end, instances=sorted(wanted)).items():
         if sid.instance not in skip:
             by_instance.setdefault(sid.instance, []).extend(points)
     out = []

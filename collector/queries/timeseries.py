@@ -236,6 +236,19 @@ def raw_series(
     return dict(out)
 
 
+def series_instances(
+    db: Db, *, name: str, start: float, end: float, instances: Sequence[str] | None = None
+) -> set[str]:
+    """The instances with a point of `name` in the window (one row each, not their points)."""
+    if name not in CANONICAL:
+        raise ValueError(f"unknown series {name!r}; known: {', '.join(list_series_names())}")
+    if name == "memory_usage":
+        name = "memory_used_bytes"
+    inner = union_all(*_sources(name, start, end, instances)).subquery()
+    with _bound(db) as conn:
+        return set(conn.execute(select(inner.c.instance).distinct()).scalars())
+
+
 def _memory_usage(
     db: Db, *, start: float, end: float, instances: Sequence[str] | None, labels: dict[str, str] | None
 ) -> Series:
