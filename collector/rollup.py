@@ -18,6 +18,7 @@ Two writers keep it, and they agree:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ def add_steps(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequen
     for row in rows:
         if row[warm]:
             continue
-        key = (row[ins], row[run], math.floor(row[ts] / BUCKET_S) * BUCKET_S)
+        key = (row[ins], row[run], _floor(row[ts]))
         kv = row[used] / row[total] if row[total] else None
         b = buckets.get(key)
         if b is None:
@@ -126,6 +127,7 @@ def add_steps(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequen
     return len(values)
 
 
+@functools.cache  # built once per dialect: it runs on every batch with steps
 def _add_statement(dialect: str) -> Any:
     """INSERT ... ON CONFLICT: counts and sums added, maxima raised (a NULL KV usage is no maximum)."""
     table = StepRollup.__table__

@@ -158,7 +158,7 @@ def step_load_over_time(
         raise ValueError("bucket_s must be positive")
     out: dict[str, list[StepLoadBucket]] = {}
     with _bound(db) as conn:
-        rows, _ = load_rows(conn, start=start, end=end, instances=instances, run_id=run_id, bucket_s=bucket_s)
+        rows, _ = load_rows(start=start, end=end, instances=instances, run_id=run_id, bucket_s=bucket_s)
         b = bucket_expr(rows.c.ts, bucket_s, _dialect(conn)).label("bucket")
         stmt = (
             select(rows.c.instance, b, *_peak_columns(rows), func.max(rows.c.rolled))
@@ -200,16 +200,14 @@ def _highest(found: list[tuple[float, str]]) -> tuple[float | None, str]:
 def _step_peaks(
     db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
 ) -> tuple[dict[str, _StepPeaks], bool]:
-    """instance -> its step peaks, and whether rows of the step rollup stood for part of the window (a window past
-    the watermark reads none, and says so)."""
+    """instance -> its step peaks, and whether they were read from the step rollup (`load_rows`)."""
+    rows, rolled = load_rows(start=start, end=end, instances=instances, run_id=run_id)
+    stmt = select(rows.c.instance, *_peak_columns(rows)).group_by(rows.c.instance)
     with _bound(db) as conn:
-        rows, _ = load_rows(conn, start=start, end=end, instances=instances, run_id=run_id)
-        stmt = select(rows.c.instance, *_peak_columns(rows), func.max(rows.c.rolled)).group_by(rows.c.instance)
-        peaks, rolled = {}, False
-        for row in conn.execute(stmt):
-            name, kv, running, waiting, n, from_rollup = tuple(row)
-            peaks[name] = _StepPeaks(None if kv is None else float(kv), int(running), int(waiting), int(n))
-            rolled = rolled or bool(from_rollup)
+        peaks = {
+            name: _StepPeaks(None if kv is None else float(kv), int(running), int(waiting), int(n))
+            for name, kv, running, waiting, n in conn.execute(stmt)
+        }
     return peaks, rolled
 
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from sqlalchemy import Connection, Float, Integer, Select, Subquery, cast, func, literal, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Float, Integer, Select, Subquery, cast, func, literal, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.schema import StepRollup, StepRow
@@ -32,7 +31,6 @@ WATERMARK = "steps"  # its row in rollup_watermarks
 
 
 def load_rows(
-    conn: Session | Connection,
     *,
     start: float,
     end: float,
@@ -40,7 +38,8 @@ def load_rows(
     run_id: str | None,
     bucket_s: float | None = None,
 ) -> tuple[Subquery, bool]:
-    """The window's load rows (warm-up steps left out) and whether the rollup was read for part of it."""
+    """The window's load rows (warm-up steps left out) and whether they are the rollup's (the whole window, in
+    whole minutes) rather than every step."""
     if end - start <= ROLLUP_AFTER_S or (bucket_s is not None and bucket_s % ROLLUP_BUCKET_S):
         return _raw(start, end, instances, run_id).subquery("load"), False
     r = StepRollup.__table__.c
