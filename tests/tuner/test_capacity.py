@@ -563,3 +563,23 @@ def test_arms_share_rounds_nested_so_a_drift_cancels_in_each_and_a_decided_arm_l
     assert len(heldout.pairs) == 3 and heldout.verdict == PROPOSAL, heldout.as_dict()
     with pytest.raises(ValueError, match="labelled apart"):
         compare_arms(running, [aa, _DriftingSide("aa", 3.0, clock, drift=0.0)], **run)
+
+
+def test_a_wait_at_the_client_is_in_the_ttft_users_saw() -> None:
+    """A replay whose client held requests back (the server held its bound of unanswered requests): the p99 TTFT
+    the search reads is at least the waits' p99, so the probe breaks the SLO the server's own rows would have
+    met, with the count in the reason; nothing held back leaves the server's figures as they are."""
+    from tuner.capacity import pressure
+    from tuner.metrics import combine, with_client_wait
+
+    slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=2.0)
+    served = TrialMetrics("r", 10.0, 500, 500, 0, 0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.3, 1.2, 0.05, 2.0, 4.0, 0, 0)
+    assert with_client_wait(served, held_back=0, wait_p99_s=0.0) is served and not breaches(served, slo)
+    held = with_client_wait(served, held_back=40, wait_p99_s=3.5)
+    assert (held.held_back, held.ttft_p99_s, held.e2e_p99_s, held.ttft_p50_s) == (40, 3.5, 4.0, 0.3)
+    assert breaches(held, slo) == ("p99 TTFT 3.5 s > 2 s (40 requests waited for a connection to the server first)",)
+    assert pressure(held, slo) == pytest.approx(1.75)
+    short = with_client_wait(served, held_back=3, wait_p99_s=0.0)  # fewer than 1% waited: the p99 is the server's
+    assert short.ttft_p99_s == 1.2 and not breaches(short, slo) and combine([short, held]).held_back == 43
+    with pytest.raises(ValueError, match="client wait: must be >= 0"):
+        with_client_wait(served, held_back=-1, wait_p99_s=0.0)

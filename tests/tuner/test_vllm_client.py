@@ -147,31 +147,36 @@ def test_the_client_sends_on_time_from_its_own_process_while_this_one_is_busy(se
     granted = os.geteuid() == 0
     expected = f"rr {C.SENDER_RT_PRIORITY}" if granted else f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
     assert result.sender_sched == expected, result.sender_sched
-    for r, sent, late in zip(reqs, result.sent_at, result.late_s, strict=True):  # by workload index
-        assert sent is not None and sent - (result.wall_start + r.arrival_s) == pytest.approx(late, abs=1e-6)
+    for r, sent, late, wait in zip(reqs, result.sent_at, result.late_s, result.wait_s, strict=True):  # by index
+        assert sent is not None and late is not None and wait is not None
+        assert sent - (result.wall_start + r.arrival_s) == pytest.approx(late + wait, abs=1e-6)
+    assert result.held_back == 0 and result.wait_p99_s < 0.01  # 512 connections: none waited for one
     assert sorted(b["max_tokens"] for b in server.bodies) == sorted(r.output_tokens for r in reqs)
     assert all(b["ignore_eos"] and b["stream"] is False for b in server.bodies)
 
 
 @pytest.mark.parametrize("server", [0.2], indirect=True)
-def test_lateness_is_measured_per_request(server: _Server) -> None:
-    """One connection and five requests due at once, each answered in 0.2 s: the k-th leaves about 0.2 k late."""
+def test_a_wait_for_a_connection_is_the_servers_not_the_senders_lateness(server: _Server) -> None:
+    """One connection and five requests due at once, each answered in 0.2 s: each left on its turn (not late), and
+    the k-th waited about 0.2 k for the connection, the server still holding the one before (run 15 of the tuning
+    bench called such waits the sender's lateness and left a replay past capacity unmeasured)."""
     reqs = [W.WorkloadRequest(0.0, 8, 2) for _ in range(5)]
     plan = C.plan_replay(_url(server), "m", reqs, [W.prompt_ids(r, i) for i, r in enumerate(reqs)], max_in_flight=1)
     result = C.replay_plan(plan)
-    late = sorted(x for x in result.late_s if x is not None)
-    assert result.ok == 5 and late[0] < 0.05
-    assert all(x >= 0.2 * k - 0.02 for k, x in enumerate(late)) and late[-1] < 3.0  # a shared CPU adds, never takes
-    assert result.late_p99_s == late[-1] == result.max_send_lag_s
+    waits = sorted(x for x in result.wait_s if x is not None)
+    assert result.ok == 5 and result.held_back == 4 and waits[0] < 0.05
+    assert all(x >= 0.2 * k - 0.02 for k, x in enumerate(waits)) and waits[-1] < 3.0  # a shared CPU adds, never takes
+    assert result.wait_p99_s == waits[-1] and result.late_p99_s < 0.2  # the sender itself was on time
+    with_waits = C.replay_on_time(plan, max_late_p99_s=0.2)  # measured, not repeated: the waits are the server's
+    assert with_waits.late_replays == 0 and with_waits.held_back == 4
 
 
-@pytest.mark.parametrize("server", [0.2], indirect=True)
 def test_a_late_replay_is_repeated_and_counted_then_not_measured(server: _Server) -> None:
     reqs = [W.WorkloadRequest(0.0, 8, 2) for _ in range(3)]
-    plan = C.plan_replay(_url(server), "m", reqs, [W.prompt_ids(r, i) for i, r in enumerate(reqs)], max_in_flight=1)
+    plan = C.plan_replay(_url(server), "m", reqs, [W.prompt_ids(r, i) for i, r in enumerate(reqs)])
     before: list[int] = []
     with pytest.raises(C.LateReplayError, match=r"sent late in all 2 attempts \(p99 lateness 0\.") as err:
-        C.replay_on_time(plan, before=lambda: before.append(1), attempts=2)
+        C.replay_on_time(plan, before=lambda: before.append(1), attempts=2, max_late_p99_s=-1.0)  # never on time
     assert len(before) == 2 and err.value.result.late_replays == 2 and len(server.bodies) == 6
     with pytest.raises(ValueError, match="attempts: must be >= 1"):
         C.replay_on_time(plan, attempts=0)

@@ -55,7 +55,7 @@ from integrations.vllm.client import (
 from integrations.vllm.config import VllmConfig
 from integrations.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
 from tuner.backends import InfeasibleTrialError, NotMeasuredError
-from tuner.metrics import SLO, TrialMetrics, trial_metrics, with_unrecorded
+from tuner.metrics import SLO, TrialMetrics, trial_metrics, with_client_wait, with_unrecorded
 from tuner.replay import Prepared, prepare_prompts, prepared_workload
 
 log = logging.getLogger("kvpilot.tuner.vllm.backend")
@@ -312,7 +312,9 @@ class VllmBackend:
                 self.ingest_timeout_s,
             )
         m = trial_metrics(self.db, run_id=run_id, start=start, end=end, slo=self.slo)
-        # what never became a span row still counts against the config
+        # what never became a span row still counts against the config, and a wait before vLLM saw a request
+        # (the client held it: vLLM held `max_in_flight` unanswered) is in the TTFT its user saw
+        m = with_client_wait(m, held_back=result.held_back, wait_p99_s=result.wait_p99_s)
         return with_unrecorded(m, refused=result.rejected, lost=result.failed + max(0, result.ok - stored))
 
     # ------------------------------------------------------------------ servers
