@@ -15,15 +15,17 @@ engines (the alert trials: their queue jumps at a set time) each ship from a thr
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import random
+import re
 import sys
 import threading
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 LIVE_RUN = "fleet-live"
@@ -47,115 +49,177 @@ class Rates:
         return self.step + 3 * self.request + self.sample
 
 
+POOL = 127  # values drawn ahead per engine and field (prime: every stride below cycles through all of them)
+_NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # instance and run names written into JSON text as they are
+
+_STEP = (
+    '{"type":"step","instance":"%s","run_id":"%s","ts":%.6f,"step":%d,"duration_s":%.6g,"forward_s":%.6g,'
+    '"num_seqs":%d,"prefill_tokens":%d,"decode_tokens":%d,"kv_blocks_used":%d,"kv_blocks_total":8192,'
+    '"queue_depth":%d,"busy_s":%.6g}'
+)
+_REQUEST = (
+    '{"type":"request","instance":"%s","run_id":"%s","ts":%.6f,"request_id":"%s","status":"finished",'
+    '"prompt_tokens":%d,"output_tokens":%d,"frontend_s":0.0,"queue_s":%.6g,"prefill_s":%.6g,"decode_s":%.6g,'
+    '"ttft_s":%.6g,"e2e_s":%.6g,"cached_tokens":%d,"finish_reason":"stop"}'
+)
+_ALLOC = (
+    '{"type":"alloc","instance":"%s","run_id":"%s","ts":%.6f,"op":"%s","request_id":"%s","blocks":%d,'
+    '"block_size":16,"bytes":%d,"usage_after":%.4f}'
+)
+_SAMPLE = (
+    '{"type":"sample","instance":"%s","run_id":"%s","ts":%.6f,"utilization":%.4f,"memory_used_bytes":%d,'
+    '"memory_total_bytes":%d,"kv_usage":%.4f,"queue_depth":%d,"running":%d}'
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One simulated request's figures (lognormal, as measured latencies and lengths are)."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    cached_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.decode_s
+
+    @property
+    def blocks(self) -> int:
+        return self.prompt_tokens // 16 + 1
+
+
 @dataclass
+class Rendered:
+    """One batch of an engine's events as wire JSON text, and what the sender reports of it."""
+
+    events: list[str]
+    counts: dict[str, int]  # events by type
+    first_ts: float | None  # the oldest event's time
+    finished: list[tuple[float, Request]]  # requests that ended in the batch's interval, with their end
+    hot_ts: float | None = None  # the first sample at `HOT_QUEUE_DEPTH`
+
+    def body(self) -> bytes:
+        return ('{"events":[' + ",".join(self.events) + "]}").encode()
+
+
 class Engine:
-    """One simulated engine: its counters, wandering gauges and a seeded random stream."""
+    """One simulated engine: its counters, wandering gauges, requests in flight, and values drawn ahead from a
+    seeded random stream (`POOL` per field, read with co-prime strides), so that rendering an event is one string
+    format: the senders share the machine under test, and what they spend is taken from the collectors.
 
-    instance: str
-    run_id: str
-    rng: random.Random
-    step: int = 0
-    request: int = 0
-    kv: float = 0.4
-    queue: int = 2
-    hot_from: float | None = None  # from this time on its queue is HOT_QUEUE_DEPTH (the alert trial)
-    batches: int = 0
-    carry: dict[str, float] = field(default_factory=lambda: {"step": 0.0, "request": 0.0, "sample": 0.0})
+    A request allocates its KV blocks when it starts (an `alloc` event then) and ends `e2e_s` later with its
+    `request` and `free` events, as an engine emits them: every event's time is within the interval it is
+    rendered for, so a batch's age is its sender's doing and the collector's, not a request's length."""
 
-    def events(self, start: float, end: float, rates: Rates, cap: int) -> tuple[list[dict[str, Any]], int]:
-        """The events of [start, end), thinned to at most `cap`; also how many were offered."""
+    def __init__(self, instance: str, run_id: str, rng: random.Random, *, hot_from: float | None = None) -> None:
+        if not (_NAME.fullmatch(instance) and _NAME.fullmatch(run_id)):
+            raise ValueError(f"instance and run names must match {_NAME.pattern}: {instance!r}, {run_id!r}")
+        self.instance, self.run_id, self.rng, self.hot_from = instance, run_id, rng, hot_from
+        self.step = self.request = self.batches = 0
+        self.kv, self.queue = 0.4, 2
+        self.carry = {"step": 0.0, "request": 0.0, "sample": 0.0}
+        self.in_flight: list[tuple[float, int, Request]] = []  # (end, request number, request): a heap
+        n = range(POOL)
+        self._durations = [rng.lognormvariate(math.log(0.018), 0.25) for _ in n]
+        self._seqs = [rng.randint(8, 64) for _ in n]
+        self._prefill = [rng.choice((0, 0, 0, 512, 2048)) for _ in n]
+        self._decode = [rng.randint(8, 64) for _ in n]
+        self._kv_moves = [rng.gauss(0, 0.01) for _ in n]
+        self._queue_moves = [rng.choice((-1, 0, 0, 1)) for _ in n]
+        self._utilization = [min(1.0, max(0.0, rng.gauss(0.8, 0.1))) for _ in n]
+        self._requests = [
+            (
+                int(rng.lognormvariate(math.log(900), 0.8)),
+                int(rng.lognormvariate(math.log(250), 0.7)) + 1,
+                rng.lognormvariate(math.log(0.02), 1.0),
+                rng.lognormvariate(math.log(0.06), 0.6),
+                rng.lognormvariate(math.log(2.5), 0.7),
+                rng.choice((0, 0, 256, 512)),
+            )
+            for _ in n
+        ]
+
+    def events(self, start: float, end: float, rates: Rates, cap: int, *, spans: bool = False) -> tuple[Rendered, int]:
+        """The events of [start, end), thinned to at most `cap`; also how many were offered. `spans`: finished
+        requests are left out of the events (their sender ships them as OTLP spans)."""
         counts = {}
         for kind in ("step", "request", "sample"):
             exact = getattr(rates, kind) * (end - start) + self.carry[kind]
             counts[kind] = int(exact)
             self.carry[kind] = exact - counts[kind]
         offered = counts["step"] + 3 * counts["request"] + counts["sample"]
-        return self.emit(start, end, thinned(counts, cap)), offered
+        return self.render(start, end, thinned(counts, cap), spans=spans), offered
 
-    def emit(self, start: float, end: float, counts: dict[str, int]) -> list[dict[str, Any]]:
-        """`counts[kind]` events of each kind spread evenly over [start, end)."""
-        out: list[dict[str, Any]] = []
-        for kind, n in counts.items():
-            for i in range(n):
-                ts = start + (end - start) * (i + 1) / (n + 1)
-                out.extend(getattr(self, f"_{kind}")(ts))
-        return out
+    def render(self, start: float, end: float, counts: dict[str, int], *, spans: bool = False) -> Rendered:
+        """`counts[kind]` events of each kind spread evenly over [start, end) (a request count starts that many
+        requests), and the requests in flight that end within it."""
+        out: list[str] = []
+        made = {"step": 0, "alloc": 0, "request": 0, "sample": 0}
+        first: float | None = None
+        hot_ts: float | None = None
+        name, run = self.instance, self.run_id
+        width = end - start
+        n = counts.get("step", 0)
+        for i in range(n):
+            ts = start + width * (i + 1) / (n + 1)
+            self.step += 1
+            j = self.step
+            self.kv = min(0.95, max(0.05, self.kv + self._kv_moves[j % POOL]))
+            self.queue = min(63, max(0, self.queue + self._queue_moves[(3 * j) % POOL]))
+            d = self._durations[(5 * j) % POOL]
+            row = (name, run, ts, j, d, d * 0.85, self._seqs[(7 * j) % POOL], self._prefill[(11 * j) % POOL])
+            out.append(_STEP % (*row, self._decode[(13 * j) % POOL], int(self.kv * 8192), self.queue, d * 0.95))
+        made["step"] = n
+        if n:
+            first = start + width / (n + 1)
+        n = counts.get("request", 0)
+        for i in range(n):
+            ts = start + width * (i + 1) / (n + 1)
+            request = self._start(ts)
+            blocks = request.blocks
+            out.append(_ALLOC % (name, run, ts, "alloc", request.request_id, blocks, blocks * 16 * 131072, self.kv))
+            made["alloc"] += 1
+            first = ts if first is None else min(first, ts)
+        finished = []
+        while self.in_flight and self.in_flight[0][0] < end:
+            ts, _, r = heapq.heappop(self.in_flight)
+            finished.append((ts, r))
+            first = ts if first is None else min(first, ts)
+            blocks = r.blocks
+            out.append(_ALLOC % (name, run, ts, "free", r.request_id, blocks, blocks * 16 * 131072, self.kv))
+            made["alloc"] += 1
+            if not spans:
+                row = (name, run, ts, r.request_id, r.prompt_tokens, r.output_tokens, r.queue_s, r.prefill_s)
+                out.append(_REQUEST % (*row, r.decode_s, r.ttft_s, r.e2e_s, r.cached_tokens))
+                made["request"] += 1
+        n = counts.get("sample", 0)
+        for i in range(n):
+            ts = start + width * (i + 1) / (n + 1)
+            hot = self.hot_from is not None and ts >= self.hot_from
+            if hot and hot_ts is None:
+                hot_ts = ts
+            k = (self.step + i) % POOL
+            row = (name, run, ts, self._utilization[k], 120 * 2**30, 141 * 2**30, self.kv)
+            out.append(_SAMPLE % (*row, HOT_QUEUE_DEPTH if hot else self.queue, self._seqs[(17 * k) % POOL]))
+            first = ts if first is None else min(first, ts)
+        made["sample"] = n
+        return Rendered(out, {k: v for k, v in made.items() if v}, first, finished, hot_ts)
 
-    def _base(self, ts: float) -> dict[str, Any]:
-        return {"instance": self.instance, "run_id": self.run_id, "ts": ts}
-
-    def _step(self, ts: float) -> list[dict[str, Any]]:
-        self.step += 1
-        self.kv = min(0.95, max(0.05, self.kv + self.rng.gauss(0, 0.01)))
-        self.queue = min(63, max(0, self.queue + self.rng.choice((-1, 0, 0, 1))))
-        duration = self.rng.lognormvariate(math.log(0.018), 0.25)
-        return [
-            {
-                **self._base(ts),
-                "type": "step",
-                "step": self.step,
-                "duration_s": duration,
-                "forward_s": duration * 0.85,
-                "num_seqs": self.rng.randint(8, 64),
-                "prefill_tokens": self.rng.choice((0, 0, 0, 512, 2048)),
-                "decode_tokens": self.rng.randint(8, 64),
-                "kv_blocks_used": int(self.kv * 8192),
-                "kv_blocks_total": 8192,
-                "queue_depth": self.queue,
-                "busy_s": duration * 0.95,
-            }
-        ]
-
-    def request_fields(self) -> dict[str, Any]:
+    def _start(self, ts: float) -> Request:
         self.request += 1
-        queue = self.rng.lognormvariate(math.log(0.02), 1.0)
-        prefill = self.rng.lognormvariate(math.log(0.06), 0.6)
-        decode = self.rng.lognormvariate(math.log(2.5), 0.7)
-        return {
-            "request_id": f"{self.instance}-{self.request}",
-            "prompt_tokens": int(self.rng.lognormvariate(math.log(900), 0.8)),
-            "output_tokens": int(self.rng.lognormvariate(math.log(250), 0.7)) + 1,
-            "queue_s": queue,
-            "prefill_s": prefill,
-            "decode_s": decode,
-        }
-
-    def _request(self, ts: float) -> list[dict[str, Any]]:
-        r = self.request_fields()
-        blocks = r["prompt_tokens"] // 16 + 1
-        alloc = {"type": "alloc", "request_id": r["request_id"], "blocks": blocks, "block_size": 16}
-        alloc["bytes"] = blocks * 16 * 131072
-        ttft = r["queue_s"] + r["prefill_s"]
-        return [
-            {
-                **self._base(ts),
-                "type": "request",
-                "status": "finished",
-                **r,
-                "frontend_s": 0.0,
-                "ttft_s": ttft,
-                "e2e_s": ttft + r["decode_s"],
-                "cached_tokens": self.rng.choice((0, 0, 256, 512)),
-                "finish_reason": "stop",
-            },
-            {**self._base(ts - r["decode_s"]), **alloc, "op": "alloc", "usage_after": self.kv},
-            {**self._base(ts), **alloc, "op": "free", "usage_after": self.kv},
-        ]
-
-    def _sample(self, ts: float) -> list[dict[str, Any]]:
-        hot = self.hot_from is not None and ts >= self.hot_from
-        return [
-            {
-                **self._base(ts),
-                "type": "sample",
-                "utilization": min(1.0, max(0.0, self.rng.gauss(0.8, 0.1))),
-                "memory_used_bytes": 120 * 2**30,
-                "memory_total_bytes": 141 * 2**30,
-                "kv_usage": self.kv,
-                "queue_depth": HOT_QUEUE_DEPTH if hot else self.queue,
-                "running": self.rng.randint(8, 64),
-            }
-        ]
+        prompt, output, queue, prefill, decode, cached = self._requests[(19 * self.request) % POOL]
+        r = Request(f"{self.instance}-{self.request}", prompt, output, queue, prefill, decode, cached)
+        heapq.heappush(self.in_flight, (ts + r.e2e_s, self.request, r))
+        return r
 
 
 def instance_name(i: int) -> str:
@@ -178,11 +242,12 @@ def history_batches(
     span_s: float = HISTORY_S,
     slices: int = HISTORY_SLICES,
     seed: int = 7,
-) -> Iterator[list[dict]]:
+) -> Iterator[list[str]]:
     """The history before `end`, in time order as a fleet writes it: per slice of `span_s`, every instance's events
-    of that slice. Each instance has `events_per_instance` events over the span (thinned, the engines' mix of
-    types kept: a day of a real fleet is billions of rows), spread over the slices so that a window of the last
-    hour reads its share of them, and the table's time order is what BRIN indexes see in production."""
+    of that slice (each one's JSON text). Each instance has `events_per_instance` events over the span (thinned,
+    the engines' mix of types kept: a day of a real fleet is billions of rows), spread over the slices so that a
+    window of the last hour reads its share of them, and the table's time order is what BRIN indexes see in
+    production."""
     rates = Rates()
     engines = [Engine(instance_name(i), HISTORY_RUN, random.Random(seed * 100_003 + i)) for i in range(instances)]
     whole = {kind: int(getattr(rates, kind) * span_s) for kind in ("step", "request", "sample")}
@@ -191,14 +256,15 @@ def history_batches(
     for k in range(slices):
         counts = {kind: n * (k + 1) // slices - n * k // slices for kind, n in total.items()}
         lo = end - span_s + k * width
-        yield [e for engine in engines for e in engine.emit(lo, lo + width, counts)]
+        yield [e for engine in engines for e in engine.render(lo, lo + width, counts).events]
 
 
 # --- OTLP -----------------------------------------------------------------------------------------
 
 
-def otlp_body(engine: Engine, stamps: list[float]) -> bytes:
-    """An OTLP/protobuf export of one `llm_request` span per stamp (its end), vLLM's attribute names."""
+def otlp_body(engine: Engine, finished: list[tuple[float, Request]]) -> bytes:
+    """An OTLP/protobuf export of one `llm_request` span per finished request (at its end), vLLM's attribute
+    names."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
@@ -216,26 +282,24 @@ def otlp_body(engine: Engine, stamps: list[float]) -> bytes:
         [kv("service.name", "vllm"), kv("service.instance.id", engine.instance), kv("kvpilot.run_id", engine.run_id)]
     )
     scope = resource_spans.scope_spans.add()
-    for end in stamps:
-        r = engine.request_fields()
-        e2e = r["queue_s"] + r["prefill_s"] + r["decode_s"]
+    for end, r in finished:
         span = scope.spans.add(
             trace_id=engine.rng.randbytes(16),
             span_id=engine.rng.randbytes(8),
             name="llm_request",
             kind=Span.SPAN_KIND_SERVER,
-            start_time_unix_nano=int((end - e2e) * 1e9),
+            start_time_unix_nano=int((end - r.e2e_s) * 1e9),
             end_time_unix_nano=int(end * 1e9),
         )
         attributes = {
-            "gen_ai.request.id": r["request_id"],
-            "gen_ai.usage.prompt_tokens": r["prompt_tokens"],
-            "gen_ai.usage.completion_tokens": r["output_tokens"],
-            "gen_ai.latency.time_in_queue": r["queue_s"],
-            "gen_ai.latency.time_in_model_prefill": r["prefill_s"],
-            "gen_ai.latency.time_in_model_decode": r["decode_s"],
-            "gen_ai.latency.time_to_first_token": r["queue_s"] + r["prefill_s"],
-            "gen_ai.latency.e2e": e2e,
+            "gen_ai.request.id": r.request_id,
+            "gen_ai.usage.prompt_tokens": r.prompt_tokens,
+            "gen_ai.usage.completion_tokens": r.output_tokens,
+            "gen_ai.latency.time_in_queue": r.queue_s,
+            "gen_ai.latency.time_in_model_prefill": r.prefill_s,
+            "gen_ai.latency.time_in_model_decode": r.decode_s,
+            "gen_ai.latency.time_to_first_token": r.ttft_s,
+            "gen_ai.latency.e2e": r.e2e_s,
         }
         span.attributes.extend(kv(k, v) for k, v in attributes.items())
     return export.SerializeToString()
@@ -302,35 +366,35 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
 
     def ship(client: httpx.Client, engine: Engine) -> None:
         now = time.time()
-        events, offered = engine.events(last[engine.instance], now, rates, config["batch_events"])
+        spans = engine.instance in otlp
+        batch, offered = engine.events(last[engine.instance], now, rates, config["batch_events"], spans=spans)
         last[engine.instance] = now
-        if not events:
+        if not batch.events and not (spans and batch.finished):
             return
-        spans = []
-        if engine.instance in otlp:
-            spans = [e["ts"] for e in events if e["type"] == "request"]
-            events = [e for e in events if e["type"] != "request"]
         engine.batches += 1
         key = f"{engine.instance}-{engine.batches}"
-        body = json.dumps({"events": events}).encode()
-        ok = post(client, "/v1/ingest", body, {"Idempotency-Key": key, "Content-Type": "application/json"})
-        if ok and spans:
-            otlp_headers = {"Content-Type": "application/x-protobuf"}
-            ok = post(client, "/v1/traces", otlp_body(engine, spans), otlp_headers)
+        ok = True
+        if batch.events:
+            headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+            ok = post(client, "/v1/ingest", batch.body(), headers)
+        sent_spans = len(batch.finished) if spans else 0
+        if ok and sent_spans:
+            ok = post(
+                client, "/v1/traces", otlp_body(engine, batch.finished), {"Content-Type": "application/x-protobuf"}
+            )
         done = time.time()
         with lock:
             report["offered"] += offered
             if not ok:
-                report["unacked"] += len(events) + len(spans)
+                report["unacked"] += len(batch.events) + sent_spans
                 return
-            for e in events:
-                report["acked"][e["type"]] = report["acked"].get(e["type"], 0) + 1
-            report["acked"]["request"] = report["acked"].get("request", 0) + len(spans)
-            report["lags"].append(done - min(e["ts"] for e in events))
-            if engine.hot_from is not None and engine.instance not in report["first_hot"]:
-                stamps = [e["ts"] for e in events if e["type"] == "sample" and e["queue_depth"] == HOT_QUEUE_DEPTH]
-                if stamps:
-                    report["first_hot"][engine.instance] = min(stamps)
+            for kind, n in batch.counts.items():
+                report["acked"][kind] = report["acked"].get(kind, 0) + n
+            report["acked"]["request"] = report["acked"].get("request", 0) + sent_spans
+            if batch.first_ts is not None:
+                report["lags"].append(done - batch.first_ts)
+            if batch.hot_ts is not None and engine.instance not in report["first_hot"]:
+                report["first_hot"][engine.instance] = batch.hot_ts
 
     def worker() -> None:
         """Take the engine shipped longest ago (never one another thread holds), ship it, put it back."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, func, select, tuple_
@@ -248,6 +248,33 @@ def _check_rate(
         raise CardinalityError(
             over.format(n=per_minute), loc=loc, reason=reason, retry_after_s=window.retry_after(key, n, per_minute)
         )
+
+
+def sort_known(
+    conn: Connection, pushes: Sequence[tuple[Claims, dict[str, list[tuple]]]]
+) -> list[bool | CollectorError]:
+    """For a group of pushes stored in one transaction (`collector.ingest.store_pushes`), with two reads for all of
+    them: True where a push names only instances and runs that exist and its identity may write (it creates
+    nothing, so nothing is counted against a bound), False where it would create an instance or a run (it
+    goes through `check` alone, where the bounds and the windows see it), or the refusal where an instance
+    belongs to another identity (nothing written)."""
+    runs_of = [{(r[0], r[1]) for kind_rows in rows.values() for r in kind_rows} for _, rows in pushes]
+    every_run: set[tuple[str, str]] = set().union(*runs_of)
+    owners = _owners(conn, sorted({instance for instance, _ in every_run}))
+    existing = _existing_runs(conn, every_run)
+    out: list[bool | CollectorError] = []
+    for (claims, _), runs in zip(pushes, runs_of, strict=True):
+        instances = sorted({instance for instance, _ in runs})
+        if not runs <= existing or any(i not in owners for i in instances):
+            out.append(False)
+            continue
+        try:
+            claims._refuse_foreign(owners, instances)
+        except InstanceOwnedError as exc:
+            out.append(exc)
+            continue
+        out.append(len(instances) <= claims.windows.limits.max_instances)  # past it: `check` says why
+    return out
 
 
 def _owners(conn: Connection, instances: list[str]) -> dict[str, str]:

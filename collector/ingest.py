@@ -12,6 +12,7 @@ transaction and skips the rows whose span an earlier batch stored.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import operator
@@ -26,6 +27,7 @@ from sqlalchemy import Connection, Engine, bindparam, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
+from collector import claims as claims_module
 from collector import fastdecode, rollup
 from collector.bulk import insert_rows
 from collector.claims import Claims
@@ -220,7 +222,7 @@ def upsert_statement(dialect: str, table_name: str):
 
 
 _BATCHES = IngestBatch.__table__
-_INSERT_BATCH = insert(_BATCHES).returning(_BATCHES.c.id)
+_INSERT_BATCHES = insert(_BATCHES).returning(_BATCHES.c.id, sort_by_parameter_order=True)
 _FIND_BATCH = select(_BATCHES).where(_BATCHES.c.idempotency_key == bindparam("key"))
 
 
@@ -245,8 +247,6 @@ def store_batch(
     digest = hashlib.sha256(content).hexdigest()
     received = time.time() if now is None else now
 
-    rows, instances, runs = batch.rows, batch.instances, batch.runs
-
     with translate_errors():
         existing = _find_batch(engine, key)
         if existing is not None:
@@ -254,39 +254,11 @@ def store_batch(
         try:
             with engine.begin() as conn:
                 if batch.span_ids is not None:
-                    rows = _claim_spans(conn, rows, batch.span_ids, received)
+                    rows = _claim_spans(conn, batch.rows, batch.span_ids, received)
                     instances, runs = _spans(rows)
-                pending = claims.check(conn, rows, received) if claims is not None else None
-                count = sum(len(kind_rows) for kind_rows in rows.values())
-                batch_id = conn.execute(
-                    _INSERT_BATCH,
-                    {
-                        "idempotency_key": key,
-                        "content_sha256": digest,
-                        "event_count": count,
-                        "received_at": received,
-                    },
-                ).scalar_one()
-                for kind, kind_rows in rows.items():
-                    insert_rows(
-                        conn, EVENT_TABLES[kind], EVENT_COLUMNS[kind], kind_rows, constants={"batch_id": int(batch_id)}
-                    )
-                if rows.get("step"):  # the per-minute rollup, current to this batch (`collector.rollup`)
-                    rollup.add_steps(conn, rows["step"], EVENT_COLUMNS["step"])
-                if instances:
-                    # Sorted, so concurrent batches take row locks in one order (no deadlocks on PostgreSQL).
-                    dialect = conn.dialect.name
-                    conn.execute(
-                        upsert_statement(dialect, "instances"),
-                        [{"name": n, "first_seen_ts": a, "last_seen_ts": b} for n, (a, b) in sorted(instances.items())],
-                    )
-                    conn.execute(
-                        upsert_statement(dialect, "runs"),
-                        [
-                            {"instance": i, "run_id": r, "first_seen_ts": a, "last_seen_ts": b}
-                            for (i, r), (a, b) in sorted(runs.items())
-                        ],
-                    )
+                    batch = dataclasses.replace(batch, rows=rows, instances=instances, runs=runs)
+                pending = claims.check(conn, batch.rows, received) if claims is not None else None
+                [batch_id] = _write_group(conn, [(key, digest, batch)], received)
         except IntegrityError:
             # A concurrent retry of the same batch committed first (the unique key caught it).
             existing = _find_batch(engine, key)
@@ -295,10 +267,196 @@ def store_batch(
             return _duplicate(existing, key, digest)
     if claims is not None and pending is not None:
         claims.record(pending)
+    rows = batch.rows
+    count = sum(len(kind_rows) for kind_rows in rows.values())
     counts = {kind: len(kind_rows) for kind, kind_rows in rows.items()}
     return IngestResult(batch_id=batch_id, idempotency_key=key, events=count, duplicate=False, counts=counts)
 
 
+@dataclass(frozen=True)
+class Push:
+    """One pushed body waiting for the storage stage, with what `parse_batch` and `store_batch` take for it."""
+
+    body: bytes
+    key: str | None  # the Idempotency-Key header
+    claims: Claims | None
+    max_events: int
+    window: TimeWindow | None = None
+
+
+Outcome = IngestResult | CollectorError
+
+
+def store_pushes(engine: Engine, pushes: Sequence[Push], *, now: float | None = None) -> list[Outcome]:
+    """Parse and store `pushes` in one transaction where they allow it (group commit); one outcome each, in order:
+    its result, or the error it alone would have met.
+
+    A fleet pushes many small batches (an engine's second of events), and a batch's cost on PostgreSQL is mostly
+    per transaction: the key lookup, the batch record, a COPY per event type, the rollup and the instance/run
+    upserts, the claims' reads, the commit's WAL flush. A group pays each once. Each push keeps its own
+    guarantees: its body is validated alone, its key is its own record (`ingest_batches`, its own id and
+    digest), and it is acknowledged only after the commit that holds its rows. A push joins the group when it
+    creates nothing: its key is not stored yet and not repeated in the group, and it names only instances and
+    runs that exist and its identity may write (`claims.sort_known`). Anything else (a retry, a key twice, a new
+    instance or run, whose bounds and windows count one batch at a time) is stored alone after the group, by
+    `store_batch`, as is every member when the group's transaction fails (another collector stored one of its
+    keys first): each push then meets exactly what it would have met alone."""
+    received = time.time() if now is None else now
+    outcomes: list[Outcome | None] = [None] * len(pushes)
+    batches: dict[int, ParsedBatch] = {}
+    for i, push in enumerate(pushes):
+        try:
+            batches[i] = parse_batch(push.body, max_events=push.max_events, window=push.window)
+        except CollectorError as exc:
+            outcomes[i] = exc
+    keys: dict[int, str] = {}
+    alone: list[int] = []
+    for i, batch in batches.items():
+        push = pushes[i]
+        if push.key and batch.idempotency_key and push.key != batch.idempotency_key:
+            alone.append(i)  # store_batch refuses it with the field named
+            continue
+        key = push.key or batch.idempotency_key
+        if key is None:
+            keys[i] = f"server-{uuid.uuid4().hex}"
+        elif key in keys.values():
+            alone.append(i)  # the second of a key: after the first committed, a duplicate of it
+        else:
+            keys[i] = key
+    digests = {i: hashlib.sha256(pushes[i].body).hexdigest() for i in keys}
+    with translate_errors():
+        stored = _find_batches(engine, list(keys.values()))
+    for i in list(keys):
+        if keys[i] in stored:
+            try:
+                outcomes[i] = _duplicate(stored[keys[i]], keys[i], digests[i])
+            except CollectorError as exc:
+                outcomes[i] = exc
+            del keys[i]
+    members: list[int] = []
+    ids: list[int] = []
+    if keys:
+        try:
+            with translate_errors():
+                try:
+                    with engine.begin() as conn:
+                        members = _sort_members(conn, pushes, batches, list(keys), outcomes, alone)
+                        if members:
+                            ids = _write_group(conn, [(keys[i], digests[i], batches[i]) for i in members], received)
+                except IntegrityError:  # another collector stored one of the keys first: each alone, in order
+                    alone.extend(members)
+                    members, ids = [], []
+        except CollectorError as exc:  # the database: every member met it
+            for i in members or keys:
+                outcomes[i] = exc
+            members, ids = [], []
+    for i, batch_id in zip(members, ids, strict=True):
+        batch = batches[i]
+        counts = {kind: len(rows) for kind, rows in batch.rows.items()}
+        outcomes[i] = IngestResult(batch_id, keys[i], batch.count, duplicate=False, counts=counts)
+    for i in sorted(alone):
+        push = pushes[i]
+        try:
+            outcomes[i] = store_batch(
+                engine, batches[i], idempotency_key=push.key, content=push.body, now=received, claims=push.claims
+            )
+        except CollectorError as exc:
+            outcomes[i] = exc
+    if any(o is None for o in outcomes):
+        raise AssertionError("store_pushes left a push without an outcome")
+    return outcomes  # type: ignore[return-value]  # every slot filled, checked above
+
+
+def _sort_members(
+    conn: Connection,
+    pushes: Sequence[Push],
+    batches: dict[int, ParsedBatch],
+    candidates: list[int],
+    outcomes: list[Outcome | None],
+    alone: list[int],
+) -> list[int]:
+    """Which candidates join the group (the others go `alone`, or get their refusal in `outcomes`)."""
+    checked = [i for i in candidates if pushes[i].claims is not None]
+    known = claims_module.sort_known(conn, [(pushes[i].claims, batches[i].rows) for i in checked])  # type: ignore[misc]  # filtered to claims
+    verdict: dict[int, bool | CollectorError] = dict(zip(checked, known, strict=True))
+    members = []
+    for i in candidates:
+        v = verdict.get(i, True)
+        if v is True:
+            members.append(i)
+        elif v is False:
+            alone.append(i)
+        else:
+            outcomes[i] = v
+    return members
+
+
+def _write_group(conn: Connection, members: list[tuple[str, str, ParsedBatch]], received: float) -> list[int]:
+    """Every member's batch record (key, content digest, batch), rows, rollup and instance/run upserts, in `conn`'s
+    transaction; the batch ids, in the members' order."""
+    params = [
+        {
+            "idempotency_key": key,
+            "content_sha256": digest,
+            "event_count": sum(len(rows) for rows in batch.rows.values()),
+            "received_at": received,
+        }
+        for key, digest, batch in members
+    ]
+    ids = [int(i) for i in conn.execute(_INSERT_BATCHES, params).scalars()]
+    for kind, table in EVENT_TABLES.items():
+        if len(members) == 1:  # the batch id is a constant: inlined, no row rebuilt
+            rows = members[0][2].rows.get(kind)
+            if rows:
+                insert_rows(conn, table, EVENT_COLUMNS[kind], rows, constants={"batch_id": ids[0]})
+            continue
+        tagged = [(i, *row) for i, (_, _, b) in zip(ids, members, strict=True) for row in b.rows.get(kind, ())]
+        if tagged:
+            insert_rows(conn, table, ("batch_id", *EVENT_COLUMNS[kind]), tagged)
+    steps = [row for _, _, b in members for row in b.rows.get("step", ())]
+    if steps:  # the per-minute rollup, current to this transaction (`collector.rollup`)
+        rollup.add_steps(conn, steps, EVENT_COLUMNS["step"])
+    instances: dict[str, tuple[float, float]] = {}
+    runs: dict[tuple[str, str], tuple[float, float]] = {}
+    for _, _, b in members:
+        _merge(instances, b.instances)
+        _merge(runs, b.runs)
+    if instances:
+        # Sorted, so concurrent transactions take row locks in one order (no deadlocks on PostgreSQL).
+        dialect = conn.dialect.name
+        conn.execute(
+            upsert_statement(dialect, "instances"),
+            [{"name": n, "first_seen_ts": a, "last_seen_ts": z} for n, (a, z) in sorted(instances.items())],
+        )
+        conn.execute(
+            upsert_statement(dialect, "runs"),
+            [
+                {"instance": i, "run_id": r, "first_seen_ts": a, "last_seen_ts": z}
+                for (i, r), (a, z) in sorted(runs.items())
+            ],
+        )
+    return ids
+
+
+def _merge(into: dict, spans: dict) -> None:
+    for k, (lo, hi) in spans.items():
+        a, z = into.get(k, (lo, hi))
+        into[k] = (min(a, lo), max(z, hi))
+
+
+def _find_batches(engine: Engine, keys: list[str]) -> dict[str, IngestBatch]:
+    found: dict[str, IngestBatch] = {}
+    if not keys:
+        return found
+    with engine.connect() as conn:
+        for start in range(0, len(keys), _KEY_CHUNK):
+            chunk = keys[start : start + _KEY_CHUNK]
+            for row in conn.execute(select(_BATCHES).where(_BATCHES.c.idempotency_key.in_(chunk))):
+                found[row.idempotency_key] = IngestBatch(**row._asdict())
+    return found
+
+
+_KEY_CHUNK = 400  # keys per IN list
 _SPANS = OtlpSpan.__table__
 _CLAIM_CHUNK = 500  # rows per INSERT: 3 parameters each, far below SQLite's and PostgreSQL's limits
 

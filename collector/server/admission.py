@@ -1,7 +1,8 @@
 """Admission control of pushes (/v1/ingest, /v1/traces): bounded work, fast refusals, nothing for the departed.
 
-Each process stores one batch at a time (parse and insert both need the GIL, so overlapping them buys
-nothing), which makes the storage stage the queue. Without a bound, every sender's body waits in memory
+Each process stores one round at a time (parse and insert both need the GIL, so overlapping them buys
+nothing), which makes the storage stage the queue; a round takes the pushes queued behind the one before it
+and stores them in one transaction (`StorageGate`, `collector.ingest.store_pushes`). Without a bound, every sender's body waits in memory
 for it, senders time out and retry while their abandoned requests are still processed, and /health
 queues behind them. So:
 - at most `max_inflight_requests` pushes are admitted at once; the next is answered 429 at once;
@@ -24,12 +25,13 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from fastapi import Request
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from starlette.requests import ClientDisconnect
 
 from collector.server.errors import Rejected
@@ -57,7 +59,17 @@ class Admission:
         self.requests = 0
         self.bytes = 0
         self._lock = threading.Lock()  # reservations come from the event loop and from worker threads
-        self.gate = StorageGate()
+        groups = Histogram(
+            "kvpilot_collector_ingest_group_batches",
+            "pushes stored per storage round (group commit; 1: alone)",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=registry,
+        )
+        self.gate = StorageGate(
+            max_group=settings.ingest_group_max_batches,
+            max_bytes=settings.max_decompressed_bytes,
+            observe=groups.observe,
+        )
         self.inflaters = ThreadPoolExecutor(max_workers=INFLATE_WORKERS, thread_name_prefix="kvpilot-inflate")
         Gauge("kvpilot_collector_inflight_requests", "pushes admitted now", registry=registry).set_function(
             lambda: self.requests
@@ -112,22 +124,30 @@ class Admission:
                 self.requests -= 1
             ticket.held = 0
 
-    @contextlib.asynccontextmanager
-    async def storage_turn(self, request: Request) -> AsyncIterator[None]:
-        """Wait for the storage stage: 503 past `storage_wait_s`; a client that left is not served."""
-        outcome = await self.gate.acquire(timeout_s=self.storage_wait_s, gone=request.is_disconnected)
-        if outcome == "busy":
+    async def store(
+        self,
+        request: Request,
+        item: Any,
+        store: Callable[[list[Any]], Awaitable[list[Any]]],
+        *,
+        group: bool,
+        size: int,
+    ) -> Any:
+        """`item` stored by the storage stage (`StorageGate`: alone, or in a group when `group`), its outcome; 503
+        past `storage_wait_s` in the queue; a client that left while queued is not served. An outcome that is an
+        error is raised."""
+        served = await self.gate.run(
+            item, store, group=group, size=size, timeout_s=self.storage_wait_s, gone=request.is_disconnected
+        )
+        if served == "busy":
             raise self.overloaded(
                 503, "storage_busy", f"the database did not take the batch within {self.storage_wait_s:g}s; retry later"
             )
-        if outcome == "gone":
+        if served == "gone":
             raise client_gone()
-        try:
-            if await request.is_disconnected():
-                raise client_gone()
-            yield
-        finally:
-            self.gate.release()
+        if isinstance(served.outcome, BaseException):
+            raise served.outcome
+        return served.outcome
 
 
 class Ticket:
@@ -153,56 +173,129 @@ class Ticket:
             self.held -= n
 
 
-class StorageGate:
-    """One push at a time, first come first served; a waiter may leave (timeout, client gone) without
-    ever holding it. Event-loop only. No `wait_for` on a lock: a cancellation racing a grant could leak it."""
+@dataclass(eq=False)
+class _Waiter:
+    item: Any
+    size: int  # the item's bytes, for the group's bound
+    turn: asyncio.Future[Any]  # None: this push leads the next round; `_Served`: a leader stored it
+    taken: bool = False  # a leader took it into its round: it waits for the outcome, it may no longer leave
 
-    def __init__(self) -> None:
+
+@dataclass(frozen=True)
+class _Served:
+    outcome: Any  # the store's outcome for the item (a result, or the exception it met)
+
+
+class StorageGate:
+    """The storage stage: one round at a time, first come first served, a round storing one push or a group
+    (group commit). The push whose turn comes leads the round: it takes the groupable pushes queued right
+    behind it (at most `max_group` in all and `max_bytes` of bodies), stores them together in a worker thread
+    (the store callable it was given), and hands each its own outcome. A queued push may leave (timeout,
+    client gone) until a leader took it; once taken, it waits for its outcome. Event-loop only. No `wait_for`
+    on a future: a cancellation racing a grant could leak the stage. `rounds` and `grouped` count what the
+    rounds held (`kvpilot_collector_ingest_group_batches`)."""
+
+    def __init__(self, *, max_group: int = 1, max_bytes: int = 1 << 62, observe: Callable[[int], None] | None = None):
+        self.max_group, self.max_bytes, self.observe = max_group, max_bytes, observe
         self._held = False
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[_Waiter] = deque()
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, *, timeout_s: float, gone) -> Literal["acquired", "busy", "gone"]:
-        if not self._held and not self._waiters:
+    async def run(
+        self,
+        item: Any,
+        store: Callable[[list[Any]], Awaitable[list[Any]]],
+        *,
+        group: bool,
+        size: int = 0,
+        timeout_s: float,
+        gone: Callable[[], Awaitable[bool]],
+    ) -> Any:
+        """`item`'s outcome from `store` (one outcome per item, in order; an exception is an outcome to raise),
+        in its own round or in a leader's group (`group`: it may share a round with others that may); "busy"
+        past `timeout_s` in the queue, "gone" when the client left while queued."""
+        waiter = _Waiter(item if group else None, size, asyncio.get_running_loop().create_future())
+        if self._held or self._waiters:
+            outcome = await self._wait(waiter, timeout_s, gone)
+            if outcome is not None:
+                return outcome
+        else:
             self._held = True
-            return "acquired"
+        return await self._lead(item, waiter, store)
+
+    async def _wait(self, waiter: _Waiter, timeout_s: float, gone: Callable[[], Awaitable[bool]]) -> Any:
+        """Queue until this push leads a round (None), a leader served it (its outcome), or it leaves."""
         loop = asyncio.get_running_loop()
-        turn: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(turn)
+        self._waiters.append(waiter)
         deadline = loop.time() + timeout_s
-        outcome: Literal["acquired", "busy", "gone"] = "acquired"
+        turn = waiter.turn
         try:
             while not turn.done():
+                if waiter.taken:  # in a leader's round: its outcome comes whatever the clock says
+                    await asyncio.wait([turn])
+                    break
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    outcome = "busy"
-                    break
+                    self._leave(waiter)
+                    return "busy"
                 await asyncio.wait([turn], timeout=min(POLL_S, remaining))  # never cancels `turn`
-                if not turn.done() and await gone():
-                    outcome = "gone"
-                    break
+                if not turn.done() and not waiter.taken and await gone():
+                    self._leave(waiter)
+                    return "gone"
         except BaseException:
-            self._leave(turn)
+            self._leave(waiter)
             raise
-        if outcome != "acquired":
-            self._leave(turn)
-        return outcome
+        result = turn.result()
+        return result if isinstance(result, _Served) else None
 
-    def _leave(self, turn: asyncio.Future[None]) -> None:
-        if turn.done():  # handed over meanwhile: pass it on
+    async def _lead(self, item: Any, waiter: _Waiter, store: Callable[[list[Any]], Awaitable[list[Any]]]) -> Any:
+        followers = self._take(waiter) if waiter.item is not None else []
+        items = [item, *(f.item for f in followers)]
+        if self.observe is not None:
+            self.observe(len(items))
+        task = asyncio.ensure_future(store(items))
+
+        def finish(done: asyncio.Future[list[Any]]) -> None:
+            """Every follower gets its outcome, and the stage passes on, whatever became of the leader."""
+            failed = asyncio.CancelledError() if done.cancelled() else done.exception()
+            outcomes = [failed] * len(items) if failed is not None else done.result()
+            for follower, outcome in zip(followers, outcomes[1:], strict=True):
+                follower.turn.set_result(_Served(outcome))
             self.release()
-        else:
-            self._waiters.remove(turn)
-            turn.cancel()
+
+        task.add_done_callback(finish)
+        return _Served((await asyncio.shield(task))[0])
+
+    def _take(self, leader: _Waiter) -> list[_Waiter]:
+        """The groupable pushes right behind the leader, within the group's bounds; taken off the queue."""
+        taken: list[_Waiter] = []
+        size = leader.size
+        while self._waiters and len(taken) + 1 < self.max_group:
+            nxt = self._waiters[0]
+            if nxt.item is None or nxt.turn.done() or size + nxt.size > self.max_bytes:
+                break
+            self._waiters.popleft()
+            nxt.taken = True
+            size += nxt.size
+            taken.append(nxt)
+        return taken
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter.turn.done():  # handed over meanwhile: pass it on (a served push never leaves)
+            if waiter.turn.result() is None:
+                self.release()
+        elif not waiter.taken:
+            self._waiters.remove(waiter)
+            waiter.turn.cancel()
 
     def release(self) -> None:
         while self._waiters:
-            turn = self._waiters.popleft()
-            if not turn.done():
-                turn.set_result(None)  # stays held, by the next in line
+            nxt = self._waiters.popleft()
+            if not nxt.turn.done():
+                nxt.turn.set_result(None)  # stays held, by the next in line
                 return
         self._held = False
 

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from collector.claims import Claims
-from collector.ingest import IngestResult, find_duplicate, parse_batch, store_batch
+from collector.errors import CollectorError
+from collector.ingest import IngestResult, Push, find_duplicate, store_pushes
 from collector.server.admission import Ticket, client_gone, read_body
 from collector.server.deps import CollectorState, IngestIdentity, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, Rejected
@@ -56,19 +57,18 @@ async def decode_body(request: Request, raw: bytes, state: CollectorState, ticke
     return await state.admission.inflate(raw, limit=limit, ticket=ticket)
 
 
-def ingest_sync(state: CollectorState, body: bytes, key: str | None, claims: Claims | None = None) -> IngestResult:
-    """Validate and store one batch in a worker thread, one batch at a time (the storage gate's turn).
+def store_sync(state: CollectorState, pushes: list[Push]) -> list[IngestResult | CollectorError]:
+    """Validate and store one round of pushes in a worker thread, one round at a time (the storage stage's).
 
     Validation and the inserts both need the GIL. Overlapping them across threads buys nothing: the
     drivers release the GIL around every row they step, then wait for a validator that holds it for
     a whole batch (a lock convoy). Overlapping only the COMMIT's fsync with the next validation was
-    tried and measured no faster on 2 cores, so each batch simply runs alone; the event loop keeps
-    receiving the next bodies meanwhile.
+    tried and measured no faster on 2 cores, so each round simply runs alone; the event loop keeps
+    receiving the next bodies meanwhile, and the pushes that queue behind a round are the next one's group
+    (`collector.ingest.store_pushes`: one transaction for them all).
     """
     with state.ingest_lock:
-        window = TimeWindow.for_settings(state.settings)
-        batch = parse_batch(body, max_events=state.settings.max_batch_events, window=window)
-        return store_batch(state.engine, batch, idempotency_key=key, content=body, claims=claims)
+        return store_pushes(state.engine, pushes)
 
 
 @router.post(
@@ -96,11 +96,23 @@ async def ingest(
         if idempotency_key is not None:
             result = await run_in_threadpool(find_duplicate, state.engine, idempotency_key, body)
         if result is None:
-            claims = Claims(identity, state.windows)
-            async with state.admission.storage_turn(request):
+            settings = state.settings
+            push = Push(
+                body,
+                idempotency_key,
+                Claims(identity, state.windows),
+                max_events=settings.max_batch_events,
+                window=TimeWindow.for_settings(settings),
+            )
+
+            async def store(pushes: list[Push]) -> list[IngestResult | CollectorError]:
                 started = time.perf_counter()
-                result = await run_in_threadpool(ingest_sync, state, body, idempotency_key, claims)
-                state.metrics.latency.observe(time.perf_counter() - started)
+                try:
+                    return await run_in_threadpool(store_sync, state, pushes)
+                finally:
+                    state.metrics.latency.observe(time.perf_counter() - started)
+
+            result = await state.admission.store(request, push, store, group=True, size=len(body))
     return _answer(state, result)
 
 

@@ -75,7 +75,7 @@ def status_response(request: Request, exc: Rejected) -> Response:
 def export_sync(
     state: CollectorState, body: bytes, media: otlp.Media, claims: Claims | None = None
 ) -> tuple[otlp.SpanBatch, IngestResult | None]:
-    """Decode, convert and store one export in a worker thread, one at a time like a pushed batch."""
+    """Decode, convert and store one export in a worker thread, in a storage round of its own."""
     settings = state.settings
     with state.ingest_lock:
         request = otlp.parse_request(body, media, max_spans=settings.otlp_max_spans)
@@ -122,10 +122,15 @@ async def export_traces(request: Request, state: StateDep, identity: IngestIdent
         state.metrics.bytes.inc(len(raw))
         body = await decode_body(request, raw, state, ticket)
         claims = Claims(identity, state.windows)
-        async with state.admission.storage_turn(request):
+
+        async def store(_: list[bytes]) -> list[tuple[otlp.SpanBatch, IngestResult | None]]:
             started = time.perf_counter()
-            spans, result = await run_in_threadpool(export_sync, state, body, media, claims)
-            state.metrics.latency.observe(time.perf_counter() - started)
+            try:
+                return [await run_in_threadpool(export_sync, state, body, media, claims)]
+            finally:
+                state.metrics.latency.observe(time.perf_counter() - started)
+
+        spans, result = await state.admission.store(request, body, store, group=False, size=len(body))
     _count(state.metrics, spans, result)
     if spans.rejected or spans.repeated:
         log.info("OTLP export: %s", spans.error_message())

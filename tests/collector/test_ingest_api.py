@@ -204,7 +204,7 @@ def test_openapi_documents_the_batch_schema(settings: CollectorSettings) -> None
 def test_a_retry_whose_key_is_stored_is_answered_without_parsing(
     client: TestClient, settings: CollectorSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from collector.server import ingest_routes
+    from collector import ingest
 
     body = ev.body(ev.mixed(8))
     assert post(client, body, **AUTH, **{"Idempotency-Key": "r-1"}).status_code == 202
@@ -215,7 +215,7 @@ def test_a_retry_whose_key_is_stored_is_answered_without_parsing(
     def no_parsing(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a stored batch was parsed again")
 
-    monkeypatch.setattr(ingest_routes, "parse_batch", no_parsing)
+    monkeypatch.setattr(ingest, "parse_batch", no_parsing)
     again = post(client, body, **AUTH, **{"Idempotency-Key": "r-1"})
     assert again.status_code == 200 and again.json()["duplicate"] is True
     zipped = post(client, gzip.compress(body), **AUTH, **{"Idempotency-Key": "r-2", "Content-Encoding": "gzip"})

@@ -1,5 +1,5 @@
 """Admission control against a real collector serving in a thread: the storage stage is held shut (a
-patched `store_batch` waits on an event) while concurrent pushes arrive. Loopback only; every wait is
+patched `store_pushes` waits on an event) while concurrent pushes arrive. Loopback only; every wait is
 bounded."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Shut:
 @pytest.fixture
 def shut(monkeypatch: pytest.MonkeyPatch) -> Iterator[Shut]:
     gate = Shut()
-    monkeypatch.setattr(ingest_routes_module, "store_batch", gate.wrap(ingest.store_batch))
+    monkeypatch.setattr(ingest_routes_module, "store_pushes", gate.wrap(ingest.store_pushes))
     yield gate
     gate.open()
 
@@ -294,3 +294,28 @@ def test_a_trickling_body_does_not_hold_a_slot(serve) -> None:
     assert answer.startswith("HTTP/1.1 408"), answer
     ok = httpx.post(f"{handle.url}/v1/ingest", content=body, headers=HEADERS, timeout=10)
     assert ok.status_code == 202, ok.text
+
+
+def test_pushes_queued_behind_a_round_are_stored_as_one_group(serve, shut: Shut, sqlite_url: str) -> None:
+    """While the database holds one push, three more queue; the next round stores the three in one transaction
+    (group commit), each acknowledged with its own batch."""
+    handle = serve(max_inflight_requests=8, storage_wait_s=30)
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=handle.url, timeout=20) as client:
+            first = asyncio.create_task(_post(client, "/v1/ingest", ev.body(ev.mixed(4)), "k0"))
+            await asyncio.to_thread(shut.entered.wait, 10)
+            rest = [
+                asyncio.create_task(_post(client, "/v1/ingest", ev.body(ev.mixed(4, start=4 * i)), f"k{i}"))
+                for i in (1, 2, 3)
+            ]
+            await asyncio.sleep(0.5)  # all three read and queued
+            shut.open()
+            return [await first, *(await asyncio.gather(*rest))]
+
+    responses = asyncio.run(scenario())
+    assert [r.status_code for r in responses] == [202] * 4
+    assert len({r.json()["batch_id"] for r in responses}) == 4 and batches(sqlite_url) == 4
+    assert shut.calls == 2  # two storage rounds: the first push alone, then the three together
+    assert metric(handle.url, "kvpilot_collector_ingest_group_batches_count") == 2
+    assert metric(handle.url, "kvpilot_collector_ingest_group_batches_sum") == 4

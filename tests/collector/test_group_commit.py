@@ -1,0 +1,158 @@
+"""Group commit: pushes queued behind a storage round are stored in one transaction, and each push still meets
+exactly what it would have met alone (its refusal, its duplicate, its own batch record). SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, select
+
+from collector import ingest
+from collector.claims import CardinalityLimits, Claims, ClaimWindows, InstanceOwnedError
+from collector.errors import IdempotencyConflictError
+from collector.ingest import BatchValidationError, IngestResult, Push, parse_batch, store_batch, store_pushes
+from collector.schema import IngestBatch, Instance, Run, StepRollup, StepRow
+from collector.server.admission import StorageGate
+from tests.collector import evfactory as ev
+
+
+def _push(claims: Claims, events: list[dict[str, Any]], key: str | None) -> Push:
+    return Push(ev.body(events), key, claims, max_events=10_000)
+
+
+def _alone(engine: Engine, claims: Claims, events: list[dict[str, Any]], key: str) -> IngestResult:
+    body = ev.body(events)
+    return store_batch(engine, parse_batch(body, max_events=10_000), idempotency_key=key, content=body, claims=claims)
+
+
+def _scalar(engine: Engine, stmt) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(stmt).scalar_one()
+
+
+def test_a_group_gives_each_push_what_it_would_have_met_alone(db_engine: Engine) -> None:
+    windows = ClaimWindows(CardinalityLimits())
+    alice, bob = Claims("alice", windows), Claims("bob", windows)
+    before = _alone(db_engine, alice, ev.mixed(8), "before")  # e0/r1 exist, alice's
+    _alone(db_engine, bob, [ev.step(0, instance="bobs")], "bob-0")
+    members = [ev.mixed(8, start=100), [ev.step(200 + i) for i in range(5)]]
+    pushes = [
+        _push(alice, members[0], "g0"),
+        _push(alice, members[1], "g1"),
+        _push(alice, [ev.step(300, num_seqs=-1)], "bad"),  # invalid: refused alone, by name
+        _push(alice, ev.mixed(8), "before"),  # a retry of a stored batch: its duplicate
+        _push(alice, members[0], "g0"),  # the same key twice in one group: after the first, a duplicate
+        _push(alice, [ev.step(400, run_id="r2")], "new-run"),  # creates a run: stored alone, bounds checked
+        _push(alice, [ev.step(500, instance="bobs")], "theirs"),  # bob's instance
+        _push(alice, ev.mixed(4, start=600), "before"),  # a stored key, other content
+    ]
+    out = store_pushes(db_engine, pushes)
+    g0, g1, bad, retry, again, new_run, theirs, conflict = out
+    assert isinstance(g0, IngestResult) and isinstance(g1, IngestResult) and g0.batch_id != g1.batch_id
+    assert (g0.duplicate, g0.events, g0.counts) == (False, 8, {"request": 2, "step": 2, "alloc": 2, "sample": 2})
+    assert (g1.duplicate, g1.events, g1.counts) == (False, 5, {"step": 5})
+    assert isinstance(bad, BatchValidationError) and "events[0].num_seqs" in str(bad)
+    assert isinstance(retry, IngestResult) and retry.duplicate and retry.batch_id == before.batch_id
+    assert isinstance(again, IngestResult) and again.duplicate and again.batch_id == g0.batch_id
+    assert isinstance(new_run, IngestResult) and not new_run.duplicate and new_run.counts == {"step": 1}
+    assert isinstance(theirs, InstanceOwnedError) and isinstance(conflict, IdempotencyConflictError)
+    # every row carries its own push's batch id; the rollup and the runs saw the group's rows
+    with db_engine.connect() as conn:
+        by_batch = dict(conn.execute(select(StepRow.batch_id, func.count()).group_by(StepRow.batch_id)).all())
+        records = dict(conn.execute(select(IngestBatch.idempotency_key, IngestBatch.event_count)).all())
+        rolled = conn.execute(select(func.sum(StepRollup.steps))).scalar_one()
+        last = conn.execute(select(Run.last_seen_ts).where(Run.instance == "e0", Run.run_id == "r1")).scalar_one()
+    assert by_batch[g0.batch_id] == 2 and by_batch[g1.batch_id] == 5
+    assert records == {"before": 8, "bob-0": 1, "g0": 8, "g1": 5, "new-run": 1}
+    assert rolled == 2 + 1 + 2 + 5 + 1  # before, bob-0, g0, g1, new-run
+    assert last == ev.T0 + 204
+    assert _scalar(db_engine, select(func.count()).select_from(Instance.__table__)) == 2
+
+
+def test_a_group_whose_key_another_collector_stored_first_stores_each_alone(
+    db_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race: the key lookup saw nothing, another collector committed the key before the group's INSERT.
+    The group rolls back whole, and each push is stored alone: the raced one answers as a duplicate."""
+    claims = Claims("alice", ClaimWindows(CardinalityLimits()))
+    _alone(db_engine, claims, ev.mixed(4), "seed")
+    raced = _alone(db_engine, claims, ev.mixed(4, start=10), "raced")
+    monkeypatch.setattr(ingest, "_find_batches", lambda engine, keys: {})
+    pushes = [_push(claims, ev.mixed(4, start=20), "fresh"), _push(claims, ev.mixed(4, start=10), "raced")]
+    fresh, again = store_pushes(db_engine, pushes)
+    assert isinstance(fresh, IngestResult) and not fresh.duplicate and fresh.events == 4
+    assert isinstance(again, IngestResult) and again.duplicate and again.batch_id == raced.batch_id
+    assert _scalar(db_engine, select(func.count()).select_from(IngestBatch.__table__)) == 3
+
+
+def test_the_storage_gate_groups_what_queued_behind_a_round() -> None:
+    """A round in progress; three groupable pushes and one that is not queue behind it. The next round takes
+    the three in order; the fourth gets a round of its own. A queued push past its wait leaves ("busy"); one a
+    leader took waits for its outcome whatever its clock says."""
+    rounds: list[list[str]] = []
+
+    async def scenario() -> list[Any]:
+        gate = StorageGate(max_group=8)
+        first_open = asyncio.Event()
+
+        async def store(items: list[str]) -> list[str]:
+            rounds.append(items)
+            if items[0] == "first":
+                await first_open.wait()
+            await asyncio.sleep(0.3 if items[0] == "a" else 0)  # past "b"'s and "c"'s own wait
+            return [f"stored {i}" for i in items]
+
+        async def never_gone() -> bool:
+            return False
+
+        def run(item: str, group: bool, timeout_s: float = 5.0) -> asyncio.Task[Any]:
+            return asyncio.ensure_future(
+                gate.run(item, store, group=group, timeout_s=timeout_s, gone=never_gone, size=1)
+            )
+
+        first = run("first", group=True)
+        await asyncio.sleep(0.01)
+        queued = [run("a", True), run("b", True, timeout_s=0.5), run("c", True, timeout_s=0.5), run("otlp", False)]
+        late = run("late", True, timeout_s=0.05)
+        await asyncio.sleep(0.2)  # "late" gave up while the first round held the stage
+        first_open.set()
+        return [(await t) for t in (first, *queued, late)]
+
+    first, a, b, c, otlp, late = asyncio.run(scenario())
+    assert [getattr(x, "outcome", x) for x in (first, a, b, c, otlp, late)] == [
+        "stored first",
+        "stored a",
+        "stored b",
+        "stored c",
+        "stored otlp",
+        "busy",
+    ]
+    assert rounds == [["first"], ["a", "b", "c"], ["otlp"]]
+
+
+def test_a_failed_round_gives_every_push_in_it_the_error() -> None:
+    async def scenario() -> list[Any]:
+        gate = StorageGate(max_group=8)
+        hold = asyncio.Event()
+
+        async def store(items: list[str]) -> list[str]:
+            if items == ["first"]:
+                await hold.wait()
+                return ["ok"]
+            raise RuntimeError("the database went away")
+
+        async def never_gone() -> bool:
+            return False
+
+        tasks = [
+            asyncio.ensure_future(gate.run(i, store, group=True, timeout_s=5.0, gone=never_gone, size=1))
+            for i in ("first", "x", "y")
+        ]
+        await asyncio.sleep(0.05)
+        hold.set()
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+    first, x, y = asyncio.run(scenario())
+    assert first.outcome == "ok" and isinstance(x, RuntimeError) and y.outcome.args == ("the database went away",)
