@@ -69,7 +69,7 @@ class FleetConfig:
     instances: int = 1000
     collectors: int = 2
     senders: int = 2  # processes; each pushes to one collector
-    sender_threads: int = 4
+    sender_threads: int = 16  # pushes in flight per sender process: a fleet's engines push concurrently
     live_s: float = 150.0
     history_events_per_instance: int = 3000  # over 24 h (`fleet_load.HISTORY_S`), thinned
     ceiling_batches: int = 100

@@ -72,7 +72,9 @@ class CollectorSettings(BaseSettings):
         32 * 2**20, ge=1024, description="limit after gunzip (zip bombs); a 20,000-event batch is about 6 MB"
     )
     max_batch_events: int = Field(20_000, ge=1, le=100_000)
-    max_inflight_requests: int = Field(16, ge=1, description="pushes admitted at once; 429 beyond")
+    max_inflight_requests: int = Field(
+        64, ge=1, description="pushes admitted at once; 429 beyond (those queued for storage: the next round's group)"
+    )
     max_inflight_bytes: int = Field(
         256 * 2**20, ge=64 * 1024, description="body bytes (wire plus inflated) held by admitted pushes; 429 beyond"
     )

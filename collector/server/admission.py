@@ -1,10 +1,10 @@
 """Admission control of pushes (/v1/ingest, /v1/traces): bounded work, fast refusals, nothing for the departed.
 
 Each process stores one round at a time (parse and insert both need the GIL, so overlapping them buys
-nothing), which makes the storage stage the queue; a round takes the pushes queued behind the one before it
-and stores them in one transaction (`StorageGate`, `collector.ingest.store_pushes`). Without a bound, every sender's body waits in memory
-for it, senders time out and retry while their abandoned requests are still processed, and /health
-queues behind them. So:
+nothing), which makes the storage stage the queue; a round takes the pushes queued behind the one before
+it and stores them in one transaction (`StorageGate`, `collector.ingest.store_pushes`). Without a bound,
+every sender's body waits in memory for it, senders time out and retry while their abandoned requests are
+still processed, and /health queues behind them. So:
 - at most `max_inflight_requests` pushes are admitted at once; the next is answered 429 at once;
 - admitted pushes hold at most `max_inflight_bytes` of bodies, counted as they arrive and as they
   inflate (in a worker thread, a chunk at a time, stopping at the per-request limit: 413, or at the
