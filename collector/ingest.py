@@ -1,8 +1,9 @@
-"""Validate and store one ingest batch: atomic, idempotent, and fast (no ORM objects on the hot path).
+"""Validate and store ingest batches: atomic, idempotent, and fast (no ORM objects on the hot path).
 
-A batch is one transaction: the dedup record in `ingest_batches`, every event row (`collector.bulk`: COPY
-on PostgreSQL, executemany on SQLite, one per event type) and the instance/run upserts commit together or
-not at all.
+A batch's dedup record in `ingest_batches`, every event row (`collector.bulk`: COPY on PostgreSQL,
+executemany on SQLite, one per event type) and the instance/run upserts commit together or not at all: in the
+batch's own transaction (`store_batch`) or in a group's (`store_pushes`: the pushes queued behind a storage
+round, each with its own record and its own answer).
 So a retried batch either finds its key (stored once, reported as duplicate) or stores everything.
 
 Source adapters (OTLP spans) build their batch with `batch_from_events` from events validated one by one
