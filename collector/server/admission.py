@@ -192,8 +192,8 @@ class StorageGate:
     behind it (at most `max_group` in all and `max_bytes` of bodies), stores them together in a worker thread
     (the store callable it was given), and hands each its own outcome. A queued push may leave (timeout,
     client gone) until a leader took it; once taken, it waits for its outcome. Event-loop only. No `wait_for`
-    on a future: a cancellation racing a grant could leak the stage. `rounds` and `grouped` count what the
-    rounds held (`kvpilot_collector_ingest_group_batches`)."""
+    on a future: a cancellation racing a grant could leak the stage. `observe` is told how many pushes each
+    round held (`kvpilot_collector_ingest_group_batches`)."""
 
     def __init__(self, *, max_group: int = 1, max_bytes: int = 1 << 62, observe: Callable[[int], None] | None = None):
         self.max_group, self.max_bytes, self.observe = max_group, max_bytes, observe
@@ -243,6 +243,8 @@ class StorageGate:
                     return "busy"
                 await asyncio.wait([turn], timeout=min(POLL_S, remaining))  # never cancels `turn`
                 if not turn.done() and not waiter.taken and await gone():
+                    if waiter.taken:  # a leader took it while we asked: it is being stored, and is answered
+                        continue
                     self._leave(waiter)
                     return "gone"
         except BaseException:
