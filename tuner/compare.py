@@ -11,9 +11,10 @@ config changes are worth. Three things take that out of the answer:
 - pairs are added (one held-out seed after another) until the 90% interval of the mean log ratio (Student's t
   over the pairs) says something, or the pair budget ends.
 
-Verdict (`verdict`): `proposal` when the whole interval of the ratio is above 1 and above the equivalence margin;
-`no gain` when it is below 1, or inside 1 ± `margin` (the configs are equivalent to within what is worth a
-restart); otherwise `inconclusive`, said as such with the interval. A measurement whose SLOs still held at the
+Verdict (`verdict`): `proposal` when the whole interval of the ratio is above 1 and it is not all inside the
+equivalence margin (its upper end past 1 + `margin`); `no gain` when it is below 1, or inside 1 ± `margin` (the
+configs are equivalent to within what is worth a restart); otherwise `inconclusive`, said as such with the
+interval. A measurement whose SLOs still held at the
 largest rate its search tried is a lower bound, not a capacity (a workload too short to load the server: compressed
 far enough it is one batch), and one that failed at every rate its short budget reached is no capacity either: a
 ratio of such figures proves nothing (counted as equal they would narrow the interval toward "no gain"), so such a
