@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
-from sqlalchemy import Connection, Engine, bindparam, func, insert, select
+from sqlalchemy import Connection, Engine, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
@@ -198,13 +198,10 @@ def _spans(
                 k = (r[0], r[1])
                 lo, hi = spans.get(k, (r[2], r[2]))
                 spans[k] = (min(lo, r[2]), max(hi, r[2]))
-        for k, (lo, hi) in spans.items():
-            a, b = runs.get(k, (lo, hi))
-            runs[k] = (min(a, lo), max(b, hi))
+        _merge(runs, spans)
     instances: dict[str, tuple[float, float]] = {}
-    for (instance, _), (lo, hi) in runs.items():
-        a, b = instances.get(instance, (lo, hi))
-        instances[instance] = (min(a, lo), max(b, hi))
+    for (instance, _), span in runs.items():
+        _merge(instances, {instance: span})
     return instances, runs
 
 
@@ -224,7 +221,6 @@ def upsert_statement(dialect: str, table_name: str):
 
 _BATCHES = IngestBatch.__table__
 _INSERT_BATCHES = insert(_BATCHES).returning(_BATCHES.c.id, sort_by_parameter_order=True)
-_FIND_BATCH = select(_BATCHES).where(_BATCHES.c.idempotency_key == bindparam("key"))
 
 
 def store_batch(
@@ -268,10 +264,13 @@ def store_batch(
             return _duplicate(existing, key, digest)
     if claims is not None and pending is not None:
         claims.record(pending)
-    rows = batch.rows
-    count = sum(len(kind_rows) for kind_rows in rows.values())
-    counts = {kind: len(kind_rows) for kind, kind_rows in rows.items()}
-    return IngestResult(batch_id=batch_id, idempotency_key=key, events=count, duplicate=False, counts=counts)
+    return _stored(batch_id, key, batch)
+
+
+def _stored(batch_id: int, key: str, batch: ParsedBatch) -> IngestResult:
+    """The answer for `batch` stored under `batch_id`: its rows counted by event type."""
+    counts = {kind: len(kind_rows) for kind, kind_rows in batch.rows.items()}
+    return IngestResult(batch_id, key, sum(counts.values()), duplicate=False, counts=counts)
 
 
 @dataclass(frozen=True)
@@ -352,9 +351,7 @@ def store_pushes(engine: Engine, pushes: Sequence[Push], *, now: float | None = 
                 outcomes[i] = exc
             members, ids = [], []
     for i, batch_id in zip(members, ids, strict=True):
-        batch = batches[i]
-        counts = {kind: len(rows) for kind, rows in batch.rows.items()}
-        outcomes[i] = IngestResult(batch_id, keys[i], batch.count, duplicate=False, counts=counts)
+        outcomes[i] = _stored(batch_id, keys[i], batches[i])
     for i in sorted(alone):
         push = pushes[i]
         try:
@@ -440,6 +437,7 @@ def _write_group(conn: Connection, members: list[tuple[str, str, ParsedBatch]], 
 
 
 def _merge(into: dict, spans: dict) -> None:
+    """Widen each key's (first, last) time span in `into` by `spans`'."""
     for k, (lo, hi) in spans.items():
         a, z = into.get(k, (lo, hi))
         into[k] = (min(a, lo), max(z, hi))
@@ -490,9 +488,7 @@ def find_duplicate(engine: Engine, key: str, content: bytes) -> IngestResult | N
 
 
 def _find_batch(engine: Engine, key: str) -> IngestBatch | None:
-    with engine.connect() as conn:
-        row = conn.execute(_FIND_BATCH, {"key": key}).first()
-    return None if row is None else IngestBatch(**row._asdict())
+    return _find_batches(engine, [key]).get(key)
 
 
 def _duplicate(existing: IngestBatch, key: str, digest: str) -> IngestResult:

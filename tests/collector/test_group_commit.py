@@ -79,7 +79,13 @@ def test_a_group_whose_key_another_collector_stored_first_stores_each_alone(
     claims = Claims("alice", ClaimWindows(CardinalityLimits()))
     _alone(db_engine, claims, ev.mixed(4), "seed")
     raced = _alone(db_engine, claims, ev.mixed(4, start=10), "raced")
-    monkeypatch.setattr(ingest, "_find_batches", lambda engine, keys: {})
+    real, lookups = ingest._find_batches, []
+
+    def before_the_other_committed(engine: Engine, keys: list[str]) -> dict:
+        lookups.append(keys)  # the group's lookup saw nothing; every later one sees the database
+        return {} if len(lookups) == 1 else real(engine, keys)
+
+    monkeypatch.setattr(ingest, "_find_batches", before_the_other_committed)
     pushes = [_push(claims, ev.mixed(4, start=20), "fresh"), _push(claims, ev.mixed(4, start=10), "raced")]
     fresh, again = store_pushes(db_engine, pushes)
     assert isinstance(fresh, IngestResult) and not fresh.duplicate and fresh.events == 4
