@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ BUDGETS = {
         "pair_replays": 4,
         "min_pairs": 2,
         "margin": 0.03,
+        "fresh_servers": True,
     },
     False: {
         "tuning_seeds": [0, 1],
@@ -111,6 +113,7 @@ BUDGETS = {
         "pair_replays": 4,
         "min_pairs": 3,
         "margin": 0.03,
+        "fresh_servers": True,
     },
 }
 
@@ -208,6 +211,7 @@ def _tuning(
         pair_replays=the_plan["pair_replays"],
         min_pairs=the_plan["min_pairs"],
         margin=the_plan["margin"],
+        fresh_servers=the_plan["fresh_servers"],
     )
     tuning = _BenchTuning(
         backend=backend,
@@ -333,6 +337,8 @@ def _run(
         "verdict": h.verdict if h else "no gain",  # no candidate (the decision says why): nothing compared
         "aa_verdict": aa.verdict,
         "aa": aa.as_dict(),
+        # the spread of the A/A pairs' log ratios: two servers' difference plus the measurements' noise, per pair
+        "aa_log_ratio_sd": statistics.stdev(r) if len(r := [x["log_ratio"] for x in aa.pairs]) >= 2 else None,
         "heldout": h.as_dict() if h else None,
         "running_capacity": running.summary(),
         "goodput_at_rate_tps": running.goodput_at_rate_tps,

@@ -22,6 +22,13 @@ pair makes the comparison `inconclusive`, said as "capacity not found", and ends
 measurement that could not be made at all (its first replay sent late on every attempt: `NotMeasuredError`) voids
 its pair and ends the comparison `inconclusive`, with the reason (`not_measured`), never a crash of the caller.
 The A/A check is the same protocol with the running config on both servers: it must not say `proposal`.
+
+Server instances are randomized too (`renew`): every round starts on fresh servers of every side. Two servers of
+one config differ by several percent for as long as they run (the bench's A/A checks on servers kept for the whole
+comparison read -0.2%, +1.3%, -0.2%, -2.2% and +8.1%); a difference that stays with an instance is in every pair
+of a comparison kept on the same servers, so the pairs agree and the interval narrows around it (run 17: +8.1%,
+90% interval +2.4%..+14.0% for the running config against itself). With fresh servers per round, each pair draws
+its own instances, the instance spread is in the spread of the pairs, and the interval covers it.
 `compare_arms` runs several comparisons against one running config in shared rounds, each arm's pair nested
 inside the others' (A B A' A' B A for the candidate B and the A/A check's second server A'): every arm's two
 measurements sit symmetrically about the round's middle, so a linear drift still cancels in each, and the
@@ -130,6 +137,7 @@ class Comparison:
     lower_bounds: list[float] = field(default_factory=list)  # figures (req/s) of searches that found no capacity
     unsent: list[str] = field(default_factory=list)  # of those, why a scout past them was not measured (the sender)
     not_measured: str | None = None  # why a measurement could not be made (its first replay sent late every time)
+    fresh_servers: bool = False  # every pair on fresh server instances (`compare_arms`'s `renew`)
 
     @property
     def gain(self) -> float:
@@ -167,6 +175,7 @@ class Comparison:
             "capacity_not_found_rps": self.lower_bounds,
             "unsent": self.unsent,
             "not_measured": self.not_measured,
+            "fresh_servers": self.fresh_servers,
             "running_capacity_rps": self.mean_capacity("running"),
             "candidate_capacity_rps": self.mean_capacity("candidate"),
             "pairs": self.pairs,
@@ -191,7 +200,8 @@ class Comparison:
         iv = self.interval
         if iv.pairs < 2:
             return f"{self.gain:+.1%} capacity in the first ABBA pair (an interval needs two)"
-        span = f"90% interval {iv.low - 1:+.1%}..{iv.high - 1:+.1%}, {iv.pairs} ABBA pairs"
+        fresh = ", each on fresh servers" if self.fresh_servers else ""
+        span = f"90% interval {iv.low - 1:+.1%}..{iv.high - 1:+.1%}, {iv.pairs} ABBA pairs{fresh}"
         if self.verdict == PROPOSAL:
             return f"serves {self.gain:+.1%} traffic at the same SLOs ({span})"
         if self.verdict == NO_GAIN:
@@ -217,6 +227,7 @@ def compare_arms(
     max_pairs: int = 4,
     margin: float = DEFAULT_MARGIN,
     floor_rps: float,
+    renew: Callable[[int], None] | None = None,
     say: Callable[[str], None] = lambda message: None,
 ) -> list[Comparison]:
     """Several comparisons against one running config in shared rounds, one `Comparison` per arm. A round on a
@@ -225,14 +236,16 @@ def compare_arms(
     a drift linear over the round cancels in each arm's ratio; the running config is measured twice per round
     instead of twice per arm (the A/A check's arm, a second server of the running config, costs 2 measurements
     a round, not 4). An arm whose comparison has said (at least `min_pairs` pairs) leaves the later rounds. Arms
-    need labels of their own (each side's warm start is kept by label)."""
+    need labels of their own (each side's warm start is kept by label). `renew(i)`, when given, puts fresh servers
+    under every side before round `i` (every side paused; paused again after): each pair on instances of its
+    own (module docstring)."""
     if not 2 <= min_pairs <= max_pairs <= MAX_PAIRS:
         raise ValueError(f"pairs: need 2 <= min_pairs <= max_pairs <= {MAX_PAIRS}, got {min_pairs}, {max_pairs}")
     if not seeds:
         raise ValueError("seeds: at least one held-out seed")
     if not arms or len({running.label, *(a.label for a in arms)}) != len(arms) + 1:
         raise ValueError(f"arms: at least one, each labelled apart from the others and from {running.label!r}")
-    outs = [Comparison(running.label, arm.label, margin, list(seeds)) for arm in arms]
+    outs = [Comparison(running.label, arm.label, margin, list(seeds), fresh_servers=renew is not None) for arm in arms]
     done = [False] * len(arms)
 
     def who(k: int) -> str:
@@ -251,6 +264,10 @@ def compare_arms(
             prior = priors.setdefault(seed, {side.label: start for side in (running, *arms)})
             order = [*live, *reversed(live)]  # X1 X2 .. X2 X1 between A1 and A2
             try:
+                if renew is not None:
+                    renew(i)
+                    for side in (running, *arms):
+                        side.pause()
                 a1 = _measure(running, seed, prior, f"p{i}-0", scout=scout)
                 if scout and a1.multiplier > 0:
                     for k in live:

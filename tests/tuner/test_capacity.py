@@ -565,6 +565,66 @@ def test_arms_share_rounds_nested_so_a_drift_cancels_in_each_and_a_decided_arm_l
         compare_arms(running, [aa, _DriftingSide("aa", 3.0, clock, drift=0.0)], **run)
 
 
+class _Instances:
+    """Servers of one config whose instances differ: each instance's speed is the config's times its own factor,
+    drawn when it starts (the first ones given), kept while it runs; every measurement on a shared noisy clock.
+    `renew` restarts every side (the log says when)."""
+
+    def __init__(self, rng: random.Random, spread: float, first: dict[str, float]) -> None:
+        self.rng, self.spread, self.factor, self.log = rng, spread, dict(first), []
+
+    def renew(self, i: int) -> None:
+        self.log.append(f"renew {i}")
+        self.factor = {label: math.exp(self.rng.gauss(0.0, self.spread)) for label in self.factor}
+
+    def side(self, label: str, multiplier: float) -> _InstanceSide:
+        return _InstanceSide(self, label, multiplier)
+
+
+class _InstanceSide:
+    def __init__(self, servers: _Instances, label: str, multiplier: float) -> None:
+        self.servers, self.label, self.multiplier, self.paused = servers, label, multiplier, True
+
+    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False):
+        from tuner.capacity import Capacity
+
+        assert not self.paused
+        self.servers.log.append(self.label)
+        m = self.multiplier * self.servers.factor[self.label] * math.exp(self.servers.rng.gauss(0.0, 0.01))
+        return Capacity(rate_rps=1.0, multiplier=m, upper=m * 1.15)
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+
+def test_an_instance_that_is_faster_for_as_long_as_it_runs_is_a_proposal_unless_each_pair_has_fresh_servers() -> None:
+    """Bench run 17: the A/A check's second server of the running config beat its first by 8% in every pair,
+    +8.1% (90% interval +2.4%..+14.0%), a `proposal` of nothing. Kept servers put one instance difference in
+    every pair; fresh servers before every round (`renew`) draw new instances per pair, so the same 8% first
+    draw is one pair among several and the check is not a proposal; every round starts on fresh servers, all
+    paused until measured."""
+    from tuner.compare import compare_arms
+
+    run = dict(seeds=[1000, 1001, 1002, 1003, 1004], start=3.0, floor_rps=0.01, min_pairs=2, max_pairs=5)
+    kept = _Instances(random.Random(4), 0.05, {"running": 1.0, "aa": 1.08})
+    (stuck,) = compare_arms(kept.side("running", 3.0), [kept.side("aa", 3.0)], **run)
+    assert stuck.verdict == PROPOSAL and stuck.interval.low > 1.03 and not stuck.fresh_servers, stuck.as_dict()
+
+    fresh = _Instances(random.Random(4), 0.05, {"running": 1.0, "aa": 1.08})
+    checks = [
+        compare_arms(fresh.side("running", 3.0), [fresh.side("aa", 3.0)], renew=fresh.renew, **run)[0]
+        for _ in range(20)
+    ]
+    rounds = [fresh.log[k : k + 5] for k in range(0, len(fresh.log), 5)]
+    assert all(r[0].startswith("renew ") and r[1:] == ["running", "aa", "aa", "running"] for r in rounds)
+    assert sum(len(c.pairs) for c in checks) == len(rounds)  # one renewal per round, before its first measurement
+    assert sum(c.verdict == PROPOSAL for c in checks) <= 2, [c.verdict for c in checks]  # 5% each side, nominally
+    assert all(c.fresh_servers and "each on fresh servers" in c.sentence() for c in checks if len(c.pairs) >= 2)
+
+
 def test_a_wait_at_the_client_is_in_the_ttft_users_saw() -> None:
     """A replay whose client held requests back (the server held its bound of unanswered requests): the p99 TTFT
     the search reads is at least the waits' p99, so the probe breaks the SLO the server's own rows would have

@@ -146,3 +146,64 @@ def test_the_trials_launcher_registers_with_the_admin_token_and_a_refused_start_
     assert options[0].admin_token == ADMIN_TOKEN and options[0].ingest_token == TOKEN
     assert _targets(collector) == [] and backend.stale_targets == []
     backend.db.dispose()
+
+
+def test_a_renewal_starts_every_server_at_once_on_ports_of_their_own_and_a_failed_start_stops_the_rest(
+    collector: ThreadServer, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The held-out rounds' fresh servers (`VllmBackend.renew`, on a real vLLM in tests/vllm): every server of the
+    renewal launched before any is waited for, each on its own port (none bound yet when the next is chosen), the
+    ones it replaces stopped first; a start that fails stops those that came up and those still starting, and
+    keeps none of them."""
+    import tuner.vllm.backend as backend_module
+
+    calls: list[str] = []
+
+    class _Launcher:
+        """A trial launcher that starts at once and serves unless its model is `/refused`."""
+
+        def __init__(self, opts) -> None:
+            self.run_id = opts.run_id
+            self.url = f"http://127.0.0.1:{opts.vllm_args[opts.vllm_args.index('--port') + 1]}"
+            self.refused = "/refused" in opts.vllm_args
+            self.proc, self.target, self.stopped = None, None, False
+
+        def start(self) -> None:
+            calls.append(f"start {self.run_id}")
+
+        def wait_ready(self, timeout_s: float) -> None:
+            calls.append(f"wait {self.run_id}")
+            if self.refused:
+                raise VllmExitedError("vLLM exited with 1: ValueError: refused")
+
+        def stop(self, timeout_s: float) -> int:
+            calls.append(f"stop {self.run_id}")
+            self.stopped = True
+            return 0
+
+    monkeypatch.setattr(backend_module, "VllmLauncher", _Launcher)
+    monkeypatch.setattr(backend_module, "warm_up", lambda url, model, requests: calls.append(f"warm {url}"))
+    backend = _backend(collector, sqlite_url, ADMIN_TOKEN)
+    backend.ports = range(20000, 20010)
+    good, refused = VllmConfig(model="/m"), VllmConfig(model="/refused")
+    backend.renew([(good, "", "a-r1"), (good, "aa", "aa-r1"), (refused.replace(model="/m2"), "", "b-r1")])
+    assert calls[:6] == ["start a-r1", "start aa-r1", "start b-r1", "wait a-r1", "wait aa-r1", "wait b-r1"]
+    first = {key: server.launcher for key, server in backend._servers.items()}
+    assert len({s.url for s in backend._servers.values()}) == 3 and all(s.warmed for s in backend._servers.values())
+    calls.clear()
+    backend.renew([(good, "", "a-r2"), (good, "aa", "aa-r2")])
+    assert calls[:2] == ["stop a-r1", "stop aa-r1"] and calls[2:4] == ["start a-r2", "start aa-r2"]
+    assert backend._servers[("", *good.to_args())].launcher is not first[("", *good.to_args())]
+    calls.clear()
+    with pytest.raises(InfeasibleTrialError, match="refused"):
+        backend.renew([(good, "", "a-r3"), (refused, "", "r-r3"), (good, "aa", "aa-r3")])
+    assert calls[:2] == ["stop a-r2", "stop aa-r2"]
+    started = ["start a-r3", "start r-r3", "start aa-r3", "wait a-r3", "wait r-r3"]
+    assert calls[2:] == [*started, "stop r-r3", "stop aa-r3", "stop a-r3"]
+    assert set(backend._servers) == {("", *good.replace(model="/m2").to_args())}  # the renewal's own, all gone
+    assert [x.error is not None for x in backend.launches[-3:]] == [False, True, True]
+    with pytest.raises(ValueError, match="attached"):
+        backend.attach(good, url="http://127.0.0.1:9", run_id="theirs")
+        backend.renew([(good, "", "a-r4")])
+    backend.close()
+    backend.db.dispose()

@@ -1,7 +1,8 @@
 """SLO capacity and the live ABBA comparison on a real vLLM: the running config (the session's vLLM, attached)
-gets a capacity from a tiny search, then the A/A check runs it against a second server of the same config (the one
-vLLM start here, paused while the other serves). The A/A check must not say `proposal`; every capacity is positive
-and what the replays' SLO outcomes say."""
+gets a capacity from a tiny search, then the A/A check runs the running config against itself, each round on
+fresh servers of ours (two started together per round: the attached one cannot be restarted), the idle one paused
+while the other serves. The A/A check must not say `proposal`; every capacity is positive and what the replays'
+SLO outcomes say."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _becomes(pid: int, stopped: bool, timeout_s: float = 5.0) -> bool:
     return True
 
 
-@pytest.mark.timeout(900)  # one vLLM start: 40-100 s on 2 busy cores, minutes under load (plus the session vLLM's)
+@pytest.mark.timeout(1200)  # two rounds of two vLLM starts together: 60-150 s each on 2 busy cores
 def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None:
     from tests.vllm.peer import ADMIN_TOKEN, KV_CACHE_BYTES, MODEL, TOKEN, vllm_python
 
@@ -84,6 +85,11 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
         assert cap.multiplier == max(p.multiplier for p in cap.probes if p.holds)
         assert cap.upper is None or cap.upper == min(p.multiplier for p in cap.probes if not p.holds)
         aa = tuning.aa_check()
+        first_round = [x for x in backend.launches if x.run_id.endswith("-r1")]
+        assert [x.run_id for x in backend.launches] == [
+            f"aa-test-{side}-r{i}" for i in (1, 2) for side in ("running", "aa")
+        ]
+        assert all(x.ready_s is not None and x.stop_s is not None for x in first_round)  # stopped for round 2's
         # the second server is ours: pausing stops its whole process group, resuming continues it
         pid = backend._servers[("aa", *base.to_args())].launcher.proc.pid
         assert backend.pause(base, "aa") and _becomes(pid, stopped=True), _state(pid)
@@ -95,5 +101,5 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
     assert aa.verdict != PROPOSAL, aa.as_dict()
     assert len(aa.pairs) == 2 and all(p["replays"] >= 4 for p in aa.pairs)
     assert all(c > 0 for p in aa.pairs for c in (*p["running"], *p["candidate"])), aa.as_dict()
-    assert backend.restart_costs()["launches"] == 1 and backend.stale_targets == []
+    assert backend.restart_costs()["launches"] == 4 and backend.stale_targets == [] and aa.fresh_servers
     assert aa.interval is not None and aa.interval.low <= aa.interval.ratio <= aa.interval.high

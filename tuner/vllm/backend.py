@@ -33,7 +33,7 @@ import signal
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,9 +78,12 @@ def parse_port_range(text: str) -> range:
     return range(lo, hi + 1)
 
 
-def free_port_in(ports: range, host: str = "127.0.0.1") -> int:
-    """The first port of `ports` nothing listens on (a bind succeeds); NotMeasuredError when all are taken."""
+def free_port_in(ports: range, host: str = "127.0.0.1", *, exclude: Collection[int] = ()) -> int:
+    """The first port of `ports` nothing listens on (a bind succeeds) and not in `exclude` (handed to a vLLM that
+    has not bound it yet); NotMeasuredError when all are taken."""
     for port in ports:
+        if port in exclude:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
@@ -333,13 +336,65 @@ class VllmBackend:
         self._servers[key] = server
         return server
 
+    def renew(self, servers: Sequence[tuple[VllmConfig, str, str]]) -> None:
+        """Fresh instances of the servers (config, slot, run id), up and warmed: those running are stopped, then
+        all are launched together and waited for (on 2 cores three starts together take about what two one
+        after the other do). A start that fails stops the others and raises `InfeasibleTrialError`; a server
+        not ours (attached) cannot be renewed (ValueError)."""
+        keys = [_key(config, slot) for config, slot, _ in servers]
+        if len(set(keys)) != len(keys):
+            raise ValueError("renew: each server once")
+        if any((old := self._servers.get(key)) is not None and old.launcher is None for key in keys):
+            raise ValueError("renew: an attached server is not ours to restart")
+        for key in keys:
+            if (old := self._servers.pop(key, None)) is not None:
+                self._stop(old)
+        ports = self._free_ports(len(servers))
+        launched = [
+            (key, *self._launch(config, run_id, port))
+            for key, port, (config, _, run_id) in zip(keys, ports, servers, strict=True)
+        ]
+        up: list[tuple[tuple[str, ...], _Server]] = []
+        try:
+            for key, launcher, launch in launched:
+                up.append((key, self._ready(launcher, launch)))
+        except BaseException:
+            for _, launcher, launch in launched[len(up) + 1 :]:
+                launch.error = "stopped: another server of the same renewal failed to start"
+                self._abandon(launcher)
+            for _, server in up:
+                self._stop(server)
+            raise
+        for key, server in up:
+            self._servers[key] = server
+        for _, server in up:
+            warm_up(server.url, server.model, requests=self.warmup)
+            server.warmed = True
+
+    def is_attached(self, config: VllmConfig, slot: str = "") -> bool:
+        """Whether the server of `config` (in `slot`) is one this backend attached (not ours to stop or renew)."""
+        server = self._servers.get(_key(config, slot))
+        return server is not None and server.launcher is None
+
     def _start(self, config: VllmConfig, run_id: str) -> _Server:
+        (port,) = self._free_ports(1)
+        return self._ready(*self._launch(config, run_id, port))
+
+    def _free_ports(self, n: int) -> list[int]:
+        """`n` distinct ports nothing listens on now (within `ports` when given), for vLLMs about to bind them."""
         from plumbing.process import free_port
 
-        port = free_port() if self.ports is None else free_port_in(self.ports)
+        found: list[int] = []
+        while len(found) < n:
+            port = free_port() if self.ports is None else free_port_in(self.ports, exclude=found)
+            if port not in found:
+                found.append(port)
+        return found
+
+    def _launch(self, config: VllmConfig, run_id: str, port: int) -> tuple[VllmLauncher, Launch]:
+        """vLLM of `config` started on `port` (not yet serving)."""
         launch = Launch(run_id=run_id, config=config, started_at=time.time())
         self.launches.append(launch)
-        model = config.served_model_name or config.model
         args = [*config.to_args(), "--host", "127.0.0.1", "--port", str(port)]
         log_file = self.log_dir / f"{run_id}.log" if self.log_dir is not None else None
         options = LaunchOptions(
@@ -355,24 +410,40 @@ class VllmBackend:
             env=self.env,
         )
         launcher = VllmLauncher(options)
-        t = time.perf_counter()
         try:
             launcher.start()
-            launcher.wait_ready(self.startup_timeout_s)
         except (VllmExitedError, VllmSetupError) as exc:
             launch.error = _reason(str(exc))
-            with contextlib.suppress(Exception):
-                launcher.stop(timeout_s=10.0)
-            self.remove_target(f"{launcher.url}/metrics")
+            self._abandon(launcher)
             raise InfeasibleTrialError(f"vLLM refused or failed to start: {launch.error}") from exc
         except BaseException:  # interrupted while vLLM starts: it runs in its own session, so stop it here
             launch.error = "interrupted while starting"
-            with contextlib.suppress(Exception):
-                launcher.stop(timeout_s=10.0)
+            self._abandon(launcher)
             raise
-        launch.ready_s = time.perf_counter() - t
-        log.info("run %s: vLLM ready in %.1f s (%s)", run_id, launch.ready_s, " ".join(config.to_args()))
-        return _Server(launcher, launch, model, launcher.url)
+        return launcher, launch
+
+    def _ready(self, launcher: VllmLauncher, launch: Launch) -> _Server:
+        """The launched vLLM once it serves (`InfeasibleTrialError` when it exits or times out first)."""
+        try:
+            launcher.wait_ready(max(1.0, launch.started_at + self.startup_timeout_s - time.time()))
+        except (VllmExitedError, VllmSetupError) as exc:
+            launch.error = _reason(str(exc))
+            self._abandon(launcher)
+            raise InfeasibleTrialError(f"vLLM refused or failed to start: {launch.error}") from exc
+        except BaseException:
+            launch.error = "interrupted while starting"
+            self._abandon(launcher)
+            raise
+        launch.ready_s = time.time() - launch.started_at
+        config = launch.config
+        log.info("run %s: vLLM ready in %.1f s (%s)", launch.run_id, launch.ready_s, " ".join(config.to_args()))
+        return _Server(launcher, launch, config.served_model_name or config.model, launcher.url)
+
+    def _abandon(self, launcher: VllmLauncher) -> None:
+        """A vLLM that never served stopped (it runs in its own session) and its scrape target removed."""
+        with contextlib.suppress(Exception):
+            launcher.stop(timeout_s=10.0)
+        self.remove_target(f"{launcher.url}/metrics")
 
     def attach(self, config: VllmConfig, *, url: str, run_id: str) -> None:
         """Use a vLLM that already serves `config` (started elsewhere, e.g. by `kvpilot vllm serve` with its

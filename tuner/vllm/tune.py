@@ -111,6 +111,7 @@ class Budget:
     pair_replays: int = 4  # one measurement of the comparison (warm-started, it stops at its first bracket)
     min_pairs: int = 2
     margin: float = DEFAULT_MARGIN  # capacity ratios within 1 +- margin are "no gain": not worth a restart
+    fresh_servers: bool = True  # every held-out round on fresh servers (`tuner.compare`: instances randomized)
 
     @property
     def max_pairs(self) -> int:
@@ -567,17 +568,35 @@ class VllmTuning:
 
     def _compare(self, arms: list[tuple[str, VllmConfig, str]], what: str) -> list[Comparison]:
         """The running config against each arm (label, config, slot) in shared rounds (`compare_arms`), every
-        server up (pinned for the comparison) and the idle ones paused."""
+        server up (pinned for the comparison) and the idle ones paused. With `fresh_servers` every round starts
+        on fresh servers of every side, the running config's included (on a server of ours, in slot `fresh`,
+        when its own is attached: the operator's cannot be restarted)."""
         b = self.budget
         pairs = min(b.max_pairs, MAX_PAIRS)
-        self.say(f"{what}: ABBA pairs on held-out seeds {list(b.heldout_seeds)}, {b.min_pairs}..{pairs} pairs")
-        for _, config, slot in arms:
-            self.backend.start(config, run_id=f"{self.name}-{slot or 'candidate'}", slot=slot)
+        fresh = " (fresh servers each round)" if b.fresh_servers else ""
+        self.say(f"{what}: ABBA pairs on held-out seeds {list(b.heldout_seeds)}, {b.min_pairs}..{pairs} pairs{fresh}")
+        running_slot = "fresh" if b.fresh_servers and self.backend.is_attached(self.base) else ""
+        sides = [("running", self.base, running_slot), *arms]
+        for _, config, slot in sides:
             self.backend.pin(config, slot)
+        if not b.fresh_servers:
+            for _, config, slot in arms:
+                self.backend.start(config, run_id=f"{self.name}-{slot or 'candidate'}", slot=slot)
+
+        def renew(i: int) -> None:
+            t = time.time()
+            try:
+                self.backend.renew([(config, slot, f"{self.name}-{label}-r{i + 1}") for label, config, slot in sides])
+            except InfeasibleTrialError as exc:  # a config that served before: the machine's, not the config's
+                raise TuneError(f"held-out round {i + 1}: a fresh server did not start: {exc.reason}") from exc
+            took = time.time() - t
+            self.phases["renew_s"] = round(self.phases.get("renew_s", 0.0) + took, 1)
+            self.say(f"round {i + 1}: {len(sides)} fresh servers up and warmed in {took:.0f} s")
+
         running = self.running_capacity
         try:
             return compare_arms(
-                self._side("running", self.base, ""),
+                self._side("running", self.base, running_slot),
                 [self._side(label, config, slot) for label, config, slot in arms],
                 seeds=list(b.heldout_seeds),
                 start=self._start_multiplier(),
@@ -585,11 +604,14 @@ class VllmTuning:
                 max_pairs=pairs,
                 margin=b.margin,
                 floor_rps=MIN_MULTIPLIER * (running.rate_rps if running else 1.0),
+                renew=renew if b.fresh_servers else None,
                 say=self.say,
             )
         finally:
             for _, config, slot in arms:
                 self.backend.unpin(config, slot)
+            if running_slot:
+                self.backend.unpin(self.base, running_slot)
 
     def held_out(self, candidate: VllmConfig) -> Comparison:
         """The running config against the candidate (`tuner.compare`), both servers up."""
