@@ -185,6 +185,7 @@ class StudyArgs:
     out_dir: Path
     log_dir: Path | None
     allow_memory: bool = False  # search the KV cache's size too
+    keep_servers: bool = False  # held-out rounds on the same servers (no restart per round)
 
 
 def _check_seeds(seeds_per_trial: int, heldout_seeds: int) -> None:
@@ -219,6 +220,7 @@ def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
         top_k=a.confirm,
         heldout_seeds=tuple(range(1000 + a.seed, 1000 + a.seed + a.heldout_seeds)),
         repeats=a.repeats,
+        fresh_servers=not a.keep_servers,
     ).validate()
     if a.capacity is not None and not a.capacity > 0:
         raise ValueError(f"capacity: must be positive, got {a.capacity}")
@@ -299,6 +301,12 @@ PortRangeOpt = typer.Option(
 HeldoutSeedsOpt = typer.Option(
     3, "--heldout-seeds", help="new workload seeds for the before/after check (at least 2: the gain's lower bound)"
 )
+KeepServersOpt = typer.Option(
+    False,
+    "--keep-servers",
+    help="run every held-out round on the same servers, not fresh ones (a restart of each per round saved; a "
+    "server's own speed then sits in every pair, and the interval does not cover it)",
+)
 CollectorOpt = typer.Option("http://127.0.0.1:8100", "--collector", envvar="KVPILOT_COLLECTOR_URL", help=COLLECTOR_HELP)
 IngestTokenOpt = typer.Option(None, "--ingest-token", envvar="KVPILOT_INGEST_TOKEN", help=TOKEN_HELP)
 AdminTokenOpt = typer.Option(
@@ -328,6 +336,7 @@ def study_cmd(
     seeds_per_trial: int = SeedsPerTrialOpt,
     heldout_seeds: int = HeldoutSeedsOpt,
     repeats: int = typer.Option(1, "--repeats", help="passes over the held-out seeds"),
+    keep_servers: bool = KeepServersOpt,
     instance: str | None = typer.Option(
         None,
         "--instance",
@@ -379,7 +388,7 @@ def study_cmd(
         repeats=repeats, instance=instance, min_steps=min_steps, running_url=running_url,
         running_run_id=running_run_id, port_range=port_range, collector=collector, ingest_token=ingest_token,
         admin_token=admin_token, db_url=db_url, vllm_python=vllm_python, arg_check=arg_check, study_name=study_name,
-        out_dir=out_dir, log_dir=log_dir, allow_memory=allow_memory,
+        out_dir=out_dir, log_dir=log_dir, allow_memory=allow_memory, keep_servers=keep_servers,
     )  # fmt: skip
     with _vllm_errors():
         from tuner.vllm.summary import study_lines
@@ -408,6 +417,7 @@ def nightly_cmd(
     screen: int = ScreenOpt,
     confirm: int = ConfirmOpt,
     heldout_seeds: int = HeldoutSeedsOpt,
+    keep_servers: bool = KeepServersOpt,
     min_steps: int = MinStepsOpt,
     port_range: str | None = PortRangeOpt,
     collector: str = CollectorOpt,
@@ -433,7 +443,7 @@ def nightly_cmd(
         instance=instance, min_steps=min_steps, running_url=None, running_run_id=None, port_range=port_range,
         collector=collector, ingest_token=ingest_token, admin_token=admin_token, db_url=db_url,
         vllm_python=vllm_python, arg_check=True, study_name=f"nightly-vllm-{stamp}-{uuid.uuid4().hex[:4]}",
-        out_dir=out_dir, log_dir=log_dir,
+        out_dir=out_dir, log_dir=log_dir, keep_servers=keep_servers,
     )  # fmt: skip
     with _vllm_errors():
         summary = _run_study(args, t0=t0, say=_sayer(t0))

@@ -108,6 +108,7 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
     space.write_text("params:\n  max_num_seqs: {choices: [128, 16]}\nfixed:\n  block_size: 64\n")
     workload = ["--workload", "mixed", "--capacity", "8", "--requests", "12", "--scale", "16", "--output-range", "4,16"]
     budget = ["--screen", "4", "--confirm", "1", "--heldout-seeds", "2", "--instance", INSTANCE, "--min-steps", "50"]
+    budget += ["--keep-servers"]  # one vLLM start here; fresh servers per round: tests/vllm/test_capacity_compare.py
     res = CliRunner().invoke(
         app,
         [
@@ -136,6 +137,7 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
     if s["changed"]:  # the confirmed config is the candidate: both alternated on the held-out seeds
         assert s["changed"]["block_size"] == 64
         assert [p["seed"] for p in s["heldout"]["pairs"]] == [1000, 1001] and "ABBA pair(s)" in res.stdout
+        assert s["heldout"]["fresh_servers"] is False
     else:  # no candidate, and the decision says why (`tuner.vllm.tune.choose`)
         assert s["heldout"] is None, s["decision"]
         assert "the simulator found no config" in s["decision"] or "not worth a held-out" in s["decision"]

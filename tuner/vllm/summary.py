@@ -94,7 +94,8 @@ def study_lines(s: dict[str, Any]) -> list[str]:
     if h is not None:
         lines.append(
             f"  live comparison: running {h['running_capacity_rps']:.2f} req/s, candidate "
-            f"{h['candidate_capacity_rps']:.2f} req/s over {len(h['pairs'])} ABBA pair(s): {h['verdict']}"
+            f"{h['candidate_capacity_rps']:.2f} req/s over {len(h['pairs'])} ABBA pair(s)"
+            f"{', each on fresh servers' if h['fresh_servers'] else ''}: {h['verdict']}"
         )
     else:
         b = s["baseline"]
