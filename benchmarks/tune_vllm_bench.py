@@ -92,8 +92,9 @@ BUDGETS = {
         "sim_trials": 100,
         "top_k": 1,
         "live_only_trials": 3,
-        # 5 pairs at most: run 12's A/A pairs had a log-ratio sd of 0.027, so 4 gave -3.3%..+2.9% around -0.2%
-        # (inconclusive against the 3% margin) where 5 would give about +-2.6%
+        # 5 pairs at most: run 12's A/A pairs (kept servers) had a log-ratio sd of 0.027, so 4 gave -3.3%..+2.9%
+        # around -0.2% where 5 would give about +-2.6%; on fresh servers (run 18) the sd is 0.106 and 5 pairs tell
+        # about +-10%: the server-to-server spread those kept servers hid
         "heldout_seeds": [1000, 1001, 1002, 1003, 1004],
         "repeats": 1,
         "capacity_replays": 6,
