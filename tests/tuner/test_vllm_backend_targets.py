@@ -153,8 +153,8 @@ def test_a_renewal_starts_every_server_at_once_on_ports_of_their_own_and_a_faile
 ) -> None:
     """The held-out rounds' fresh servers (`VllmBackend.renew`, on a real vLLM in tests/vllm): every server of the
     renewal launched before any is waited for, each on its own port (none bound yet when the next is chosen), the
-    ones it replaces stopped first; a start that fails stops those that came up and those still starting, and
-    keeps none of them."""
+    ones it replaces stopped first, and any other server of ours not pinned (none idles beside the measurements);
+    a start that fails stops those that came up and those still starting, and keeps none of them."""
     import tuner.vllm.backend as backend_module
 
     calls: list[str] = []
@@ -186,13 +186,15 @@ def test_a_renewal_starts_every_server_at_once_on_ports_of_their_own_and_a_faile
     backend = _backend(collector, sqlite_url, ADMIN_TOKEN)
     backend.ports = range(20000, 20010)
     good, refused = VllmConfig(model="/m"), VllmConfig(model="/refused")
+    for slot in ("", "aa"):  # the comparison's sides; /m2 stands for a confirmation's server, not pinned
+        backend.pin(good, slot)
     backend.renew([(good, "", "a-r1"), (good, "aa", "aa-r1"), (refused.replace(model="/m2"), "", "b-r1")])
     assert calls[:6] == ["start a-r1", "start aa-r1", "start b-r1", "wait a-r1", "wait aa-r1", "wait b-r1"]
     first = {key: server.launcher for key, server in backend._servers.items()}
     assert len({s.url for s in backend._servers.values()}) == 3 and all(s.warmed for s in backend._servers.values())
     calls.clear()
     backend.renew([(good, "", "a-r2"), (good, "aa", "aa-r2")])
-    assert calls[:2] == ["stop a-r1", "stop aa-r1"] and calls[2:4] == ["start a-r2", "start aa-r2"]
+    assert calls[:3] == ["stop a-r1", "stop aa-r1", "stop b-r1"] and calls[3:5] == ["start a-r2", "start aa-r2"]
     assert backend._servers[("", *good.to_args())].launcher is not first[("", *good.to_args())]
     calls.clear()
     with pytest.raises(InfeasibleTrialError, match="refused"):
@@ -200,7 +202,7 @@ def test_a_renewal_starts_every_server_at_once_on_ports_of_their_own_and_a_faile
     assert calls[:2] == ["stop a-r2", "stop aa-r2"]
     started = ["start a-r3", "start r-r3", "start aa-r3", "wait a-r3", "wait r-r3"]
     assert calls[2:] == [*started, "stop r-r3", "stop aa-r3", "stop a-r3"]
-    assert set(backend._servers) == {("", *good.replace(model="/m2").to_args())}  # the renewal's own, all gone
+    assert backend._servers == {}  # the renewal's own, all gone
     assert [x.error is not None for x in backend.launches[-3:]] == [False, True, True]
     with pytest.raises(ValueError, match="attached"):
         backend.attach(good, url="http://127.0.0.1:9", run_id="theirs")

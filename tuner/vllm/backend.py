@@ -339,8 +339,9 @@ class VllmBackend:
     def renew(self, servers: Sequence[tuple[VllmConfig, str, str]]) -> None:
         """Fresh instances of the servers (config, slot, run id), up and warmed: those running are stopped, then
         all are launched together and waited for (on 2 cores three starts together take about what two one
-        after the other do). A start that fails stops the others and raises `InfeasibleTrialError`; a server
-        not ours (attached) cannot be renewed (ValueError)."""
+        after the other do). Our other servers that are not pinned (a confirmation's, the last trial's) are
+        stopped too, so that none idles beside what is measured next. A start that fails stops the others and
+        raises `InfeasibleTrialError`; a server not ours (attached) cannot be renewed (ValueError)."""
         keys = [_key(config, slot) for config, slot, _ in servers]
         if len(set(keys)) != len(keys):
             raise ValueError("renew: each server once")
@@ -349,6 +350,9 @@ class VllmBackend:
         for key in keys:
             if (old := self._servers.pop(key, None)) is not None:
                 self._stop(old)
+        idle = [k for k, server in self._servers.items() if k not in self._pinned and server.launcher is not None]
+        for key in idle:
+            self._stop(self._servers.pop(key))
         ports = self._free_ports(len(servers))
         launched = [
             (key, *self._launch(config, run_id, port))
