@@ -33,7 +33,7 @@ import signal
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,9 +223,7 @@ class VllmBackend:
         url = server.url
         plan = plan_replay(url, server.model, reqs, prompts, priorities=config.scheduling_policy == "priority")
         try:
-            if not server.warmed:
-                warm_up(url, server.model, requests=self.warmup)
-                server.warmed = True
+            self._warm(server)
             t = time.perf_counter()
             late_bound = MAX_LATE_P99_S if on_time else math.inf
             result = replay_on_time(plan, before=lambda: self._reset_prefix_cache(url), max_late_p99_s=late_bound)
@@ -279,7 +277,10 @@ class VllmBackend:
 
     def start(self, config: VllmConfig, *, run_id: str, slot: str = "") -> None:
         """Have the server of `config` (in `slot`) up and warmed, without a replay."""
-        server = self._server(config, run_id, slot)
+        self._warm(self._server(config, run_id, slot))
+
+    def _warm(self, server: _Server) -> None:
+        """`warmup` requests through a server before its first measured replay (once per server)."""
         if not server.warmed:
             warm_up(server.url, server.model, requests=self.warmup)
             server.warmed = True
@@ -372,8 +373,7 @@ class VllmBackend:
         for key, server in up:
             self._servers[key] = server
         for _, server in up:
-            warm_up(server.url, server.model, requests=self.warmup)
-            server.warmed = True
+            self._warm(server)
 
     def is_attached(self, config: VllmConfig, slot: str = "") -> bool:
         """Whether the server of `config` (in `slot`) is one this backend attached (not ours to stop or renew)."""
@@ -414,22 +414,25 @@ class VllmBackend:
             env=self.env,
         )
         launcher = VllmLauncher(options)
-        try:
+        with self._starting(launcher, launch):
             launcher.start()
-        except (VllmExitedError, VllmSetupError) as exc:
-            launch.error = _reason(str(exc))
-            self._abandon(launcher)
-            raise InfeasibleTrialError(f"vLLM refused or failed to start: {launch.error}") from exc
-        except BaseException:  # interrupted while vLLM starts: it runs in its own session, so stop it here
-            launch.error = "interrupted while starting"
-            self._abandon(launcher)
-            raise
         return launcher, launch
 
     def _ready(self, launcher: VllmLauncher, launch: Launch) -> _Server:
         """The launched vLLM once it serves (`InfeasibleTrialError` when it exits or times out first)."""
-        try:
+        with self._starting(launcher, launch):
             launcher.wait_ready(max(1.0, launch.started_at + self.startup_timeout_s - time.time()))
+        launch.ready_s = time.time() - launch.started_at
+        config = launch.config
+        log.info("run %s: vLLM ready in %.1f s (%s)", launch.run_id, launch.ready_s, " ".join(config.to_args()))
+        return _Server(launcher, launch, config.served_model_name or config.model, launcher.url)
+
+    @contextlib.contextmanager
+    def _starting(self, launcher: VllmLauncher, launch: Launch) -> Iterator[None]:
+        """A step of a vLLM's start: if vLLM refuses or dies, `InfeasibleTrialError` with its reason; if the step
+        is interrupted, the error re-raised. Either way the vLLM is abandoned (it runs in its own session)."""
+        try:
+            yield
         except (VllmExitedError, VllmSetupError) as exc:
             launch.error = _reason(str(exc))
             self._abandon(launcher)
@@ -438,10 +441,6 @@ class VllmBackend:
             launch.error = "interrupted while starting"
             self._abandon(launcher)
             raise
-        launch.ready_s = time.time() - launch.started_at
-        config = launch.config
-        log.info("run %s: vLLM ready in %.1f s (%s)", launch.run_id, launch.ready_s, " ".join(config.to_args()))
-        return _Server(launcher, launch, config.served_model_name or config.model, launcher.url)
 
     def _abandon(self, launcher: VllmLauncher) -> None:
         """A vLLM that never served stopped (it runs in its own session) and its scrape target removed."""
