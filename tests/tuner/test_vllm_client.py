@@ -147,6 +147,7 @@ def test_the_client_sends_on_time_from_its_own_process_while_this_one_is_busy(se
     granted = os.geteuid() == 0
     expected = f"rr {C.SENDER_RT_PRIORITY}" if granted else f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
     assert result.sender_sched == expected, result.sender_sched
+    assert result.sender_cpus == sorted(os.sched_getaffinity(0))  # no cores named: wherever this process may run
     for r, sent, late, wait in zip(reqs, result.sent_at, result.late_s, result.wait_s, strict=True):  # by index
         assert sent is not None and late is not None and wait is not None
         assert sent - (result.wall_start + r.arrival_s) == pytest.approx(late + wait, abs=1e-6)
@@ -223,3 +224,12 @@ def test_an_offline_capacity_replay_is_not_held_to_send_lateness(
     assert backend.client_lateness()["late_replays"] == 0 and backend.client_lateness()["not_measured"] == 0
     with pytest.raises(NotMeasuredError, match="sent late in all 5 attempts"):
         backend.replay(config, reqs, _workload(10, 0.5)[1], run_id="timed")
+
+
+def test_a_plan_with_cores_is_sent_from_those_cores(server: _Server) -> None:
+    """`SendPlan.with_cpus`: the sender runs on the cores named (those a vLLM-CPU's model worker does not use)."""
+    reqs, prompts = _workload(3, 0.2)
+    last = max(os.sched_getaffinity(0))
+    plan = C.plan_replay(_url(server), "m", reqs, prompts).with_cpus(frozenset({last}))
+    result = C.replay_plan(plan)
+    assert result.ok == 3 and result.sender_cpus == [last]

@@ -6,6 +6,7 @@ SLO outcomes say."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -91,7 +92,15 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
         ]
         assert all(x.ready_s is not None and x.stop_s is not None for x in first_round)  # stopped for round 2's
         # the second server is ours: pausing stops its whole process group, resuming continues it
-        pid = backend._servers[("aa", *base.to_args())].launcher.proc.pid
+        server = backend._servers[("aa", *base.to_args())]
+        pid = server.launcher.proc.pid
+        # its API server and engine core run off the cores its model worker bound, and so did the replays' sender
+        placement = server.placement
+        assert placement is not None and server.launch.placement == placement.describe(), server.launch
+        assert (
+            placement.worker_cpus.isdisjoint(placement.other_cpus) and os.sched_getaffinity(pid) == placement.other_cpus
+        )
+        assert backend.last_client is not None and backend.last_client.sender_cpus == sorted(placement.other_cpus)
         assert backend.pause(base, "aa") and _becomes(pid, stopped=True), _state(pid)
         assert backend.resume(base, "aa") and _becomes(pid, stopped=False), _state(pid)
         assert not backend.pause(base)  # the attached vLLM is not ours to stop
@@ -101,5 +110,9 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
     assert aa.verdict != PROPOSAL, aa.as_dict()
     assert len(aa.pairs) == 2 and all(p["replays"] >= 4 for p in aa.pairs)
     assert all(c > 0 for p in aa.pairs for c in (*p["running"], *p["candidate"])), aa.as_dict()
-    assert backend.restart_costs()["launches"] == 4 and backend.stale_targets == [] and aa.fresh_servers
+    assert (
+        backend.restart_costs()["launches"] == backend.restart_costs()["isolated"] == 4
+        and backend.stale_targets == []
+        and aa.fresh_servers
+    )
     assert aa.interval is not None and aa.interval.low <= aa.interval.ratio <= aa.interval.high

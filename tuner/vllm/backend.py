@@ -53,6 +53,7 @@ from integrations.vllm.client import (
     warm_up,
 )
 from integrations.vllm.config import VllmConfig
+from integrations.vllm.placement import Placement, isolate_worker
 from integrations.vllm.wiring import TargetRegistrationError, VllmSetupError, delete_target
 from tuner.backends import InfeasibleTrialError, NotMeasuredError
 from tuner.metrics import SLO, TrialMetrics, trial_metrics, with_client_wait, with_unrecorded
@@ -105,6 +106,7 @@ class Launch:
     evaluations: int = 0
     error: str | None = None
     target: str | None = None  # its /metrics as a scrape target: 'created' / 'exists'; None if never registered
+    placement: str | None = None  # its model worker kept alone on its cores (`isolate_worker`); None: not moved
 
 
 @dataclass
@@ -115,6 +117,7 @@ class _Server:
     url: str
     warmed: bool = False
     paused: bool = False
+    placement: Placement | None = None  # where its processes run (`integrations.vllm.placement`); None: as started
 
     def alive(self) -> bool:
         return self.launcher is None or (self.launcher.proc is not None and self.launcher.proc.poll() is None)
@@ -141,6 +144,7 @@ class VllmBackend:
         log_dir: str | Path | None = None,
         env: dict[str, str] | None = None,
         ports: range | None = None,  # where trial vLLMs listen (None: any free port)
+        isolate: bool = True,  # keep each started vLLM-CPU's model worker alone on its cores (see _ready)
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep: must be >= 1, got {keep}")
@@ -151,6 +155,7 @@ class VllmBackend:
         self.startup_timeout_s, self.ingest_timeout_s = startup_timeout_s, ingest_timeout_s
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.ports = ports
+        self.isolate = isolate
         base_env = dict(os.environ if env is None else env)
         base_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the trial's --kv-cache-memory-bytes
         self.env = {**base_env, **TRIAL_ENV}
@@ -222,6 +227,7 @@ class VllmBackend:
             self._signal(server, signal.SIGCONT)
         url = server.url
         plan = plan_replay(url, server.model, reqs, prompts, priorities=config.scheduling_policy == "priority")
+        plan = plan.with_cpus(server.placement.other_cpus if server.placement is not None else None)
         try:
             self._warm(server)
             t = time.perf_counter()
@@ -246,14 +252,15 @@ class VllmBackend:
         return result, server
 
     def capacity_rps(
-        self, config: VllmConfig, reqs: list[W.WorkloadRequest], *, run_id: str, seed: int = 7919
+        self, config: VllmConfig, reqs: list[W.WorkloadRequest], *, run_id: str, seed: int = 7919, slot: str = ""
     ) -> float:
         """Requests/s `config` sustains: `reqs` all at once (the scenario mix offline, as `tuner.jobs` measures a
         kvpilot config's capacity), answered requests over the time to the last answer."""
         offline = [
             W.WorkloadRequest(0.0, r.prompt_tokens, r.output_tokens, r.priority, r.prefix_group, r.kind) for r in reqs
         ]
-        result, server = self.replay(config, offline, prepare_prompts(offline, seed), run_id=run_id, on_time=False)
+        prompts = prepare_prompts(offline, seed)
+        result, server = self.replay(config, offline, prompts, run_id=run_id, slot=slot, on_time=False)
         self._metrics(server.launch.run_id, result)  # waits until the collector stored it: ingest is CPU too
         return result.ok / result.duration_s
 
@@ -419,13 +426,21 @@ class VllmBackend:
         return launcher, launch
 
     def _ready(self, launcher: VllmLauncher, launch: Launch) -> _Server:
-        """The launched vLLM once it serves (`InfeasibleTrialError` when it exits or times out first)."""
+        """The launched vLLM once it serves (`InfeasibleTrialError` when it exits or times out first). With
+        `isolate`, its API server and engine core are moved off the cores its model worker bound, and the replays
+        sent to it go out from there too: where the kernel puts them otherwise, which changes with every server and
+        every few seconds, moved one server's throughput by up to 4x on a fixed load here
+        (`integrations.vllm.placement`)."""
         with self._starting(launcher, launch):
             launcher.wait_ready(max(1.0, launch.started_at + self.startup_timeout_s - time.time()))
         launch.ready_s = time.time() - launch.started_at
         config = launch.config
         log.info("run %s: vLLM ready in %.1f s (%s)", launch.run_id, launch.ready_s, " ".join(config.to_args()))
-        return _Server(launcher, launch, config.served_model_name or config.model, launcher.url)
+        server = _Server(launcher, launch, config.served_model_name or config.model, launcher.url)
+        if self.isolate and launcher.proc is not None:
+            server.placement = isolate_worker(launcher.proc.pid)
+            launch.placement = server.placement.describe() if server.placement is not None else None
+        return server
 
     @contextlib.contextmanager
     def _starting(self, launcher: VllmLauncher, launch: Launch) -> Iterator[None]:
@@ -532,6 +547,7 @@ class VllmBackend:
         return {
             "launches": len(self.launches),
             "refused_or_crashed": sum(x.error is not None for x in self.launches),
+            "isolated": sum(x.placement is not None for x in self.launches),  # model worker alone on its cores
             "ready_s": _summary(ready),
             "stop_s": _summary(stops),
             "replay_s_total": round(self.replay_s, 1),
