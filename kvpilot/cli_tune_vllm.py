@@ -186,6 +186,8 @@ class StudyArgs:
     log_dir: Path | None
     allow_memory: bool = False  # search the KV cache's size too
     keep_servers: bool = False  # held-out rounds on the same servers (no restart per round)
+    capacity_replays: int = 7  # a full capacity search's replays at most
+    pair_replays: int = 4  # one held-out measurement's replays at most
 
 
 def _check_seeds(seeds_per_trial: int, heldout_seeds: int) -> None:
@@ -221,6 +223,8 @@ def _run_study(a: StudyArgs, *, t0: float, say) -> dict[str, Any]:
         heldout_seeds=tuple(range(1000 + a.seed, 1000 + a.seed + a.heldout_seeds)),
         repeats=a.repeats,
         fresh_servers=not a.keep_servers,
+        capacity_replays=a.capacity_replays,
+        pair_replays=a.pair_replays,
     ).validate()
     if a.capacity is not None and not a.capacity > 0:
         raise ValueError(f"capacity: must be positive, got {a.capacity}")
@@ -307,6 +311,14 @@ KeepServersOpt = typer.Option(
     help="run every held-out round on the same servers, not fresh ones (a restart of each per round saved; a "
     "server's own speed then sits in every pair, and the interval does not cover it)",
 )
+CapacityReplaysOpt = typer.Option(
+    7,
+    "--capacity-replays",
+    help="replays of one full capacity search at most (the running config's, each confirmation's)",
+)
+PairReplaysOpt = typer.Option(
+    4, "--pair-replays", help="replays of one held-out measurement at most (it stops at its first bracket, 2 or more)"
+)
 CollectorOpt = typer.Option("http://127.0.0.1:8100", "--collector", envvar="KVPILOT_COLLECTOR_URL", help=COLLECTOR_HELP)
 IngestTokenOpt = typer.Option(None, "--ingest-token", envvar="KVPILOT_INGEST_TOKEN", help=TOKEN_HELP)
 AdminTokenOpt = typer.Option(
@@ -337,6 +349,8 @@ def study_cmd(
     heldout_seeds: int = HeldoutSeedsOpt,
     repeats: int = typer.Option(1, "--repeats", help="passes over the held-out seeds"),
     keep_servers: bool = KeepServersOpt,
+    capacity_replays: int = CapacityReplaysOpt,
+    pair_replays: int = PairReplaysOpt,
     instance: str | None = typer.Option(
         None,
         "--instance",
@@ -389,6 +403,7 @@ def study_cmd(
         running_run_id=running_run_id, port_range=port_range, collector=collector, ingest_token=ingest_token,
         admin_token=admin_token, db_url=db_url, vllm_python=vllm_python, arg_check=arg_check, study_name=study_name,
         out_dir=out_dir, log_dir=log_dir, allow_memory=allow_memory, keep_servers=keep_servers,
+        capacity_replays=capacity_replays, pair_replays=pair_replays,
     )  # fmt: skip
     with _vllm_errors():
         from tuner.vllm.summary import study_lines
@@ -418,6 +433,8 @@ def nightly_cmd(
     confirm: int = ConfirmOpt,
     heldout_seeds: int = HeldoutSeedsOpt,
     keep_servers: bool = KeepServersOpt,
+    capacity_replays: int = CapacityReplaysOpt,
+    pair_replays: int = PairReplaysOpt,
     min_steps: int = MinStepsOpt,
     port_range: str | None = PortRangeOpt,
     collector: str = CollectorOpt,
@@ -444,6 +461,7 @@ def nightly_cmd(
         collector=collector, ingest_token=ingest_token, admin_token=admin_token, db_url=db_url,
         vllm_python=vllm_python, arg_check=True, study_name=f"nightly-vllm-{stamp}-{uuid.uuid4().hex[:4]}",
         out_dir=out_dir, log_dir=log_dir, keep_servers=keep_servers,
+        capacity_replays=capacity_replays, pair_replays=pair_replays,
     )  # fmt: skip
     with _vllm_errors():
         summary = _run_study(args, t0=t0, say=_sayer(t0))

@@ -176,6 +176,8 @@ def _nightly(setup: dict[str, str], *extra: str):
             "heldout_seeds: --heldout-seeds must be >= 2, got 1: the gain's lower bound needs at least two paired "
             "runs, so with one no proposal could ever be written",
         ),
+        (["--pair-replays", "1"], "pair_replays: must be within 2..12, got 1"),
+        (["--capacity-replays", "99"], "capacity_replays: must be within 2..12, got 99"),
     ],
 )
 def test_ports_and_held_out_seeds_are_checked_before_anything_starts(

@@ -109,6 +109,7 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
     workload = ["--workload", "mixed", "--capacity", "8", "--requests", "12", "--scale", "16", "--output-range", "4,16"]
     budget = ["--screen", "4", "--confirm", "1", "--heldout-seeds", "2", "--instance", INSTANCE, "--min-steps", "50"]
     budget += ["--keep-servers"]  # one vLLM start here; fresh servers per round: tests/vllm/test_capacity_compare.py
+    budget += ["--capacity-replays", "3", "--pair-replays", "2"]  # short searches: the wiring is what is tested here
     res = CliRunner().invoke(
         app,
         [
@@ -129,6 +130,7 @@ def test_a_tiny_study_on_real_vllm_through_the_cli(vllm_peer, python: str, tmp_p
     assert confirmed["changed"]["block_size"] == 64 and confirmed["feasible"] and confirmed["live_goodput"] > 0
     assert s["restart_cost"]["launches"] == 1 and s["restart_cost"]["ready_s"]["mean"] > 0
     assert s["capacity"]["capacity_rps"] > 0 and [c["changed"] for c in s["capacities"]] == [{}, {"block_size": 64}]
+    assert all(c["live"]["replays"] <= 3 for c in s["capacities"]), s["capacities"]  # --capacity-replays
     # the restarted trial's /metrics was a scrape target while it ran; its cleanup deleted it (the admin token)
     listed = httpx.get(f"{vllm_peer.collector_url}/v1/targets", headers={"Authorization": f"Bearer {TOKEN}"})
     assert s["scrape_targets"] == {"registered": ["created"], "left": []}, s["scrape_targets"]
