@@ -361,9 +361,28 @@ def replay_on_time(
     )
 
 
-def warm_up(base_url: str, model: str, *, requests: int = 4, prompt_tokens: int = 64, max_tokens: int = 8) -> None:
-    """A few concurrent requests before the measured replay, as a freshly started server would get."""
-    reqs = [W.WorkloadRequest(0.0, prompt_tokens, max_tokens) for _ in range(requests)]
+def warm_up(
+    base_url: str,
+    model: str,
+    *,
+    requests: int = 4,
+    prompt_tokens: int = 64,
+    max_tokens: int = 8,
+    longest_prompt: int | None = None,
+) -> None:
+    """Concurrent requests before the measured replay, as a freshly started server would get. With
+    `longest_prompt`, their lengths spread evenly from `prompt_tokens` (and 1 output token) up to `longest_prompt`
+    (and `max_tokens`), so the batch shapes and KV blocks a replay will use have been used once."""
+    if longest_prompt is None:
+        reqs = [W.WorkloadRequest(0.0, prompt_tokens, max_tokens) for _ in range(requests)]
+    else:
+        frac = [i / max(1, requests - 1) for i in range(requests)]
+        reqs = [
+            W.WorkloadRequest(
+                0.0, round(prompt_tokens + f * (longest_prompt - prompt_tokens)), max(1, round(f * max_tokens))
+            )
+            for f in frac
+        ]
     prompts = [W.prompt_ids(r, i, seed=987_654) for i, r in enumerate(reqs)]
     result = replay_openai(base_url, model, reqs, prompts, timeout_s=120.0)
     if result.ok != requests:

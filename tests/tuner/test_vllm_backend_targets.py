@@ -182,7 +182,7 @@ def test_a_renewal_starts_every_server_at_once_on_ports_of_their_own_and_a_faile
             return 0
 
     monkeypatch.setattr(backend_module, "VllmLauncher", _Launcher)
-    monkeypatch.setattr(backend_module, "warm_up", lambda url, model, requests: calls.append(f"warm {url}"))
+    monkeypatch.setattr(backend_module, "warm_up", lambda url, model, **kw: calls.append(f"warm {url}"))
     backend = _backend(collector, sqlite_url, ADMIN_TOKEN)
     backend.ports = range(20000, 20010)
     good, refused = VllmConfig(model="/m"), VllmConfig(model="/refused")

@@ -233,3 +233,9 @@ def test_a_plan_with_cores_is_sent_from_those_cores(server: _Server) -> None:
     plan = C.plan_replay(_url(server), "m", reqs, prompts).with_cpus(frozenset({last}))
     result = C.replay_plan(plan)
     assert result.ok == 3 and result.sender_cpus == [last]
+
+
+def test_a_spread_warm_up_uses_every_length_from_the_shortest_to_the_longest(server: _Server) -> None:
+    C.warm_up(_url(server), "m", requests=5, prompt_tokens=16, max_tokens=64, longest_prompt=256)
+    sent = sorted((len(b["prompt"]), b["max_tokens"]) for b in server.bodies)
+    assert sent == [(16, 1), (76, 16), (136, 32), (196, 48), (256, 64)]
