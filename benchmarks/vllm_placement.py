@@ -9,7 +9,9 @@ scenario sent at once; answered requests over the time to the last answer). Roun
 (isolated, as started, as started, isolated, ...), so a drift of the machine falls on both.
 
 Per way: every round's log ratio of the two servers (mean of B over mean of A; an A/A, so 0 but for noise), its
-sd over the rounds (`aa_log_ratio_sd`: what a paired comparison on fresh servers has to beat), and each server's
+mean (`aa_log_ratio_mean`: B is always the second started, so this is what the start's order is worth; the
+tuner rotates its order by round, `tuner.vllm.tune.launch_order`), its sd over the rounds (`aa_log_ratio_sd`:
+what a paired comparison on fresh servers has to beat), and each server's
 two measurements' relative difference (`within_server`: one server measured twice). A comparison's pairs differ
 by both; the way with the smaller figures needs fewer pairs to tell the same difference.
 """
@@ -54,6 +56,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "rounds": len(mine),
             "log_ratios": [round(x, 4) for x in ratios],
             "aa_log_ratio_sd": round(statistics.stdev(ratios), 4) if len(ratios) >= 2 else None,
+            # signed: B is always started second, so a mean away from 0 is what the start's order is worth
+            "aa_log_ratio_mean": round(statistics.fmean(ratios), 4) if ratios else None,
             "aa_log_ratio_mean_abs": round(statistics.fmean(abs(x) for x in ratios), 4) if ratios else None,
             "within_server_median": round(statistics.median(within), 4) if within else None,
             "within_server_max": round(max(within), 4) if within else None,

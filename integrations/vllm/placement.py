@@ -3,17 +3,18 @@
 vLLM's CPU build binds its model worker's threads to a set of cores (`VLLM_CPU_OMP_THREADS_BIND=auto`: on this
 project's 2-vCPU machines core 0, with core 1 "reserved") but leaves the API server and the engine core free to
 run anywhere, the worker's core included. Wherever the kernel happens to put them decides how often they take the
-worker's core: measured here with two servers of one config alternating on one fixed load (96 requests of 200+64
-tokens, 16 at a time), four measurements per server and round, the other server stopped:
+worker's core. A hand test here, two servers of one config alternating on one fixed load (48 or 96 requests of
+200+64 tokens, 16 at a time), four measurements per server and round, the other server stopped:
 
 - left where they are: 831-4,507 tokens/s within one server, and the two servers' ratio 0.60-1.44 across five
   rounds (0.92, 0.70, 0.74, 0.60, 1.44);
 - with the API server, the engine core and the load's client on the cores the worker does not use: within 4% in
   each round (1,021-1,095 in one, 3,802-4,091 in another), the servers' ratios 0.98 and 1.02.
 
-What stays is how fast the machine is from one minute to the next, which a paired, alternating comparison
-cancels; what goes is a placement drawn anew by every server and every few seconds, which nothing cancels. So the
-tuner, for the servers it starts, keeps everything but the worker off the worker's cores (`isolate_worker`) and
+`kvpilot bench vllm-placement` repeats the experiment on the tuner's own measurement (docs/benchmarks.md): left as
+started, the second-started of two servers measured faster in all 8 rounds. What stays is how fast the machine is
+from one minute to the next, which a paired, alternating comparison cancels; what goes is a placement drawn anew
+by every server and every few seconds, which nothing cancels. So the tuner, for the servers it starts, keeps everything but the worker off the worker's cores (`isolate_worker`) and
 sends its replays from those cores too (`tuner.vllm.backend`). A server whose worker is bound to nothing (a GPU
 build, or a CPU build told not to bind) is left as it is: there is no core to keep free. A server attached
 rather than started is the operator's and is never touched.

@@ -27,6 +27,7 @@ def test_each_way_gets_its_rounds_ratio_spread_and_within_server_differences() -
     assert set(out) == set(WAYS)
     iso, loose = out["isolated"], out["as started"]
     assert iso["rounds"] == loose["rounds"] == 2
+    assert iso["aa_log_ratio_mean"] == pytest.approx(math.log(1.02) / 2, abs=1e-4)
     assert iso["aa_log_ratio_sd"] == pytest.approx(math.log(1.02) / math.sqrt(2), abs=1e-4)
     assert loose["aa_log_ratio_sd"] == pytest.approx(abs(math.log(8 / 12) - math.log(12 / 9)) / math.sqrt(2), abs=1e-4)
     assert iso["within_server_max"] == pytest.approx(0.4 / 10.2, abs=1e-4) and loose["within_server_max"] == 0.3333

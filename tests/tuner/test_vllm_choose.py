@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from integrations.vllm.config import VllmConfig
-from tuner.vllm.tune import CONFIRM_LOSS, choose
+from tuner.vllm.tune import CONFIRM_LOSS, choose, launch_order
 
 BASE = VllmConfig(model="/m", kv_cache_memory_bytes=16 * 2**20)
 SEQS_32 = BASE.model_copy(update={"max_num_seqs": 32})
@@ -52,3 +52,18 @@ def test_no_candidate_says_why(rows: list[dict[str, Any]], why: str) -> None:
 def test_a_loss_within_the_bound_is_compared() -> None:
     rows = [row(BASE, 40.0, 40.0), row(BLOCK_32, 50.0, 40.0 * (1 - CONFIRM_LOSS) + 0.01)]
     assert choose(BASE, rows).candidate == BLOCK_32
+
+
+def test_fresh_servers_start_in_an_order_that_rotates_by_round() -> None:
+    """Every side is started first (and second, third) equally often over the rounds: a start's position is not
+    a config's property (`launch_order`)."""
+    sides = ["running", "candidate", "aa"]
+    orders = [launch_order(sides, i) for i in range(6)]
+    assert orders[:3] == [
+        ["running", "candidate", "aa"],
+        ["candidate", "aa", "running"],
+        ["aa", "running", "candidate"],
+    ]
+    assert orders[3:] == orders[:3]
+    assert all(sorted(o) == sorted(sides) for o in orders)
+    assert [launch_order(["a", "b"], i) for i in range(2)] == [["a", "b"], ["b", "a"]] and launch_order([], 3) == []
