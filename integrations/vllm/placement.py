@@ -14,9 +14,10 @@ worker's core. A hand test here, two servers of one config alternating on one fi
 `kvpilot bench vllm-placement` repeats the experiment on the tuner's own measurement (docs/benchmarks.md): left as
 started, the second-started of two servers measured faster in all 8 rounds. What stays is how fast the machine is
 from one minute to the next, which a paired, alternating comparison cancels; what goes is a placement drawn anew
-by every server and every few seconds, which nothing cancels. So the tuner, for the servers it starts, keeps everything but the worker off the worker's cores (`isolate_worker`) and
-sends its replays from those cores too (`tuner.vllm.backend`). A server whose worker is bound to nothing (a GPU
-build, or a CPU build told not to bind) is left as it is: there is no core to keep free. A server attached
+by every server and every few seconds, which nothing cancels. So the tuner, for the servers it starts, keeps
+everything but the worker off the worker's cores (`isolate_worker`) and sends its replays from those cores too
+(`tuner.vllm.backend`). A server whose worker is bound to nothing (a GPU build, or a CPU build told not to bind)
+is left as it is: there is no core to keep free. A server attached
 rather than started is the operator's and is never touched.
 """
 
