@@ -17,8 +17,8 @@ from one minute to the next, which a paired, alternating comparison cancels; wha
 by every server and every few seconds, which nothing cancels. So the tuner, for the servers it starts, keeps
 everything but the worker off the worker's cores (`isolate_worker`) and sends its replays from those cores too
 (`tuner.vllm.backend`). A server whose worker is bound to nothing (a GPU build, or a CPU build told not to bind)
-is left as it is: there is no core to keep free. A server attached
-rather than started is the operator's and is never touched.
+is left as it is: there is no core to keep free. A server attached rather than started is the operator's and is
+never touched.
 """
 
 from __future__ import annotations
