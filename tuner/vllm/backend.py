@@ -62,14 +62,14 @@ from tuner.replay import Prepared, prepare_prompts, prepared_workload
 log = logging.getLogger("kvpilot.tuner.vllm.backend")
 
 WorkloadFactory = Callable[[int], list[W.WorkloadRequest]]
-# A trial's vLLM (loopback only): spans exported every 0.2 s instead of 5 s, and the dev endpoints for
-# /reset_prefix_cache between replays.
 # A fresh server's warm-up: `warmup` requests at once, prompts from 16 tokens to half the model's length (at most
 # this), outputs up to this: the batch shapes and KV blocks a replay uses have been used once before it is
 # measured. Four requests of 64+8 tokens left the first measurement of each fresh server slower than its second,
 # on all 8 isolated servers of a `bench vllm-placement` run (mean +8.6%, up to +15.9%).
 WARMUP_LONGEST_PROMPT = 1024
 WARMUP_MAX_TOKENS = 64
+# A trial's vLLM (loopback only): spans exported every 0.2 s instead of 5 s, and the dev endpoints for
+# /reset_prefix_cache between replays.
 TRIAL_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "200", "VLLM_SERVER_DEV_MODE": "1"}
 
 
