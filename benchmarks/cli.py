@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -39,6 +41,23 @@ def emit(result: dict, json_path: Path | None) -> None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(text + "\n")
     typer.echo(text)
+
+
+ErrorKinds = type[Exception] | tuple[type[Exception], ...]
+
+
+@contextmanager
+def exits(command: str, *codes: tuple[ErrorKinds, int]) -> Iterator[None]:
+    """Each error of a kind in `codes` (kinds, exit code), first match first, ends the command with one line
+    `kvpilot bench COMMAND: message` on stderr and that exit code; no traceback."""
+    try:
+        yield
+    except Exception as exc:
+        for kinds, code in codes:
+            if isinstance(exc, kinds):
+                typer.echo(f"kvpilot bench {command}: {exc}", err=True)
+                raise typer.Exit(code) from None
+        raise
 
 
 QuickVllmOpt = typer.Option(False, "--quick", help="a smaller run (vLLM's start-ups make it minutes, see above)")
@@ -145,11 +164,8 @@ def bench_fleet(
     on one PostgreSQL: events/s against COPY's ceiling, ingest lag, alert delivery, page reads, losses."""
     from benchmarks.fleet import FleetBenchError, FleetConfig, pg_url_from_env, run_fleet_bench
 
-    try:
+    with exits("fleet", (FleetBenchError, 2)):
         emit(run_fleet_bench(pg_url or pg_url_from_env(), FleetConfig.for_run(quick, collectors)), json_path)
-    except FleetBenchError as exc:
-        typer.echo(f"kvpilot bench fleet: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 @bench_app.command("sim")
@@ -228,7 +244,7 @@ def bench_tune_vllm(
     require_extras(ctx, "tune")
     from benchmarks.tune_vllm_bench import TuneVllmBenchError, run_tune_vllm_bench
 
-    try:
+    with exits("tune-vllm", (ValueError, 2), (TuneVllmBenchError, 1)):
         result = run_tune_vllm_bench(
             quick=quick,
             allow_memory=allow_memory,
@@ -237,12 +253,6 @@ def bench_tune_vllm(
             out_dir=out_dir,
             running_max_num_seqs=running_max_num_seqs,
         )
-    except ValueError as exc:
-        typer.echo(f"kvpilot bench tune-vllm: {exc}", err=True)
-        raise typer.Exit(2) from None
-    except TuneVllmBenchError as exc:
-        typer.echo(f"kvpilot bench tune-vllm: {exc}", err=True)
-        raise typer.Exit(1) from None
     emit(result, json_path)
 
 
@@ -261,14 +271,9 @@ def bench_vllm_placement(
     from integrations.vllm import VllmExitedError, VllmSetupError
     from tuner.backends import InfeasibleTrialError, NotMeasuredError
 
-    try:
+    failures = (VllmSetupError, VllmExitedError, InfeasibleTrialError, NotMeasuredError)
+    with exits("vllm-placement", (ValueError, 2), (failures, 1)):
         result = run_placement_bench(
             rounds=rounds, python=vllm_python, out_dir=out_dir, say=lambda m: typer.echo(m, err=True)
         )
-    except ValueError as exc:
-        typer.echo(f"kvpilot bench vllm-placement: {exc}", err=True)
-        raise typer.Exit(2) from None
-    except (VllmSetupError, VllmExitedError, InfeasibleTrialError, NotMeasuredError) as exc:
-        typer.echo(f"kvpilot bench vllm-placement: {exc}", err=True)
-        raise typer.Exit(1) from None
     emit(result, json_path)
