@@ -92,14 +92,14 @@ BUDGETS = {
         "sim_trials": 100,
         "top_k": 1,
         "live_only_trials": 3,
-        # 5 pairs at most: run 12's A/A pairs (kept servers) had a log-ratio sd of 0.027, so 4 gave -3.3%..+2.9%
-        # around -0.2% where 5 would give about +-2.6%; on fresh servers (run 18) the sd is 0.106 and 5 pairs tell
-        # about +-10%: the server-to-server spread those kept servers hid
-        "heldout_seeds": [1000, 1001, 1002, 1003, 1004],
+        # 3 pairs, each a round of three fresh servers (about 220 s), the three sides taking each depth of the
+        # nesting once (`tuner.compare.rotation`): with run 20's pair sd (0.014, fresh isolated servers) 3 pairs
+        # tell about +-2.4%, within the 3% margin; 5 pairs took 27 of run 20's 34 minutes
+        "heldout_seeds": [1000, 1001, 1002],
         "repeats": 1,
         "capacity_replays": 6,
         "pair_replays": 4,
-        "min_pairs": 2,
+        "min_pairs": 3,
         "margin": 0.03,
         "fresh_servers": True,
     },
@@ -385,9 +385,10 @@ def _run(
 
 
 def _capacity_or_none(tuning: VllmTuning, config: VllmConfig) -> Capacity | None:
-    """The live-only best's capacity (its server is the last the study used: no restart); None if it fails."""
+    """The live-only best's capacity, searched from the running config's as the screened best's confirmation is
+    (`VllmTuning.capacity_near_running`); None if it fails."""
     try:
-        return tuning.live_capacity(config, seed=tuning.budget.tuning_seeds[0], start=1.0, label="live-only")
+        return tuning.capacity_near_running(config, label="live-only")
     except InfeasibleTrialError as exc:
         _say(tuning.t0, f"live-only best: infeasible: {exc.reason[:300]}")
         return None

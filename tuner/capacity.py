@@ -25,8 +25,11 @@ configs 5% apart read equal, or one step apart), a quantization that no number o
 stops unbracketed past `MAX_MULTIPLIER` or when a replay would exceed `MAX_REPLAY_REQUESTS`: the capacity is then at
 least what held. A replay that could not be measured (its sender late on every attempt: a rate past what the client
 sends on time here) ends the search with what it has and says why (`not_measured`); only the first replay's failure
-is the caller's. Any backend that can replay a request list on a config serves (`Replayer`): the vLLM backend
-(`tuner.vllm.backend`), a live kvpilot engine (`tuner.live`), and the simulators (`tuner.backends`).
+is the caller's. `near` measures a config whose capacity is likely close to a known one (another config's on the
+same traffic): steps of `NEAR_STEP` from there until the first bracket one step wide, usually 2 replays, and a
+wide search from past its last rate only when those steps did not bracket it. Any backend that can replay a request
+list on a config serves (`Replayer`): the vLLM backend (`tuner.vllm.backend`), a live kvpilot engine
+(`tuner.live`), and the simulators (`tuner.backends`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ MAX_REPLAYS = 20  # one search's bound: each replay lasts the workload's span (p
 MIN_MULTIPLIER = 1 / 64  # below this the config serves (almost) none of the traffic: capacity 0
 MAX_MULTIPLIER = 256.0  # the search's ceiling ("at least" past it)
 MAX_REPLAY_REQUESTS = 20_000  # a replay's size bound: a search that would send more stops there ("at least")
+NEAR_STEP = 1.15  # `near`'s step: its bracket is this wide, the estimate placed within it
+NEAR_GROWTH = 2.0  # `near`'s wide search when its steps did not bracket (a capacity twice or half the known one)
 PROMPT_VOCAB = 256  # prompt bodies are byte tokens (`engine.workload.prompt_ids`); repeats shift them within it
 
 
@@ -318,6 +323,52 @@ def search(
     return out
 
 
+def near(
+    measure: Callable[[float, str], TrialMetrics],
+    *,
+    rate_rps: float,
+    slo: SLO,
+    start: float,
+    max_replays: int = 4,
+    wide_replays: int = 6,
+    too_big: Callable[[float], bool] | None = None,
+) -> Capacity:
+    """A capacity close to `start` (module docstring): `measure(multiplier, tag)` replays at that multiple, the tag
+    saying which search ("" or "-w"). A wide search whose first replay cannot be sent on time leaves the short
+    search's answer, a bound that says why (`not_measured`)."""
+    start = max(start, MIN_MULTIPLIER)
+    short = search(
+        lambda m: measure(m, ""),
+        rate_rps=rate_rps,
+        slo=slo,
+        start=start,
+        growth=NEAR_STEP,
+        rel_tol=NEAR_STEP - 1 + 1e-9,  # the first bracket one step wide ends it
+        max_replays=max_replays,
+        too_big=too_big,
+    )
+    if short.found or short.not_measured is not None or not short.probes:
+        return short
+    restart = short.multiplier * NEAR_GROWTH if short.multiplier > 0 else min(p.multiplier for p in short.probes) / 2
+    if not MIN_MULTIPLIER <= restart <= MAX_MULTIPLIER or (too_big is not None and too_big(restart)):
+        return short
+    try:
+        wide = search(
+            lambda m: measure(m, "-w"),
+            rate_rps=rate_rps,
+            slo=slo,
+            start=restart,
+            growth=NEAR_GROWTH,
+            max_replays=wide_replays,
+            too_big=too_big,
+        )
+    except NotMeasuredError as exc:  # a rate past what the sender sends on time: the short search's bound stands
+        short.not_measured = f"x{restart:.4g}: {exc.reason}"
+        return short
+    wide.probes[:0] = short.probes
+    return wide
+
+
 def replay_capacity(
     backend: Replayer,
     config: Any,
@@ -332,14 +383,8 @@ def replay_capacity(
     max_replays: int = 8,
 ) -> Capacity:
     """`config`'s capacity on `backend` for the workload `reqs` (its rate: `arrival_rate`), one server throughout."""
-
-    def measure(multiplier: float) -> TrialMetrics:
-        tag = f"{run_id}-x{multiplier:.4g}"
-        scaled, scaled_prompts = at_rate(reqs, prompts, multiplier)
-        return backend.measure_requests(config, scaled, scaled_prompts, run_id=tag)
-
     return search(
-        measure,
+        _replayer(backend, config, reqs, prompts, run_id),
         rate_rps=arrival_rate(reqs),
         slo=slo,
         start=start,
@@ -348,3 +393,39 @@ def replay_capacity(
         max_replays=max_replays,
         too_big=lambda m: requests_at(reqs, m) > MAX_REPLAY_REQUESTS,
     )
+
+
+def replay_capacity_near(
+    backend: Replayer,
+    config: Any,
+    reqs: list[W.WorkloadRequest],
+    prompts: list[list[int]],
+    *,
+    slo: SLO,
+    run_id: str,
+    start: float,
+    max_replays: int = 4,
+    wide_replays: int = 6,
+) -> Capacity:
+    """`near` on `backend`: `config`'s capacity for `reqs`, close to the multiplier `start` (another config's)."""
+    return near(
+        _replayer(backend, config, reqs, prompts, run_id),
+        rate_rps=arrival_rate(reqs),
+        slo=slo,
+        start=start,
+        max_replays=max_replays,
+        wide_replays=wide_replays,
+        too_big=lambda m: requests_at(reqs, m) > MAX_REPLAY_REQUESTS,
+    )
+
+
+def _replayer(
+    backend: Replayer, config: Any, reqs: list[W.WorkloadRequest], prompts: list[list[int]], run_id: str
+) -> Callable[..., TrialMetrics]:
+    """`measure(multiplier, tag="")`: the workload at that multiple of its rate on `config`'s server."""
+
+    def measure(multiplier: float, tag: str = "") -> TrialMetrics:
+        scaled, scaled_prompts = at_rate(reqs, prompts, multiplier)
+        return backend.measure_requests(config, scaled, scaled_prompts, run_id=f"{run_id}{tag}-x{multiplier:.4g}")
+
+    return measure

@@ -12,9 +12,10 @@ config changes are worth. Three things take that out of the answer:
   over the pairs) says something, or the pair budget ends.
 
 Verdict (`verdict`): `proposal` when the whole interval of the ratio is above 1 and it is not all inside the
-equivalence margin (its upper end past 1 + `margin`); `no gain` when it is below 1, or inside 1 ± `margin` (the
-configs are equivalent to within what is worth a restart); otherwise `inconclusive`, said as such with the
-interval. A measurement whose SLOs still held at the
+margin (its upper end past 1 + `margin`); `no gain` when its upper end is within 1 + `margin`: whatever the
+candidate buys, it is not the `margin` a restart is worth (a one-sided test against the margin; a candidate that
+may be worse is no gain either); otherwise `inconclusive`, said as such with the interval: it may gain more than
+the margin and may gain nothing. A measurement whose SLOs still held at the
 largest rate its search tried is a lower bound, not a capacity (a workload too short to load the server: compressed
 far enough it is one batch), and one that failed at every rate its short budget reached is no capacity either: a
 ratio of such figures proves nothing (counted as equal they would narrow the interval toward "no gain"), so such a
@@ -29,22 +30,28 @@ comparison read -0.2%, +1.3%, -0.2%, -2.2% and +8.1%); a difference that stays w
 of a comparison kept on the same servers, so the pairs agree and the interval narrows around it (run 17: +8.1%,
 90% interval +2.4%..+14.0% for the running config against itself). With fresh servers per round, each pair draws
 its own instances, the instance spread is in the spread of the pairs, and the interval covers it.
-`compare_arms` runs several comparisons against one running config in shared rounds, each arm's pair nested
-inside the others' (A B A' A' B A for the candidate B and the A/A check's second server A'): every arm's two
-measurements sit symmetrically about the round's middle, so a linear drift still cancels in each, and the
-running config is measured twice a round rather than twice per arm.
+`compare_arms` runs several comparisons against one running config in shared rounds, each side's two measurements
+nested inside the others' (A B A' A' B A for the candidate B and the A/A check's second server A'): every side's
+two sit symmetrically about the round's middle, so a linear drift still cancels in each, and the running config
+is measured twice a round rather than twice per arm. The depth of the nesting is not neutral on this machine: the
+inner measurements read lower than the outer ones (the A/A arm, innermost, read -1.7% over bench run 20's four
+rounds and -6.7%, -8.9% in run 21's first two; in `bench vllm-placement`'s isolated A B B A rounds B read -3.2%
+and -1.3%), so the sides take turns (`rotation`: B A' A A A' B in the next round, A' A B B A A' in the third): over
+as many rounds as sides each is measured once at every depth, and an effect of the depth cancels over the rounds
+as a linear drift cancels within one.
 
 Each measurement is a capacity (`tuner.capacity`), read as its estimate (`Capacity.estimate`: where the SLO pressure
 crosses 1 within the bracket): the bracket's lower end moves in whole steps, and with 15% steps an A/A pair read 0
-or +-14% and never the few percent an equivalence needs. A held-out seed's traffic is not the tuning seed's, and its
-capacity can sit well away from the running config's known one: the first measurement of a seed (A1 of its first
-pair) is a scout, a search of `scout_replays` from the known capacity that brackets it (doubling or halving first,
-then bisecting). The pair's other three start at the scout's answer, every later one at its side's last answer on
-that seed; each is a short search that stops at its first bracket one `step` wide: 2 replays, more
-(up to `max_replays`) when the answer moved by more than a step; its answer is the estimate within it. A full
-search for all four would cost 5-8 replays each, a quarter of an hour per pair on a CPU vLLM. (The first bench
-runs had neither: short searches started at the tuning seed's capacity failed at every rate they reached on a
-heavier held-out seed, and a fixed budget of 2 replays that held twice ended unbracketed.)
+or +-14% and never the few percent an equivalence needs. Each is a short search that stops at its first bracket
+one `step` wide: 2 replays, more (up to `max_replays`) when the answer moved by more than a step; its answer is the
+estimate within it. The first measurement of a seed (A1 of its first pair) starts at the running config's known
+capacity, the pair's other three at A1's answer, every later one at its side's last answer on that seed. A held-out
+seed's traffic is not the tuning seed's, and its capacity can sit well away from the known one: a short search
+that ends without a bracket goes on as a scout, a search of `scout_replays` from past its last rate (doubling or
+halving first, then bisecting). (The first bench runs had no scout: short searches started at the tuning seed's
+capacity failed at every rate they reached on a heavier held-out seed. Later every seed's first measurement was a
+scout, 6 replays where a short search takes 2 when the seed's capacity is near the known one, as it was in every
+round of bench run 21; a full search for all four would cost 5-8 replays each, a quarter of an hour per pair.)
 """
 
 from __future__ import annotations
@@ -54,11 +61,19 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from engine import workload as W
 from tuner.backends import NotMeasuredError
-from tuner.capacity import MAX_MULTIPLIER, MIN_MULTIPLIER, Capacity, Replayer, replay_capacity
+from tuner.capacity import (
+    MAX_MULTIPLIER,
+    MIN_MULTIPLIER,
+    NEAR_GROWTH,
+    NEAR_STEP,
+    Capacity,
+    Replayer,
+    replay_capacity,
+)
 from tuner.metrics import SLO
 
 log = logging.getLogger("kvpilot.tuner.compare")
@@ -69,8 +84,8 @@ _T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8:
 _T95_LARGE = 1.645
 MAX_PAIRS = 10
 DEFAULT_MARGIN = 0.03  # capacity ratios within 1 +- this are "no gain": not worth a restart
-SCOUT_GROWTH = 2.0  # a scout's steps until it brackets (a held-out seed's capacity may be half the tuning seed's)
 PROPOSAL, NO_GAIN, INCONCLUSIVE = "proposal", "no gain", "inconclusive"
+T = TypeVar("T")
 
 
 class Side(Protocol):
@@ -112,7 +127,7 @@ def interval(log_ratios: Sequence[float], *, level: float = LEVEL) -> Interval:
 
 def verdict(iv: Interval, *, margin: float) -> str:
     """`proposal`, `no gain` or `inconclusive` for an interval of the ratio (module docstring)."""
-    if iv.high < 1.0 or (iv.low >= 1.0 / (1.0 + margin) and iv.high <= 1.0 + margin):
+    if iv.high <= 1.0 + margin:
         return NO_GAIN
     if iv.low > 1.0 and iv.high > 1.0 + margin:
         return PROPOSAL
@@ -138,6 +153,7 @@ class Comparison:
     unsent: list[str] = field(default_factory=list)  # of those, why a scout past them was not measured (the sender)
     not_measured: str | None = None  # why a measurement could not be made (its first replay sent late every time)
     fresh_servers: bool = False  # every pair on fresh server instances (`compare_arms`'s `renew`)
+    budget_ended: bool = False  # inconclusive when the pair budget ran out
 
     @property
     def gain(self) -> float:
@@ -205,14 +221,15 @@ class Comparison:
         if self.verdict == PROPOSAL:
             return f"serves {self.gain:+.1%} traffic at the same SLOs ({span})"
         if self.verdict == NO_GAIN:
-            return f"no gain: {self.gain:+.1%} capacity ({span}; equivalence margin +-{self.margin:.0%})"
-        return f"inconclusive: {self.gain:+.1%} capacity ({span}); the pair budget ended first"
+            return f"no gain: {self.gain:+.1%} capacity ({span}: under the {self.margin:.0%} a restart is worth)"
+        ended = "; the pair budget ended first" if self.budget_ended else ""
+        return f"inconclusive: {self.gain:+.1%} capacity ({span}){ended}"
 
 
 def compare(running: Side, candidate: Side, **options: Any) -> Comparison:
     """ABBA pairs on the held-out seeds in turn (module docstring): `compare_arms` with one arm, and its options
-    (`seeds`, `start`: the multiplier each seed's scout starts at, e.g. the running config's known capacity; the
-    rest start at the scout's answer, then at their side's last)."""
+    (`seeds`, `start`: the multiplier each seed's first measurement starts at, e.g. the running config's known
+    capacity; the rest start at its answer, then at their side's last)."""
     (out,) = compare_arms(running, [candidate], **options)
     return out
 
@@ -227,18 +244,20 @@ def compare_arms(
     max_pairs: int = 4,
     margin: float = DEFAULT_MARGIN,
     floor_rps: float,
-    renew: Callable[[int], None] | None = None,
+    renew: Callable[[int, list[str]], None] | None = None,
     say: Callable[[str], None] = lambda message: None,
 ) -> list[Comparison]:
     """Several comparisons against one running config in shared rounds, one `Comparison` per arm. A round on a
-    seed nests the arms' pairs around the running config's two measurements: A X1 X2 X2 X1 A for arms X1 and X2
-    (A B B A for one), so every arm's two measurements sit symmetrically about the round's middle, as A's do, and
-    a drift linear over the round cancels in each arm's ratio; the running config is measured twice per round
-    instead of twice per arm (the A/A check's arm, a second server of the running config, costs 2 measurements
-    a round, not 4). An arm whose comparison has said (at least `min_pairs` pairs) leaves the later rounds. Arms
-    need labels of their own (each side's warm start is kept by label). `renew(i)`, when given, puts fresh servers
-    under every side before round `i` (every side paused; paused again after): each pair on instances of its
-    own (module docstring)."""
+    seed nests every side's two measurements inside the others': A X1 X2 X2 X1 A for arms X1 and X2 (A B B A for
+    one), so each side's two sit symmetrically about the round's middle and a drift linear over the round cancels
+    in each arm's ratio; the running config is measured twice per round instead of twice per arm (the A/A check's
+    arm, a second server of the running config, costs 2 measurements a round, not 4). Round `i` turns the order
+    by `i` (`rotation`: X1 X2 A A X2 X1 next), so each side takes every depth in turn (module docstring); a pair
+    records its round's order. An arm whose comparison has said (at least `min_pairs` pairs) leaves the later
+    rounds; `min_pairs` a multiple of the number of sides keeps the turns whole until then. Arms
+    need labels of their own (each side's warm start is kept by label). `renew(i, labels)`, when given, puts fresh
+    servers under the sides round `i` measures (by label, in its order) before it (every side paused; paused again
+    after): each pair on instances of its own (module docstring)."""
     if not 2 <= min_pairs <= max_pairs <= MAX_PAIRS:
         raise ValueError(f"pairs: need 2 <= min_pairs <= max_pairs <= {MAX_PAIRS}, got {min_pairs}, {max_pairs}")
     if not seeds:
@@ -251,7 +270,7 @@ def compare_arms(
     def who(k: int) -> str:
         return f"{arms[k].label}: " if len(arms) > 1 else ""
 
-    priors: dict[int, dict[str, float]] = {}  # per seed: each side's last answer (the scout's at first)
+    priors: dict[int, dict[str, float]] = {}  # per seed: each side's last answer (A1's at first)
     for side in (running, *arms):
         side.pause()
     try:
@@ -260,37 +279,49 @@ def compare_arms(
             if not live:
                 break
             seed = seeds[i % len(seeds)]
-            scout = seed not in priors
+            first = seed not in priors
             prior = priors.setdefault(seed, {side.label: start for side in (running, *arms)})
-            order = [*live, *reversed(live)]  # X1 X2 .. X2 X1 between A1 and A2
+            # every side's two measurements symmetric about the round's middle, the sides rotated by round
+            turn = rotation([running, *(arms[k] for k in live)], i)
             try:
                 if renew is not None:
-                    renew(i)
+                    renew(i, [side.label for side in turn])
                     for side in (running, *arms):
                         side.pause()
-                a1 = _measure(running, seed, prior, f"p{i}-0", scout=scout)
-                if scout and a1.multiplier > 0:
-                    for k in live:
-                        prior[arms[k].label] = a1.multiplier
-                measured: dict[int, list[Capacity]] = {k: [] for k in live}
-                for n, k in enumerate(order, start=1):
-                    measured[k].append(_measure(arms[k], seed, prior, f"p{i}-{n}"))
-                a2 = _measure(running, seed, prior, f"p{i}-{len(order) + 1}")
+                got: dict[str, list[Capacity]] = {}
+                for n, side in enumerate([*turn, *reversed(turn)]):
+                    cap = _measure(side, seed, prior, f"p{i}-{n}")
+                    got.setdefault(side.label, []).append(cap)
+                    if first and n == 0 and cap.multiplier > 0:  # the seed's first answer: where the rest start
+                        for other in turn[1:]:
+                            prior[other.label] = cap.multiplier
+                a1, a2 = got[running.label]
             except NotMeasuredError as exc:  # the sender's limit, not a config's: the round is void, and so is the rest
                 for k in live:
                     outs[k].not_measured = f"pair {i + 1}, seed {seed}: {exc.reason}"
                     outs[k].verdict = INCONCLUSIVE
                     say(f"{who(k)}pair {i + 1} (seed {seed}): {outs[k].sentence()}")
                 break
+            order = [side.label for side in turn]
             for k in live:
-                b1, b2 = measured[k]
+                b1, b2 = got[arms[k].label]
                 done[k] = _add_pair(outs[k], seed, (a1, b1, b2, a2), floor_rps=floor_rps, min_pairs=min_pairs)
+                outs[k].pairs[-1]["order"] = [*order, *reversed(order)]
                 rps = ", ".join(f"{c.estimate_rps:.2f}" for c in (a1, b1, b2, a2))
                 say(f"{who(k)}pair {i + 1} (seed {seed}): capacities {rps} req/s; {outs[k].sentence()}")
     finally:
         for side in (running, *arms):
             side.resume()
+    for k, out in enumerate(outs):
+        out.budget_ended = not done[k] and len(out.pairs) >= max_pairs and out.verdict == INCONCLUSIVE
     return outs
+
+
+def rotation(sides: Sequence[T], i: int) -> list[T]:
+    """Round `i`'s order of the sides' first measurements (their second ones follow in reverse): the list turned
+    by `i`, so over as many rounds as sides each side is measured at every depth of the nesting once."""
+    k = i % len(sides)
+    return [*sides[k:], *sides[:k]]
 
 
 def _add_pair(
@@ -322,7 +353,7 @@ def _add_pair(
     return len(out.pairs) >= min_pairs and (bool(out.lower_bounds) or out.verdict != INCONCLUSIVE)
 
 
-def _measure(side: Side, seed: int, prior: dict[str, float], tag: str, *, scout: bool = False) -> Capacity:
+def _measure(side: Side, seed: int, prior: dict[str, float], tag: str) -> Capacity:
     """One capacity of `side` with the other paused: resumed for it, paused after, warm-started at its last. A
     short search that ended without a capacity (the SLOs held at every rate it reached, or failed at every one)
     goes on as a scout from past its last rate: a candidate with twice the running config's capacity is out of a
@@ -331,10 +362,10 @@ def _measure(side: Side, seed: int, prior: dict[str, float], tag: str, *, scout:
     saying why)."""
     side.resume()
     try:
-        cap = side.capacity(seed=seed, start=prior[side.label], tag=tag, scout=scout)
-        if not scout and not cap.found and cap.not_measured is None and cap.probes:
+        cap = side.capacity(seed=seed, start=prior[side.label], tag=tag)
+        if not cap.found and cap.not_measured is None and cap.probes:
             tried = [p.multiplier for p in cap.probes]
-            restart = cap.multiplier * SCOUT_GROWTH if cap.multiplier > 0 else min(tried) / SCOUT_GROWTH
+            restart = cap.multiplier * NEAR_GROWTH if cap.multiplier > 0 else min(tried) / NEAR_GROWTH
             if MIN_MULTIPLIER <= restart <= MAX_MULTIPLIER:
                 try:
                     scouted = side.capacity(seed=seed, start=restart, tag=f"{tag}s", scout=True)
@@ -362,7 +393,7 @@ class ReplayerSide:
     requests: Callable[[int], tuple[list[W.WorkloadRequest], list[list[int]]]]
     slo: SLO
     name: str
-    step: float = 1.15
+    step: float = NEAR_STEP
     rel_tol: float = 0.05  # a scout's
     max_replays: int = 4  # a short search's bound: it stops earlier, at its first bracket
     scout_replays: int = 6
@@ -380,7 +411,7 @@ class ReplayerSide:
             slo=self.slo,
             run_id=f"{self.name}-{self.label}-s{seed}-{tag}",
             start=max(start, MIN_MULTIPLIER),
-            growth=SCOUT_GROWTH if scout else self.step,
+            growth=NEAR_GROWTH if scout else self.step,
             # a short search stops at its first bracket one step wide (usually 2 replays); a scout bisects on
             rel_tol=self.rel_tol if scout else self.step - 1 + 1e-9,
             max_replays=self.scout_replays if scout else self.max_replays,

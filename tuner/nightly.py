@@ -5,7 +5,7 @@ the changes that matter, the capacity comparison on held-out seeds, and a propos
 The comparison is the one `kvpilot tune vllm` makes (`tuner.compare`, one gain rule for every engine): each
 config's SLO capacity on held-out seeds (`tuner.capacity`: how many times the traffic's rate it serves within
 the SLOs), measured in ABBA pairs, and the 90% interval of the capacity ratio; the gain holds when the verdict is
-`proposal` (the whole interval above 1, and above the equivalence margin). The study ranks its trials by goodput
+`proposal` (the whole interval above 1, and reaching past the margin). The study ranks its trials by goodput
 at the traffic's rate, as before; what a proposal claims is capacity: "+X% traffic at the same SLOs".
 
 A proposal is three files and a row: `proposal-<id>.yaml` (an EngineConfig: `kvpilot engine serve

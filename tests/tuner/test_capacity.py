@@ -290,39 +290,40 @@ class _Threshold:
         )
 
 
-def test_each_held_out_seed_is_scouted_before_its_pair_so_a_heavier_seed_still_has_a_capacity() -> None:
+def test_a_held_out_seed_far_from_the_known_capacity_is_still_bracketed_and_a_near_one_costs_two_replays() -> None:
     """The fourth bench run's A/A check: the tuning seed's capacity was x3.67; held-out seed 1000 took less, and
-    every short search started at x3.67 failed at each rate it reached (0, 0, 0, 0: no capacity). Each seed's
-    first measurement now brackets the seed's own capacity; the pair's other three start there."""
+    every short search started at x3.67 failed at each rate it reached (0, 0, 0, 0: no capacity). A short search
+    that ends without a bracket goes on as a scout from past its last rate, so a seed far under (or over) the
+    known capacity is still measured; a seed near it costs 2 replays a measurement (bench run 21 scouted every
+    seed first: 6 replays for A1 where 2 did)."""
     from tuner.compare import NO_GAIN, ReplayerSide, compare
 
     opts = WL.WorkloadOptions(requests=24, scale=8.0, output_range=(16, 64))
-    workloads = {seed: WL.scenario("sustained", 6.0, opts, seed=seed) for seed in (1000, 1001)}
+    workloads = {seed: WL.scenario("sustained", 6.0, opts, seed=seed) for seed in (1000, 1001, 1002)}
     prompts = {seed: prepare_prompts(reqs, seed) for seed, reqs in workloads.items()}
-    fake = _Threshold(workloads, {1000: 1.5, 1001: 5.0})  # far under and over the tuning seed's x3.67
+    # seed 1002 within a step of the tuning seed's x3.67, the others far under and over it
+    fake = _Threshold(workloads, {1002: 3.9, 1000: 1.5, 1001: 5.0})
     slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=1.0)
 
     def side(label: str, **kw) -> ReplayerSide:
         return ReplayerSide(label, fake, None, lambda seed: (workloads[seed], prompts[seed]), slo, "aa", **kw)
 
-    scouted = compare(side("running"), side("candidate"), seeds=[1000, 1001], start=3.67, floor_rps=0.01)
-    assert scouted.lower_bounds == [] and all(p["bracketed"] for p in scouted.pairs), scouted.as_dict()
+    run = dict(seeds=[1002, 1000, 1001], start=3.67, floor_rps=0.01, min_pairs=3, max_pairs=3)
+    c = compare(side("running"), side("candidate"), **run)
+    assert c.lower_bounds == [] and all(p["bracketed"] for p in c.pairs), c.as_dict()
+    assert c.pairs[0]["replays"] == 8  # near: 2 replays for each of A1 B1 B2 A2
+    assert all(p["replays"] > 8 for p in c.pairs[1:])  # far: a short search and then a scout for A1 at least
     # a step-shaped fake: each estimate is its bracket's geometric middle, and the two sides' brackets differ
-    assert scouted.verdict == NO_GAIN and scouted.interval.ratio == pytest.approx(1.0, rel=0.03)
-    for pair in scouted.pairs:
+    assert c.verdict == NO_GAIN and c.interval.ratio == pytest.approx(1.0, rel=0.03)
+    for pair in c.pairs:
         m, rate = fake.true_multiplier[pair["seed"]], arrival_rate(workloads[pair["seed"]])
         # within a step of the truth (the fake judges by request count, which moves in whole requests)
-        assert all(m / 1.2 <= c / rate <= m * 1.1 for c in pair["held"]), pair
-    # with scouts too short to bracket (3 replays), the short searches after them cannot reach seed 1000's
-    # capacity from x3.67 either: each goes on as a scout of its own from past its last rate, and finds it
+        assert all(m / 1.2 <= x / rate <= m * 1.1 for x in pair["held"]), pair
+    # with scouts too short to bracket (3 replays) a later short search goes on as a scout of its own, and finds it
     fake.replays = 0
-    blind = compare(
-        side("running", scout_replays=3), side("candidate", scout_replays=3), seeds=[1000, 1001], start=3.67,
-        floor_rps=0.01,
-    )  # fmt: skip
+    blind = compare(side("running", scout_replays=3), side("candidate", scout_replays=3), **run)
     assert blind.lower_bounds == [] and all(p["bracketed"] for p in blind.pairs), blind.as_dict()
     assert fake.replays == sum(p["replays"] for p in blind.pairs)  # every replay, both searches', counted
-    assert blind.pairs[0]["replays"] > 3 + 3 * 4  # the scout's 3 and more than 3 short searches' budget
 
 
 def test_a_rate_the_sender_cannot_keep_up_with_ends_the_search_with_what_it_has() -> None:
@@ -444,6 +445,27 @@ def test_the_estimate_reads_where_the_slos_break_within_the_bracket() -> None:
     assert unbracketed.upper is None and unbracketed.estimate == unbracketed.multiplier == 2.0
 
 
+def test_a_capacity_near_a_known_one_takes_two_replays_and_a_far_one_a_wide_search_after() -> None:
+    """A confirmation searched from the running config's capacity (`near`): within a step of it, 2 replays and
+    an estimate where the SLOs break; 60% over it, the short steps end unbracketed and a wide search from past
+    them finds it; a wide search whose first rate the sender cannot send leaves the short one's bound."""
+    from tuner.capacity import replay_capacity_near
+
+    opts = WL.WorkloadOptions(requests=24, scale=8.0, output_range=(16, 64))
+    reqs = WL.scenario("sustained", 6.0, opts, seed=1000)
+    prompts = prepare_prompts(reqs, 1000)
+    slo = SLO(ttft_s=1.0, tpot_s=0.1, p99_ttft_s=0.5)
+    close = replay_capacity_near(_PowerLaw({1000: 2.3}), None, reqs, prompts, slo=slo, run_id="n-s1000", start=2.1)
+    assert len(close.probes) == 2 and close.bracketed and close.estimate == pytest.approx(2.3, rel=1e-3)
+    far = replay_capacity_near(_PowerLaw({1000: 3.4}), None, reqs, prompts, slo=slo, run_id="f-s1000", start=2.1)
+    assert [p.holds for p in far.probes[:4]] == [True] * 4 and len(far.probes) > 4  # 2.1 .. 3.19 held
+    assert far.bracketed and far.estimate == pytest.approx(3.4, rel=1e-3), far.summary()
+    lagging = _PowerLaw({1000: 3.4}, late=lambda seed, m: m > 3.3)
+    bound = replay_capacity_near(lagging, None, reqs, prompts, slo=slo, run_id="l-s1000", start=2.1)
+    assert not bound.found and bound.multiplier == pytest.approx(2.1 * 1.15**3, rel=1e-3)
+    assert bound.not_measured is not None and bound.not_measured.startswith("x6.388: the replay client sent late")
+
+
 def test_an_aa_comparison_with_a_noisy_machine_reads_no_gain_from_its_estimates() -> None:
     """Bench run 6's A/A check read (29.9 x4), (32.6, 28.3, 32.6, 24.6), (25.5, 33.7, 29.3, 29.3): lower ends a
     15% step apart, log ratios of 0 or +-0.14, an interval of -4.7%..+20.6% that no pair budget narrows to a few
@@ -554,7 +576,9 @@ def test_arms_share_rounds_nested_so_a_drift_cancels_in_each_and_a_decided_arm_l
     aa = _DriftingSide("aa", 3.0, clock, drift=-0.03)
     run = dict(seeds=[1000, 1001, 1002, 1003], start=3.0, floor_rps=0.01, min_pairs=2, max_pairs=4)
     heldout, check = compare_arms(running, [candidate, aa], **run)
-    assert clock[:12] == ["running", "candidate", "aa", "aa", "candidate", "running"] * 2
+    assert clock[:6] == ["running", "candidate", "aa", "aa", "candidate", "running"]
+    assert clock[6:12] == ["candidate", "aa", "running", "running", "aa", "candidate"]  # the sides take turns
+    assert check.pairs[1]["order"] == clock[6:12]
     assert [p["log_ratio"] for p in check.pairs] == pytest.approx([0.0, 0.0], abs=1e-12)
     assert check.verdict == NO_GAIN and check.candidate == "aa" and len(check.pairs) == 2, check.as_dict()
     # the candidate's second round read +15% high: inconclusive at 2 pairs, so it went on, with the A/A arm gone
@@ -565,6 +589,51 @@ def test_arms_share_rounds_nested_so_a_drift_cancels_in_each_and_a_decided_arm_l
         compare_arms(running, [aa, _DriftingSide("aa", 3.0, clock, drift=0.0)], **run)
 
 
+class _DepthSide:
+    """A side whose every measurement reads its config's capacity times a factor of its depth in the round's
+    nesting (the count of measurements before it in the round, or after it if fewer): the outer ones fast, the
+    inner ones slow, as bench run 21's A/A check read on fresh servers."""
+
+    def __init__(self, label: str, clock: list[str], effect: dict[int, float]) -> None:
+        self.label, self.clock, self.effect = label, clock, effect
+
+    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False):
+        from tuner.capacity import Capacity
+
+        self.clock.append(self.label)
+        pos = (len(self.clock) - 1) % 6
+        m = 3.0 * math.exp(self.effect[min(pos, 5 - pos)])
+        return Capacity(rate_rps=1.0, multiplier=m, upper=m * 1.15)
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+
+def test_the_sides_take_every_depth_in_turn_so_a_depth_effect_cancels_over_the_rounds() -> None:
+    """Three sides of one config on a machine where the outer measurements of a round read 5% high and the inner
+    ones 5% low: each round's ratios carry the depth (-10% for the innermost arm in the first), and over three
+    rounds each side has been at every depth once, so both arms' mean ratios are exactly 1."""
+    from tuner.compare import compare_arms, rotation
+
+    assert rotation(["a", "b", "c"], 0) == ["a", "b", "c"] and rotation(["a", "b", "c"], 4) == ["b", "c", "a"]
+    clock: list[str] = []
+    effect = {0: 0.05, 1: 0.0, 2: -0.05}
+    sides = [_DepthSide(label, clock, effect) for label in ("running", "candidate", "aa")]
+    run = dict(seeds=[1000, 1001, 1002], start=3.0, floor_rps=0.01, min_pairs=3, max_pairs=3)
+    heldout, check = compare_arms(sides[0], sides[1:], **run)
+    assert [p["log_ratio"] for p in check.pairs] == pytest.approx([-0.10, 0.05, 0.05])
+    assert [p["log_ratio"] for p in heldout.pairs] == pytest.approx([-0.05, 0.10, -0.05])
+    assert heldout.interval.ratio == pytest.approx(1.0) and check.interval.ratio == pytest.approx(1.0)
+    assert [p["order"][:3] for p in check.pairs] == [
+        ["running", "candidate", "aa"],
+        ["candidate", "aa", "running"],
+        ["aa", "running", "candidate"],
+    ]
+
+
 class _Instances:
     """Servers of one config whose instances differ: each instance's speed is the config's times its own factor,
     drawn when it starts (the first ones given), kept while it runs; every measurement on a shared noisy clock.
@@ -573,7 +642,8 @@ class _Instances:
     def __init__(self, rng: random.Random, spread: float, first: dict[str, float]) -> None:
         self.rng, self.spread, self.factor, self.log = rng, spread, dict(first), []
 
-    def renew(self, i: int) -> None:
+    def renew(self, i: int, labels: list[str]) -> None:
+        assert sorted(labels) == sorted(self.factor)
         self.log.append(f"renew {i}")
         self.factor = {label: math.exp(self.rng.gauss(0.0, self.spread)) for label in self.factor}
 
@@ -619,7 +689,8 @@ def test_an_instance_that_is_faster_for_as_long_as_it_runs_is_a_proposal_unless_
         for _ in range(20)
     ]
     rounds = [fresh.log[k : k + 5] for k in range(0, len(fresh.log), 5)]
-    assert all(r[0].startswith("renew ") and r[1:] == ["running", "aa", "aa", "running"] for r in rounds)
+    orders = (["running", "aa", "aa", "running"], ["aa", "running", "running", "aa"])
+    assert all(r[0] == f"renew {k}" and r[1:] == orders[k % 2] for r in rounds for k in [int(r[0].split()[1])])
     assert sum(len(c.pairs) for c in checks) == len(rounds)  # one renewal per round, before its first measurement
     assert sum(c.verdict == PROPOSAL for c in checks) <= 2, [c.verdict for c in checks]  # 5% each side, nominally
     assert all(c.fresh_servers and "each on fresh servers" in c.sentence() for c in checks if len(c.pairs) >= 2)

@@ -51,8 +51,8 @@ from integrations.vllm.config import VllmConfig, VllmConfigError
 from tuner import pipeline
 from tuner import workloads as WL
 from tuner.backends import InfeasibleTrialError
-from tuner.capacity import MIN_MULTIPLIER, Capacity, at_rate_requests, replay_capacity
-from tuner.compare import DEFAULT_MARGIN, MAX_PAIRS, Comparison, ReplayerSide, compare_arms
+from tuner.capacity import MIN_MULTIPLIER, Capacity, at_rate_requests, replay_capacity, replay_capacity_near
+from tuner.compare import DEFAULT_MARGIN, MAX_PAIRS, Comparison, ReplayerSide, compare_arms, rotation
 from tuner.metrics import SLO, TrialMetrics
 from tuner.pipeline import Choice, Verdict
 from tuner.replay import TrialSink, replay
@@ -107,8 +107,7 @@ def launch_order(sides: Sequence[T], i: int) -> list[T]:
     second, ... equally often. Started together, servers of one config are not alike by their order: in `bench
     vllm-placement` the second-started of two servers left where the kernel put them measured faster in all 8
     rounds (log ratio +0.019 to +0.114), which a fixed order would put into every pair as the candidate's gain."""
-    k = i % len(sides) if sides else 0
-    return [*sides[k:], *sides[:k]]
+    return rotation(sides, i) if sides else []
 
 
 @dataclass(frozen=True)
@@ -402,12 +401,34 @@ class VllmTuning:
             start=start,
             max_replays=self.budget.capacity_replays,
         )
+        self._said_capacity(config, cap, time.perf_counter() - t)
+        return cap
+
+    def capacity_near_running(self, config: VllmConfig, *, label: str) -> Capacity:
+        """`config`'s capacity on the first tuning seed, searched from the running config's (`tuner.capacity.near`:
+        2 replays when it is within a step of it, a wide search only when not), as the comparison measures."""
+        reqs, prompts = self.backend.requests(self.budget.tuning_seeds[0])
+        t = time.perf_counter()
+        cap = replay_capacity_near(
+            self.backend,
+            config,
+            reqs,
+            prompts,
+            slo=self.slo,
+            run_id=f"{self.name}-capacity-{label}",
+            start=self._start_multiplier(),
+            max_replays=self.budget.pair_replays,
+            wide_replays=self.budget.capacity_replays,
+        )
+        self._said_capacity(config, cap, time.perf_counter() - t)
+        return cap
+
+    def _said_capacity(self, config: VllmConfig, cap: Capacity, took: float) -> None:
         self.say(
             f"capacity of {_label(self.base, config)}: {cap.capacity_rps:.2f} req/s (x{cap.multiplier:.2f} the "
-            f"workload's {cap.rate_rps:.2f} req/s; {len(cap.probes)} replays, {time.perf_counter() - t:.0f} s)"
+            f"workload's {cap.rate_rps:.2f} req/s; {len(cap.probes)} replays, {took:.0f} s)"
             + (f"; at least that: the search stopped at {cap.not_measured}" if cap.not_measured else "")
         )
-        return cap
 
     def baseline_capacity(self) -> Capacity:
         """The running config's SLO capacity on the first tuning seed, on its pinned server."""
@@ -535,9 +556,7 @@ class VllmTuning:
         rows = [self._capacity_row(self.base, self.running_capacity)]
         for m in reversed([m for m in screened.confirmed if m.metrics is not None]):
             try:
-                cap = self.live_capacity(
-                    m.config, seed=self.budget.tuning_seeds[0], start=self._start_multiplier(), label="confirm"
-                )
+                cap = self.capacity_near_running(m.config, label="confirm")
             except InfeasibleTrialError as exc:
                 self.say(f"capacity of {_label(self.base, m.config)}: infeasible: {exc.reason[:300]}")
                 continue
@@ -595,17 +614,20 @@ class VllmTuning:
             for _, config, slot in arms:
                 self.backend.start(config, run_id=f"{self.name}-{slot or 'candidate'}", slot=slot)
 
-        def renew(i: int) -> None:
+        def renew(i: int, labels: list[str]) -> None:
             t = time.time()
+            measured = [side for side in sides if side[0] in labels]
+            for label, config, slot in sides:
+                if label not in labels:  # an arm that has said: its server goes with the round's renewal
+                    self.backend.unpin(config, slot)
             try:
-                self.backend.renew(
-                    [(config, slot, f"{self.name}-{label}-r{i + 1}") for label, config, slot in launch_order(sides, i)]
-                )
+                order = launch_order(measured, i)
+                self.backend.renew([(config, slot, f"{self.name}-{label}-r{i + 1}") for label, config, slot in order])
             except InfeasibleTrialError as exc:  # a config that served before: the machine's, not the config's
                 raise TuneError(f"held-out round {i + 1}: a fresh server did not start: {exc.reason}") from exc
             took = time.time() - t
             self.phases["renew_s"] = round(self.phases.get("renew_s", 0.0) + took, 1)
-            self.say(f"round {i + 1}: {len(sides)} fresh servers up and warmed in {took:.0f} s")
+            self.say(f"round {i + 1}: {len(measured)} fresh servers up and warmed in {took:.0f} s")
 
         running = self.running_capacity
         try:
