@@ -119,7 +119,7 @@ def _round(backend: VllmBackend, base: VllmConfig, reqs: list[W.WorkloadRequest]
     for slot in ("a", "b", "b", "a"):
         backend.pause(base, "b" if slot == "a" else "a")
         values[slot].append(round(backend.capacity_rps(base, reqs, run_id="", slot=slot), 3))
-    placements = {x.run_id: x.placement for x in backend.launches}
+    placements = {x.run_id: x.placement.describe() if x.placement else None for x in backend.launches}
     return {
         "way": way,
         "a": values["a"],

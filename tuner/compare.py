@@ -33,12 +33,13 @@ its own instances, the instance spread is in the spread of the pairs, and the in
 `compare_arms` runs several comparisons against one running config in shared rounds, each side's two measurements
 nested inside the others' (A B A' A' B A for the candidate B and the A/A check's second server A'): every side's
 two sit symmetrically about the round's middle, so a linear drift still cancels in each, and the running config
-is measured twice a round rather than twice per arm. The depth of the nesting is not neutral on this machine: the
-inner measurements read lower than the outer ones (the A/A arm, innermost, read -1.7% over bench run 20's four
-rounds and -6.7%, -8.9% in run 21's first two; in `bench vllm-placement`'s isolated A B B A rounds B read -3.2%
-and -1.3%), so the sides take turns (`rotation`: B A' A A A' B in the next round, A' A B B A A' in the third): over
-as many rounds as sides each is measured once at every depth, and an effect of the depth cancels over the rounds
-as a linear drift cancels within one.
+is measured twice a round rather than twice per arm. Which depth of the nesting a side is measured at is not
+neutral on this machine: the A/A arm, innermost (A' above), read -1.7% over bench run 20's four rounds and -6.7%,
+-8.9% in run 21's two, as if a second server of one config were 7% slower; in `bench vllm-placement`'s isolated A B
+B A rounds B read -3.2% and -1.3%. So the sides take turns (`rotation`: B A' A A A' B in the next round, A' A B B A
+A' in the third): over as many rounds as sides each is measured once at every depth, and an effect of the depth
+(or of whatever else comes with a side's place in the round) cancels over the rounds as a linear drift cancels
+within one.
 
 Each measurement is a capacity (`tuner.capacity`), read as its estimate (`Capacity.estimate`: where the SLO pressure
 crosses 1 within the bracket): the bracket's lower end moves in whole steps, and with 15% steps an A/A pair read 0

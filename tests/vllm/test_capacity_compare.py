@@ -95,8 +95,8 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
         server = backend._servers[("aa", *base.to_args())]
         pid = server.launcher.proc.pid
         # its API server and engine core run off the cores its model worker bound, and so did the replays' sender
-        placement = server.placement
-        assert placement is not None and server.launch.placement == placement.describe(), server.launch
+        placement = server.launch.placement
+        assert placement is not None and placement.describe().startswith("model worker on cores"), server.launch
         assert (
             placement.worker_cpus.isdisjoint(placement.other_cpus) and os.sched_getaffinity(pid) == placement.other_cpus
         )

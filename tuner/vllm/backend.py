@@ -116,7 +116,7 @@ class Launch:
     evaluations: int = 0
     error: str | None = None
     target: str | None = None  # its /metrics as a scrape target: 'created' / 'exists'; None if never registered
-    placement: str | None = None  # its model worker kept alone on its cores (`isolate_worker`); None: not moved
+    placement: Placement | None = None  # its model worker kept alone on its cores (`isolate_worker`); None: not moved
 
 
 @dataclass
@@ -127,7 +127,6 @@ class _Server:
     url: str
     warmed: bool = False
     paused: bool = False
-    placement: Placement | None = None  # where its processes run (`integrations.vllm.placement`); None: as started
 
     def alive(self) -> bool:
         return self.launcher is None or (self.launcher.proc is not None and self.launcher.proc.poll() is None)
@@ -237,7 +236,8 @@ class VllmBackend:
             self._signal(server, signal.SIGCONT)
         url = server.url
         plan = plan_replay(url, server.model, reqs, prompts, priorities=config.scheduling_policy == "priority")
-        plan = plan.with_cpus(server.placement.other_cpus if server.placement is not None else None)
+        placement = server.launch.placement
+        plan = plan.with_cpus(placement.other_cpus if placement is not None else None)
         try:
             self._warm(server)
             t = time.perf_counter()
@@ -457,8 +457,7 @@ class VllmBackend:
         log.info("run %s: vLLM ready in %.1f s (%s)", launch.run_id, launch.ready_s, " ".join(config.to_args()))
         server = _Server(launcher, launch, config.served_model_name or config.model, launcher.url)
         if self.isolate and launcher.proc is not None:
-            server.placement = isolate_worker(launcher.proc.pid)
-            launch.placement = server.placement.describe() if server.placement is not None else None
+            launch.placement = isolate_worker(launcher.proc.pid)
         return server
 
     @contextlib.contextmanager
