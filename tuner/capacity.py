@@ -349,7 +349,8 @@ def near(
     )
     if short.found or short.not_measured is not None or not short.probes:
         return short
-    restart = short.multiplier * NEAR_GROWTH if short.multiplier > 0 else min(p.multiplier for p in short.probes) / 2
+    lowest = min(p.multiplier for p in short.probes)
+    restart = short.multiplier * NEAR_GROWTH if short.multiplier > 0 else lowest / NEAR_GROWTH
     if not MIN_MULTIPLIER <= restart <= MAX_MULTIPLIER or (too_big is not None and too_big(restart)):
         return short
     try:

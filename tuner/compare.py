@@ -44,15 +44,16 @@ within one.
 Each measurement is a capacity (`tuner.capacity`), read as its estimate (`Capacity.estimate`: where the SLO pressure
 crosses 1 within the bracket): the bracket's lower end moves in whole steps, and with 15% steps an A/A pair read 0
 or +-14% and never the few percent an equivalence needs. Each is a short search that stops at its first bracket
-one `step` wide: 2 replays, more (up to `max_replays`) when the answer moved by more than a step; its answer is the
-estimate within it. The first measurement of a seed (A1 of its first pair) starts at the running config's known
-capacity, the pair's other three at A1's answer, every later one at its side's last answer on that seed. A held-out
+one step (15%) wide: 2 replays, more (up to `max_replays`) when the answer moved by more than a step; its answer is
+the estimate within it (`tuner.capacity.near`). The first measurement of a seed (A1 of its first pair) starts at
+the running config's known capacity, the pair's other three at A1's answer, every later one at its side's last
+answer on that seed. A held-out
 seed's traffic is not the tuning seed's, and its capacity can sit well away from the known one: a short search
 that ends without a bracket goes on as a scout, a search of `scout_replays` from past its last rate (doubling or
 halving first, then bisecting). (The first bench runs had no scout: short searches started at the tuning seed's
 capacity failed at every rate they reached on a heavier held-out seed. Later every seed's first measurement was a
-scout, 6 replays where a short search takes 2 when the seed's capacity is near the known one, as it was in every
-round of bench run 21; a full search for all four would cost 5-8 replays each, a quarter of an hour per pair.)
+scout, 6 replays where a short search takes 2 when the seed's capacity is near the known one; a full search for
+all four would cost 5-8 replays each, a quarter of an hour per pair.)
 """
 
 from __future__ import annotations
@@ -66,15 +67,7 @@ from typing import Any, Protocol, TypeVar
 
 from engine import workload as W
 from tuner.backends import NotMeasuredError
-from tuner.capacity import (
-    MAX_MULTIPLIER,
-    MIN_MULTIPLIER,
-    NEAR_GROWTH,
-    NEAR_STEP,
-    Capacity,
-    Replayer,
-    replay_capacity,
-)
+from tuner.capacity import Capacity, Replayer, replay_capacity_near
 from tuner.metrics import SLO
 
 log = logging.getLogger("kvpilot.tuner.compare")
@@ -94,7 +87,7 @@ class Side(Protocol):
 
     label: str
 
-    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False) -> Capacity: ...
+    def capacity(self, *, seed: int, start: float, tag: str) -> Capacity: ...
 
     def pause(self) -> None: ...
 
@@ -355,26 +348,11 @@ def _add_pair(
 
 
 def _measure(side: Side, seed: int, prior: dict[str, float], tag: str) -> Capacity:
-    """One capacity of `side` with the other paused: resumed for it, paused after, warm-started at its last. A
-    short search that ended without a capacity (the SLOs held at every rate it reached, or failed at every one)
-    goes on as a scout from past its last rate: a candidate with twice the running config's capacity is out of a
-    short search's reach from the running config's answer. The answer's `probes` hold both searches' replays; a
-    scout whose first rate the sender cannot send on time leaves the short search's answer (a bound, `not_measured`
-    saying why)."""
+    """One capacity of `side` with the other paused: resumed for it, paused after, warm-started at its last (a
+    short search that goes on as a scout when it does not bracket: `tuner.capacity.near`)."""
     side.resume()
     try:
         cap = side.capacity(seed=seed, start=prior[side.label], tag=tag)
-        if not cap.found and cap.not_measured is None and cap.probes:
-            tried = [p.multiplier for p in cap.probes]
-            restart = cap.multiplier * NEAR_GROWTH if cap.multiplier > 0 else min(tried) / NEAR_GROWTH
-            if MIN_MULTIPLIER <= restart <= MAX_MULTIPLIER:
-                try:
-                    scouted = side.capacity(seed=seed, start=restart, tag=f"{tag}s", scout=True)
-                except NotMeasuredError as exc:  # a rate past what the sender sends on time: the short one stands
-                    cap.not_measured = f"x{restart:.4g}: {exc.reason}"
-                else:
-                    scouted.probes[:0] = cap.probes
-                    cap = scouted
     finally:
         side.pause()
     if cap.multiplier > 0:
@@ -384,9 +362,9 @@ def _measure(side: Side, seed: int, prior: dict[str, float], tag: str) -> Capaci
 
 @dataclass
 class ReplayerSide:
-    """A `Side` on any `tuner.capacity.Replayer`: the held-out seed's requests from `requests(seed)`, a short
-    search of `max_replays` around the prior in steps of `step` (a scout: `scout_replays`), pausing through the
-    given callables."""
+    """A `Side` on any `tuner.capacity.Replayer`: the held-out seed's requests from `requests(seed)`, each
+    measurement `tuner.capacity.near` from the prior (a short search of `max_replays`; a scout of `scout_replays`
+    from past it when that did not bracket), pausing through the given callables."""
 
     label: str
     backend: Replayer
@@ -394,28 +372,24 @@ class ReplayerSide:
     requests: Callable[[int], tuple[list[W.WorkloadRequest], list[list[int]]]]
     slo: SLO
     name: str
-    step: float = NEAR_STEP
-    rel_tol: float = 0.05  # a scout's
     max_replays: int = 4  # a short search's bound: it stops earlier, at its first bracket
     scout_replays: int = 6
     on_pause: Callable[[], None] = lambda: None
     on_resume: Callable[[], None] = lambda: None
     measured: list[Capacity] = field(default_factory=list)
 
-    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False) -> Capacity:
+    def capacity(self, *, seed: int, start: float, tag: str) -> Capacity:
         reqs, prompts = self.requests(seed)
-        cap = replay_capacity(
+        cap = replay_capacity_near(
             self.backend,
             self.config,
             reqs,
             prompts,
             slo=self.slo,
             run_id=f"{self.name}-{self.label}-s{seed}-{tag}",
-            start=max(start, MIN_MULTIPLIER),
-            growth=NEAR_GROWTH if scout else self.step,
-            # a short search stops at its first bracket one step wide (usually 2 replays); a scout bisects on
-            rel_tol=self.rel_tol if scout else self.step - 1 + 1e-9,
-            max_replays=self.scout_replays if scout else self.max_replays,
+            start=start,
+            max_replays=self.max_replays,
+            wide_replays=self.scout_replays,
         )
         self.measured.append(cap)
         return cap

@@ -107,7 +107,7 @@ def confirm(
 ) -> Comparison:
     """The capacity comparison of `best` against `base` on the held-out `seeds` (module docstring): ABBA pairs,
     one per seed at most, at least 2 (its record, `Comparison.as_dict`, is the proposal's). `start`: where each
-    seed's scout starts (the running config's known capacity, as a multiple of the traffic's rate)."""
+    seed's first measurement starts (the running config's known capacity, as a multiple of the traffic's rate)."""
     if len(seeds) < 2:
         raise ValueError(f"seeds: the comparison needs at least 2 held-out seeds (one pair has no interval): {seeds}")
     replayer = capacity_backend(backend)

@@ -225,7 +225,7 @@ class _FixedSide:
         self.label, self.multiplier, self.bracketed, self.wobble = label, multiplier, bracketed, wobble
         self.calls = 0
 
-    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False):
+    def capacity(self, *, seed: int, start: float, tag: str):
         from tuner.capacity import Capacity
 
         self.calls += 1
@@ -546,7 +546,7 @@ class _DriftingSide:
         self.label, self.multiplier, self.clock, self.drift, self.wobble = label, multiplier, clock, drift, wobble
         self.calls = 0
 
-    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False):
+    def capacity(self, *, seed: int, start: float, tag: str):
         from tuner.capacity import Capacity
 
         self.clock.append(self.label)
@@ -597,7 +597,7 @@ class _DepthSide:
     def __init__(self, label: str, clock: list[str], effect: dict[int, float]) -> None:
         self.label, self.clock, self.effect = label, clock, effect
 
-    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False):
+    def capacity(self, *, seed: int, start: float, tag: str):
         from tuner.capacity import Capacity
 
         self.clock.append(self.label)
@@ -655,7 +655,7 @@ class _InstanceSide:
     def __init__(self, servers: _Instances, label: str, multiplier: float) -> None:
         self.servers, self.label, self.multiplier, self.paused = servers, label, multiplier, True
 
-    def capacity(self, *, seed: int, start: float, tag: str, scout: bool = False):
+    def capacity(self, *, seed: int, start: float, tag: str):
         from tuner.capacity import Capacity
 
         assert not self.paused
