@@ -152,6 +152,13 @@ def bench_fleet(
     collectors: int = typer.Option(
         2, "--collectors", min=1, max=8, help="collector processes (2 is the bench's figure; 1 or 3 show what one buys)"
     ),
+    engines_per_relay: int = typer.Option(
+        8,
+        "--engines-per-relay",
+        min=1,
+        max=64,
+        help="engines behind each node relay, whose pushes go as one bundle (1: every engine pushes alone)",
+    ),
     json_path: Path | None = JsonOpt,
     pg_url: str | None = typer.Option(
         None,
@@ -162,10 +169,13 @@ def bench_fleet(
 ) -> None:
     """1,000 simulated engines, OTLP spans, a 100-node DCGM scrape and 2 alert evaluators against 2 collectors
     on one PostgreSQL: events/s against COPY's ceiling, ingest lag, alert delivery, page reads, losses."""
+    from dataclasses import replace
+
     from benchmarks.fleet import FleetBenchError, FleetConfig, pg_url_from_env, run_fleet_bench
 
+    config = replace(FleetConfig.for_run(quick, collectors), engines_per_relay=engines_per_relay)
     with exits("fleet", (FleetBenchError, 2)):
-        emit(run_fleet_bench(pg_url or pg_url_from_env(), FleetConfig.for_run(quick, collectors)), json_path)
+        emit(run_fleet_bench(pg_url or pg_url_from_env(), config), json_path)
 
 
 @bench_app.command("sim")

@@ -7,7 +7,10 @@ What runs, in one database created fresh for the run (dropped after it):
 - N collectors (`python -m collector serve`, each its own process on a free loopback port; 2 by default,
   `--collectors` 1 to 8 to see what one more buys), only the first scraping (one scraper per deployment);
 - sender processes (`benchmarks.fleet_load`), at least one per collector, each playing a slice of the
-  1,000 simulated engines as the HTTP sink ships them; a share of them send requests as OTLP spans;
+  1,000 simulated engines as the HTTP sink ships them, `engines_per_relay` to a node: a node's pushes go
+  as one bundle (POST /v1/ingest/bundle, each push under its own key), as the node's relay
+  (`collector.relay`) forwards them; the engine-to-relay hop runs on each node's own cores in a fleet
+  and is not played here (1: every engine pushes alone); a share of them send requests as OTLP spans;
 - a DCGM-like exporter for 100 nodes x 8 GPUs: one local HTTP server, a page per node, each page a scrape
   target of the first collector;
 - two alert evaluators on the one lease (`alerts.runner.start_evaluator`), a rule on queue depth and a
@@ -77,6 +80,7 @@ class FleetConfig:
     scrape_interval_s: float = 15.0  # the collector's default, and Prometheus's
     otlp_share: float = 0.1
     alert_trials: int = 5
+    engines_per_relay: int = 8  # a node's GPUs: its engines' pushes go as one bundle (1: each pushes alone)
 
     @classmethod
     def for_run(cls, quick: bool, collectors: int = 2) -> FleetConfig:
@@ -321,6 +325,7 @@ def _sender_configs(config: FleetConfig, collector_urls: list[str], start: float
                 "hot": {n: t for n, t in hot.items() if n in mine},
                 "rates": asdict(fleet_load.Rates()),
                 "batch_events": 1000,
+                "engines_per_node": config.engines_per_relay,
                 "min_interval_s": 1.0,
                 "threads": config.sender_threads,
                 "start": start,
@@ -527,4 +532,5 @@ def tiny_config() -> FleetConfig:
         scrape_interval_s=1.0,
         otlp_share=0.25,
         alert_trials=2,
+        engines_per_relay=4,
     )

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from collector import bundle
+
 LIVE_RUN = "fleet-live"
 HISTORY_RUN = "fleet-history"
 HISTORY_S = 86_400.0  # the history loaded before the live run spans a day
@@ -342,12 +344,17 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         for name in config["instances"]
     ]
     lock = threading.Lock()
-    queue = list(engines)
+    per_node = max(1, config.get("engines_per_node", 1))
+    queue: list[list[Engine]] = []
     last: dict[str, float] = {}
     report: dict[str, Any] = {"offered": 0, "acked": {}, "unacked": 0, "lags": [], "first_hot": {}, "failures": []}
     headers = {"Authorization": f"Bearer {config['token']}"}
 
-    def post(client: httpx.Client, path: str, body: bytes, kind_headers: dict[str, str]) -> bool:
+    def post(
+        client: httpx.Client, path: str, body: bytes, kind_headers: dict[str, str], *, results: bool = False
+    ) -> Any:
+        """True once stored (for a bundle, `results`: its members' statuses), retrying a 408/429/503 or a
+        connection failure for 30 s; False (None for a bundle) when it never was."""
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             try:
@@ -357,32 +364,37 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                 time.sleep(0.2)
                 continue
             if resp.status_code in (200, 202):
-                return True
+                if not results:
+                    return True
+                statuses = [r["status"] for r in resp.json()["results"]]
+                if any(s in (408, 429, 503) for s in statuses):  # a member the storage stage did not take
+                    report["failures"].append(f"member statuses {sorted(set(statuses))}")
+                    time.sleep(0.2)
+                    continue  # every member again: the stored ones come back as duplicates
+                return statuses
             report["failures"].append(f"{resp.status_code}: {resp.text[:120]}")
             if resp.status_code not in (408, 429, 503):
-                return False
+                return None if results else False
             time.sleep(0.2)
-        return False
+        return None if results else False
 
-    def ship(client: httpx.Client, engine: Engine) -> None:
+    def render(engine: Engine) -> tuple[Rendered, int]:
         now = time.time()
         spans = engine.instance in otlp
         batch, offered = engine.events(last[engine.instance], now, rates, config["batch_events"], spans=spans)
         last[engine.instance] = now
-        if not batch.events and not (spans and batch.finished):
-            return
         engine.batches += 1
-        key = f"{engine.instance}-{engine.batches}"
-        ok = True
-        if batch.events:
-            headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
-            ok = post(client, "/v1/ingest", batch.body(), headers)
-        sent_spans = len(batch.finished) if spans else 0
-        if ok and sent_spans:
-            ok = post(
-                client, "/v1/traces", otlp_body(engine, batch.finished), {"Content-Type": "application/x-protobuf"}
-            )
-        done = time.time()
+        return batch, offered
+
+    def spans_of(client: httpx.Client, engine: Engine, batch: Rendered) -> tuple[bool, int]:
+        """The engine's finished requests as OTLP spans, when it sends them so (sent apart: a vLLM exports
+        its spans itself)."""
+        if engine.instance not in otlp or not batch.finished:
+            return True, 0
+        body = otlp_body(engine, batch.finished)
+        return post(client, "/v1/traces", body, {"Content-Type": "application/x-protobuf"}), len(batch.finished)
+
+    def account(engine: Engine, batch: Rendered, offered: int, ok: bool, sent_spans: int, done: float) -> None:
         with lock:
             report["offered"] += offered
             if not ok:
@@ -396,23 +408,60 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
             if batch.hot_ts is not None and engine.instance not in report["first_hot"]:
                 report["first_hot"][engine.instance] = batch.hot_ts
 
+    def ship(client: httpx.Client, engine: Engine) -> None:
+        """One engine's push, alone (POST /v1/ingest under its own key)."""
+        batch, offered = render(engine)
+        ok = True
+        if batch.events:
+            headers = {"Idempotency-Key": f"{engine.instance}-{engine.batches}", "Content-Type": "application/json"}
+            ok = post(client, "/v1/ingest", batch.body(), headers)
+        sent_spans = 0
+        if ok:
+            ok, sent_spans = spans_of(client, engine, batch)
+        account(engine, batch, offered, ok, sent_spans, time.time())
+
+    def ship_node(client: httpx.Client, node: list[Engine]) -> None:
+        """A node's engines' pushes, each under its own key, in one bundle (what the node's relay forwards);
+        each member acknowledged by its own result."""
+        rendered = [(engine, *render(engine)) for engine in node]
+        members = [
+            bundle.Member(f"{engine.instance}-{engine.batches}", batch.body())
+            for engine, batch, _ in rendered
+            if batch.events
+        ]
+        statuses: dict[str, int] = {}
+        if members:
+            body = bundle.encode(members)
+            answer = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True)
+            keys = [f"{engine.instance}-{engine.batches}" for engine, batch, _ in rendered if batch.events]
+            statuses = dict(zip(keys, answer or [], strict=False))
+        for engine, batch, offered in rendered:
+            ok = not batch.events or statuses.get(f"{engine.instance}-{engine.batches}") in (200, 202)
+            sent_spans = 0
+            if ok:
+                ok, sent_spans = spans_of(client, engine, batch)
+            account(engine, batch, offered, ok, sent_spans, time.time())
+
     def worker() -> None:
-        """Take the engine shipped longest ago (never one another thread holds), ship it, put it back."""
+        """Take the node shipped longest ago (never one another thread holds), ship it, put it back."""
         with httpx.Client(timeout=60.0) as client:
             while time.time() < config["until"]:
                 with lock:
-                    engine = queue.pop(0) if queue else None
-                if engine is None or time.time() - last[engine.instance] < config["min_interval_s"]:
-                    if engine is not None:
+                    node = queue.pop(0) if queue else None
+                if node is None or time.time() - last[node[0].instance] < config["min_interval_s"]:
+                    if node is not None:
                         with lock:
-                            queue.insert(0, engine)
+                            queue.insert(0, node)
                     time.sleep(0.01)
                     continue
                 try:
-                    ship(client, engine)
+                    if per_node > 1:
+                        ship_node(client, node)
+                    else:
+                        ship(client, node[0])
                 finally:
                     with lock:
-                        queue.append(engine)
+                        queue.append(node)
 
     def own_sink(engine: Engine) -> None:
         """A hot engine ships on its own, every `min_interval_s`, as each engine's sink does: its alert's
@@ -427,7 +476,8 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     begin = time.time()  # a sender that started late has no events from before it ran
     last.update((e.instance, begin) for e in engines)
     hot_engines = [e for e in engines if e.hot_from is not None]
-    queue[:] = [e for e in engines if e.hot_from is None]
+    others = [e for e in engines if e.hot_from is None]
+    queue[:] = [others[i : i + per_node] for i in range(0, len(others), per_node)]
     threads = [threading.Thread(target=worker) for _ in range(config["threads"])]
     threads += [threading.Thread(target=own_sink, args=(e,)) for e in hot_engines]
     for t in threads:

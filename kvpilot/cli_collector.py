@@ -68,6 +68,35 @@ def serve_cmd(
         raise _fail(exc) from exc
 
 
+@collector_app.command("relay")
+def relay_cmd(
+    upstream: str = typer.Option(..., "--upstream", help="the collector's URL (or its load balancer's)"),
+    host: str = typer.Option("127.0.0.1", help="listen address: the node's engines push here"),
+    port: int = typer.Option(8101, help="listen port"),
+    token_file: Path = typer.Option(
+        None, "--token-file", help="the ingest token, read from this file (default: KVPILOT_INGEST_TOKEN)"
+    ),
+    flush_interval_s: float = typer.Option(0.2, "--flush-interval-s", min=0.01, max=10.0),
+    gzip_level: int = typer.Option(1, "--gzip-level", min=0, max=9, help="0: bundles go uncompressed"),
+) -> None:
+    """Forward this node's engines' pushes to the collector as bundles (one request a flush for the node).
+    Point each engine's sink at this relay; it answers each push with the collector's own answer."""
+    import uvicorn
+
+    from collector.relay import RelayConfig, create_app
+    from plumbing.bind import UnsafeBindError, check_bind
+
+    try:
+        token = token_file.read_text().strip() if token_file is not None else os.environ.get("KVPILOT_INGEST_TOKEN")
+        check_bind(host, has_credential=bool(token), service="the relay", missing="an ingest token")
+        config = RelayConfig(upstream, token or None, flush_interval_s=flush_interval_s, gzip_level=gzip_level)
+    except (UnsafeBindError, ValueError, OSError) as exc:
+        raise _fail(exc) from exc
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", access_log=False)
+
+
 @collector_app.command("import")
 def import_cmd(
     path: Path = typer.Argument(..., exists=True, dir_okay=False, help="JSONL of events (JsonlSink output)"),

@@ -132,12 +132,19 @@ class Admission:
         *,
         group: bool,
         size: int,
+        count: int = 1,
     ) -> Any:
         """`item` stored by the storage stage (`StorageGate`: alone, or in a group when `group`), its outcome; 503
         past `storage_wait_s` in the queue; a client that left while queued is not served. An outcome that is an
         error is raised."""
         served = await self.gate.run(
-            item, store, group=group, size=size, timeout_s=self.storage_wait_s, gone=request.is_disconnected
+            item,
+            store,
+            group=group,
+            size=size,
+            count=count,
+            timeout_s=self.storage_wait_s,
+            gone=request.is_disconnected,
         )
         if served == "busy":
             raise self.overloaded(
@@ -177,6 +184,7 @@ class Ticket:
 class _Waiter:
     item: Any
     size: int  # the item's bytes, for the group's bound
+    count: int  # the pushes it holds (a bundle: its members), for the group's bound and the histogram
     turn: asyncio.Future[Any]  # None: this push leads the next round; `_Served`: a leader stored it
     taken: bool = False  # a leader took it into its round: it waits for the outcome, it may no longer leave
 
@@ -211,13 +219,15 @@ class StorageGate:
         *,
         group: bool,
         size: int = 0,
+        count: int = 1,
         timeout_s: float,
         gone: Callable[[], Awaitable[bool]],
     ) -> Any:
         """`item`'s outcome from `store` (one outcome per item, in order; an exception is an outcome to raise),
         in its own round or in a leader's group (`group`: it may share a round with others that may); "busy"
-        past `timeout_s` in the queue, "gone" when the client left while queued."""
-        waiter = _Waiter(item if group else None, size, asyncio.get_running_loop().create_future())
+        past `timeout_s` in the queue, "gone" when the client left while queued. `count`: the pushes `item`
+        holds (a bundle's members), counted against `max_group`."""
+        waiter = _Waiter(item if group else None, size, count, asyncio.get_running_loop().create_future())
         if self._held or self._waiters:
             outcome = await self._wait(waiter, timeout_s, gone)
             if outcome is not None:
@@ -257,7 +267,7 @@ class StorageGate:
         followers = self._take(waiter) if waiter.item is not None else []
         items = [item, *(f.item for f in followers)]
         if self.observe is not None:
-            self.observe(len(items))
+            self.observe(waiter.count + sum(f.count for f in followers))
         task = asyncio.ensure_future(store(items))
 
         def finish(done: asyncio.Future[list[Any]]) -> None:
@@ -274,14 +284,16 @@ class StorageGate:
     def _take(self, leader: _Waiter) -> list[_Waiter]:
         """The groupable pushes right behind the leader, within the group's bounds; taken off the queue."""
         taken: list[_Waiter] = []
-        size = leader.size
-        while self._waiters and len(taken) + 1 < self.max_group:
+        size, count = leader.size, leader.count
+        while self._waiters:
             nxt = self._waiters[0]
-            if nxt.item is None or nxt.turn.done() or size + nxt.size > self.max_bytes:
+            full = count + nxt.count > self.max_group or size + nxt.size > self.max_bytes
+            if nxt.item is None or nxt.turn.done() or full:
                 break
             self._waiters.popleft()
             nxt.taken = True
             size += nxt.size
+            count += nxt.count
             taken.append(nxt)
         return taken
 

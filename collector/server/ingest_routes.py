@@ -1,6 +1,8 @@
-"""POST /v1/ingest: one batch of wire events, stored atomically and idempotently.
+"""POST /v1/ingest: one batch of wire events, stored atomically and idempotently; POST /v1/ingest/bundle:
+several such pushes in one request (`collector.bundle`, what a node relay forwards), each member stored and
+answered exactly as it would have been alone, all of them in one storage round.
 
-The handler stays thin. Under admission control (`admission`: a slot, a byte budget, a
+The handlers stay thin. Under admission control (`admission`: a slot, a byte budget, a
 turn at the storage stage) it reads and bounds the body (size, media type), inflates it in a worker
 thread, answers a retry whose Idempotency-Key is stored straight away (no parsing), and hands the rest
 to `collector.ingest` in a worker thread. A 202 is sent only after the batch's transaction committed:
@@ -11,19 +13,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from collector import bundle
 from collector.claims import Claims
 from collector.errors import CollectorError
 from collector.ingest import IngestResult, Push, find_duplicate, store_pushes
 from collector.server.admission import Ticket, client_gone, read_body
 from collector.server.deps import CollectorState, IngestIdentity, StateDep, require_token
-from collector.server.errors import ERROR_RESPONSES, Rejected
+from collector.server.errors import ERROR_RESPONSES, Rejected, as_rejected
 from collector.validation import TimeWindow
 
 log = logging.getLogger("kvpilot.collector")
@@ -42,10 +47,29 @@ class IngestResponse(BaseModel):
     duplicate: bool
 
 
-async def decode_body(request: Request, raw: bytes, state: CollectorState, ticket: Ticket) -> bytes:
-    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise Rejected(415, "unsupported_media", f"content-type must be application/json, got {ctype!r}")
+class BundleResult(BaseModel):
+    """One member's answer: `status` as a lone push's (202, 200 duplicate, or its refusal's with `detail`)."""
+
+    status: int
+    key: str | None = None
+    batch_id: int | None = None
+    idempotency_key: str | None = None
+    events: int | None = None
+    duplicate: bool | None = None
+    detail: str | None = None
+    errors: list[dict[str, Any]] | None = None
+
+
+class BundleResponse(BaseModel):
+    results: list[BundleResult]
+
+
+async def decode_body(
+    request: Request, raw: bytes, state: CollectorState, ticket: Ticket, media: str = "application/json"
+) -> bytes:
+    ctype = request.headers.get("content-type", media).split(";")[0].strip().lower()
+    if ctype != media:
+        raise Rejected(415, "unsupported_media", f"content-type must be {media}, got {ctype!r}")
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("identity", ""):
         return raw
@@ -69,6 +93,36 @@ def store_sync(state: CollectorState, pushes: list[Push]) -> list[IngestResult |
     """
     with state.ingest_lock:
         return store_pushes(state.engine, pushes)
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """A bundle's pushes: one item at the storage stage (they share a round), one outcome each."""
+
+    pushes: list[Push]
+
+
+def _round_store(state: CollectorState) -> Callable[[list[Any]], Awaitable[list[Any]]]:
+    """The storage round of the pushes and bundles a leader took: all their pushes in one `store_sync`, each
+    item given back its own outcome (a bundle: its members', in order)."""
+
+    async def store(items: list[Push | Bundled]) -> list[Any]:
+        pushes = [p for item in items for p in (item.pushes if isinstance(item, Bundled) else [item])]
+        started = time.perf_counter()
+        try:
+            outcomes = await run_in_threadpool(store_sync, state, pushes)
+        finally:  # every batch of the round took the round's time to its commit
+            for _ in pushes:
+                state.metrics.latency.observe(time.perf_counter() - started)
+        out: list[Any] = []
+        at = 0
+        for item in items:
+            n = len(item.pushes) if isinstance(item, Bundled) else 1
+            out.append(outcomes[at : at + n] if isinstance(item, Bundled) else outcomes[at])
+            at += n
+        return out
+
+    return store
 
 
 @router.post(
@@ -96,28 +150,65 @@ async def ingest(
         if idempotency_key is not None:
             result = await run_in_threadpool(find_duplicate, state.engine, idempotency_key, body)
         if result is None:
-            settings = state.settings
-            push = Push(
-                body,
-                idempotency_key,
-                Claims(identity, state.windows),
-                max_events=settings.max_batch_events,
-                window=TimeWindow.for_settings(settings),
-            )
-
-            async def store(pushes: list[Push]) -> list[IngestResult | CollectorError]:
-                started = time.perf_counter()
-                try:
-                    return await run_in_threadpool(store_sync, state, pushes)
-                finally:  # every batch of the round took the round's time to its commit
-                    for _ in pushes:
-                        state.metrics.latency.observe(time.perf_counter() - started)
-
-            result = await state.admission.store(request, push, store, group=True, size=len(body))
-    return _answer(state, result)
+            push = _push(state, identity, body, idempotency_key)
+            result = await state.admission.store(request, push, _round_store(state), group=True, size=len(body))
+    _count(state, result)
+    return JSONResponse(_payload(result), status_code=200 if result.duplicate else 202)
 
 
-def _answer(state: CollectorState, result: IngestResult) -> JSONResponse:
+@router.post(
+    bundle.PATH.removeprefix("/v1"),
+    response_model=BundleResponse,
+    responses=ERROR_RESPONSES,
+    openapi_extra={"requestBody": {"required": True, "content": {bundle.MEDIA_TYPE: {"schema": {"type": "string"}}}}},
+)
+async def ingest_bundle(request: Request, state: StateDep, identity: IngestIdentity) -> JSONResponse:
+    """Several pushes (a node relay's; `collector.bundle` says the form) stored in one round, each answered
+    as if alone: 200 with one result per member, in order (its status: 202, 200 duplicate, or its refusal's
+    4xx/503 with the detail). A refusal of the whole bundle (400 bad form, 413, 415, 429, 503) stores none."""
+    settings = state.settings
+    async with state.admission.admit() as ticket:
+        raw = await read_body(request, ticket, settings.max_batch_bytes)
+        state.metrics.bytes.inc(len(raw))
+        body = await decode_body(request, raw, state, ticket, media=bundle.MEDIA_TYPE)
+        try:
+            members = bundle.decode(body, max_members=settings.ingest_group_max_batches)
+        except bundle.BundleError as exc:
+            raise Rejected(400, "bad_bundle", f"bundle rejected, nothing stored: {exc}") from None
+        item = Bundled([_push(state, identity, m.body, m.key) for m in members])
+        outcomes = await state.admission.store(
+            request, item, _round_store(state), group=True, size=len(body), count=len(members)
+        )
+    results = []
+    retry_after = None
+    for member, outcome in zip(members, outcomes, strict=True):
+        if isinstance(outcome, CollectorError):
+            refusal = as_rejected(outcome)
+            state.metrics.rejected.labels(refusal.reason).inc()
+            state.refusal_log(refusal.reason, f"bundle member {member.key} -> {refusal.status_code} {refusal.detail}")
+            if refusal.headers and "Retry-After" in refusal.headers:
+                retry_after = refusal.headers["Retry-After"]
+            shown = {"detail": refusal.detail, **({"errors": refusal.errors} if refusal.errors else {})}
+            results.append({"key": member.key, "status": refusal.status_code, **shown})
+        else:
+            _count(state, outcome)
+            results.append({"key": member.key, "status": 200 if outcome.duplicate else 202, **_payload(outcome)})
+    headers = {"Retry-After": retry_after} if retry_after else None
+    return JSONResponse({"results": results}, status_code=200, headers=headers)
+
+
+def _push(state: CollectorState, identity: str, body: bytes, key: str | None) -> Push:
+    settings = state.settings
+    return Push(
+        body,
+        key,
+        Claims(identity, state.windows),
+        max_events=settings.max_batch_events,
+        window=TimeWindow.for_settings(settings),
+    )
+
+
+def _count(state: CollectorState, result: IngestResult) -> None:
     if result.duplicate:
         state.metrics.batches.labels("duplicate").inc()
         log.info("duplicate batch %s (key %s) not stored again", result.batch_id, result.idempotency_key)
@@ -125,10 +216,12 @@ def _answer(state: CollectorState, result: IngestResult) -> JSONResponse:
         state.metrics.batches.labels("accepted").inc()
         for kind, n in result.counts.items():
             state.metrics.events.labels(kind).inc(n)
-    payload = IngestResponse(
+
+
+def _payload(result: IngestResult) -> dict[str, Any]:
+    return IngestResponse(
         batch_id=result.batch_id,
         idempotency_key=result.idempotency_key,
         events=result.events,
         duplicate=result.duplicate,
-    )
-    return JSONResponse(payload.model_dump(), status_code=200 if result.duplicate else 202)
+    ).model_dump()
