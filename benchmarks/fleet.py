@@ -309,13 +309,15 @@ def _read_loop(url: str, instances: int, stop: threading.Event, timings: dict[st
 
 def _sender_configs(config: FleetConfig, collector_urls: list[str], start: float) -> tuple[list[dict], dict]:
     names = [fleet_load.instance_name(i) for i in range(config.instances)]
-    otlp = set(names[:: max(1, round(1 / config.otlp_share))]) if config.otlp_share > 0 else set()
+    slices = [names[k :: config.senders] for k in range(config.senders)]
+    every = max(1, round(1 / config.otlp_share)) if config.otlp_share > 0 else 0
+    otlp = {name for mine in slices for name in mine[::every]} if every else set()  # the same share per collector
     step = max(1, config.instances // max(1, config.alert_trials))
     hot_names = [names[1 + j * step] for j in range(config.alert_trials) if 1 + j * step < len(names)]
     hot = {name: start + config.live_s * (0.2 + 0.3 * j / max(1, len(hot_names))) for j, name in enumerate(hot_names)}
     out = []
     for k in range(config.senders):
-        mine = names[k :: config.senders]
+        mine = slices[k]
         out.append(
             {
                 "url": collector_urls[k % len(collector_urls)],
@@ -350,6 +352,8 @@ def _run_senders(configs: list[dict], timeout_s: float) -> list[dict]:
         if proc.returncode != 0:
             raise FleetBenchError(f"a sender exited with {proc.returncode}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
+    if os.environ.get("KVPILOT_FLEET_DUMP"):  # DEBUG
+        Path(os.environ["KVPILOT_FLEET_DUMP"]).write_text(json.dumps(reports))
     return reports
 
 

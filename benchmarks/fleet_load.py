@@ -264,47 +264,49 @@ def history_batches(
 # --- OTLP -----------------------------------------------------------------------------------------
 
 
-def otlp_body(engine: Engine, finished: list[tuple[float, Request]]) -> bytes:
+def otlp_body(exports: list[tuple[Engine, list[tuple[float, Request]]]]) -> bytes:
     """An OTLP/protobuf export of one `llm_request` span per finished request (at its end), vLLM's attribute
-    names."""
+    names; a resource per engine (several: a node's OpenTelemetry agent batching its engines' spans)."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-    def kv(key: str, value: str | float | int) -> KeyValue:
-        if isinstance(value, str):
-            return KeyValue(key=key, value=AnyValue(string_value=value))
-        if isinstance(value, int):
-            return KeyValue(key=key, value=AnyValue(int_value=value))
-        return KeyValue(key=key, value=AnyValue(double_value=value))
-
     export = ExportTraceServiceRequest()
-    resource_spans = export.resource_spans.add()
-    resource_spans.resource.attributes.extend(
-        [kv("service.name", "vllm"), kv("service.instance.id", engine.instance), kv("kvpilot.run_id", engine.run_id)]
-    )
-    scope = resource_spans.scope_spans.add()
-    for end, r in finished:
-        span = scope.spans.add(
-            trace_id=engine.rng.randbytes(16),
-            span_id=engine.rng.randbytes(8),
-            name="llm_request",
-            kind=Span.SPAN_KIND_SERVER,
-            start_time_unix_nano=int((end - r.e2e_s) * 1e9),
-            end_time_unix_nano=int(end * 1e9),
-        )
-        attributes = {
-            "gen_ai.request.id": r.request_id,
-            "gen_ai.usage.prompt_tokens": r.prompt_tokens,
-            "gen_ai.usage.completion_tokens": r.output_tokens,
-            "gen_ai.latency.time_in_queue": r.queue_s,
-            "gen_ai.latency.time_in_model_prefill": r.prefill_s,
-            "gen_ai.latency.time_in_model_decode": r.decode_s,
-            "gen_ai.latency.time_to_first_token": r.ttft_s,
-            "gen_ai.latency.e2e": r.e2e_s,
-        }
-        span.attributes.extend(kv(k, v) for k, v in attributes.items())
+    for engine, finished in exports:
+        resource_spans = export.resource_spans.add()
+        resource = {"service.name": "vllm", "service.instance.id": engine.instance, "kvpilot.run_id": engine.run_id}
+        resource_spans.resource.attributes.extend(_kv(k, v) for k, v in resource.items())
+        scope = resource_spans.scope_spans.add()
+        for end, r in finished:
+            span = scope.spans.add(
+                trace_id=engine.rng.randbytes(16),
+                span_id=engine.rng.randbytes(8),
+                name="llm_request",
+                kind=Span.SPAN_KIND_SERVER,
+                start_time_unix_nano=int((end - r.e2e_s) * 1e9),
+                end_time_unix_nano=int(end * 1e9),
+            )
+            attributes = {
+                "gen_ai.request.id": r.request_id,
+                "gen_ai.usage.prompt_tokens": r.prompt_tokens,
+                "gen_ai.usage.completion_tokens": r.output_tokens,
+                "gen_ai.latency.time_in_queue": r.queue_s,
+                "gen_ai.latency.time_in_model_prefill": r.prefill_s,
+                "gen_ai.latency.time_in_model_decode": r.decode_s,
+                "gen_ai.latency.time_to_first_token": r.ttft_s,
+                "gen_ai.latency.e2e": r.e2e_s,
+            }
+            span.attributes.extend(_kv(k, v) for k, v in attributes.items())
     return export.SerializeToString()
+
+
+def _kv(key: str, value: str | float | int) -> Any:
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    if isinstance(value, str):
+        return KeyValue(key=key, value=AnyValue(string_value=value))
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    return KeyValue(key=key, value=AnyValue(double_value=value))
 
 
 # --- DCGM ------------------------------------------------------------------------------------------
@@ -386,61 +388,61 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         engine.batches += 1
         return batch, offered
 
-    def spans_of(client: httpx.Client, engine: Engine, batch: Rendered) -> tuple[bool, int]:
-        """The engine's finished requests as OTLP spans, when it sends them so (sent apart: a vLLM exports
-        its spans itself)."""
-        if engine.instance not in otlp or not batch.finished:
+    def spans_of(client: httpx.Client, rendered: list[tuple[Engine, Rendered, int]]) -> tuple[bool, int]:
+        """The finished requests of the engines that send them as OTLP spans (a vLLM exports its spans itself),
+        one export for them all; whether it was stored, and its span count."""
+        exports = [(e, b.finished) for e, b, _ in rendered if e.instance in otlp and b.finished]
+        if not exports:
             return True, 0
-        body = otlp_body(engine, batch.finished)
-        return post(client, "/v1/traces", body, {"Content-Type": "application/x-protobuf"}), len(batch.finished)
+        body = otlp_body(exports)
+        ok = post(client, "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+        return ok, sum(len(finished) for _, finished in exports)
 
-    def account(engine: Engine, batch: Rendered, offered: int, ok: bool, sent_spans: int, done: float) -> None:
+    def account(rendered: list[tuple[Engine, Rendered, int]], stored: dict[str, bool], done: float) -> None:
+        """What each engine offered and what of it was acknowledged (`stored`: by instance; an engine with
+        no events has nothing to be refused); each acknowledged batch's lag from its oldest event to `done`."""
         with lock:
-            report["offered"] += offered
-            if not ok:
-                report["unacked"] += len(batch.events) + sent_spans
-                return
-            for kind, n in batch.counts.items():
-                report["acked"][kind] = report["acked"].get(kind, 0) + n
-            report["acked"]["request"] = report["acked"].get("request", 0) + sent_spans
-            if batch.first_ts is not None:
-                report["lags"].append(done - batch.first_ts)
-            if batch.hot_ts is not None and engine.instance not in report["first_hot"]:
-                report["first_hot"][engine.instance] = batch.hot_ts
+            for engine, batch, offered in rendered:
+                report["offered"] += offered
+                if not stored.get(engine.instance, True):
+                    report["unacked"] += len(batch.events)
+                    continue
+                for kind, n in batch.counts.items():
+                    report["acked"][kind] = report["acked"].get(kind, 0) + n
+                if batch.first_ts is not None:
+                    report["lags"].append(done - batch.first_ts)
+                    report.setdefault("lag_at", []).append(
+                        (round(done - begin, 2), round(done - batch.first_ts, 2), engine.instance)
+                    )  # DEBUG
+                if batch.hot_ts is not None and engine.instance not in report["first_hot"]:
+                    report["first_hot"][engine.instance] = batch.hot_ts
 
-    def ship(client: httpx.Client, engine: Engine) -> None:
-        """One engine's push, alone (POST /v1/ingest under its own key)."""
-        batch, offered = render(engine)
-        ok = True
-        if batch.events:
-            headers = {"Idempotency-Key": f"{engine.instance}-{engine.batches}", "Content-Type": "application/json"}
-            ok = post(client, "/v1/ingest", batch.body(), headers)
-        sent_spans = 0
-        if ok:
-            ok, sent_spans = spans_of(client, engine, batch)
-        account(engine, batch, offered, ok, sent_spans, time.time())
-
-    def ship_node(client: httpx.Client, node: list[Engine]) -> None:
-        """A node's engines' pushes, each under its own key, in one bundle (what the node's relay forwards);
-        each member acknowledged by its own result."""
-        rendered = [(engine, *render(engine)) for engine in node]
-        members = [
-            bundle.Member(f"{engine.instance}-{engine.batches}", batch.body())
-            for engine, batch, _ in rendered
-            if batch.events
-        ]
-        statuses: dict[str, int] = {}
-        if members:
-            body = bundle.encode(members)
-            answer = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True)
-            keys = [f"{engine.instance}-{engine.batches}" for engine, batch, _ in rendered if batch.events]
-            statuses = dict(zip(keys, answer or [], strict=False))
-        for engine, batch, offered in rendered:
-            ok = not batch.events or statuses.get(f"{engine.instance}-{engine.batches}") in (200, 202)
-            sent_spans = 0
+    def account_spans(ok: bool, spans: int) -> None:
+        with lock:
             if ok:
-                ok, sent_spans = spans_of(client, engine, batch)
-            account(engine, batch, offered, ok, sent_spans, time.time())
+                report["acked"]["request"] = report["acked"].get("request", 0) + spans
+            else:
+                report["unacked"] += spans
+
+    def ship(client: httpx.Client, node: list[Engine]) -> None:
+        """A node's pushes: alone (one POST /v1/ingest per engine, `per_node` 1), or one bundle holding each
+        engine's push under its own key, each acknowledged by its own result (what the node's relay forwards);
+        then the node's spans."""
+        rendered = [(engine, *render(engine)) for engine in node]
+        pushed = [(engine, batch) for engine, batch, _ in rendered if batch.events]
+        keys = {engine.instance: f"{engine.instance}-{engine.batches}" for engine, _ in pushed}
+        stored: dict[str, bool] = {}
+        if per_node == 1:
+            for engine, batch in pushed:
+                headers = {"Idempotency-Key": keys[engine.instance], "Content-Type": "application/json"}
+                stored[engine.instance] = post(client, "/v1/ingest", batch.body(), headers)
+        elif pushed:
+            body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in pushed])
+            statuses = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True) or []
+            answered = dict(zip([e.instance for e, _ in pushed], statuses, strict=False))
+            stored = {e.instance: answered.get(e.instance) in (200, 202) for e, _ in pushed}
+        account(rendered, stored, time.time())
+        account_spans(*spans_of(client, rendered))
 
     def worker() -> None:
         """Take the node shipped longest ago (never one another thread holds), ship it, put it back."""
@@ -455,10 +457,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                     time.sleep(0.01)
                     continue
                 try:
-                    if per_node > 1:
-                        ship_node(client, node)
-                    else:
-                        ship(client, node[0])
+                    ship(client, node)
                 finally:
                     with lock:
                         queue.append(node)
@@ -469,7 +468,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         with httpx.Client(timeout=60.0) as client:
             while time.time() < config["until"]:
                 time.sleep(max(0.0, last[engine.instance] + config["min_interval_s"] - time.time()))
-                ship(client, engine)
+                ship(client, [engine])
 
     while time.time() < config["start"]:
         time.sleep(0.01)

@@ -277,11 +277,12 @@ def _stored(batch_id: int, key: str, batch: ParsedBatch) -> IngestResult:
 class Push:
     """One pushed body waiting for the storage stage, with what `parse_batch` and `store_batch` take for it."""
 
-    body: bytes
+    body: bytes  # what its digest is of (an OTLP export: its spans' identity)
     key: str | None  # the Idempotency-Key header
     claims: Claims | None
     max_events: int
     window: TimeWindow | None = None
+    parsed: ParsedBatch | None = None  # a batch a source adapter built (OTLP spans): not parsed again
 
 
 Outcome = IngestResult | CollectorError
@@ -306,7 +307,7 @@ def store_pushes(engine: Engine, pushes: Sequence[Push], *, now: float | None = 
     batches: dict[int, ParsedBatch] = {}
     for i, push in enumerate(pushes):
         try:
-            batches[i] = parse_batch(push.body, max_events=push.max_events, window=push.window)
+            batches[i] = push.parsed or parse_batch(push.body, max_events=push.max_events, window=push.window)
         except CollectorError as exc:
             outcomes[i] = exc
     keys: dict[int, str] = {}
@@ -335,14 +336,16 @@ def store_pushes(engine: Engine, pushes: Sequence[Push], *, now: float | None = 
             del keys[i]
     members: list[int] = []
     ids: list[int] = []
+    claimed: dict[int, ParsedBatch] = {}
     if keys:
         try:
             with translate_errors():
                 try:
                     with engine.begin() as conn:
                         members = _sort_members(conn, pushes, batches, list(keys), outcomes, alone)
+                        claimed = _claim_group_spans(conn, batches, members, received)
                         if members:
-                            ids = _write_group(conn, [(keys[i], digests[i], batches[i]) for i in members], received)
+                            ids = _write_group(conn, [(keys[i], digests[i], claimed[i]) for i in members], received)
                 except IntegrityError:  # another collector stored one of the keys first: each alone, in order
                     alone.extend(members)
                     members, ids = [], []
@@ -351,7 +354,7 @@ def store_pushes(engine: Engine, pushes: Sequence[Push], *, now: float | None = 
                 outcomes[i] = exc
             members, ids = [], []
     for i, batch_id in zip(members, ids, strict=True):
-        outcomes[i] = _stored(batch_id, keys[i], batches[i])
+        outcomes[i] = _stored(batch_id, keys[i], claimed[i])
     for i in sorted(alone):
         push = pushes[i]
         try:
@@ -363,6 +366,33 @@ def store_pushes(engine: Engine, pushes: Sequence[Push], *, now: float | None = 
     if any(o is None for o in outcomes):
         raise AssertionError("store_pushes left a push without an outcome")
     return outcomes  # type: ignore[return-value]  # every slot filled, checked above
+
+
+def _claim_group_spans(
+    conn: Connection, batches: dict[int, ParsedBatch], candidates: list[int], received: float
+) -> dict[int, ParsedBatch]:
+    """`batches` with every OTLP member's request rows kept only where its span is claimed in this transaction
+    (after the members were sorted: a span is claimed only by the transaction that writes its row;
+    `_claim_spans`, all the group's spans at once, in one sorted order; a span two members carry goes to the
+    first). A batch that carries no spans is given back as it is."""
+    spanned = [i for i in candidates if batches[i].span_ids is not None]
+    if not spanned:
+        return batches
+    every = [span for i in spanned for span in batches[i].span_ids or ()]
+    free = set(_claim_span_ids(conn, every, received))
+    out = dict(batches)
+    for i in spanned:
+        batch = batches[i]
+        ids = batch.span_ids or []
+        keep = [k for k, span in enumerate(ids) if span in free]
+        free.difference_update(ids[k] for k in keep)
+        requests = batch.rows.get("request", [])
+        rows = {kind: r for kind, r in batch.rows.items() if kind != "request"}
+        if keep:
+            rows["request"] = [requests[k] for k in keep]
+        instances, runs = _spans(rows)
+        out[i] = dataclasses.replace(batch, rows=rows, instances=instances, runs=runs, span_ids=[ids[k] for k in keep])
+    return out
 
 
 def _sort_members(
@@ -463,7 +493,14 @@ _CLAIM_CHUNK = 500  # rows per INSERT: 3 parameters each, far below SQLite's and
 def _claim_spans(
     conn: Connection, rows: dict[str, list[tuple]], span_ids: list[tuple[str, str]], received: float
 ) -> dict[str, list[tuple]]:
-    """Claim each request row's span in `otlp_spans`; keep only the rows whose span no other batch stored.
+    """Claim each request row's span in `otlp_spans`; keep only the rows whose span no other batch stored."""
+    claimed = _claim_span_ids(conn, span_ids, received)
+    kept = [row for row, span in zip(rows.get("request", []), span_ids, strict=True) if span in claimed]
+    return {**rows, "request": kept} if kept else {kind: r for kind, r in rows.items() if kind != "request"}
+
+
+def _claim_span_ids(conn: Connection, span_ids: list[tuple[str, str]], received: float) -> set[tuple[str, str]]:
+    """The spans of `span_ids` this transaction claimed in `otlp_spans` (those no other batch stored).
 
     INSERT ... ON CONFLICT DO NOTHING RETURNING names the spans this transaction claimed. On PostgreSQL a
     concurrent batch holding one of them makes this wait for its commit, then skip it. Claims go in sorted
@@ -475,8 +512,7 @@ def _claim_spans(
     claimed: set[tuple[str, str]] = set()
     for start in range(0, len(params), _CLAIM_CHUNK):
         claimed.update((t, s) for t, s in conn.execute(stmt.values(params[start : start + _CLAIM_CHUNK])))
-    kept = [row for row, span in zip(rows.get("request", []), span_ids, strict=True) if span in claimed]
-    return {**rows, "request": kept} if kept else {kind: r for kind, r in rows.items() if kind != "request"}
+    return claimed
 
 
 def find_duplicate(engine: Engine, key: str, content: bytes) -> IngestResult | None:

@@ -102,7 +102,7 @@ class Bundled:
     pushes: list[Push]
 
 
-def _round_store(state: CollectorState) -> Callable[[list[Any]], Awaitable[list[Any]]]:
+def round_store(state: CollectorState) -> Callable[[list[Any]], Awaitable[list[Any]]]:
     """The storage round of the pushes and bundles a leader took: all their pushes in one `store_sync`, each
     item given back its own outcome (a bundle: its members', in order)."""
 
@@ -151,7 +151,7 @@ async def ingest(
             result = await run_in_threadpool(find_duplicate, state.engine, idempotency_key, body)
         if result is None:
             push = _push(state, identity, body, idempotency_key)
-            result = await state.admission.store(request, push, _round_store(state), group=True, size=len(body))
+            result = await state.admission.store(request, push, round_store(state), group=True, size=len(body))
     _count(state, result)
     return JSONResponse(_payload(result), status_code=200 if result.duplicate else 202)
 
@@ -177,7 +177,7 @@ async def ingest_bundle(request: Request, state: StateDep, identity: IngestIdent
             raise Rejected(400, "bad_bundle", f"bundle rejected, nothing stored: {exc}") from None
         item = Bundled([_push(state, identity, m.body, m.key) for m in members])
         outcomes = await state.admission.store(
-            request, item, _round_store(state), group=True, size=len(body), count=len(members)
+            request, item, round_store(state), group=True, size=len(body), count=len(members)
         )
     results = []
     retry_after = None

@@ -2,8 +2,9 @@
 
 The handler stays thin, as /v1/ingest's: the same ingest token, admission control
 (`admission`), body limits (wire and inflated; inflated in a worker thread), ownership and cardinality
-bounds (`collector.claims`) and storage path (`collector.otlp` turns spans into request events,
-`store_batch` stores them in a worker thread). Answers follow the OTLP/HTTP spec, in the request's
+bounds (`collector.claims`) and storage path (`collector.otlp` turns spans into request events; the
+export is then a push like any other, group-committed with the pushes queued beside it, its spans claimed
+in that transaction so that a span exported twice is stored once). Answers follow the OTLP/HTTP spec, in the request's
 encoding: 200 with an ExportTraceServiceResponse (`partial_success` when llm_request spans were
 rejected); a refusal as a google.rpc.Status (`status_response`, which the app's one refusal handler
 calls for this path): 400 an undecodable body, 401/403 the token, 409 an instance owned by another
@@ -15,7 +16,6 @@ bottleneck) with Retry-After, which the exporter honours.
 from __future__ import annotations
 
 import logging
-import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
@@ -23,10 +23,11 @@ from fastapi.responses import Response
 
 from collector import otlp
 from collector.claims import Claims
-from collector.ingest import IngestResult, batch_from_events, store_batch
+from collector.ingest import IngestResult, ParsedBatch, Push, batch_from_events
 from collector.server.admission import Ticket, client_gone, read_body
 from collector.server.deps import CollectorState, IngestIdentity, IngestMetrics, StateDep, require_token
 from collector.server.errors import ERROR_RESPONSES, Rejected
+from collector.server.ingest_routes import round_store
 from collector.validation import TimeWindow
 
 log = logging.getLogger("kvpilot.collector")
@@ -72,10 +73,9 @@ def status_response(request: Request, exc: Rejected) -> Response:
     )
 
 
-def export_sync(
-    state: CollectorState, body: bytes, media: otlp.Media, claims: Claims | None = None
-) -> tuple[otlp.SpanBatch, IngestResult | None]:
-    """Decode, convert and store one export in a worker thread, in a storage round of its own."""
+def decode_export(state: CollectorState, body: bytes, media: otlp.Media) -> tuple[otlp.SpanBatch, ParsedBatch | None]:
+    """Decode and convert one export in a worker thread (its request rows as a batch; None when it holds no
+    llm_request span), taking turns with the storage rounds (`ingest_routes.store_sync` says why)."""
     settings = state.settings
     with state.ingest_lock:
         request = otlp.parse_request(body, media, max_spans=settings.otlp_max_spans)
@@ -87,11 +87,7 @@ def export_sync(
         )
         if not spans.events:
             return spans, None
-        batch = batch_from_events(spans.events, max_events=settings.otlp_max_spans, span_ids=spans.span_ids)
-        result = store_batch(
-            state.engine, batch, idempotency_key=spans.idempotency_key, content=spans.identity, claims=claims
-        )
-        return spans, result
+        return spans, batch_from_events(spans.events, max_events=settings.otlp_max_spans, span_ids=spans.span_ids)
 
 
 @router.post(
@@ -121,16 +117,17 @@ async def export_traces(request: Request, state: StateDep, identity: IngestIdent
         raw = await read_body(request, ticket, state.settings.max_batch_bytes)
         state.metrics.bytes.inc(len(raw))
         body = await decode_body(request, raw, state, ticket)
-        claims = Claims(identity, state.windows)
-
-        async def store(_: list[bytes]) -> list[tuple[otlp.SpanBatch, IngestResult | None]]:
-            started = time.perf_counter()
-            try:
-                return [await run_in_threadpool(export_sync, state, body, media, claims)]
-            finally:
-                state.metrics.latency.observe(time.perf_counter() - started)
-
-        spans, result = await state.admission.store(request, body, store, group=False, size=len(body))
+        spans, batch = await run_in_threadpool(decode_export, state, body, media)
+        result = None
+        if batch is not None:  # stored as a push is, in the round of the pushes queued with it
+            push = Push(
+                spans.identity,
+                spans.idempotency_key,
+                Claims(identity, state.windows),
+                max_events=state.settings.otlp_max_spans,
+                parsed=batch,
+            )
+            result = await state.admission.store(request, push, round_store(state), group=True, size=len(body))
     _count(state.metrics, spans, result)
     if spans.rejected or spans.repeated:
         log.info("OTLP export: %s", spans.error_message())

@@ -162,3 +162,40 @@ def test_a_failed_round_gives_every_push_in_it_the_error() -> None:
 
     first, x, y = asyncio.run(scenario())
     assert first.outcome == "ok" and isinstance(x, RuntimeError) and y.outcome.args == ("the database went away",)
+
+
+def test_otlp_exports_join_a_group_and_a_span_exported_twice_is_stored_once(db_engine: Engine) -> None:
+    """Two exports (a source adapter's parsed batches) sharing one span, in one round with a push: one
+    transaction, each its own record, the shared span's row stored once (by the first that carries it)."""
+    from collector.ingest import batch_from_events
+    from collector.schema import OtlpSpan, RequestRow
+    from collector.validation import validate_event
+
+    claims = Claims("alice", ClaimWindows(CardinalityLimits()))
+    _alone(db_engine, claims, [ev.step(0)], "makes-e0-r1")
+
+    def export(ids: list[int], key: str) -> Push:
+        events = [validate_event(ev.request(i, request_id=f"span-{i}")) for i in ids]
+        batch = batch_from_events(events, max_events=100, span_ids=[(f"t{i}", f"s{i}") for i in ids])
+        return Push(key.encode(), key, claims, max_events=100, parsed=batch)
+
+    groups: list[int] = []
+    real_write = ingest._write_group
+
+    def counting(conn: Any, members: list, received: float) -> list[int]:
+        groups.append(len(members))
+        return real_write(conn, members, received)
+
+    pushes = [export([1, 2, 3], "otlp-a"), _push(claims, [ev.step(10)], "push"), export([3, 4], "otlp-b")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ingest, "_write_group", counting)
+        a, push, b = store_pushes(db_engine, pushes)
+    assert groups == [3]  # one transaction for the three
+    assert isinstance(a, IngestResult) and isinstance(b, IngestResult) and isinstance(push, IngestResult)
+    assert (a.counts, b.counts) == ({"request": 3}, {"request": 1})  # span 3 went to the first
+    with db_engine.connect() as conn:
+        ids = sorted(conn.execute(select(RequestRow.request_id)).scalars())
+        spans = conn.execute(select(func.count()).select_from(OtlpSpan.__table__)).scalar_one()
+    assert ids == ["span-1", "span-2", "span-3", "span-4"] and spans == 4
+    again = store_pushes(db_engine, [export([4, 5], "otlp-c")])[0]  # a later export repeating span 4
+    assert isinstance(again, IngestResult) and again.counts == {"request": 1}

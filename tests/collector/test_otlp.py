@@ -39,7 +39,7 @@ from collector.ingest import batch_from_events, store_batch
 from collector.queries import latency_percentiles
 from collector.retention import DAY, prune
 from collector.schema import IngestBatch, Instance, OtlpSpan, RequestRow, Run
-from collector.server import create_app, otlp_routes, run_in_thread
+from collector.server import create_app, ingest_routes, otlp_routes, run_in_thread
 from collector.settings import CollectorSettings
 from tests.collector import evfactory as ev
 
@@ -452,7 +452,7 @@ def test_storage_outage_is_retryable_503(
     def down(*_args: object, **_kwargs: object) -> None:
         raise StorageUnavailableError("connection refused")
 
-    monkeypatch.setattr(otlp_routes, "store_batch", down)
+    monkeypatch.setattr(ingest_routes, "store_pushes", down)  # an export is stored in a push's round
     resp = export(client, make_spans([vllm_attributes(0)]), "json")
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert status_of(resp).code == 14 and "connection refused" not in resp.text
