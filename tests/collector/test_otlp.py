@@ -39,7 +39,7 @@ from collector.ingest import batch_from_events, store_batch
 from collector.queries import latency_percentiles
 from collector.retention import DAY, prune
 from collector.schema import IngestBatch, Instance, OtlpSpan, RequestRow, Run
-from collector.server import create_app, ingest_routes, otlp_routes, run_in_thread
+from collector.server import create_app, ingest_routes, run_in_thread
 from collector.settings import CollectorSettings
 from tests.collector import evfactory as ev
 

@@ -24,8 +24,8 @@ from collector.schema import IngestBatch, StepRow
 from collector.server import run_in_thread
 from collector.server.admission import StorageGate
 from collector.settings import CollectorSettings
-from engine.http_sink import HttpSink
 from engine.events import SampleEvent
+from engine.http_sink import HttpSink
 from plumbing.serving import ThreadServer, serve_in_thread
 from tests.collector import evfactory as ev
 
@@ -60,9 +60,7 @@ def _steps(instance: str, n: int, start: int = 0) -> bytes:
     return ev.body([ev.step(i, instance=instance) for i in range(start, start + n)])
 
 
-def test_a_bundle_stores_each_member_as_it_would_have_been_stored_alone(
-    collector: ThreadServer, db_url: str
-) -> None:
+def test_a_bundle_stores_each_member_as_it_would_have_been_stored_alone(collector: ThreadServer, db_url: str) -> None:
     with httpx.Client(base_url=collector.url, headers=AUTH, timeout=30.0) as client:
         before = client.post("/v1/ingest", content=_steps("node-a", 2), headers={"Idempotency-Key": "pushed-before"})
         assert before.status_code == 202
