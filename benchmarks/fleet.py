@@ -352,8 +352,6 @@ def _run_senders(configs: list[dict], timeout_s: float) -> list[dict]:
         if proc.returncode != 0:
             raise FleetBenchError(f"a sender exited with {proc.returncode}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
-    if os.environ.get("KVPILOT_FLEET_DUMP"):  # DEBUG
-        Path(os.environ["KVPILOT_FLEET_DUMP"]).write_text(json.dumps(reports))
     return reports
 
 
