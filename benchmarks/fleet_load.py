@@ -411,9 +411,6 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                     report["acked"][kind] = report["acked"].get(kind, 0) + n
                 if batch.first_ts is not None:
                     report["lags"].append(done - batch.first_ts)
-                    report.setdefault("lag_at", []).append(
-                        (round(done - begin, 2), round(done - batch.first_ts, 2), engine.instance)
-                    )  # DEBUG
                 if batch.hot_ts is not None and engine.instance not in report["first_hot"]:
                     report["first_hot"][engine.instance] = batch.hot_ts
 
