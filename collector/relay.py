@@ -42,6 +42,7 @@ from collector import bundle
 
 log = logging.getLogger("kvpilot.relay")
 
+BODY_TIMEOUT_S = 10.0  # a push trickling its body must not hold the relay's memory for ever
 UPSTREAM_FAILED = {"detail": "the collector could not be reached through the relay; retry later"}
 
 
@@ -156,6 +157,11 @@ class Forwarder:
             self._log("unreachable", f"collector unreachable ({type(exc).__name__}); {len(held)} pushes told to retry")
             self.metrics.bundles.labels("unreachable").inc()
             answers = [(503, UPSTREAM_FAILED, {"Retry-After": "1"})] * len(held)
+        except Exception as exc:  # whatever went wrong, every held push gets an answer
+            log.exception("relaying a bundle of %d pushes failed", len(held))
+            self.metrics.bundles.labels("failed").inc()
+            detail = {"detail": f"the relay failed to forward the push ({type(exc).__name__}); retry later"}
+            answers = [(502, detail, {"Retry-After": "1"})] * len(held)
         finally:
             self.metrics.upstream_seconds.observe(time.perf_counter() - started)
         for h, answer in zip(held, answers, strict=True):
@@ -174,19 +180,17 @@ class Forwarder:
         results = None
         if resp.status_code == 200:
             try:
-                results = resp.json()["results"]
+                results = [(int(r["status"]), r) for r in resp.json()["results"]]
             except (ValueError, KeyError, TypeError):
                 results = None
-        if not isinstance(results, list) or len(results) != n:
+        if results is None or len(results) != n:
             self.metrics.bundles.labels(f"refused_{resp.status_code}").inc()
             self._log("refused", f"collector refused a bundle of {n} pushes with {resp.status_code}")
             return [(502, {"detail": f"the collector refused the relay's bundle ({resp.status_code})"}, retry)] * n
         self.metrics.bundles.labels("stored").inc()
         out = []
-        for r in results:
-            status = int(r.pop("status"))
-            r.pop("key", None)
-            body = {k: v for k, v in r.items() if v is not None}
+        for status, r in results:
+            body = {k: v for k, v in r.items() if v is not None and k not in ("status", "key")}
             out.append((status, body, retry if status in (429, 503) else {}))
         return out
 
@@ -216,10 +220,14 @@ async def ingest(request: Request) -> Response:
         return relay.refuse(422, "invalid_request", "Idempotency-Key: 1-200 printable ASCII characters")
     limit = relay.config.max_member_bytes
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            return relay.refuse(413, "too_large", f"body exceeds the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    return relay.refuse(413, "too_large", f"body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        return relay.refuse(408, "body_timeout", f"the body did not arrive within {BODY_TIMEOUT_S:g}s")
     raw = bytes(body)
     if request.headers.get("content-encoding", "identity").strip().lower() == "gzip":
         try:

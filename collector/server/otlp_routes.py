@@ -74,20 +74,19 @@ def status_response(request: Request, exc: Rejected) -> Response:
 
 
 def decode_export(state: CollectorState, body: bytes, media: otlp.Media) -> tuple[otlp.SpanBatch, ParsedBatch | None]:
-    """Decode and convert one export in a worker thread (its request rows as a batch; None when it holds no
-    llm_request span), taking turns with the storage rounds (`ingest_routes.store_sync` says why)."""
+    """Decode and convert one export in a worker thread as it arrives (its request rows as a batch; None when
+    it holds no llm_request span), while the storage stage stores the round before it."""
     settings = state.settings
-    with state.ingest_lock:
-        request = otlp.parse_request(body, media, max_spans=settings.otlp_max_spans)
-        spans = otlp.request_events(
-            request,
-            instance_map=settings.otlp_instance_map,
-            max_spans=settings.otlp_max_spans,
-            window=TimeWindow.for_settings(settings),
-        )
-        if not spans.events:
-            return spans, None
-        return spans, batch_from_events(spans.events, max_events=settings.otlp_max_spans, span_ids=spans.span_ids)
+    request = otlp.parse_request(body, media, max_spans=settings.otlp_max_spans)
+    spans = otlp.request_events(
+        request,
+        instance_map=settings.otlp_instance_map,
+        max_spans=settings.otlp_max_spans,
+        window=TimeWindow.for_settings(settings),
+    )
+    if not spans.events:
+        return spans, None
+    return spans, batch_from_events(spans.events, max_events=settings.otlp_max_spans, span_ids=spans.span_ids)
 
 
 @router.post(

@@ -10,6 +10,7 @@ import gzip
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -243,3 +244,20 @@ def test_with_the_collector_down_every_held_push_is_told_to_retry() -> None:
     assert "could not be reached" in resp.json()["detail"]
     assert 'kvpilot_relay_bundles_total{outcome="unreachable"} 1.0' in metrics
     assert json.loads(json.dumps(resp.json())) == resp.json()
+
+
+def test_the_relay_command_refuses_what_it_cannot_serve_safely(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvpilot.cli_collector import collector_app
+
+    runner = CliRunner()
+    public_bind = ["relay", "--upstream", "http://10.0.0.5:8100", "--host", "0.0.0.0"]
+    public = runner.invoke(collector_app, public_bind, env={"KVPILOT_INGEST_TOKEN": None})
+    assert public.exit_code == 1 and "refusing to serve the relay on 0.0.0.0 without an ingest token" in public.output
+    scheme = runner.invoke(collector_app, ["relay", "--upstream", "ftp://x", "--token-file", str(tmp_path / "none")])
+    assert scheme.exit_code == 1 and "none" in scheme.output  # the missing token file, named
+    (tmp_path / "token").write_text("t\n")
+    bad = runner.invoke(collector_app, ["relay", "--upstream", "ftp://x", "--token-file", str(tmp_path / "token")])
+    assert bad.exit_code == 1 and "upstream must be an http(s) URL" in bad.output
+    assert "Traceback" not in public.output + scheme.output + bad.output
