@@ -111,6 +111,7 @@ class Forwarder:
         size = len(member.body)
         if self.held_bytes + size > self.config.max_pending_bytes:
             self.metrics.refused.labels("overloaded_bytes").inc()
+            self.log_limited("refused-overloaded_bytes", "pushes refused with 429: the relay holds its byte bound")
             limit = self.config.max_pending_bytes
             detail = f"{self.held_bytes} bytes of pushes held by the relay, the limit is {limit}; retry later"
             return 429, {"detail": detail}, {"Retry-After": "1"}
@@ -154,7 +155,9 @@ class Forwarder:
             resp = await self.client.post(self.config.upstream.rstrip("/") + bundle.PATH, content=body, headers=headers)
             answers = self._answers(resp, len(held))
         except httpx.HTTPError as exc:
-            self._log("unreachable", f"collector unreachable ({type(exc).__name__}); {len(held)} pushes told to retry")
+            self.log_limited(
+                "unreachable", f"collector unreachable ({type(exc).__name__}); {len(held)} pushes told to retry"
+            )
             self.metrics.bundles.labels("unreachable").inc()
             answers = [(503, UPSTREAM_FAILED, {"Retry-After": "1"})] * len(held)
         except Exception as exc:  # whatever went wrong, every held push gets an answer
@@ -175,7 +178,7 @@ class Forwarder:
         retry = {"Retry-After": resp.headers.get("Retry-After", "1")}
         if resp.status_code in (429, 503):
             self.metrics.bundles.labels(f"refused_{resp.status_code}").inc()
-            self._log("busy", f"collector answered {resp.status_code}; {n} pushes told to retry")
+            self.log_limited("busy", f"collector answered {resp.status_code}; {n} pushes told to retry")
             return [(resp.status_code, {"detail": "the collector is overloaded; retry later"}, retry)] * n
         results = None
         if resp.status_code == 200:
@@ -185,7 +188,7 @@ class Forwarder:
                 results = None
         if results is None or len(results) != n:
             self.metrics.bundles.labels(f"refused_{resp.status_code}").inc()
-            self._log("refused", f"collector refused a bundle of {n} pushes with {resp.status_code}")
+            self.log_limited("refused", f"collector refused a bundle of {n} pushes with {resp.status_code}")
             return [(502, {"detail": f"the collector refused the relay's bundle ({resp.status_code})"}, retry)] * n
         self.metrics.bundles.labels("stored").inc()
         out = []
@@ -194,7 +197,7 @@ class Forwarder:
             out.append((status, body, retry if status in (429, 503) else {}))
         return out
 
-    def _log(self, kind: str, message: str) -> None:
+    def log_limited(self, kind: str, message: str) -> None:
         now = time.monotonic()
         if now - self._last_log.get(kind, -1e9) >= 10.0:
             self._last_log[kind] = now
@@ -291,7 +294,9 @@ class Relay:
         return None
 
     def refuse(self, status: int, reason: str, detail: str, headers: dict[str, str] | None = None) -> Response:
+        """A push the relay refuses itself: counted, logged (at most once per reason every 10 s), answered."""
         self.metrics.refused.labels(reason).inc()
+        self.forwarder.log_limited(f"refused-{reason}", f"push refused with {status} {reason}: {detail}")
         return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 

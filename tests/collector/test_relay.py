@@ -195,7 +195,9 @@ def test_the_relay_forwards_concurrent_pushes_as_one_bundle_and_answers_each(
     assert _count(db_url, StepRow) == 20
 
 
-def test_the_relay_refuses_what_the_collector_would(relay: tuple[ThreadServer, CollectorRegistry]) -> None:
+def test_the_relay_refuses_what_the_collector_would(
+    relay: tuple[ThreadServer, CollectorRegistry], caplog: pytest.LogCaptureFixture
+) -> None:
     server, registry = relay
     url = server.url + "/v1/ingest"
     assert httpx.post(url, content=b"{}").status_code == 401
@@ -206,6 +208,7 @@ def test_the_relay_refuses_what_the_collector_would(relay: tuple[ThreadServer, C
     bomb = gzip.compress(b" " * (17 * 2**20))
     assert httpx.post(url, content=bomb, headers={**AUTH, "Content-Encoding": "gzip"}).status_code == 413
     assert registry.get_sample_value("kvpilot_relay_refused_total", {"reason": "forbidden"}) == 1
+    assert "push refused with 403 forbidden: wrong bearer token for pushes" in caplog.text
 
 
 def test_an_engine_sink_behind_the_relay_gets_its_events_stored(

@@ -16,7 +16,7 @@ from collector.db import make_engine
 from integrations.vllm.config import VllmConfig
 from tuner import workloads as WL
 from tuner.capacity import breaches, requests_at
-from tuner.compare import PROPOSAL
+from tuner.compare import INCONCLUSIVE, PROPOSAL
 from tuner.metrics import SLO
 from tuner.vllm.backend import VllmBackend
 from tuner.vllm.space import load_vllm_space
@@ -108,11 +108,18 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
         backend.close()
         db.dispose()
     assert aa.verdict != PROPOSAL, aa.as_dict()
-    assert len(aa.pairs) == 2 and all(p["replays"] >= 4 for p in aa.pairs)
+    assert all(p["replays"] >= 4 for p in aa.pairs)
     assert all(c > 0 for p in aa.pairs for c in (*p["running"], *p["candidate"])), aa.as_dict()
     assert (
         backend.restart_costs()["launches"] == backend.restart_costs()["isolated"] == 4
         and backend.stale_targets == []
         and aa.fresh_servers
     )
+    if aa.not_measured is not None:
+        # A loaded 2-core machine whose sender could not send a round's first replay on time in 5 attempts (seen
+        # once in CI): the comparison ends inconclusive saying so, with the pair it measured and no verdict.
+        assert aa.verdict == INCONCLUSIVE and "sent late" in aa.not_measured and len(aa.pairs) == 1, aa.as_dict()
+        assert "could not be made" in aa.sentence()
+        return
+    assert len(aa.pairs) == 2
     assert aa.interval is not None and aa.interval.low <= aa.interval.ratio <= aa.interval.high
