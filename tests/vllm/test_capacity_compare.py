@@ -117,8 +117,8 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
     )
     if aa.not_measured is not None:
         # A loaded 2-core machine whose sender could not send a round's first replay on time in 5 attempts (seen
-        # once in CI): the comparison ends inconclusive saying so, with the pair it measured and no verdict.
-        assert aa.verdict == INCONCLUSIVE and "sent late" in aa.not_measured and len(aa.pairs) == 1, aa.as_dict()
+        # once in CI): the comparison ends inconclusive saying so, with the pair measured before (if any).
+        assert aa.verdict == INCONCLUSIVE and "sent late" in aa.not_measured and len(aa.pairs) <= 1, aa.as_dict()
         assert "could not be made" in aa.sentence()
         return
     assert len(aa.pairs) == 2
