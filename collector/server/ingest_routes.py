@@ -114,13 +114,8 @@ def round_store(state: CollectorState) -> Callable[[list[Any]], Awaitable[list[A
         finally:  # every batch of the round took the round's time to its commit
             for _ in pushes:
                 state.metrics.latency.observe(time.perf_counter() - started)
-        out: list[Any] = []
-        at = 0
-        for item in items:
-            n = len(item.pushes) if isinstance(item, Bundled) else 1
-            out.append(outcomes[at : at + n] if isinstance(item, Bundled) else outcomes[at])
-            at += n
-        return out
+        rest = iter(outcomes)
+        return [[next(rest) for _ in item.pushes] if isinstance(item, Bundled) else next(rest) for item in items]
 
     return store
 
@@ -184,14 +179,12 @@ async def ingest_bundle(request: Request, state: StateDep, identity: IngestIdent
             raise Rejected(400, "bad_bundle", f"bundle rejected, nothing stored: {exc}") from None
         parsed = await _parse_ahead(state, ticket, [_push(state, identity, m.body, m.key) for m in members])
         item = Bundled([p for p in parsed if isinstance(p, Push)])
-        stored = iter(
-            await state.admission.store(
-                request, item, round_store(state), group=True, size=len(body), count=len(item.pushes)
-            )
-            if item.pushes
-            else []
-        )
-        outcomes = [p if isinstance(p, CollectorError) else next(stored) for p in parsed]
+        stored: list[Any] = []
+        if item.pushes:  # the members that parsed take one turn at the storage stage
+            size, count = len(body), len(item.pushes)
+            stored = await state.admission.store(request, item, round_store(state), group=True, size=size, count=count)
+        rest = iter(stored)
+        outcomes = [p if isinstance(p, CollectorError) else next(rest) for p in parsed]
     results = []
     retry_after = None
     for member, outcome in zip(members, outcomes, strict=True):
