@@ -8,7 +8,8 @@ still processed, and /health queues behind them. So:
 - at most `max_inflight_requests` pushes are admitted at once; the next is answered 429 at once;
 - admitted pushes hold at most `max_inflight_bytes` of bodies, counted as they arrive and as they
   inflate (in a worker thread, a chunk at a time, stopping at the per-request limit: 413, or at the
-  budget: 429), so 30 padded gzip bodies cannot take the process to gigabytes;
+  budget: 429), so 30 padded gzip bodies cannot take the process to gigabytes, and the rows they
+  parse into (`Ticket.reserve_rows`: pushes and OTLP exports alike) count too;
 - an admitted push waits at most `storage_wait_s` for the storage stage (first come, first served):
   503, the database is the bottleneck; a push whose client disconnected leaves the queue unprocessed;
 - every refusal carries `Retry-After`, is counted in `kvpilot_collector_ingest_rejected_total{reason}`
@@ -37,6 +38,7 @@ from starlette.requests import ClientDisconnect
 from collector.server.errors import Rejected
 from collector.settings import CollectorSettings
 
+ROW_BYTES = 512  # a parsed event's row tuple in memory, about (measured: 1.8x its JSON text)
 INFLATE_CHUNK = 1 << 20  # inflated bytes per step: the budget is checked between steps
 POLL_S = 0.2  # how often a queued push asks whether its client is still there
 MAX_RETRY_AFTER_S = 30
@@ -172,6 +174,10 @@ class Ticket:
                 raise adm.overloaded(429, "overloaded_bytes", detail)
             adm.bytes += n
             self.held += n
+
+    def reserve_rows(self, rows: int) -> None:
+        """Room for `rows` parsed events held until the push ends (their tuples, not their text: `ROW_BYTES`)."""
+        self.reserve(ROW_BYTES * rows)
 
     def give_back(self, n: int) -> None:
         with self.admission._lock:

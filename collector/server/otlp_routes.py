@@ -119,6 +119,7 @@ async def export_traces(request: Request, state: StateDep, identity: IngestIdent
         spans, batch = await run_in_threadpool(decode_export, state, body, media)
         result = None
         if batch is not None:  # stored as a push is, in the round of the pushes queued with it
+            ticket.reserve_rows(batch.count)
             push = Push(
                 spans.identity,
                 spans.idempotency_key,
