@@ -266,7 +266,7 @@ def page_reads(url: str, engine: Any, instances: int) -> dict[str, Callable[[flo
     def overview(start: float, end: float) -> None:
         queries.headline_latency(engine, start=start, end=end)
         queries.engine_peaks(engine, start=start, end=end)
-        queries.step_load_over_time(engine, start=start, end=end, bucket_s=60.0)
+        queries.step_load_lines(engine, start=start, end=end, bucket_s=60.0)
 
     def latency(start: float, end: float) -> None:
         for metric in ("ttft", "e2e"):

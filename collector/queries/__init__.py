@@ -25,7 +25,16 @@ from collector.queries.diagnosis_base import KNOBS, TRAPS, Finding, Knob, Trap, 
 from collector.queries.diagnosis_kv import memory_wall, swap_thrashing
 from collector.queries.diagnosis_requests import bursts, cold_start, mixed_lengths
 from collector.queries.engine_info import ENGINES, EngineInfo, EngineName, engine_infos
-from collector.queries.engine_peaks import EnginePeaks, StepLoadBucket, engine_peaks, step_load_over_time, step_source
+from collector.queries.engine_peaks import (
+    EnginePeaks,
+    FleetLoadBucket,
+    LoadLines,
+    StepLoadBucket,
+    engine_peaks,
+    step_load_lines,
+    step_load_over_time,
+    step_source,
+)
 from collector.queries.engine_stats import (
     AllocOpBucket,
     AllocTrace,
@@ -98,6 +107,7 @@ __all__ = [
     "EngineName",
     "EnginePeaks",
     "Finding",
+    "FleetLoadBucket",
     "Goodput",
     "GroupBy",
     "HeadlineLatency",
@@ -109,6 +119,7 @@ __all__ = [
     "Labels",
     "LatencyMetric",
     "LatencyStats",
+    "LoadLines",
     "LostEvents",
     "Points",
     "QuantileBucket",
@@ -162,6 +173,7 @@ __all__ = [
     "series_points",
     "slowest_requests",
     "stage_breakdown_over_time",
+    "step_load_lines",
     "step_load_over_time",
     "step_source",
     "stored_event_counts",

@@ -25,10 +25,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Subquery, func, select
+from sqlalchemy import Integer, Subquery, case, cast, func, null, select
 from sqlalchemy.sql import ColumnElement
 
-from collector.queries._base import Db, _bound, _dialect, bucket_expr
+from collector.queries._base import Db, _bound, _dialect, _f, bucket_expr
 from collector.queries.step_rollup import ROLLUP_NOTE, load_rows
 from collector.queries.timeseries import series_instances, series_points
 from collector.schema import RequestRow, SampleRow
@@ -37,6 +37,11 @@ VLLM_STEPS = "vLLM iteration log (every step)"
 VLLM_SPANS = "vLLM spans (every request's time in the queue)"
 KVPILOT_STEPS = "kvpilot engine steps (every step)"
 NO_DATA = "no data in the window"
+# Past this many instances with steps a load chart draws the fleet's envelope and the TOP_LINES instances of the
+# highest peaks of each series instead of a line each: 1,000 lines are a 60,000-row read an hour that shows
+# nobody anything.
+MAX_LINES = 12
+TOP_LINES = 5
 
 
 def sampled_source(interval_s: float | None, *, scraped: bool) -> str:
@@ -174,6 +179,160 @@ def step_load_over_time(
     return out
 
 
+@dataclass(frozen=True)
+class FleetLoadBucket:
+    """One bucket of many instances' load: the highest of their peaks in it, and the mean of those peaks over the
+    instances with steps in it. `waiting_*` is over the instances whose steps carry their queue (kvpilot's
+    engines; None when there is none)."""
+
+    ts: float
+    kv_usage_max: float | None
+    kv_usage_mean: float | None
+    running_max: int
+    running_mean: float
+    waiting_max: int | None
+    waiting_mean: float | None
+    instances: int
+    rollup: bool = False
+
+
+@dataclass(frozen=True)
+class LoadLines:
+    """What a load chart draws for the instances with steps in the window.
+
+    Up to `max_lines` instances, each has its own line (`lines`, every instance) and `fleet` is empty. Past
+    that, a chart of every instance is a thousand tangled lines and a 60,000-row read: `fleet` holds the
+    envelope per bucket, and `lines` only the instances of the highest window peaks (`top[series]`, highest
+    first, for kv_usage, running and waiting), so the instance that breaks away is still drawn by name.
+    `sources` is every instance's step source (`VLLM_STEPS` or `KVPILOT_STEPS`), lines or not.
+    """
+
+    lines: dict[str, list[StepLoadBucket]]
+    sources: dict[str, str]
+    fleet: list[FleetLoadBucket]
+    top: dict[str, list[str]]
+
+    @property
+    def instances(self) -> int:
+        return len(self.sources)
+
+    def fleet_source(self) -> str:
+        """Where the envelope's figures come from (with the rollup's note when it was read)."""
+        found = " + ".join(sorted(set(self.sources.values())))
+        return f"{found}; {ROLLUP_NOTE}" if any(b.rollup for b in self.fleet) else found
+
+
+def step_load_lines(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+    max_lines: int = MAX_LINES,
+    top: int = TOP_LINES,
+) -> LoadLines:
+    """The lines of a load chart over `start <= ts < end` (see `LoadLines`): every instance's buckets
+    (`step_load_over_time`) when there are at most `max_lines` instances with steps, else the fleet's
+    envelope and the `top` instances of each series. Three to four reads whose results are bounded by the
+    instances and the buckets, never by their product."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be positive")
+    if max_lines < 1 or top < 1:
+        raise ValueError("max_lines and top must be at least 1")
+    peaks, _ = _step_peaks(db, start=start, end=end, instances=instances, run_id=run_id)
+    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    sources = {name: KVPILOT_STEPS if name in pushing else VLLM_STEPS for name in sorted(peaks)}
+    if len(peaks) <= max_lines:
+        lines = step_load_over_time(db, start=start, end=end, bucket_s=bucket_s, instances=instances, run_id=run_id)
+        return LoadLines(lines=lines, sources=sources, fleet=[], top={})
+    queued = sorted(name for name in peaks if name in pushing)
+    tops = {
+        "kv_usage": _highest_names({n: p.kv for n, p in peaks.items()}, top),
+        "running": _highest_names({n: p.running for n, p in peaks.items()}, top),
+        "waiting": _highest_names({n: peaks[n].waiting for n in queued}, top),
+    }
+    drawn = sorted({name for names in tops.values() for name in names})
+    lines = step_load_over_time(db, start=start, end=end, bucket_s=bucket_s, instances=drawn, run_id=run_id)
+    fleet = _envelope(
+        db, start=start, end=end, bucket_s=bucket_s, instances=instances, run_id=run_id, queued=queued, all=list(peaks)
+    )
+    return LoadLines(lines=lines, sources=sources, fleet=fleet, top=tops)
+
+
+def _highest_names(values: dict[str, float | int | None], n: int) -> list[str]:
+    """The `n` names of the highest values (None left out), highest first, ties by name."""
+    ranked = sorted(((v, name) for name, v in values.items() if v is not None), key=lambda p: (-p[0], p[1]))
+    return [name for _, name in ranked[:n]]
+
+
+def _envelope(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    bucket_s: float,
+    instances: Sequence[str] | None,
+    run_id: str | None,
+    queued: list[str],
+    all: list[str],
+) -> list[FleetLoadBucket]:
+    """Per bucket, the highest and the mean of the instances' peaks in it; waiting over `queued` only (the
+    instances whose steps carry their queue), named by whichever list is shorter."""
+    rows, _ = load_rows(start=start, end=end, instances=instances, run_id=run_id, bucket_s=bucket_s)
+    if not queued:
+        waiting: ColumnElement = cast(null(), Integer)
+    elif len(queued) == len(all):
+        waiting = rows.c.waiting_max
+    elif len(queued) <= len(all) - len(queued):
+        waiting = case((rows.c.instance.in_(queued), rows.c.waiting_max))
+    else:
+        waiting = case((rows.c.instance.not_in(sorted(set(all) - set(queued))), rows.c.waiting_max))
+    with _bound(db) as conn:
+        b = bucket_expr(rows.c.ts, bucket_s, _dialect(conn)).label("bucket")
+        per = (
+            select(
+                b,
+                func.max(rows.c.kv_usage_max).label("kv"),
+                func.max(rows.c.running_max).label("running"),
+                func.max(waiting).label("waiting"),
+                func.max(rows.c.rolled).label("rolled"),
+            )
+            .group_by(rows.c.instance, b)
+            .subquery("per_instance")
+        )
+        stmt = (
+            select(
+                per.c.bucket,
+                func.max(per.c.kv),
+                func.avg(per.c.kv),
+                func.max(per.c.running),
+                func.avg(per.c.running),
+                func.max(per.c.waiting),
+                func.avg(per.c.waiting),
+                func.count(),
+                func.max(per.c.rolled),
+            )
+            .group_by(per.c.bucket)
+            .order_by(per.c.bucket)
+        )
+        return [
+            FleetLoadBucket(
+                ts=float(bucket),
+                kv_usage_max=_f(kv_max),
+                kv_usage_mean=_f(kv_mean),
+                running_max=int(run_max),
+                running_mean=float(run_mean),
+                waiting_max=None if wait_max is None else int(wait_max),
+                waiting_mean=_f(wait_mean),
+                instances=int(n),
+                rollup=bool(rolled),
+            )
+            for bucket, kv_max, kv_mean, run_max, run_mean, wait_max, wait_mean, n, rolled in conn.execute(stmt)
+        ]
+
+
 def _peak_columns(rows: Subquery) -> list[ColumnElement]:
     return [
         func.max(rows.c.kv_usage_max),
@@ -262,7 +421,9 @@ def _sampled(
     """(highest sample, its source) per instance not in `skip`, from every label set of the gauge. Only those
     instances' points are read: a fleet whose engines all have steps reads none (1,000 instances' samples of an
     hour were 140,000 rows fetched to be dropped)."""
-    wanted = series_instances(db, name=name, start=start, end=end, instances=instances) - skip
+    # an engine's own samples count only for an engine that pushes them (`pushing`) and has no steps
+    engines = sorted(pushing - skip)
+    wanted = series_instances(db, name=name, start=start, end=end, instances=instances, engines=engines) - skip
     if not wanted:
         return []
     by_instance: dict[str, list[tuple[float, float]]] = {}

@@ -85,7 +85,12 @@ def _engine_sources(name: str, start: float, end: float, instances: Sequence[str
 
 def _sources(name: str, start: float, end: float, instances: Sequence[str] | None) -> list[Select]:
     """One SELECT (instance, labels, ts, value) per table that holds `name`."""
-    selects = _engine_sources(name, start, end, instances)
+    return [*_engine_sources(name, start, end, instances), *_scraped_sources(name, start, end, instances)]
+
+
+def _scraped_sources(name: str, start: float, end: float, instances: Sequence[str] | None) -> list[Select]:
+    """SELECT (instance, labels, ts, value) from the scraped series' points and their downsampled rows."""
+    selects: list[Select] = []
     t = SeriesPoint.__table__
     conds = [t.c.name == name, t.c.ts >= start, t.c.ts < end]
     if instances is not None:
@@ -237,14 +242,28 @@ def raw_series(
 
 
 def series_instances(
-    db: Db, *, name: str, start: float, end: float, instances: Sequence[str] | None = None
+    db: Db,
+    *,
+    name: str,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None = None,
+    engines: Sequence[str] | None = None,
 ) -> set[str]:
-    """The instances with a point of `name` in the window (one row each, not their points)."""
+    """The instances with a point of `name` in the window (one row each, not their points). `engines`: only these
+    instances' engine events are looked at (the scraped series of every instance still are), for a caller that
+    already knows which engines can count: a fleet's hour of samples is millions of rows to find none in."""
     if name not in CANONICAL:
         raise ValueError(f"unknown series {name!r}; known: {', '.join(list_series_names())}")
     if name == "memory_usage":
         name = "memory_used_bytes"
-    inner = union_all(*_sources(name, start, end, instances)).subquery()
+    if engines is None:
+        selects = _sources(name, start, end, instances)
+    else:
+        wanted = engines if instances is None else [e for e in engines if e in set(instances)]
+        pushed = _engine_sources(name, start, end, wanted) if wanted else []
+        selects = [*pushed, *_scraped_sources(name, start, end, instances)]
+    inner = union_all(*selects).subquery()
     with _bound(db) as conn:
         return set(conn.execute(select(inner.c.instance).distinct()).scalars())
 

@@ -20,6 +20,7 @@ from dashboard.data.base import TTL_S, Filters, engine, to_time
 from dashboard.data.catalog import selection
 
 SAMPLED = "sampled gauges (the highest sample, not a peak)"
+FLEET = "fleet"  # the `instance` of the envelope's rows
 COLUMNS = ["instance", "line", "ts", "series", "value", "source"]
 _FIELD = {"kv_usage": "kv_usage", "running": "running", "queue_depth": "waiting"}
 
@@ -42,20 +43,24 @@ def peaks(f: Filters) -> queries.EnginePeaks:
 def over_time(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
     """Per bucket, the fullest step of each instance with steps, else its highest sample (long format).
 
-    `names` among kv_usage, running, queue_depth; `source` names where each line comes from.
+    `names` among kv_usage, running, queue_depth; `source` names where each line comes from. Past a dozen
+    instances with steps, those are drawn as the fleet's highest and mean peak per bucket, and only the few
+    instances of the highest peaks of each series by name (`collector.queries.step_load_lines`).
     """
     unknown = [n for n in names if n not in _FIELD]
     if unknown:
         raise ValueError(f"not load series: {unknown}; known: {', '.join(_FIELD)}")
-    db = engine(f.db_url)
     shown = shown_instances(f)
-    steps = queries.step_load_over_time(
-        db, start=f.start, end=f.end, bucket_s=f.bucket_s, instances=shown, run_id=f.run_id
+    load = queries.step_load_lines(
+        engine(f.db_url),
+        start=f.start,
+        end=f.end,
+        bucket_s=f.bucket_s,
+        instances=shown,
+        run_id=f.run_id,
     )
-    sources = {
-        inst: queries.step_source(db, start=f.start, end=f.end, instances=[inst], run_id=f.run_id) for inst in steps
-    }
-    covered = {name: {i for i in steps if name != "queue_depth" or sources[i] == KVPILOT_STEPS} for name in names}
+    sources = load.sources
+    covered = {name: {i for i in sources if name != "queue_depth" or sources[i] == KVPILOT_STEPS} for name in names}
     rows = [
         {
             "instance": inst,
@@ -63,15 +68,18 @@ def over_time(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
             "ts": b.ts,
             "series": name,
             "value": value,
-            "source": _source(sources[inst], b),
+            "source": _source(sources[inst], b.rollup),
         }
-        for inst, buckets in steps.items()
+        for inst, buckets in load.lines.items()
         for name in names
-        if inst in covered[name]
+        if inst in covered[name] and (not load.fleet or inst in load.top[_FIELD[name]])
         for b in buckets
         if (value := getattr(b, _FIELD[name])) is not None
     ]
-    gauges = serving.gauges(f, names, agg="max")
+    rows += _fleet_rows(load, names)
+    # only the instances a series has no steps for: a fleet of engines with steps reads no gauge at all
+    wanted = tuple(sorted({i for name in names for i in shown if i not in covered[name]}))
+    gauges = serving.gauges(f, names, agg="max", instances=wanted) if wanted else pd.DataFrame()
     if not gauges.empty:
         keep = [
             f.shows(inst) and inst not in covered[name]
@@ -94,8 +102,25 @@ def over_time(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
     return df
 
 
-def _source(steps_source: str, bucket: queries.StepLoadBucket) -> str:
-    return f"{steps_source}; {ROLLUP_NOTE}" if bucket.rollup else steps_source
+def _fleet_rows(load: queries.LoadLines, names: tuple[str, ...]) -> list[dict]:
+    """The envelope's two lines per series: the highest and the mean of the instances' peaks per bucket."""
+    n = load.instances
+    source = load.fleet_source()
+    rows = []
+    for name in names:
+        field = _FIELD[name]
+        for b in load.fleet:
+            for line, value in ((f"fleet peak ({n} engines)", getattr(b, f"{field}_max")),
+                                (f"fleet mean ({n} engines)", getattr(b, f"{field}_mean"))):  # fmt: skip
+                if value is not None:
+                    rows.append(
+                        {"instance": FLEET, "line": line, "ts": b.ts, "series": name, "value": value, "source": source}
+                    )
+    return rows
+
+
+def _source(steps_source: str, rollup: bool) -> str:
+    return f"{steps_source}; {ROLLUP_NOTE}" if rollup else steps_source
 
 
 def figure(what: str, value: str, source: str) -> str:

@@ -227,19 +227,24 @@ def line_names(sids: Iterable[queries.SeriesId]) -> dict[queries.SeriesId, str]:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
-def gauges(f: Filters, names: tuple[str, ...], agg: str = "avg") -> pd.DataFrame:
+def gauges(
+    f: Filters, names: tuple[str, ...], agg: str = "avg", instances: tuple[str, ...] | None = None
+) -> pd.DataFrame:
     """Canonical gauge series per bucket, one line per label set (long format: instance, line, time, series, value).
 
     `agg="max"` shows each bucket's peak, as next to a `> threshold` rule. With a run selected,
     engine-sampled gauges come from that run's samples only (bucket averages); scraped series carry no run
-    and are shown whole.
+    and are shown whole. `instances`: only these (within the sidebar's pick), where a caller needs a few.
     """
     db = engine(f.db_url)
+    wanted = f.instance_list
+    if instances is not None:
+        wanted = [i for i in instances if wanted is None or i in wanted]
     rows = []
     per_run = [n for n in names if n in SAMPLE_COLUMNS] if f.run_id is not None else []
     if per_run:
         by_name = queries.run_gauges_over_time(
-            db, names=per_run, start=f.start, end=f.end, bucket_s=f.bucket_s, run_id=f.run_id, instances=f.instance_list
+            db, names=per_run, start=f.start, end=f.end, bucket_s=f.bucket_s, run_id=f.run_id, instances=wanted
         )
         for name, per_instance in by_name.items():
             for inst, points in per_instance.items():
@@ -251,7 +256,7 @@ def gauges(f: Filters, names: tuple[str, ...], agg: str = "avg") -> pd.DataFrame
     found: list[tuple[str, queries.SeriesId, list[tuple[float, float]]]] = []
     for name in names:
         series = queries.bucketed(
-            db, name=name, start=f.start, end=f.end, bucket_s=f.bucket_s, instances=f.instance_list, agg=agg
+            db, name=name, start=f.start, end=f.end, bucket_s=f.bucket_s, instances=wanted, agg=agg
         )
         for sid, points in series.items():
             if name in per_run and not sid.labels and sid.instance in pushed:

@@ -3,11 +3,14 @@ figures named as samples otherwise."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import Engine, insert
 
 from collector import queries as q
 from collector.exposition import labels_json
 from collector.queries.engine_peaks import KVPILOT_STEPS, NO_DATA, VLLM_SPANS, VLLM_STEPS
+from collector.queries.step_rollup import ROLLUP_NOTE
+from collector.queries.timeseries import series_instances
 from collector.schema import SeriesPoint
 from tests.collector import evfactory as ev
 from tests.collector.test_queries_contract import ingest
@@ -116,3 +119,84 @@ def test_a_vllms_waiting_peak_comes_from_its_requests_queue_times(db_engine: Eng
     p = q.engine_peaks(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"])
     assert (p.waiting_peak, p.waiting_source) == (3, VLLM_SPANS)
     assert p.running_peak == 21 and p.source == VLLM_STEPS  # the rest still from every step
+
+
+def _fleet(engine: Engine) -> None:
+    """20 engines over two minutes: k0..k9 kvpilot engines (steps with their queue, and samples), v0..v9 vLLMs
+    (steps from the iteration log, queue 0). Engine i's peaks grow with i; v7 breaks away in the second minute."""
+    events = []
+    for i in range(10):
+        for minute in (0, 1):
+            for k, (used, seqs, queue) in enumerate([(10 + i, 2 + i, i), (20 + 2 * i, 4 + i, 2 * i)]):
+                t = 60 * minute + 10 + 20 * k + i * 0.1
+                events.append(ev.step(len(events), instance=f"k{i}", ts=T0 + t, kv_blocks_used=used,
+                                      kv_blocks_total=100, num_seqs=seqs, queue_depth=queue))  # fmt: skip
+                v_used = 95 if (i == 7 and minute == 1) else used
+                events.append(ev.step(len(events), instance=f"v{i}", run_id="vllm-r", ts=T0 + t, kv_blocks_used=v_used,
+                                      kv_blocks_total=100, num_seqs=seqs, queue_depth=0))  # fmt: skip
+        events.append(ev.sample(len(events), instance=f"k{i}", ts=T0 + 5))
+    ingest(engine, events, "fleet")
+
+
+def test_step_load_lines_draws_a_few_instances_each_and_a_fleet_as_its_envelope_and_top_lines(
+    db_engine: Engine,
+) -> None:
+    _fleet(db_engine)
+    few = q.step_load_lines(db_engine, start=T0, end=T0 + 120, bucket_s=60.0, instances=["k1", "v2"])
+    assert few.fleet == [] and few.top == {}
+    assert few.lines == q.step_load_over_time(db_engine, start=T0, end=T0 + 120, bucket_s=60.0, instances=["k1", "v2"])
+    assert few.sources == {"k1": KVPILOT_STEPS, "v2": VLLM_STEPS}
+
+    fleet = q.step_load_lines(db_engine, start=T0, end=T0 + 120, bucket_s=60.0, max_lines=12, top=3)
+    assert fleet.instances == 20 and fleet.sources["k3"] == KVPILOT_STEPS and fleet.sources["v3"] == VLLM_STEPS
+    minute = T0 // 60 * 60  # T0 is 20 s into a minute; each engine's two steps of a minute share its bucket
+    assert [b.ts for b in fleet.fleet] == [minute, minute + 60]
+    first, second = fleet.fleet
+    assert first.instances == second.instances == 20
+    # per bucket each engine's peak is its second step: used 20 + 2i, running 4 + i, queue 2i (kvpilot's only)
+    assert first.kv_usage_max == 0.38 and second.kv_usage_max == 0.95
+    assert first.kv_usage_mean == pytest.approx(sum(20 + 2 * i for i in range(10)) / 1000)
+    assert second.kv_usage_mean == pytest.approx((2 * sum(20 + 2 * i for i in range(10)) - 34 + 95) / 2000)
+    assert (first.running_max, first.running_mean) == (13, pytest.approx(8.5))
+    # the vLLMs' queue 0 is not a queue: waiting is over the kvpilot engines alone
+    assert (first.waiting_max, first.waiting_mean) == (18, pytest.approx(9.0))
+    assert fleet.top == {
+        "kv_usage": ["v7", "k9", "v9"],
+        "running": ["k9", "v9", "k8"],
+        "waiting": ["k9", "k8", "k7"],
+    }
+    assert sorted(fleet.lines) == ["k7", "k8", "k9", "v7", "v9"]  # only the top instances' lines are read
+    assert [b.kv_usage for b in fleet.lines["v7"]] == [0.34, 0.95]
+    assert fleet.fleet_source() == f"{KVPILOT_STEPS} + {VLLM_STEPS}"
+
+    # the vLLMs alone: no instance carries a queue, so the envelope has no waiting figure
+    vllms = q.step_load_lines(db_engine, start=T0, end=T0 + 120, bucket_s=60.0, run_id="vllm-r", max_lines=5)
+    assert vllms.instances == 10 and vllms.top["waiting"] == []
+    assert all(b.waiting_max is None and b.waiting_mean is None for b in vllms.fleet)
+    # mostly kvpilot engines: the shorter list (the one vLLM) is the one named in the query
+    mostly = q.step_load_lines(
+        db_engine, start=T0, end=T0 + 120, bucket_s=60.0, instances=[f"k{i}" for i in range(10)] + ["v0"], max_lines=5
+    )
+    assert mostly.fleet[0].waiting_max == 18 and mostly.fleet[0].waiting_mean == pytest.approx(9.0)
+    with pytest.raises(ValueError, match="bucket_s"):
+        q.step_load_lines(db_engine, start=T0, end=T0 + 120, bucket_s=0)
+    with pytest.raises(ValueError, match="max_lines"):
+        q.step_load_lines(db_engine, start=T0, end=T0 + 120, bucket_s=60.0, top=0)
+
+
+def test_step_load_lines_of_a_long_window_read_the_rollup(db_engine: Engine) -> None:
+    _fleet(db_engine)
+    fleet = q.step_load_lines(db_engine, start=T0, end=T0 + 3600, bucket_s=60.0, max_lines=12)
+    assert all(b.rollup for b in fleet.fleet) and fleet.fleet_source().endswith(ROLLUP_NOTE)
+    assert [b.kv_usage_max for b in fleet.fleet] == [0.38, 0.95]
+    assert fleet.fleet[0].waiting_mean == pytest.approx(9.0)
+
+
+def test_series_instances_reads_only_the_named_engines_samples(db_engine: Engine) -> None:
+    _scrape(db_engine, "sglang-b", "kv_usage", [(0, 0.2)])
+    ingest(db_engine, [ev.sample(1, instance="e0"), ev.sample(2, instance="e1")], "samples")
+    window = {"name": "kv_usage", "start": T0, "end": T0 + 60}
+    assert series_instances(db_engine, **window) == {"sglang-b", "e0", "e1"}
+    assert series_instances(db_engine, **window, engines=[]) == {"sglang-b"}  # scrapes are always read
+    assert series_instances(db_engine, **window, engines=["e1"]) == {"sglang-b", "e1"}
+    assert series_instances(db_engine, **window, instances=["e0", "sglang-b"], engines=["e1"]) == {"sglang-b"}

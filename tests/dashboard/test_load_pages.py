@@ -69,3 +69,42 @@ def test_overview_and_kv_page_show_the_step_peak_with_its_source(seeded: Seed, o
     at.multiselect(key="f_instances").set_value(["vllm-b"]).run()
     no_exception(at)
     assert f"KV usage peak **{peak}** ({VLLM_STEPS})" in texts(at)
+
+
+def _chart_values(at, title: str) -> set[str]:
+    """Every value in the datasets of the charts whose spec carries `title`."""
+    from streamlit.dataframe_util import convert_arrow_bytes_to_pandas_df
+
+    charts = [c for c in at.get("vega_lite_chart") if title in c.proto.spec]
+    assert charts, f"no chart titled {title!r}"
+    frames = [convert_arrow_bytes_to_pandas_df(d.data.data) for c in charts for d in c.proto.datasets]
+    return {str(v) for df in frames for col in df.columns for v in df[col].tolist()}
+
+
+def test_a_fleet_is_drawn_as_its_envelope_and_its_top_engines(seeded: Seed, open_page) -> None:
+    """15 kvpilot engines chosen: past a dozen, the load charts draw the fleet's peak and mean per bucket and the
+    five engines of the highest peaks by name, not a line per engine."""
+    names = [f"node-{i:02d}" for i in range(15)]
+    engine = make_engine(seeded.url)
+    try:
+        _ingest(
+            engine,
+            [
+                ev.step(100 * i + k, instance=name, run_id=f"run-{name}", ts=T0 + 96 + 0.4 * k,
+                        kv_blocks_used=4 * i + k, kv_blocks_total=64, num_seqs=1 + i, queue_depth=i)
+                for i, name in enumerate(names)
+                for k in range(5)
+            ]
+            + [ev.sample(100 * i + 50, instance=n, run_id=f"run-{n}", ts=T0 + 96) for i, n in enumerate(names)],
+        )  # fmt: skip
+    finally:
+        engine.dispose()
+    at = open_page(seeded.url)
+    at.multiselect(key="f_instances").set_value(names).run()
+    no_exception(at)
+    for title in ("KV cache usage (hot tier)", "Requests running and waiting"):
+        values = _chart_values(at, title)
+        assert {"fleet peak (15 engines)", "fleet mean (15 engines)"} <= values
+        assert {"node-14", "node-13", "node-10"} <= values  # the highest peaks keep their own lines
+        assert not {"node-00", "node-05", "node-09"} & values  # the others are in the envelope only
+    assert f"KV usage peak **{ui.fmt_pct(60 / 64)}**" in texts(at)
