@@ -3,7 +3,9 @@
 What runs, in one database created fresh for the run (dropped after it):
 - a history of every instance loaded first through the fast path (`collector.ingest.store_batch`, COPY);
 - `copy_ceiling_events_per_s`: batches of 1,000 fleet events written by binary COPY alone into the same
-  tables, one transaction each, no HTTP and no validation (`benchmarks.ingest.raw_write`);
+  tables, one transaction each, no HTTP and no validation (`benchmarks.ingest.raw_write`), once before the
+  live run and once after the saturation run, on the same database (the mean of the two; each in
+  `copy_ceilings_events_per_s`: 40 batches, a fraction of a second, had moved 82-119k between runs);
 - N collectors (`python -m collector serve`, each its own process on a free loopback port; 2 by default,
   `--collectors` 1 to 8 to see what one more buys), only the first scraping (one scraper per deployment);
 - sender processes (`benchmarks.fleet_load`), at least one per collector, each playing a slice of the
@@ -18,6 +20,12 @@ What runs, in one database created fresh for the run (dropped after it):
   first hot sample's timestamp (the condition true) to the receiver's receipt;
 - while the fleet pushes, the reads of the dashboard's Overview, Latency and KV pages (their
   `collector.queries` calls) and of `kvpilot status --instance`, round after round: `query_p95_s` per page.
+
+After the live run the same senders play the fleet at `saturation_load` times its rates for `saturation_s`,
+shipping as fast as they are answered: more than the collectors take, so what they acknowledge per second
+(`saturated_events_per_s`) is their capacity on this machine, and `ratio` is that over the COPY ceiling. The
+fleet at its own rate offers about half of a ceiling (`fleet_share_of_ceiling`): a ratio of what it sent would
+measure the fleet's size, not the collectors.
 
 `ingest_lag_p99_s` is per pushed batch: from its oldest event's timestamp to the collector's answer, which
 comes after COMMIT. `lost` is what collectors acknowledged minus what the database holds. A fleet at ~50
@@ -75,12 +83,16 @@ class FleetConfig:
     sender_threads: int = 16  # pushes in flight per sender process: a fleet's engines push concurrently
     live_s: float = 150.0
     history_events_per_instance: int = 3000  # over 24 h (`fleet_load.HISTORY_S`), thinned
-    ceiling_batches: int = 100
+    ceiling_batches: int = 300  # of 1,000 events, written twice: before the live run and after the saturation
     dcgm_nodes: int = 100
     scrape_interval_s: float = 15.0  # the collector's default, and Prometheus's
     otlp_share: float = 0.1
     alert_trials: int = 5
     engines_per_relay: int = 8  # a node's GPUs: its engines' pushes go as one bundle (1: each pushes alone)
+    # after the live run, the same fleet at `saturation_load` times its rates for `saturation_s`: more than the
+    # collectors take, so what they acknowledge is their capacity (`ratio`'s numerator)
+    saturation_s: float = 30.0
+    saturation_load: float = 4.0
 
     @classmethod
     def for_run(cls, quick: bool, collectors: int = 2) -> FleetConfig:
@@ -93,8 +105,9 @@ class FleetConfig:
                 senders=senders,
                 live_s=60.0,
                 history_events_per_instance=300,
-                ceiling_batches=40,
+                ceiling_batches=150,
                 alert_trials=3,
+                saturation_s=20.0,
             )
         return cls(collectors=collectors, senders=senders)
 
@@ -307,6 +320,24 @@ def _read_loop(url: str, instances: int, stop: threading.Event, timings: dict[st
 # --- senders ---------------------------------------------------------------------------------------
 
 
+def _saturation_configs(live: list[dict], config: FleetConfig, start: float) -> list[dict]:
+    """The live senders' slices again, every rate `saturation_load` times as high, shipping as fast as they are
+    answered, under their own run id; no engine turns hot."""
+    rates = {k: v * config.saturation_load for k, v in asdict(fleet_load.Rates()).items()}
+    return [
+        {
+            **c,
+            "rates": rates,
+            "hot": {},
+            "min_interval_s": 0.0,
+            "run_id": fleet_load.SATURATION_RUN,
+            "start": start,
+            "until": start + config.saturation_s,
+        }
+        for c in live
+    ]
+
+
 def _sender_configs(config: FleetConfig, collector_urls: list[str], start: float) -> tuple[list[dict], dict]:
     names = [fleet_load.instance_name(i) for i in range(config.instances)]
     slices = [names[k :: config.senders] for k in range(config.senders)]
@@ -408,7 +439,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
     )
     result.update(_load_history(engine, config))
     progress("COPY ceiling (no HTTP)")
-    result["copy_ceiling_events_per_s"] = round(_copy_ceiling(engine, config.ceiling_batches))
+    ceilings = [_copy_ceiling(engine, config.ceiling_batches)]
     with tempfile.TemporaryDirectory(prefix="kvpilot-bench-fleet-") as tmp:
         root = Path(tmp)
         progress(f"starting {config.collectors} collectors, {config.dcgm_nodes} DCGM targets, 2 alert evaluators")
@@ -439,6 +470,14 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
             turned_hot = sum(len(r["first_hot"]) for r in reports)
             progress(f"waiting for the notifications of the {turned_hot} engines that turned hot")
             sink.wait_for(turned_hot, timeout_s=60.0)
+            stop_reads.set()
+            reader.join(300.0)
+            progress(f"saturation: the fleet at {config.saturation_load:g}x its rates for {config.saturation_s:.0f} s")
+            saturation_start = time.time() + 1.0
+            saturated = _run_senders(
+                _saturation_configs(configs, config, saturation_start), timeout_s=config.saturation_s + 120.0
+            )
+            saturation_elapsed = time.time() - saturation_start
         finally:
             stop_reads.set()
             reader.join(300.0)
@@ -449,8 +488,17 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
                 proc.stop()
             dcgm.shutdown()
             sink.stop()
+    progress("COPY ceiling again (no HTTP), after the saturation")
+    ceilings.append(_copy_ceiling(engine, config.ceiling_batches))
     result.update(_ingest_figures(engine, reports, elapsed, config))
-    result["ratio"] = round(result["events_per_s"] / result["copy_ceiling_events_per_s"], 3)
+    result.update(_saturation_figures(engine, saturated, saturation_elapsed, config))
+    result["lost"] += result.pop("saturation_lost")
+    # the ceiling measured on either side of the saturation run, on the same database: what raw COPY took
+    # before the fleet's rows and after them, the collectors' capacity measured between the two
+    result["copy_ceilings_events_per_s"] = [round(c) for c in ceilings]
+    result["copy_ceiling_events_per_s"] = round(sum(ceilings) / len(ceilings))
+    result["ratio"] = round(result["saturated_events_per_s"] / result["copy_ceiling_events_per_s"], 3)
+    result["fleet_share_of_ceiling"] = round(result["events_per_s"] / result["copy_ceiling_events_per_s"], 3)
     result.update(_alert_figures(sink, reports, plan))
     result["query_p95_s"] = {p: _round(nearest_rank(v, 0.95)) for p, v in timings.items()}
     result["query_rounds"] = {p: len(v) for p, v in timings.items()}
@@ -464,19 +512,12 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 
 
 def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: FleetConfig) -> dict[str, Any]:
-    from sqlalchemy import func, select
-
-    from collector.schema import EVENT_TABLES
 
     acked: dict[str, int] = {}
     for report in reports:
         for kind, n in report["acked"].items():
             acked[kind] = acked.get(kind, 0) + n
-    stored = {}
-    with engine.connect() as conn:
-        for kind, table in EVENT_TABLES.items():
-            query = select(func.count()).select_from(table).where(table.c.run_id == fleet_load.LIVE_RUN)
-            stored[kind] = conn.execute(query).scalar_one()
+    stored = _stored_events(engine, fleet_load.LIVE_RUN)
     lags = [lag for report in reports for lag in report["lags"]]
     total = sum(acked.values())
     return {
@@ -493,6 +534,33 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
         "ingest_lag_p99_s": _round(nearest_rank(lags, 0.99)),
         "sender_failures": [f for r in reports for f in r["failures"]][:5],
     }
+
+
+def _saturation_figures(engine: Any, reports: list[dict], elapsed: float, config: FleetConfig) -> dict[str, Any]:
+    """What the collectors acknowledged per second while offered `saturation_load` times the fleet's rates."""
+    acked = sum(n for report in reports for n in report["acked"].values())
+    stored = _stored_events(engine, fleet_load.SATURATION_RUN)
+    lags = [lag for report in reports for lag in report["lags"]]
+    return {
+        "saturated_events_per_s": round(acked / elapsed),
+        "saturation_offered_events_per_s": round(sum(r["offered"] for r in reports) / elapsed),
+        "saturation_s": round(elapsed, 1),
+        "saturation_batches": len(lags),
+        "saturation_lost": acked - sum(stored.values()),
+    }
+
+
+def _stored_events(engine: Any, run_id: str) -> dict[str, int]:
+    """Rows of every event table under `run_id`, by kind."""
+    from sqlalchemy import func, select
+
+    from collector.schema import EVENT_TABLES
+
+    with engine.connect() as conn:
+        return {
+            kind: conn.execute(select(func.count()).select_from(table).where(table.c.run_id == run_id)).scalar_one()
+            for kind, table in EVENT_TABLES.items()
+        }
 
 
 def _alert_figures(sink: Any, reports: list[dict], plan: dict) -> dict[str, Any]:
@@ -535,4 +603,5 @@ def tiny_config() -> FleetConfig:
         otlp_share=0.25,
         alert_trials=2,
         engines_per_relay=4,
+        saturation_s=3.0,
     )

@@ -31,6 +31,7 @@ from typing import Any
 from collector import bundle
 
 LIVE_RUN = "fleet-live"
+SATURATION_RUN = "fleet-saturation"
 HISTORY_RUN = "fleet-history"
 HISTORY_S = 86_400.0  # the history loaded before the live run spans a day
 HISTORY_SLICES = 96  # written in time order, 15 minutes at a time
@@ -341,8 +342,11 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     rates = Rates(**config["rates"])
     otlp = set(config["otlp_instances"])
     hot = config["hot"]
+    run = config.get("run_id", LIVE_RUN)
     engines = [
-        Engine(name, LIVE_RUN, random.Random(zlib.crc32(name.encode())), hot_from=hot.get(name))
+        # seeded by run and name: a second run of the same engines draws its own request and span ids (a span id
+        # seen before is stored once, and its second acknowledgement would read as a loss)
+        Engine(name, run, random.Random(zlib.crc32(f"{run}/{name}".encode())), hot_from=hot.get(name))
         for name in config["instances"]
     ]
     lock = threading.Lock()

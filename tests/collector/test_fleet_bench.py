@@ -36,7 +36,11 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert result["lost"] == 0 and result["unacked_events"] == 0, result["sender_failures"]
     assert sum(result["acked_events"].values()) > 1000 and result["events_per_s"] > 0
     assert result["acked_events"]["request"] > 0 and result["otlp_instances"] == 6
-    assert result["copy_ceiling_events_per_s"] > 0 and result["ratio"] > 0
+    assert result["copy_ceiling_events_per_s"] > 0 and len(result["copy_ceilings_events_per_s"]) == 2
+    # the ratio is the collectors' capacity (the fleet offered 4x its rates) over the ceiling, not the fleet's share
+    assert result["saturated_events_per_s"] > 0 and result["saturation_batches"] > 0
+    assert result["ratio"] == round(result["saturated_events_per_s"] / result["copy_ceiling_events_per_s"], 3)
+    assert result["saturation_offered_events_per_s"] > result["events_per_s"]
     assert result["alert_trials_planned"] == 2 and result["alert_trials"] >= 1
     assert result["alerts_delivered"] == result["alert_trials"] and result["alert_delivery_p99_s"] > 0
     assert result["alert_duplicate_posts"] == 0  # two evaluators, one lease: one notification each
@@ -44,7 +48,7 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert all(v is not None and v > 0 for v in result["query_p95_s"].values())
     assert result["scrape_targets_up"] == 2 and result["scrape_points_per_s"] > 0
     assert result["db_mb_per_million_events"] > 0 and result["ingest_lag_p99_s"] > 0
-    assert any("sender processes" in m for m in messages)
+    assert any("sender processes" in m for m in messages) and any("saturation" in m for m in messages)
 
 
 def test_unreachable_postgres_is_refused_with_a_clear_message() -> None:
