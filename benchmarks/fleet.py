@@ -547,6 +547,7 @@ def _saturation_figures(engine: Any, reports: list[dict], elapsed: float, config
         "saturation_s": round(elapsed, 1),
         "saturation_batches": len(lags),
         "saturation_lost": acked - sum(stored.values()),
+        "saturation_failures": [f for r in reports for f in r["failures"]][:5],
     }
 
 

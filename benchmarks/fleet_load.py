@@ -372,11 +372,15 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
             if resp.status_code in (200, 202):
                 if not results:
                     return True
-                statuses = [r["status"] for r in resp.json()["results"]]
+                members = resp.json()["results"]
+                statuses = [r["status"] for r in members]
                 if any(s in (408, 429, 503) for s in statuses):  # a member the storage stage did not take
                     report["failures"].append(f"member statuses {sorted(set(statuses))}")
                     time.sleep(0.2)
                     continue  # every member again: the stored ones come back as duplicates
+                refused = [r for r in members if r["status"] not in (200, 202)]
+                if refused:
+                    report["failures"].append(f"member {refused[0]['status']}: {str(refused[0].get('detail'))[:160]}")
                 return statuses
             report["failures"].append(f"{resp.status_code}: {resp.text[:120]}")
             if resp.status_code not in (408, 429, 503):
@@ -431,7 +435,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         then the node's spans."""
         rendered = [(engine, *render(engine)) for engine in node]
         pushed = [(engine, batch) for engine, batch, _ in rendered if batch.events]
-        keys = {engine.instance: f"{engine.instance}-{engine.batches}" for engine, _ in pushed}
+        keys = {engine.instance: f"{engine.instance}-{engine.run_id}-{engine.batches}" for engine, _ in pushed}
         stored: dict[str, bool] = {}
         if per_node == 1:
             for engine, batch in pushed:

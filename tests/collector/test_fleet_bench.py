@@ -39,6 +39,7 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert result["copy_ceiling_events_per_s"] > 0 and len(result["copy_ceilings_events_per_s"]) == 2
     # the ratio is the collectors' capacity (the fleet offered 4x its rates) over the ceiling, not the fleet's share
     assert result["saturated_events_per_s"] > 0 and result["saturation_batches"] > 0
+    assert result["saturation_failures"] == []  # its own keys and ids: nothing refused as a replay of the live run
     assert result["ratio"] == round(result["saturated_events_per_s"] / result["copy_ceiling_events_per_s"], 3)
     assert result["saturation_offered_events_per_s"] > result["events_per_s"]
     assert result["alert_trials_planned"] == 2 and result["alert_trials"] >= 1
