@@ -114,6 +114,8 @@ READS: dict[str, Callable[[Engine], object]] = {
     "throughput_over_time": lambda db: queries.throughput_over_time(db, bucket_s=60, **WINDOW),
     "step_load_over_time": lambda db: queries.step_load_over_time(db, bucket_s=60, **WINDOW),
     "engine_peaks": lambda db: queries.engine_peaks(db, **WINDOW),
+    # a fleet's envelope and top lines (max_lines 1 draws the two instances as a fleet)
+    "step_load_lines": lambda db: queries.step_load_lines(db, bucket_s=60, max_lines=1, top=1, **WINDOW),
     "latest_samples": lambda db: queries.latest_samples(db, **WINDOW),
     "bucketed utilization": lambda db: queries.bucketed(db, name="utilization", bucket_s=60, **WINDOW),
     # Latency
