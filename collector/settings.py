@@ -26,7 +26,8 @@ at most `max_new_runs_per_minute` runs.
 Time: a pushed event's `ts` lies within `raw_retention_days` back and `max_clock_skew_s` ahead
 (`collector.validation.TimeWindow`).
 Maintenance (`collector.maintenance`): every `maintenance_interval_s` it makes day partitions
-`partitions_ahead_days` ahead (PostgreSQL) and rolls up steps, recounting the last `rollup_lookback_s`.
+`partitions_ahead_days` ahead (PostgreSQL) and rolls up steps older than the rollup (recounting the last
+`rollup_lookback_s` when set).
 """
 
 from __future__ import annotations
@@ -125,7 +126,11 @@ class CollectorSettings(BaseSettings):
     )
     partitions_ahead_days: int = Field(3, ge=1, le=60, description="PostgreSQL: day partitions made ahead of today")
     rollup_lookback_s: float = Field(
-        900.0, ge=0, le=86_400, description="a step arriving this late is still counted in the rollup"
+        0.0,
+        ge=0,
+        le=86_400,
+        description="each maintenance round also recomputes this much of the step rollup before its watermark from "
+        "the raw steps, to repair rows written around ingest (ingest keeps the rollup itself; 0: no recompute)",
     )
     log_level: str = "info"
 

@@ -16,8 +16,9 @@ from sqlalchemy import Engine, func, select, text
 from typer.testing import CliRunner
 
 from collector import partitions, queries
+from collector.bulk import insert_rows
 from collector.db import alembic_config, make_engine, upgrade
-from collector.ingest import parse_batch, store_batch
+from collector.ingest import EVENT_COLUMNS, parse_batch, store_batch
 from collector.maintenance import Maintenance, MaintenanceMetrics, run_round
 from collector.queries.step_rollup import ROLLUP_AFTER_S, ROLLUP_NOTE
 from collector.retention import DAY, prune
@@ -239,6 +240,32 @@ def test_ingest_keeps_the_rollup_and_maintenance_recomputes_the_same(db_engine: 
     with db_engine.begin() as conn:  # idempotent: the same minutes again give the same rows
         roll_up(conn, now=start + 4000, first_start=start, lookback_s=3900, settle_s=60, max_span_s=DAY)
     assert _rollup_rows(db_engine) == expected
+
+
+def test_maintenance_reads_no_raw_step_once_ingest_keeps_the_rollup(db_engine: Engine) -> None:
+    """With a watermark, a round only moves it on (ingest added every step it stored); a step written around
+    ingest stays out of the rollup until a round with a lookback recomputes its minute."""
+    start = DAY0 + 600
+    steps = _steps(random.Random(5), start, 200)
+    ingest(db_engine, steps, "steps", steps[-1]["ts"])
+    with db_engine.begin() as conn:
+        first = roll_up(conn, now=start + 1000, first_start=start, lookback_s=0, settle_s=60, max_span_s=DAY)
+    assert first is not None  # no watermark yet: computed from the raw steps
+    expected = _expected_minutes(steps)
+    assert _rollup_rows(db_engine) == expected
+    # a step stored around ingest (a raw COPY, a restore) in a minute the next round covers
+    live = next(s for s in steps if not s.get("warmup"))
+    stray = {**live, "ts": first.end + 30, "kv_blocks_used": live["kv_blocks_total"]}
+    with db_engine.begin() as conn:  # the raw rows alone, as a bench's COPY writes them
+        rows = parse_batch(ev.body([stray]), max_events=10).rows["step"]
+        insert_rows(conn, StepRow.__table__, EVENT_COLUMNS["step"], rows)
+    with db_engine.begin() as conn:
+        moved = roll_up(conn, now=start + 2000, first_start=start, lookback_s=0, settle_s=60, max_span_s=DAY)
+    assert moved is not None and moved.buckets == 0 and moved.end > stray["ts"]
+    assert _rollup_rows(db_engine) == expected  # its minute was not recomputed: the stray step is not in it
+    with db_engine.begin() as conn:  # a repair: the lookback recomputes those minutes from every raw step
+        roll_up(conn, now=start + 2000, first_start=start, lookback_s=3000, settle_s=60, max_span_s=DAY)
+    assert _rollup_rows(db_engine) == _expected_minutes([*steps, stray])
 
 
 def _peaks(p: queries.EnginePeaks) -> tuple[Any, ...]:
