@@ -17,7 +17,9 @@ What runs, in one database created fresh for the run (dropped after it):
   target of the first collector;
 - two alert evaluators on the one lease (`alerts.runner.start_evaluator`), a rule on queue depth and a
   local webhook receiver: a few engines turn hot during the run, `alert_delivery_p99_s` runs from the
-  first hot sample's timestamp (the condition true) to the receiver's receipt;
+  first hot sample's timestamp (the condition true) to the receiver's receipt, split at the acknowledgement of
+  the push that carried it (`alert_stored_p99_s`: the engine's next push and the ingest;
+  `alert_evaluated_and_delivered_p99_s`: the rule's next evaluation and the delivery);
 - while the fleet pushes, the reads of the dashboard's Overview, Latency and KV pages (their
   `collector.queries` calls) and of `kvpilot status --instance`, round after round: `query_p95_s` per page.
 
@@ -572,12 +574,19 @@ def _alert_figures(sink: Any, reports: list[dict], plan: dict) -> dict[str, Any]
             name = alert["labels"].get("instance")
             if alert.get("status") == "firing" and name in first_hot:
                 received.setdefault(name, got.at)
+    stored = {name: ts for r in reports for name, ts in r["hot_stored"].items()}
     delays = [received[n] - first_hot[n] for n in received]
+    # where the time goes: the engine's next push and the ingest (to the acknowledgement, after COMMIT), then the
+    # rule's next evaluation and the delivery
+    to_stored = [stored[n] - first_hot[n] for n in received]
+    after_stored = [received[n] - stored[n] for n in received]
     return {
         "alert_trials": len(first_hot),  # hot engines whose hot sample was sent (and acknowledged)
         "alert_trials_planned": len(plan["hot"]),
         "alerts_delivered": len(delays),
         "alert_delivery_p99_s": _round(nearest_rank(delays, 0.99)),
+        "alert_stored_p99_s": _round(nearest_rank(to_stored, 0.99)),
+        "alert_evaluated_and_delivered_p99_s": _round(nearest_rank(after_stored, 0.99)),
         "alert_duplicate_posts": sink.duplicates,
     }
 

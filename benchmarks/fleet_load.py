@@ -353,7 +353,15 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     per_node = max(1, config.get("engines_per_node", 1))
     queue: list[list[Engine]] = []
     last: dict[str, float] = {}
-    report: dict[str, Any] = {"offered": 0, "acked": {}, "unacked": 0, "lags": [], "first_hot": {}, "failures": []}
+    report: dict[str, Any] = {
+        "offered": 0,
+        "acked": {},
+        "unacked": 0,
+        "lags": [],
+        "first_hot": {},
+        "hot_stored": {},  # when the push carrying the first hot sample was acknowledged (after its COMMIT)
+        "failures": [],
+    }
     headers = {"Authorization": f"Bearer {config['token']}"}
 
     def post(
@@ -421,6 +429,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                     report["lags"].append(done - batch.first_ts)
                 if batch.hot_ts is not None and engine.instance not in report["first_hot"]:
                     report["first_hot"][engine.instance] = batch.hot_ts
+                    report["hot_stored"][engine.instance] = done
 
     def account_spans(ok: bool, spans: int) -> None:
         with lock:

@@ -44,6 +44,8 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert result["saturation_offered_events_per_s"] > result["events_per_s"]
     assert result["alert_trials_planned"] == 2 and result["alert_trials"] >= 1
     assert result["alerts_delivered"] == result["alert_trials"] and result["alert_delivery_p99_s"] > 0
+    assert 0 < result["alert_stored_p99_s"] <= result["alert_delivery_p99_s"]
+    assert 0 < result["alert_evaluated_and_delivered_p99_s"] <= result["alert_delivery_p99_s"]
     assert result["alert_duplicate_posts"] == 0  # two evaluators, one lease: one notification each
     assert set(result["query_p95_s"]) == {"overview", "latency", "kv", "status --instance"}
     assert all(v is not None and v > 0 for v in result["query_p95_s"].values())
