@@ -256,7 +256,14 @@ def step_load_lines(
     drawn = sorted({name for names in tops.values() for name in names})
     lines = step_load_over_time(db, start=start, end=end, bucket_s=bucket_s, instances=drawn, run_id=run_id)
     fleet = _envelope(
-        db, start=start, end=end, bucket_s=bucket_s, instances=instances, run_id=run_id, queued=queued, all=list(peaks)
+        db,
+        start=start,
+        end=end,
+        bucket_s=bucket_s,
+        instances=instances,
+        run_id=run_id,
+        queued=queued,
+        names=list(peaks),
     )
     return LoadLines(lines=lines, sources=sources, fleet=fleet, top=tops)
 
@@ -276,19 +283,19 @@ def _envelope(
     instances: Sequence[str] | None,
     run_id: str | None,
     queued: list[str],
-    all: list[str],
+    names: list[str],
 ) -> list[FleetLoadBucket]:
     """Per bucket, the highest and the mean of the instances' peaks in it; waiting over `queued` only (the
-    instances whose steps carry their queue), named by whichever list is shorter."""
+    instances of `names` whose steps carry their queue), named by whichever list is shorter."""
     rows, _ = load_rows(start=start, end=end, instances=instances, run_id=run_id, bucket_s=bucket_s)
     if not queued:
         waiting: ColumnElement = cast(null(), Integer)
-    elif len(queued) == len(all):
+    elif len(queued) == len(names):
         waiting = rows.c.waiting_max
-    elif len(queued) <= len(all) - len(queued):
+    elif len(queued) <= len(names) - len(queued):
         waiting = case((rows.c.instance.in_(queued), rows.c.waiting_max))
     else:
-        waiting = case((rows.c.instance.not_in(sorted(set(all) - set(queued))), rows.c.waiting_max))
+        waiting = case((rows.c.instance.not_in(sorted(set(names) - set(queued))), rows.c.waiting_max))
     with _bound(db) as conn:
         b = bucket_expr(rows.c.ts, bucket_s, _dialect(conn)).label("bucket")
         per = (
