@@ -493,7 +493,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
     progress("COPY ceiling again (no HTTP), after the saturation")
     ceilings.append(_copy_ceiling(engine, config.ceiling_batches))
     result.update(_ingest_figures(engine, reports, elapsed, config))
-    result.update(_saturation_figures(engine, saturated, saturation_elapsed, config))
+    result.update(_saturation_figures(engine, saturated, saturation_elapsed))
     result["lost"] += result.pop("saturation_lost")
     # the ceiling measured on either side of the saturation run, on the same database: what raw COPY took
     # before the fleet's rows and after them, the collectors' capacity measured between the two
@@ -514,7 +514,6 @@ def _round(value: float | None, digits: int = 3) -> float | None:
 
 
 def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: FleetConfig) -> dict[str, Any]:
-
     acked: dict[str, int] = {}
     for report in reports:
         for kind, n in report["acked"].items():
@@ -538,16 +537,15 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
     }
 
 
-def _saturation_figures(engine: Any, reports: list[dict], elapsed: float, config: FleetConfig) -> dict[str, Any]:
+def _saturation_figures(engine: Any, reports: list[dict], elapsed: float) -> dict[str, Any]:
     """What the collectors acknowledged per second while offered `saturation_load` times the fleet's rates."""
     acked = sum(n for report in reports for n in report["acked"].values())
     stored = _stored_events(engine, fleet_load.SATURATION_RUN)
-    lags = [lag for report in reports for lag in report["lags"]]
     return {
         "saturated_events_per_s": round(acked / elapsed),
         "saturation_offered_events_per_s": round(sum(r["offered"] for r in reports) / elapsed),
         "saturation_s": round(elapsed, 1),
-        "saturation_batches": len(lags),
+        "saturation_batches": sum(len(report["lags"]) for report in reports),  # one lag per acknowledged push
         "saturation_lost": acked - sum(stored.values()),
         "saturation_failures": [f for r in reports for f in r["failures"]][:5],
     }

@@ -33,7 +33,6 @@ from collector.queries.engine_peaks import (
     engine_peaks,
     step_load_lines,
     step_load_over_time,
-    step_source,
 )
 from collector.queries.engine_stats import (
     AllocOpBucket,
@@ -175,7 +174,6 @@ __all__ = [
     "stage_breakdown_over_time",
     "step_load_lines",
     "step_load_over_time",
-    "step_source",
     "stored_event_counts",
     "stored_requests",
     "stored_steps",

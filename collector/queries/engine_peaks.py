@@ -349,12 +349,6 @@ def _peak_columns(rows: Subquery) -> list[ColumnElement]:
     ]
 
 
-def step_source(db: Db, *, start: float, end: float, instances: Sequence[str], run_id: str | None = None) -> str:
-    """What made these instances' step rows: vLLM's iteration log, kvpilot's engine, or both."""
-    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
-    return " + ".join(sorted({KVPILOT_STEPS if n in pushing else VLLM_STEPS for n in instances}))
-
-
 def _highest(found: list[tuple[float, str]]) -> tuple[float | None, str]:
     """The highest value and the source of the instance(s) holding it."""
     if not found:

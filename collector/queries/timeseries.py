@@ -260,7 +260,8 @@ def series_instances(
     if engines is None:
         selects = _sources(name, start, end, instances)
     else:
-        wanted = engines if instances is None else [e for e in engines if e in set(instances)]
+        allowed = None if instances is None else set(instances)
+        wanted = [e for e in engines if allowed is None or e in allowed]
         pushed = _engine_sources(name, start, end, wanted) if wanted else []
         selects = [*pushed, *_scraped_sources(name, start, end, instances)]
     inner = union_all(*selects).subquery()

@@ -40,6 +40,14 @@ def peaks(f: Filters) -> queries.EnginePeaks:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
+def lines(f: Filters) -> queries.LoadLines:
+    """The shown instances' load lines, every series at once: a page's two load charts read them once."""
+    return queries.step_load_lines(
+        engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s, instances=shown_instances(f), run_id=f.run_id
+    )
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
 def over_time(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
     """Per bucket, the fullest step of each instance with steps, else its highest sample (long format).
 
@@ -51,14 +59,7 @@ def over_time(f: Filters, names: tuple[str, ...]) -> pd.DataFrame:
     if unknown:
         raise ValueError(f"not load series: {unknown}; known: {', '.join(_FIELD)}")
     shown = shown_instances(f)
-    load = queries.step_load_lines(
-        engine(f.db_url),
-        start=f.start,
-        end=f.end,
-        bucket_s=f.bucket_s,
-        instances=shown,
-        run_id=f.run_id,
-    )
+    load = lines(f)
     sources = load.sources
     covered = {name: {i for i in sources if name != "queue_depth" or sources[i] == KVPILOT_STEPS} for name in names}
     rows = [

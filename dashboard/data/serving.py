@@ -239,7 +239,8 @@ def gauges(
     db = engine(f.db_url)
     wanted = f.instance_list
     if instances is not None:
-        wanted = [i for i in instances if wanted is None or i in wanted]
+        picked = None if wanted is None else set(wanted)
+        wanted = [i for i in instances if picked is None or i in picked]
     rows = []
     per_run = [n for n in names if n in SAMPLE_COLUMNS] if f.run_id is not None else []
     if per_run:

@@ -100,7 +100,7 @@ def test_step_load_over_time_is_each_buckets_fullest_step(db_engine: Engine) -> 
     assert [b.kv_usage for b in buckets] == [43 / 64, 40 / 64, 5 / 64]
     assert [b.running for b in buckets] == [21, 19, 1] and [b.steps for b in buckets] == [3, 2, 1]
     assert q.step_load_over_time(db_engine, start=T0, end=T0 + 60, bucket_s=1.0, run_id="other") == {}
-    assert q.step_source(db_engine, start=T0, end=T0 + 60, instances=["vllm-a"]) == VLLM_STEPS
+    assert q.step_load_lines(db_engine, start=T0, end=T0 + 60, bucket_s=1.0).sources == {"vllm-a": VLLM_STEPS}
 
 
 def test_a_vllms_waiting_peak_comes_from_its_requests_queue_times(db_engine: Engine) -> None:
