@@ -178,6 +178,25 @@ def bench_fleet(
         emit(run_fleet_bench(pg_url or pg_url_from_env(), config), json_path)
 
 
+@bench_app.command("latency-sketch")
+def bench_latency_sketch(
+    quick: bool = typer.Option(False, "--quick", help="10 minutes of a fleet's requests, 2 rounds (~2 min)"),
+    minutes: int | None = typer.Option(
+        None, "--minutes", min=1, max=120, help="minutes of a 1,000-engine fleet's requests to load (default 30)"
+    ),
+    json_path: Path | None = JsonOpt,
+    pg_url: str | None = typer.Option(None, "--pg-url", help="PostgreSQL server to create the run's database on"),
+) -> None:
+    """A fleet's Latency page reads over an hour with every request sorted against the per-minute latency
+    sketch, on the same rows, alternated A B B A; the sketch's error against the exact quantiles."""
+    from benchmarks.fleet import FleetBenchError, pg_url_from_env
+    from benchmarks.latency_reads import run_latency_sketch_bench
+
+    span = minutes if minutes is not None else (10 if quick else 30)
+    with exits("latency-sketch", (FleetBenchError, 2)):
+        emit(run_latency_sketch_bench(pg_url or pg_url_from_env(), minutes=span, rounds=2 if quick else 3), json_path)
+
+
 @bench_app.command("sim")
 def bench_sim(
     ctx: typer.Context,

@@ -29,7 +29,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from collector import claims as claims_module
-from collector import fastdecode, rollup
+from collector import fastdecode, latency_rollup, rollup
 from collector.bulk import insert_rows
 from collector.claims import Claims
 from collector.db import translate_errors
@@ -444,6 +444,9 @@ def _write_group(conn: Connection, members: list[tuple[str, str, ParsedBatch]], 
     steps = [row for _, _, b in members for row in b.rows.get("step", ())]
     if steps:  # the per-minute rollup, current to this transaction (`collector.rollup`)
         rollup.add_steps(conn, steps, EVENT_COLUMNS["step"])
+    requests = [row for _, _, b in members for row in b.rows.get("request", ())]
+    if requests:  # rows the latency sketch has rolled past (`collector.latency_rollup`)
+        latency_rollup.add_late(conn, requests, EVENT_COLUMNS["request"])
     instances: dict[str, tuple[float, float]] = {}
     runs: dict[tuple[str, str], tuple[float, float]] = {}
     for _, _, b in members:

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy import Connection, Engine, text
 
-from collector import partitions, rollup
+from collector import latency_rollup, partitions, rollup
 from collector.db import translate_errors
 from collector.errors import CollectorError
+from collector.rollup import RollupResult
 from collector.settings import CollectorSettings
 
 log = logging.getLogger("kvpilot.collector.maintenance")
@@ -37,6 +38,8 @@ REHOME_DAYS_PER_ROUND = 7
 # empty partitions.
 BEHIND_DAYS = 1
 ROLLUP_SPANS_PER_ROUND = 8  # of a day each, one transaction each: a week's backlog in one round
+# of `latency_rollup.CHUNK_S` each: a day's backlog a round (the lock ingest's late rows take is released between)
+SKETCH_CHUNKS_PER_ROUND = 144
 
 
 class MaintenanceMetrics:
@@ -61,6 +64,11 @@ class MaintenanceMetrics:
         self.rollup_through = Gauge(
             "kvpilot_collector_rollup_through_ts", "the step rollup is complete before this time", registry=registry
         )
+        self.sketch_through = Gauge(
+            "kvpilot_collector_latency_sketch_through_ts",
+            "the latency sketch holds every finished request before this time (PostgreSQL)",
+            registry=registry,
+        )
 
 
 @dataclass
@@ -70,6 +78,7 @@ class RoundResult:
     default_rows: dict[str, int] = field(default_factory=dict)
     rollup: rollup.RollupResult | None = None
     brin_ranges: int = 0  # BRIN page ranges summarized (PostgreSQL: `partitions.summarize_brin`)
+    latency_sketch: RollupResult | None = None  # the last minutes the latency sketch took (PostgreSQL)
 
 
 def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> RoundResult:
@@ -89,10 +98,13 @@ def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> Rou
             left = partitions.rehome_default(conn, since=since, max_days=REHOME_DAYS_PER_ROUND)
             summarized = partitions.summarize_brin(conn, now=now)
             rolled = _roll(conn, settings, now)
+            sketched = _sketch(conn, settings, now)
         finally:
             conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})
             conn.commit()
-        return RoundResult(created=created, default_rows=left, rollup=rolled, brin_ranges=summarized)
+        return RoundResult(
+            created=created, default_rows=left, rollup=rolled, brin_ranges=summarized, latency_sketch=sketched
+        )
 
 
 def _roll(conn: Connection, settings: CollectorSettings, now: float) -> rollup.RollupResult | None:
@@ -110,6 +122,21 @@ def _roll(conn: Connection, settings: CollectorSettings, now: float) -> rollup.R
             )
         if done is None or done.end >= now - 2 * rollup.BUCKET_S:
             return done or last
+        last = done
+    return last
+
+
+def _sketch(conn: Connection, settings: CollectorSettings, now: float) -> RollupResult | None:
+    """Roll request latencies into the sketch up to `latency_rollup.SETTLE_S` before `now`, `CHUNK_S` per
+    transaction (each holds the lock ingest's late rows wait on), at most `SKETCH_CHUNKS_PER_ROUND` of them."""
+    last = None
+    for _ in range(SKETCH_CHUNKS_PER_ROUND):
+        with conn.begin():
+            done = latency_rollup.roll_up(
+                conn, now=now, first_start=now - settings.raw_retention_days * partitions.DAY_S
+            )
+        if done is None:
+            return last
         last = done
     return last
 
@@ -153,6 +180,8 @@ class Maintenance:
                 log.warning("%d rows of %s are in its DEFAULT partition (past retention or not moved yet)", n, table)
         if result.rollup is not None:
             self.metrics.rollup_through.set(result.rollup.end)
+        if result.latency_sketch is not None:
+            self.metrics.sketch_through.set(result.latency_sketch.end)
         if result.brin_ranges:
             self.metrics.brin_ranges.inc(result.brin_ranges)
             log.debug("summarized %d BRIN page ranges", result.brin_ranges)

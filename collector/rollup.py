@@ -60,7 +60,7 @@ def roll_up(
     if end <= start:
         return None
     if through is not None and lookback_s <= 0:
-        _set_watermark(conn, end, exists=True)  # ingest added every step of these minutes as it stored them
+        set_watermark(conn, STEPS, end, exists=True)  # ingest added every step of these minutes as it stored them
         return RollupResult(start, end, 0)
     r = StepRollup.__table__
     st = StepRow.__table__.c
@@ -83,16 +83,16 @@ def roll_up(
     cols += [r.c.kv_usage_max, r.c.running_max, r.c.waiting_max]
     conn.execute(delete(r).where(r.c.bucket_ts >= start, r.c.bucket_ts < end))
     written = max(conn.execute(insert(r).from_select(cols, src)).rowcount or 0, 0)
-    _set_watermark(conn, end, exists=through is not None)
+    set_watermark(conn, STEPS, end, exists=through is not None)
     return RollupResult(start, end, written)
 
 
-def _set_watermark(conn: Connection, through: float, *, exists: bool) -> None:
+def set_watermark(conn: Connection, name: str, through: float, *, exists: bool) -> None:
     w = RollupWatermark.__table__
     if exists:
-        conn.execute(w.update().where(w.c.name == STEPS).values(through_ts=through))
+        conn.execute(w.update().where(w.c.name == name).values(through_ts=through))
     else:
-        conn.execute(insert(w).values(name=STEPS, through_ts=literal(through, Float)))
+        conn.execute(insert(w).values(name=name, through_ts=literal(through, Float)))
 
 
 def _floor(ts: float) -> float:

@@ -297,6 +297,21 @@ class StepRollup(Base):
     waiting_max: Mapped[int] = mapped_column(Integer)  # queue_depth
 
 
+class LatencySketch(Base):
+    """Per minute and request stage, a fleet's finished requests (warm-up left out) in logarithmic bins, with
+    each bin's count, sum and largest value (`collector.latency_rollup`, read by `collector.queries.latency_sketch`):
+    a long window's percentiles without sorting every request of it. Kept as long as `samples_downsampled`."""
+
+    __tablename__ = "latency_sketches"
+
+    metric: Mapped[str] = mapped_column(String(16), primary_key=True)
+    bucket_ts: Mapped[float] = mapped_column(Float, primary_key=True)
+    bin: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+    total: Mapped[float] = mapped_column(Float)
+    peak: Mapped[float] = mapped_column(Float)
+
+
 class RollupWatermark(Base):
     """How far a rollup is complete: buckets before `through_ts` are rolled up, later ones read raw."""
 

@@ -12,7 +12,7 @@ from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, GroupBy, LatencyMetric, _bound, _dialect, bucket_expr
 from collector.queries.catalog import SIMULATED_INSTANCE_PREFIX
-from collector.queries.request_stats import _group_column, _metric_column, _request_filter, user_e2e, user_ttft
+from collector.queries.request_stats import _group_column, _request_filter, metric_column, user_e2e, user_ttft
 from collector.schema import (
     RequestRow,
 )
@@ -172,7 +172,7 @@ def slowest_requests(
 ) -> list[dict[str, Any]]:
     """The `limit` requests with the largest `metric`, as plain dicts (all request columns)."""
     t = RequestRow.__table__
-    value = _metric_column(metric)
+    value = metric_column(metric)
     stmt = (
         select(t, value.label("metric_value"))
         .where(*_request_filter(start, end, instances, run_id, None, include_warmup), value.is_not(None))

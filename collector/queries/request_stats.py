@@ -21,6 +21,7 @@ from sqlalchemy import case, func, literal, select
 from sqlalchemy.sql import ColumnElement
 from sqlalchemy.sql.elements import BindParameter
 
+from collector.queries import latency_sketch as sketch
 from collector.queries._base import (
     DEFAULT_QUANTILES,
     Db,
@@ -60,7 +61,7 @@ def user_e2e() -> ColumnElement:
     return r.e2e_s + func.coalesce(r.frontend_s, 0.0)
 
 
-def _metric_column(metric: LatencyMetric) -> ColumnElement:
+def metric_column(metric: LatencyMetric) -> ColumnElement:
     r = RequestRow.__table__.c
     columns: dict[str, ColumnElement] = {
         "ttft": user_ttft(),
@@ -172,7 +173,20 @@ def latency_percentiles(
     _check_quantiles(quantiles)
     conds = _request_filter(start, end, instances, run_id, statuses, include_warmup)
     with _bound(db) as conn:
-        rows = _nearest_rank(conn, _metric_column(metric), [_group_column(group_by)], conds, quantiles)
+        if group_by == "all":
+            window = sketch.sketch_window(
+                conn,
+                start=start,
+                end=end,
+                instances=instances,
+                run_id=run_id,
+                statuses=statuses,
+                include_warmup=include_warmup,
+            )
+            if window is not None:
+                stats = sketched_stats(conn, window, metric, conds, quantiles)
+                return [stats] if stats.count else []
+        rows = _nearest_rank(conn, metric_column(metric), [_group_column(group_by)], conds, quantiles)
     return [
         LatencyStats(
             group=str(row[0]),
@@ -183,6 +197,19 @@ def latency_percentiles(
         )
         for row in rows
     ]
+
+
+def sketched_stats(
+    conn: Any,
+    window: sketch.SketchWindow,
+    metric: LatencyMetric,
+    conds: Sequence[ColumnElement],
+    quantiles: Sequence[float],
+) -> LatencyStats:
+    """A fleet-wide stage's figures over a window the latency sketch serves (`latency_sketch`)."""
+    bins = sketch.bin_rows(conn, window, metric, metric_column(metric), conds)
+    m = sketch.merge([row[1:] for row in bins], quantiles)
+    return LatencyStats(group="all", count=m.count, mean=m.mean, max=m.max, quantiles=m.quantiles)
 
 
 @dataclass(frozen=True)
@@ -218,8 +245,21 @@ def latency_quantiles_over_time(
     r = RequestRow.__table__.c
     conds = _request_filter(start, end, instances, run_id, statuses, include_warmup)
     with _bound(db) as conn:
+        if group_by == "all":
+            window = sketch.sketch_window(
+                conn,
+                start=start,
+                end=end,
+                instances=instances,
+                run_id=run_id,
+                statuses=statuses,
+                include_warmup=include_warmup,
+                bucket_s=bucket_s,
+            )
+            if window is not None:
+                return _sketched_buckets(conn, window, metric, conds, quantiles, bucket_s)
         keys = [_group_column(group_by), bucket_expr(r.ts, bucket_s, _dialect(conn))]
-        rows = _nearest_rank(conn, _metric_column(metric), keys, conds, quantiles)
+        rows = _nearest_rank(conn, metric_column(metric), keys, conds, quantiles)
     return [
         QuantileBucket(
             ts=float(row[1]),
@@ -230,6 +270,24 @@ def latency_quantiles_over_time(
         )
         for row in rows
     ]
+
+
+def _sketched_buckets(
+    conn: Any,
+    window: sketch.SketchWindow,
+    metric: LatencyMetric,
+    conds: Sequence[ColumnElement],
+    quantiles: Sequence[float],
+    bucket_s: float,
+) -> list[QuantileBucket]:
+    by_bucket: dict[float, list[tuple[int, int, float, float]]] = {}
+    for ts, *rest in sketch.bin_rows(conn, window, metric, metric_column(metric), conds, bucket_s):
+        by_bucket.setdefault(ts, []).append(tuple(rest))  # type: ignore[arg-type]  # (bin, count, sum, max)
+    out = []
+    for ts, bins in by_bucket.items():
+        m = sketch.merge(bins, quantiles)
+        out.append(QuantileBucket(ts=ts, count=m.count, mean=m.mean or 0.0, quantiles=m.quantiles))
+    return out
 
 
 @dataclass(frozen=True)
@@ -257,7 +315,7 @@ def latency_histogram(
     """
     if bins < 1:
         raise ValueError("bins must be at least 1")
-    column = _metric_column(metric)
+    column = metric_column(metric)
     conds = [*_request_filter(start, end, instances, run_id, ("finished",), include_warmup), column.is_not(None)]
     with _bound(db) as conn:
         lo, hi = conn.execute(select(func.min(column), func.max(column)).where(*conds)).one()

@@ -13,7 +13,9 @@ f = ui.current_filters()
 sel = catalog.selection(f)
 ui.page_caption(
     f"Finished requests in {ui.window_text()}; percentiles from per-request events are exact (nearest rank), "
-    "computed in SQL; those from scraped histograms are precise to a bucket's width."
+    "computed in SQL, except a whole fleet's over more than a quarter of an hour, read in whole minutes from the "
+    "latency sketch (at most 2% above the exact, never below); those from scraped histograms are precise to a "
+    "bucket's width."
 )
 
 NO_REQUESTS = (

@@ -45,7 +45,8 @@ def source(f: Filters) -> str:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def summary(f: Filters) -> pd.DataFrame:
-    """One row per stage: requests, mean, exact percentiles and max over the selection."""
+    """One row per stage: requests, mean, percentiles (exact, or from the latency sketch for a fleet's long
+    window: `collector.queries.latency_sketch`) and max over the selection."""
     db = engine(f.db_url)
     rows = []
     for metric, label in LATENCY_METRICS.items():

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine, event, insert, text
 
 from alerts.sql_source import SqlSource
-from collector import partitions, queries
+from collector import latency_rollup, partitions, queries
 from collector.db import make_engine
 from collector.ingest import parse_batch, store_batch
 from collector.schema import SeriesPoint
@@ -194,3 +194,24 @@ def test_reads_of_an_hour_scan_only_its_day(loaded: Engine, read: str) -> None:
     }
     outside = [(node, rel) for node, rel in scans if not rel.endswith(THIRD_DAY) and rel not in allowed]
     assert not outside, f"{read} scans outside the hour's day partition: {outside}"
+
+
+# Fleet-wide latency reads of an hour that read the latency sketch's minutes (collector.queries.latency_sketch)
+SKETCHED = ("headline_latency", "latency_quantiles_over_time")
+
+
+def test_an_hour_of_fleet_latency_reads_the_sketch_by_its_key_and_the_raw_tail_in_its_day(loaded: Engine) -> None:
+    with loaded.begin() as conn:
+        latency_rollup.roll_up(conn, now=HOUR + 1800, first_start=HOUR - 600)
+    try:
+        for read in SKETCHED:
+            statements = _recorded(loaded, lambda read=read: READS[read](loaded))
+            plans = _plans(loaded, statements)
+            sketch_scans = [scan for plan in plans for scan in _scans(plan) if scan[1] == "latency_sketches"]
+            assert sketch_scans and all("Index" in node for node, _ in sketch_scans), (read, sketch_scans)
+            outside = [(n, rel) for n, rel in _raw_scans(loaded, statements) if not rel.endswith(THIRD_DAY)]
+            assert not outside, f"{read} scans outside the hour's day partition: {outside}"
+    finally:
+        with loaded.begin() as conn:
+            conn.execute(text("DELETE FROM latency_sketches"))
+            conn.execute(text("DELETE FROM rollup_watermarks WHERE name = 'latency'"))

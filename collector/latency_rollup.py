@@ -1,0 +1,148 @@
+"""The per-minute latency sketch (`latency_sketches`, read by `collector.queries.latency_sketch`), PostgreSQL.
+
+Two writers keep it, and a lock keeps them from counting a request twice or not at all:
+- the collector's maintenance (`roll_up`) adds whole minutes from the raw rows, up to `SETTLE_S` before now,
+  `CHUNK_S` per transaction, and moves the watermark past them. It holds `LOCK` exclusively (a transaction
+  advisory lock) from before it reads the watermark to its commit.
+- ingest (`add_late`) adds the rows of a batch that are older than the watermark (a spooled push, a late
+  relay), which the maintenance has rolled past. It takes `LOCK` shared after writing the batch's rows and
+  reads the watermark after that, in its own statement.
+A batch that commits before a roll takes the lock is in the raw rows that roll reads, and it read the old
+watermark, so it added nothing; one that takes the shared lock after a roll committed reads the new
+watermark and adds its rows before it. Ingest batches share the lock, so they never wait on each other; they
+wait only while a roll computes (a minute of a 1,000-engine fleet's requests: tenths of a second).
+
+Unlike the step rollup, a fleet-wide row is written by every collector, so ingest does not add every batch
+(concurrent transactions would queue on the same rows); only late rows, which are few. Rolling reads each
+closed minute once. On SQLite nothing is rolled: its reads stay on the raw rows (one server's, small).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Float, cast, func, insert, literal, select, text
+from sqlalchemy.dialects import postgresql
+
+from collector.queries.latency_sketch import METRICS, WATERMARK, bin_expr, bin_of
+from collector.queries.request_stats import metric_column
+from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
+from collector.rollup import RollupResult, set_watermark, watermark
+from collector.schema import LatencySketch, RequestRow, Run
+
+LOCK = 0x6B76_706C_6174  # the transaction advisory lock between the roll and ingest's late rows ("kvplat")
+SETTLE_S = 15.0  # a minute is rolled this long after it ends: most of its requests are stored by then
+CHUNK_S = 600.0  # minutes per roll transaction: the lock is held while it computes
+
+
+def roll_up(conn: Connection, *, now: float, first_start: float) -> RollupResult | None:
+    """One transaction's roll (the caller's): lock, then the minutes from the watermark (when there is none, from
+    `first_start` or the first event stored, whichever is later) up to `SETTLE_S` before `now`, at most
+    `CHUNK_S` of them; None when there is nothing to roll (or not PostgreSQL)."""
+    if conn.dialect.name != "postgresql":
+        return None
+    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": LOCK})
+    through = watermark(conn, WATERMARK)
+    if through is None:  # from the first event stored (the runs' spans; no scan of the raw rows), if later
+        first_seen = conn.execute(select(func.min(Run.__table__.c.first_seen_ts))).scalar_one_or_none()
+        if first_seen is None:  # nothing stored yet
+            return None
+        first_start = max(first_start, float(first_seen))
+    start = _floor(first_start if through is None else through)
+    end = min(_floor(now - SETTLE_S), start + CHUNK_S)
+    if end <= start:
+        return None
+    r = RequestRow.__table__.c
+    s = LatencySketch.__table__
+    bucket = cast(func.floor(r.ts / literal(BUCKET_S)) * literal(BUCKET_S), Float)
+    conds = [r.ts >= start, r.ts < end, r.status == "finished", r.warmup.is_(False)]
+    written = 0
+    for metric in METRICS:
+        value = metric_column(metric)
+        binned = bin_expr(value, "postgresql")
+        src = (
+            select(literal(metric), bucket, binned, func.count(value), func.sum(value), func.max(value))
+            .where(*conds, value.is_not(None))
+            .group_by(bucket, binned)
+        )
+        cols = [s.c.metric, s.c.bucket_ts, s.c.bin, s.c.count, s.c.total, s.c.peak]
+        written += max(conn.execute(insert(s).from_select(cols, src)).rowcount or 0, 0)
+    set_watermark(conn, WATERMARK, end, exists=through is not None)
+    return RollupResult(start, end, written)
+
+
+def add_late(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequence[str]) -> int:
+    """Add a batch's request rows older than the sketch's watermark to it, in the batch's transaction (after its
+    rows are written); how many rows were late. PostgreSQL only."""
+    if conn.dialect.name != "postgresql" or not rows:
+        return 0
+    conn.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": LOCK})
+    through = watermark(conn, WATERMARK)  # a statement of its own: read after the lock is held
+    if through is None:
+        return 0
+    at = {name: k for k, name in enumerate(columns)}
+    ts, status, warm = at["ts"], at["status"], at["warmup"]
+    late = [row for row in rows if row[ts] < through and row[status] == "finished" and not row[warm]]
+    if not late:
+        return 0
+    bins: dict[tuple[str, float, int], list[float]] = {}
+    for row in late:
+        minute = _floor(row[ts])
+        for metric, value in stage_values(row, at):
+            if value is None:
+                continue
+            key = (metric, minute, bin_of(value))
+            b = bins.get(key)
+            if b is None:
+                bins[key] = [1, value, value]
+            else:
+                b[0] += 1
+                b[1] += value
+                b[2] = max(b[2], value)
+    values = [
+        {"metric": m, "bucket_ts": t, "bin": i, "count": n, "total": total, "peak": peak}
+        for (m, t, i), (n, total, peak) in sorted(bins.items())  # one lock order for concurrent batches
+    ]
+    conn.execute(_add_statement(), values)
+    return len(late)
+
+
+def stage_values(row: tuple[Any, ...], at: dict[str, int]) -> list[tuple[str, float | None]]:
+    """Each sketched stage's value of one request row, as `collector.queries.request_stats.metric_column`
+    computes it in SQL."""
+    frontend = row[at["frontend_s"]]
+    ttft, decode, out = row[at["ttft_s"]], row[at["decode_s"]], row[at["output_tokens"]]
+    before = frontend or 0.0
+    return [
+        ("ttft", None if ttft is None else ttft + before),
+        ("e2e", row[at["e2e_s"]] + before),
+        ("frontend", frontend),
+        ("queue", row[at["queue_s"]]),
+        ("prefill", row[at["prefill_s"]]),
+        ("decode", decode),
+        ("swap", row[at["swap_s"]]),
+        ("tpot", decode / (out - 1) if out > 1 else None),
+    ]
+
+
+@functools.cache
+def _add_statement() -> Any:
+    """INSERT ... ON CONFLICT: counts and sums added, the maximum raised."""
+    table = LatencySketch.__table__
+    stmt = postgresql.insert(table)
+    old, new = table.c, stmt.excluded
+    return stmt.on_conflict_do_update(
+        index_elements=["metric", "bucket_ts", "bin"],
+        set_={
+            "count": old.count + new.count,
+            "total": old.total + new.total,
+            "peak": func.greatest(old.peak, new.peak),
+        },
+    )
+
+
+def _floor(ts: float) -> float:
+    return math.floor(ts / BUCKET_S) * BUCKET_S
