@@ -84,7 +84,7 @@ def run_latency_sketch_bench(
 
     from sqlalchemy import delete, insert
 
-    from collector import latency_rollup
+    from collector import latency_rollup, partitions
     from collector.bulk import insert_rows
     from collector.db import make_engine, upgrade
     from collector.queries import latency_sketch as sketch
@@ -99,6 +99,8 @@ def run_latency_sketch_bench(
         upgrade(url)
         end = math.floor(time.time() / 60.0) * 60.0 - 60.0
         start = end - minutes * 60.0
+        with engine.connect() as conn:  # the day partitions and their BRIN summaries, as maintenance keeps them
+            partitions.ensure_ahead(conn, now=end, behind_days=1, ahead_days=1)
         rnd = random.Random(0)
         t0 = time.perf_counter()
         table = RequestRow.__table__
@@ -110,6 +112,8 @@ def run_latency_sketch_bench(
             conn.execute(insert(Run.__table__).values(instance="e0000", run_id="fleet", first_seen_ts=start,
                                                       last_seen_ts=end))  # fmt: skip
         load_s = time.perf_counter() - t0
+        with engine.connect() as conn:
+            partitions.summarize_brin(conn, now=end)
         with engine.begin() as conn:
             conn.exec_driver_sql("ANALYZE requests")
         t0 = time.perf_counter()
