@@ -60,6 +60,8 @@ def roll_up(conn: Connection, *, now: float, first_start: float) -> RollupResult
     bucket = cast(func.floor(r.ts / literal(BUCKET_S)) * literal(BUCKET_S), Float)
     conds = [r.ts >= start, r.ts < end, r.status == "finished", r.warmup.is_(False)]
     written = 0
+    # one statement a stage: measured on 10 minutes of a fleet's requests, 0.42 s a minute rolled; one scan
+    # unpivoting each row into its stages (JOIN LATERAL) took 1.24 s (eight times the rows into one aggregate)
     for metric in METRICS:
         value = metric_column(metric)
         binned = bin_expr(value, "postgresql")
