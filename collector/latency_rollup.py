@@ -35,6 +35,7 @@ from collector.schema import LatencySketch, RequestRow, Run
 
 LOCK = 0x6B76_706C_6174  # the transaction advisory lock between the roll and ingest's late rows ("kvplat")
 SETTLE_S = 15.0  # a minute is rolled this long after it ends: most of its requests are stored by then
+EVERY_S = 15.0  # how often the collector's maintenance looks for a closed minute (`collector.maintenance`)
 CHUNK_S = 600.0  # minutes per roll transaction: the lock is held while it computes
 
 
@@ -44,8 +45,11 @@ def roll_up(conn: Connection, *, now: float, first_start: float) -> RollupResult
     `CHUNK_S` of them; None when there is nothing to roll (or not PostgreSQL)."""
     if conn.dialect.name != "postgresql":
         return None
+    seen = watermark(conn, WATERMARK)
+    if seen is not None and _floor(now - SETTLE_S) <= seen:  # nothing closed since: no lock taken
+        return None
     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": LOCK})
-    through = watermark(conn, WATERMARK)
+    through = watermark(conn, WATERMARK)  # again, under the lock: another collector may have rolled
     if through is None:  # from the first event stored (the runs' spans; no scan of the raw rows), if later
         first_seen = conn.execute(select(func.min(Run.__table__.c.first_seen_ts))).scalar_one_or_none()
         if first_seen is None:  # nothing stored yet

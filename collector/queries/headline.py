@@ -74,10 +74,8 @@ def headline_latency(
             include_warmup=include_warmup,
         )
         if window is not None:  # a fleet's long window: per-minute bins, `unmeasured` from the stages' counts
-            ttft, e2e, frontend = (
-                sketched_stats(conn, window, m, conds, common["quantiles"]) for m in ("ttft", "e2e", "frontend")
-            )
-            unmeasured = e2e.count - frontend.count
+            ttft, e2e = (sketched_stats(conn, window, m, conds, common["quantiles"]) for m in ("ttft", "e2e"))
+            unmeasured = e2e.count - sketch.value_count(conn, window, "frontend", r.frontend_s, conds)
             t, e, n = ttft.quantiles, e2e.quantiles, e2e.count
         else:
             ttfts = latency_percentiles(conn, metric="ttft", **common)

@@ -119,6 +119,24 @@ def bin_rows(
     return [(float(b), int(i), int(n), float(t), float(p)) for b, i, n, t, p in conn.execute(stmt)]
 
 
+def value_count(
+    conn: Session | Connection,
+    window: SketchWindow,
+    metric: LatencyMetric,
+    value: ColumnElement,
+    conds: Sequence[ColumnElement],
+) -> int:
+    """How many requests of the window have a value of `metric` (the sketch's counts and the raw rows after
+    them): a count, no bins."""
+    s = LatencySketch.__table__.c
+    r = RequestRow.__table__.c
+    sketched = select(func.coalesce(func.sum(s.count), 0)).where(
+        s.metric == metric, s.bucket_ts >= window.lo, s.bucket_ts < min(window.through, window.end)
+    )
+    raw = select(func.count(value)).where(*conds, r.ts >= window.through)
+    return int(conn.execute(select(sketched.scalar_subquery() + raw.scalar_subquery())).scalar_one())
+
+
 @dataclass(frozen=True)
 class Merged:
     count: int

@@ -10,15 +10,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine, Float, cast, func, literal, select
 
 from collector import latency_rollup, queries
 from collector.db import make_engine
 from collector.ingest import parse_batch, store_batch
+from collector.maintenance import Maintenance, MaintenanceMetrics
 from collector.queries import latency_sketch as sketch
 from collector.retention import DAY, prune
 from collector.rollup import watermark
 from collector.schema import LatencySketch
+from collector.settings import CollectorSettings
 from tests.collector import evfactory as ev
 
 T0 = ev.T0
@@ -222,3 +225,21 @@ def test_retention_keeps_the_sketch_as_long_as_the_minute_aggregates(pg: Engine)
     assert result.deleted.get("latency_sketches") == 0
     result = prune(pg, raw_days=1.0, downsample_days=2.0, now=T0 + 3 * DAY)
     assert result.deleted["latency_sketches"] > 0
+
+
+@pytest.mark.postgres
+def test_maintenance_rolls_the_sketch_in_its_round_and_between_rounds(pg: Engine, pg_url: str) -> None:
+    ingest(pg, requests(600, seed=10), "all")
+    clock = [T0 + 600.0]
+    settings = CollectorSettings(db_url=pg_url, raw_retention_days=3.0, partitions_ahead_days=2)
+    metrics = MaintenanceMetrics(CollectorRegistry())
+    job = Maintenance(pg, settings, metrics=metrics, clock=lambda: clock[0])
+    result = job.run_once()
+    assert result is not None and result.latency_sketch is not None
+    first = result.latency_sketch.end
+    assert first == math.floor((clock[0] - latency_rollup.SETTLE_S) / 60) * 60
+    assert job.sketch_once() is None  # no minute closed since
+    clock[0] += 120.0
+    later = job.sketch_once()
+    assert later is not None and later.end == first + 120.0
+    assert metrics.sketch_through._value.get() == later.end
