@@ -444,6 +444,9 @@ def _write_group(conn: Connection, members: list[tuple[str, str, ParsedBatch]], 
     steps = [row for _, _, b in members for row in b.rows.get("step", ())]
     if steps:  # the per-minute rollup, current to this transaction (`collector.rollup`)
         rollup.add_steps(conn, steps, EVENT_COLUMNS["step"])
+    allocs = [row for _, _, b in members for row in b.rows.get("alloc", ())]
+    if allocs:
+        rollup.add_allocs(conn, allocs, EVENT_COLUMNS["alloc"])
     requests = [row for _, _, b in members for row in b.rows.get("request", ())]
     if requests:  # rows the latency sketch has rolled past (`collector.latency_rollup`)
         latency_rollup.add_late(conn, requests, EVENT_COLUMNS["request"])

@@ -108,22 +108,29 @@ def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> Rou
 
 
 def _roll(conn: Connection, settings: CollectorSettings, now: float) -> rollup.RollupResult | None:
-    """Roll steps up to a minute before `now`, a day per transaction; the last span rolled (None: nothing to)."""
-    last = None
-    for _ in range(ROLLUP_SPANS_PER_ROUND):
-        with conn.begin():
-            done = rollup.roll_up(
-                conn,
-                now=now,
-                first_start=now - settings.raw_retention_days * partitions.DAY_S,
-                lookback_s=settings.rollup_lookback_s,
-                settle_s=rollup.BUCKET_S,
-                max_span_s=partitions.DAY_S,
-            )
-        if done is None or done.end >= now - 2 * rollup.BUCKET_S:
-            return done or last
-        last = done
-    return last
+    """Roll steps and allocation records up to a minute before `now`, a day per transaction; the step rollup's
+    last span rolled (None: nothing to)."""
+    out = None
+    for kind in rollup.KINDS:
+        last = None
+        for _ in range(ROLLUP_SPANS_PER_ROUND):
+            with conn.begin():
+                done = rollup.roll_up(
+                    conn,
+                    now=now,
+                    first_start=now - settings.raw_retention_days * partitions.DAY_S,
+                    lookback_s=settings.rollup_lookback_s,
+                    settle_s=rollup.BUCKET_S,
+                    max_span_s=partitions.DAY_S,
+                    kind=kind,
+                )
+            if done is None or done.end >= now - 2 * rollup.BUCKET_S:
+                last = done or last
+                break
+            last = done
+        if kind is rollup.STEPS_KIND:
+            out = last
+    return out
 
 
 def _sketch(conn: Connection, settings: CollectorSettings, now: float) -> RollupResult | None:

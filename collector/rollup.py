@@ -1,8 +1,12 @@
-"""The per-minute step rollup (`step_rollups`): what history views read instead of every step of a long range.
+"""The per-minute step and allocation rollups (`step_rollups`, `alloc_rollups`): what history views read
+instead of every raw row of a long range.
 
-One row per (instance, run, minute) of non-warm-up steps: how many, their summed duration, and the highest
-KV usage, batch size and queue depth among them. A maximum of maxima is the maximum, so peaks read from
-the rollup equal the peaks over every step (`collector.queries.step_rollup`).
+Steps: one row per (instance, run, minute) of non-warm-up steps: how many, their summed duration, and the
+highest KV usage, batch size and queue depth among them. A maximum of maxima is the maximum, so peaks read
+from the rollup equal the peaks over every step (`collector.queries.step_rollup`). Allocation records: one
+row per (instance, run, minute, op, tier): how many, their blocks and bytes, exact sums for the KV page's
+operations chart and the trace's count (`collector.queries.engine_stats`). A rollup is a `Kind`; what follows
+holds for both (their watermarks are apart).
 
 Two writers keep it, and they agree:
 - ingest (`add_steps`, in the batch's own transaction): each batch's steps are added to their minutes (counts
@@ -23,17 +27,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Float, cast, delete, func, insert, literal, select
+from sqlalchemy import Connection, Float, Select, Table, cast, delete, func, insert, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from collector.queries import bucket_expr
+from collector.queries.step_rollup import ALLOC_WATERMARK as ALLOCS
 from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
 from collector.queries.step_rollup import WATERMARK as STEPS
-from collector.schema import RollupWatermark, StepRollup, StepRow
+from collector.schema import AllocRollup, AllocRow, RollupWatermark, StepRollup, StepRow
 
 
 @dataclass(frozen=True)
@@ -48,24 +53,21 @@ def watermark(conn: Connection, name: str = STEPS) -> float | None:
     return conn.execute(select(w.c.through_ts).where(w.c.name == name)).scalar_one_or_none()
 
 
-def roll_up(
-    conn: Connection, *, now: float, first_start: float, lookback_s: float, settle_s: float, max_span_s: float
-) -> RollupResult | None:
-    """Compute the step buckets from `first_start` while there is no watermark, else recompute `lookback_s`
-    before it (none when 0: ingest keeps them), up to `settle_s` before `now`, at most `max_span_s` of them, and
-    move the watermark there; None when there is nothing to do yet."""
-    through = watermark(conn)
-    start = _floor(first_start if through is None else through - lookback_s)
-    end = min(_floor(now - settle_s), start + _floor(max_span_s))
-    if end <= start:
-        return None
-    if through is not None and lookback_s <= 0:
-        set_watermark(conn, STEPS, end, exists=True)  # ingest added every step of these minutes as it stored them
-        return RollupResult(start, end, 0)
-    r = StepRollup.__table__
+@dataclass(frozen=True)
+class Kind:
+    """One rollup: its watermark's name, its table, and its rows of [start, end) computed from the raw rows
+    (in `columns`' order)."""
+
+    name: str
+    table: Table
+    columns: tuple[str, ...]
+    source: Callable[[float, float, str], Select]
+
+
+def _step_source(start: float, end: float, dialect: str) -> Select:
     st = StepRow.__table__.c
-    bucket = bucket_expr(st.ts, BUCKET_S, conn.dialect.name).label("bucket")
-    src = (
+    bucket = bucket_expr(st.ts, BUCKET_S, dialect).label("bucket")
+    return (
         select(
             st.instance,
             st.run_id,
@@ -79,11 +81,55 @@ def roll_up(
         .where(st.ts >= start, st.ts < end, st.warmup.is_(False))
         .group_by(st.instance, st.run_id, bucket)
     )
-    cols = [r.c.instance, r.c.run_id, r.c.bucket_ts, r.c.steps, r.c.duration_sum]
-    cols += [r.c.kv_usage_max, r.c.running_max, r.c.waiting_max]
-    conn.execute(delete(r).where(r.c.bucket_ts >= start, r.c.bucket_ts < end))
-    written = max(conn.execute(insert(r).from_select(cols, src)).rowcount or 0, 0)
-    set_watermark(conn, STEPS, end, exists=through is not None)
+
+
+def _alloc_source(start: float, end: float, dialect: str) -> Select:
+    a = AllocRow.__table__.c
+    bucket = bucket_expr(a.ts, BUCKET_S, dialect).label("bucket")
+    return (
+        select(a.instance, a.run_id, bucket, a.op, a.tier, func.count(), func.sum(a.blocks), func.sum(a.bytes))
+        .where(a.ts >= start, a.ts < end)
+        .group_by(a.instance, a.run_id, bucket, a.op, a.tier)
+    )
+
+
+_STEP_COLUMNS = ("instance", "run_id", "bucket_ts", "steps", "duration_sum", "kv_usage_max", "running_max")
+STEPS_KIND = Kind(STEPS, StepRollup.__table__, (*_STEP_COLUMNS, "waiting_max"), _step_source)
+ALLOCS_KIND = Kind(
+    ALLOCS,
+    AllocRollup.__table__,
+    ("instance", "run_id", "bucket_ts", "op", "tier", "events", "blocks", "bytes"),
+    _alloc_source,
+)
+KINDS = (STEPS_KIND, ALLOCS_KIND)
+
+
+def roll_up(
+    conn: Connection,
+    *,
+    now: float,
+    first_start: float,
+    lookback_s: float,
+    settle_s: float,
+    max_span_s: float,
+    kind: Kind = STEPS_KIND,
+) -> RollupResult | None:
+    """Compute `kind`'s buckets from `first_start` while there is no watermark, else recompute `lookback_s`
+    before it (none when 0: ingest keeps them), up to `settle_s` before `now`, at most `max_span_s` of them, and
+    move the watermark there; None when there is nothing to do yet."""
+    through = watermark(conn, kind.name)
+    start = _floor(first_start if through is None else through - lookback_s)
+    end = min(_floor(now - settle_s), start + _floor(max_span_s))
+    if end <= start:
+        return None
+    if through is not None and lookback_s <= 0:
+        set_watermark(conn, kind.name, end, exists=True)  # ingest added every row of these minutes as it stored them
+        return RollupResult(start, end, 0)
+    table = kind.table
+    conn.execute(delete(table).where(table.c.bucket_ts >= start, table.c.bucket_ts < end))
+    src = kind.source(start, end, conn.dialect.name)
+    written = max(conn.execute(insert(table).from_select([table.c[c] for c in kind.columns], src)).rowcount or 0, 0)
+    set_watermark(conn, kind.name, end, exists=through is not None)
     return RollupResult(start, end, written)
 
 
@@ -132,6 +178,44 @@ def add_steps(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequen
     ]  # fmt: skip
     conn.execute(_add_statement(conn.dialect.name), values)
     return len(values)
+
+
+def add_allocs(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequence[str]) -> int:
+    """Add a batch's allocation rows (tuples in `columns`' order) to their minutes' rollup rows, in the
+    caller's transaction; how many rollup rows were touched."""
+    at = {name: k for k, name in enumerate(columns)}
+    ins, run, ts, op, tier, blocks, size = (
+        at["instance"], at["run_id"], at["ts"], at["op"], at["tier"], at["blocks"], at["bytes"]
+    )  # fmt: skip
+    buckets: dict[tuple[str, str, float, str, str], list[int]] = {}
+    for row in rows:
+        key = (row[ins], row[run], _floor(row[ts]), row[op], row[tier])
+        b = buckets.get(key)
+        if b is None:
+            buckets[key] = [1, row[blocks], row[size]]
+        else:
+            b[0] += 1
+            b[1] += row[blocks]
+            b[2] += row[size]
+    values = [
+        {"instance": i, "run_id": r, "bucket_ts": t, "op": o, "tier": tr, "events": n, "blocks": bl, "bytes": by}
+        for (i, r, t, o, tr), (n, bl, by) in sorted(buckets.items())  # one lock order for concurrent batches
+    ]
+    if values:
+        conn.execute(_add_allocs_statement(conn.dialect.name), values)
+    return len(values)
+
+
+@functools.cache
+def _add_allocs_statement(dialect: str) -> Any:
+    """INSERT ... ON CONFLICT: the counts and sums added."""
+    table = AllocRollup.__table__
+    stmt = (sqlite.insert if dialect == "sqlite" else postgresql.insert)(table)
+    old, new = table.c, stmt.excluded
+    return stmt.on_conflict_do_update(
+        index_elements=["instance", "run_id", "bucket_ts", "op", "tier"],
+        set_={"events": old.events + new.events, "blocks": old.blocks + new.blocks, "bytes": old.bytes + new.bytes},
+    )
 
 
 @functools.cache  # built once per dialect: it runs on every batch with steps

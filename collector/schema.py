@@ -297,6 +297,24 @@ class StepRollup(Base):
     waiting_max: Mapped[int] = mapped_column(Integer)  # queue_depth
 
 
+class AllocRollup(Base):
+    """Per-minute totals of one instance's and run's KV allocation records by op and tier: records, blocks and
+    bytes (`collector.rollup`, kept current by ingest like `step_rollups`), for the KV page's long windows; as
+    long as `samples_downsampled`."""
+
+    __tablename__ = "alloc_rollups"
+    __table_args__ = (Index("ix_alloc_rollups_bucket_ts", "bucket_ts"),)
+
+    instance: Mapped[str] = mapped_column(Name, primary_key=True)
+    run_id: Mapped[str] = mapped_column(Name, primary_key=True)
+    bucket_ts: Mapped[float] = mapped_column(Float, primary_key=True)
+    op: Mapped[str] = mapped_column(String(16), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(8), primary_key=True)
+    events: Mapped[int] = mapped_column(BigInteger)
+    blocks: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+
+
 class LatencySketch(Base):
     """Per minute and request stage, a fleet's finished requests (warm-up left out) in logarithmic bins, with
     each bin's count, sum and largest value (`collector.latency_rollup`, read by `collector.queries.latency_sketch`):

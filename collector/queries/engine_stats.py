@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,7 +12,9 @@ from sqlalchemy import func, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, Points, _bound, _dialect, _f, bucket_expr
+from collector.queries.step_rollup import ROLLUP_AFTER_S, ROLLUP_BUCKET_S
 from collector.schema import (
+    AllocRollup,
     AllocRow,
     SampleRow,
     StepRow,
@@ -156,19 +159,23 @@ def alloc_ops_over_time(
     instances: Sequence[str] | None = None,
     run_id: str | None = None,
 ) -> list[AllocOpBucket]:
-    """KV allocation trace downsampled: events, blocks and bytes per (bucket, op, tier)."""
+    """KV allocation trace downsampled: events, blocks and bytes per (bucket, op, tier). A window longer than
+    `ROLLUP_AFTER_S` bucketed by whole minutes reads the per-minute allocation rollup (`collector.rollup`: exact
+    sums, no raw record), its first and last minutes whole, as the step rollup's windows are."""
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
-    a = AllocRow.__table__.c
-    conds = _alloc_filter(start, end, instances, run_id)
     with _bound(db) as conn:
-        bucket = bucket_expr(a.ts, bucket_s, _dialect(conn)).label("b")
-        stmt = (
-            select(bucket, a.op, a.tier, func.count(), func.sum(a.blocks), func.sum(a.bytes))
-            .where(*conds)
-            .group_by(bucket, a.op, a.tier)
-            .order_by(bucket, a.op, a.tier)
-        )
+        if end - start > ROLLUP_AFTER_S and not bucket_s % ROLLUP_BUCKET_S:
+            r = AllocRollup.__table__.c
+            bucket = bucket_expr(r.bucket_ts, bucket_s, _dialect(conn)).label("b")
+            cols: tuple[Any, ...] = (r.op, r.tier, func.sum(r.events), func.sum(r.blocks), func.sum(r.bytes))
+            conds = _rollup_filter(start, end, instances, run_id)
+        else:
+            a = AllocRow.__table__.c
+            bucket = bucket_expr(a.ts, bucket_s, _dialect(conn)).label("b")
+            cols = (a.op, a.tier, func.count(), func.sum(a.blocks), func.sum(a.bytes))
+            conds = _alloc_filter(start, end, instances, run_id)
+        stmt = select(bucket, *cols).where(*conds).group_by(bucket, *cols[:2]).order_by(bucket, *cols[:2])
         rows = conn.execute(stmt).all()
     return [AllocOpBucket(float(b), op, tier, int(n), int(blk or 0), int(by or 0)) for b, op, tier, n, blk, by in rows]
 
@@ -180,6 +187,20 @@ def _alloc_filter(start: float, end: float, instances: Sequence[str] | None, run
         conds.append(a.instance.in_(instances))
     if run_id is not None:
         conds.append(a.run_id == run_id)
+    return conds
+
+
+def _rollup_filter(
+    start: float, end: float, instances: Sequence[str] | None, run_id: str | None
+) -> list[ColumnElement]:
+    """The allocation rollup's minutes a window touches (the first whole), with the window's filters."""
+    r = AllocRollup.__table__.c
+    conds: list[ColumnElement] = [r.bucket_ts >= math.floor(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S]
+    conds.append(r.bucket_ts < end)
+    if instances is not None:
+        conds.append(r.instance.in_(instances))
+    if run_id is not None:
+        conds.append(r.run_id == run_id)
     return conds
 
 
@@ -199,17 +220,47 @@ def alloc_trace(
     run_id: str | None = None,
     ops: Sequence[str] | None = None,
 ) -> AllocTrace:
-    """The newest `limit` allocation events of the window in time order, and how many the window holds."""
+    """The newest `limit` allocation events of the window in time order, and how many the window holds. The
+    count of a window longer than `ROLLUP_AFTER_S` adds the allocation rollup's minutes inside it to the raw
+    records of the partial minutes at its ends: exact, without counting every record of an hour."""
     t = AllocRow.__table__
     conds = _alloc_filter(start, end, instances, run_id)
     if ops is not None:
         conds.append(t.c.op.in_(ops))
     with _bound(db) as conn:
-        total = int(conn.execute(select(func.count()).select_from(t).where(*conds)).scalar_one())
+        total = _alloc_count(conn, start, end, instances, run_id, ops)
         stmt = select(t).where(*conds).order_by(t.c.ts.desc(), t.c.id.desc()).limit(max(0, int(limit)))
         events = [dict(row._mapping) for row in conn.execute(stmt)]
     events.reverse()
     return AllocTrace(total=total, events=events)
+
+
+def _alloc_count(
+    conn: Any, start: float, end: float, instances: Sequence[str] | None, run_id: str | None, ops: Sequence[str] | None
+) -> int:
+    """How many allocation records the window holds (`alloc_trace`)."""
+    a = AllocRow.__table__.c
+
+    def raw(lo: float, hi: float) -> Any:
+        conds = _alloc_filter(lo, hi, instances, run_id)
+        if ops is not None:
+            conds.append(a.op.in_(ops))
+        return select(func.count()).where(*conds).scalar_subquery()
+
+    first = math.ceil(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S  # the whole minutes inside the window
+    last = math.floor(end / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S
+    if end - start <= ROLLUP_AFTER_S or last <= first:
+        return int(conn.execute(select(raw(start, end))).scalar_one())
+    r = AllocRollup.__table__.c
+    conds = [r.bucket_ts >= first, r.bucket_ts < last]
+    if instances is not None:
+        conds.append(r.instance.in_(instances))
+    if run_id is not None:
+        conds.append(r.run_id == run_id)
+    if ops is not None:
+        conds.append(r.op.in_(ops))
+    rolled = select(func.coalesce(func.sum(r.events), 0)).where(*conds).scalar_subquery()
+    return int(conn.execute(select(raw(start, first) + rolled + raw(last, end))).scalar_one())
 
 
 def latest_samples(

@@ -28,6 +28,7 @@ ROLLUP_AFTER_S = 15 * 60.0
 ROLLUP_BUCKET_S = 60.0
 ROLLUP_NOTE = "whole minutes from the per-minute step rollup"
 WATERMARK = "steps"  # its row in rollup_watermarks
+ALLOC_WATERMARK = "allocs"  # the allocation rollup's (`collector.queries.engine_stats`)
 
 
 def load_rows(

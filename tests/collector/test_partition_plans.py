@@ -160,8 +160,8 @@ EARLIER = range(2)
 ALL_TIME = {"status diagnose": {"samples": EVERY_DAY, "alloc_events": EVERY_DAY, "requests": EARLIER}}
 
 
-# Reads of an hour that read the per-minute step rollup instead of any raw step (collector.queries.step_rollup)
-ROLLUP_ONLY = {"step_load_over_time"}
+# Reads of an hour that read a per-minute rollup instead of any raw row (collector.rollup), and which
+ROLLUP_ONLY = {"step_load_over_time": "step_rollups", "alloc_ops_over_time": "alloc_rollups"}
 
 
 def _plans(engine: Engine, statements: list[tuple[str, Any]]) -> list[dict[str, Any]]:
@@ -175,11 +175,12 @@ def _plans(engine: Engine, statements: list[tuple[str, Any]]) -> list[dict[str, 
 
 
 @pytest.mark.parametrize("read", sorted(ROLLUP_ONLY))
-def test_an_hour_of_step_load_reads_the_rollup_by_its_index(loaded: Engine, read: str) -> None:
+def test_an_hour_of_load_and_allocations_reads_the_rollup_by_its_index(loaded: Engine, read: str) -> None:
     statements = _recorded(loaded, lambda: READS[read](loaded))
     assert not _raw_scans(loaded, statements), f"{read} read raw rows"
-    scans = [scan for plan in _plans(loaded, statements) for scan in _scans(plan) if scan[1] == "step_rollups"]
-    assert scans and all("Index" in node for node, _ in scans), scans
+    scans = [scan for plan in _plans(loaded, statements) for scan in _scans(plan) if scan[1] == ROLLUP_ONLY[read]]
+    # by its index (an index scan, or a bitmap heap scan driven by one): never the whole table
+    assert scans and all(node != "Seq Scan" for node, _ in scans), scans
 
 
 @pytest.mark.parametrize("read", [r for r in READS if r not in ROLLUP_ONLY])
