@@ -180,7 +180,7 @@ def bench_fleet(
 
 @bench_app.command("latency-sketch")
 def bench_latency_sketch(
-    quick: bool = typer.Option(False, "--quick", help="10 minutes of a fleet's requests, 2 rounds (~2 min)"),
+    quick: bool = typer.Option(False, "--quick", help="10 minutes of a fleet's requests, 2 rounds (~1 min)"),
     minutes: int | None = typer.Option(
         None, "--minutes", min=1, max=120, help="minutes of a 1,000-engine fleet's requests to load (default 30)"
     ),
