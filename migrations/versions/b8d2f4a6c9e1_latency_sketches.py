@@ -35,7 +35,6 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("metric", "bucket_ts", "bin", name=op.f("pk_latency_sketches")),
     )
 
-
     op.create_table(
         "alloc_rollups",
         sa.Column("instance", sa.String(length=200), nullable=False),
