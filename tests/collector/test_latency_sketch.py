@@ -207,14 +207,16 @@ def test_headline_says_it_reads_the_sketch_and_counts_the_unmeasured(pg: Engine)
     assert sketch.SKETCH_NOTE not in short.source
 
 
-def test_sqlite_rolls_nothing_and_reads_exact(db_engine: Engine) -> None:
-    if db_engine.dialect.name != "sqlite":
-        pytest.skip("the SQLite half of a two-dialect test")
-    events = requests(600, seed=8)
-    ingest(db_engine, events, "all")
-    assert roll(db_engine, now=END) is None
-    [stats] = queries.latency_percentiles(db_engine, start=T0, end=END, metric="ttft", quantiles=QS, group_by="all")
-    assert stats.quantiles[0.99] == pytest.approx(exact(user_ttft(events), 0.99))
+def test_sqlite_rolls_nothing_and_reads_exact(sqlite_url: str) -> None:
+    engine = make_engine(sqlite_url)
+    try:
+        events = requests(600, seed=8)
+        ingest(engine, events, "all")
+        assert roll(engine, now=END) is None
+        [stats] = queries.latency_percentiles(engine, start=T0, end=END, metric="ttft", quantiles=QS, group_by="all")
+        assert stats.quantiles[0.99] == pytest.approx(exact(user_ttft(events), 0.99))
+    finally:
+        engine.dispose()
 
 
 @pytest.mark.postgres
