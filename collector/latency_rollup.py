@@ -20,7 +20,6 @@ closed minute once. On SQLite nothing is rolled: its reads stay on the raw rows 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from sqlalchemy.dialects import postgresql
 from collector.queries.latency_sketch import METRICS, WATERMARK, bin_expr, bin_of
 from collector.queries.request_stats import metric_column
 from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
-from collector.rollup import RollupResult, set_watermark, watermark
+from collector.rollup import RollupResult, floor_minute, set_watermark, watermark
 from collector.schema import LatencySketch, RequestRow, Run
 
 LOCK = 0x6B76_706C_6174  # the transaction advisory lock between the roll and ingest's late rows ("kvplat")
@@ -46,7 +45,7 @@ def roll_up(conn: Connection, *, now: float, first_start: float) -> RollupResult
     if conn.dialect.name != "postgresql":
         return None
     seen = watermark(conn, WATERMARK)
-    if seen is not None and _floor(now - SETTLE_S) <= seen:  # nothing closed since: no lock taken
+    if seen is not None and floor_minute(now - SETTLE_S) <= seen:  # nothing closed since: no lock taken
         return None
     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": LOCK})
     through = watermark(conn, WATERMARK)  # again, under the lock: another collector may have rolled
@@ -55,8 +54,8 @@ def roll_up(conn: Connection, *, now: float, first_start: float) -> RollupResult
         if first_seen is None:  # nothing stored yet
             return None
         first_start = max(first_start, float(first_seen))
-    start = _floor(first_start if through is None else through)
-    end = min(_floor(now - SETTLE_S), start + CHUNK_S)
+    start = floor_minute(first_start if through is None else through)
+    end = min(floor_minute(now - SETTLE_S), start + CHUNK_S)
     if end <= start:
         return None
     r = RequestRow.__table__.c
@@ -96,7 +95,7 @@ def add_late(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequenc
         return 0
     bins: dict[tuple[str, float, int], list[float]] = {}
     for row in late:
-        minute = _floor(row[ts])
+        minute = floor_minute(row[ts])
         for metric, value in stage_values(row, at):
             if value is None:
                 continue
@@ -148,7 +147,3 @@ def _add_statement() -> Any:
             "peak": func.greatest(old.peak, new.peak),
         },
     )
-
-
-def _floor(ts: float) -> float:
-    return math.floor(ts / BUCKET_S) * BUCKET_S

@@ -118,8 +118,8 @@ def roll_up(
     before it (none when 0: ingest keeps them), up to `settle_s` before `now`, at most `max_span_s` of them, and
     move the watermark there; None when there is nothing to do yet."""
     through = watermark(conn, kind.name)
-    start = _floor(first_start if through is None else through - lookback_s)
-    end = min(_floor(now - settle_s), start + _floor(max_span_s))
+    start = floor_minute(first_start if through is None else through - lookback_s)
+    end = min(floor_minute(now - settle_s), start + floor_minute(max_span_s))
     if end <= start:
         return None
     if through is not None and lookback_s <= 0:
@@ -141,7 +141,8 @@ def set_watermark(conn: Connection, name: str, through: float, *, exists: bool) 
         conn.execute(insert(w).values(name=name, through_ts=literal(through, Float)))
 
 
-def _floor(ts: float) -> float:
+def floor_minute(ts: float) -> float:
+    """The start of the rollup minute `ts` falls in."""
     return math.floor(ts / BUCKET_S) * BUCKET_S
 
 
@@ -157,7 +158,7 @@ def add_steps(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequen
     for row in rows:
         if row[warm]:
             continue
-        key = (row[ins], row[run], _floor(row[ts]))
+        key = (row[ins], row[run], floor_minute(row[ts]))
         kv = row[used] / row[total] if row[total] else None
         b = buckets.get(key)
         if b is None:
@@ -189,7 +190,7 @@ def add_allocs(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Seque
     )  # fmt: skip
     buckets: dict[tuple[str, str, float, str, str], list[int]] = {}
     for row in rows:
-        key = (row[ins], row[run], _floor(row[ts]), row[op], row[tier])
+        key = (row[ins], row[run], floor_minute(row[ts]), row[op], row[tier])
         b = buckets.get(key)
         if b is None:
             buckets[key] = [1, row[blocks], row[size]]
