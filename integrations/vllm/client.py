@@ -7,18 +7,18 @@ rejected, what never got an answer (connection error, timeout) as failed; the la
 from vLLM's own spans in the collector, not from here.
 
 The sender never lags behind the plan for reasons of its own. Every request body is serialised before the run; the
-sender is a spawned process (`multiprocessing`, spawn) running one asyncio loop (the open loop of
-`plumbing.openloop`), so whatever the calling process does meanwhile (a collector serving in a thread, scrapes,
-database reads) cannot hold a send back, and it asks the server's /health once before the start so that its HTTP
-stack is loaded by then. On one host the server under test computes on every core while the sender needs a few
-milliseconds now and then; the sender asks to outrank it (the real-time round-robin class, else a session of
-its own at nice `SENDER_NICE`: see `_outrank_the_server`; `ClientResult.sender_sched` says what it got), since a
-vLLM-CPU held sends back by up to 1.4 s on 2 cores at nice 0, and by up to 80 ms at nice -10. It measures each
-request's lateness (when its turn came in the sender's loop minus when the plan said) and reports the p99
-(`ClientResult.late_p99_s`). `replay_on_time` holds a replay to that: one whose p99 lateness exceeds
-`MAX_LATE_P99_S` is discarded and run again (`late_replays` counts them), at most `ATTEMPTS` times in all (the
-sender collects no garbage while it sends: a collection would hold the loop), and raises `LateReplayError` when
-every attempt lagged, so a lagging replay is never silently measured.
+sender is a spawned process (`multiprocessing`, spawn; kept for the replays that follow: `Sender`) running one
+asyncio loop a plan (the open loop of `plumbing.openloop`), so whatever the calling process does meanwhile (a
+collector serving in a thread, scrapes, database reads) cannot hold a send back, and it asks the server's /health
+once before each start so that its HTTP stack is loaded by then. On one host the server under test computes on every
+core while the sender needs a few milliseconds now and then; the sender asks to outrank it (the real-time
+round-robin class, else a session of its own at nice `SENDER_NICE`: see `_outrank_the_server`;
+`ClientResult.sender_sched` says what it got), since a vLLM-CPU held sends back by up to 1.4 s on 2 cores at nice 0,
+and by up to 80 ms at nice -10. It measures each request's lateness (when its turn came in the sender's loop minus
+when the plan said) and reports the p99 (`ClientResult.late_p99_s`). `replay_on_time` holds a replay to that: one
+whose p99 lateness exceeds `MAX_LATE_P99_S` is discarded and run again (`late_replays` counts them), at most
+`ATTEMPTS` times in all (the sender collects no garbage while it sends: a collection would hold the loop), and
+raises `LateReplayError` when every attempt lagged, so a lagging replay is never silently measured.
 
 A wait for a connection is not the sender's lateness but the server's: the sender keeps at most `max_in_flight`
 requests unanswered (each an open socket), and a request due while that many are out waits for one to be answered
@@ -38,6 +38,7 @@ import json
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -58,7 +59,7 @@ ATTEMPTS = 5
 LEAD_S = 0.05  # from the start signal to arrival 0: the sender is ready and idle by then
 SENDER_RT_PRIORITY = 1  # the sender's real-time (SCHED_RR) priority where granted: above every ordinary process
 SENDER_NICE = -10  # its niceness where the real-time class is refused, above the server's (0) when granted
-READY_TIMEOUT_S = 60.0  # the sender process's start (a Python interpreter importing httpx)
+READY_TIMEOUT_S = 60.0  # to the sender's "ready": its process's start (a Python interpreter importing httpx)
 HEADERS = {"content-type": "application/json"}
 
 
@@ -94,6 +95,7 @@ class ClientResult:
     late_replays: int = 0  # earlier replays of this measurement discarded for lateness (`replay_on_time`)
     sender_sched: str | None = None  # how the sender was scheduled: "rr 1" (real-time), else "nice N"
     sender_cpus: list[int] | None = None  # the cores the sender could run on (`SendPlan.cpus`)
+    sender_pid: int | None = None  # the sender process (`Sender`: one serves many replays)
     errors: list[str] = field(default_factory=list)  # the first few, for the trial's reason
 
     @property
@@ -265,46 +267,118 @@ def _outrank_the_server() -> str:
     return f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
 
 
-def _sender_main(plan: SendPlan, conn: Connection) -> None:
-    """The spawned process: send the plan, hand the result back through `conn`."""
+def _sender_main(conn: Connection) -> None:
+    """The sender process: plans in through `conn` one after another, each sent and its result handed back;
+    `None` (or the parent gone) ends it. Scheduled once (`_outrank_the_server`); before each plan it collects
+    what the last one left, then freezes the rest and collects nothing while it sends."""
+    sched = _outrank_the_server()
+    anywhere = os.sched_getaffinity(0)
     try:
-        if plan.cpus is not None:
-            os.sched_setaffinity(0, plan.cpus)
-        sched = _outrank_the_server()
-        gc.freeze()  # what the start made stays out of every collection; none runs during the replay
-        gc.disable()
-        result = asyncio.run(_send_all(plan, conn))
-        result.sender_sched = sched
-        result.sender_cpus = sorted(os.sched_getaffinity(0))
-        conn.send(result)
+        while (plan := _next_plan(conn)) is not None:
+            os.sched_setaffinity(0, plan.cpus if plan.cpus is not None else anywhere)
+            gc.enable()
+            gc.collect()
+            gc.freeze()  # what is left stays out of every collection; none runs during the replay
+            gc.disable()
+            result = asyncio.run(_send_all(plan, conn))
+            result.sender_sched = sched
+            result.sender_cpus = sorted(os.sched_getaffinity(0))
+            result.sender_pid = os.getpid()
+            conn.send(result)
     finally:
         conn.close()
 
 
-def replay_plan(plan: SendPlan) -> ClientResult:
-    """Send `plan` from a spawned process, arrival 0 `LEAD_S` after it is ready; wait for every answer."""
-    ctx = multiprocessing.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_sender_main, args=(plan, theirs), name="kvpilot-replay-client", daemon=True)
-    proc.start()
-    theirs.close()
+def _next_plan(conn: Connection) -> SendPlan | None:
     try:
-        if not ours.poll(READY_TIMEOUT_S) or ours.recv() != "ready":
-            raise ReplayClientError(f"the replay client process was not ready within {READY_TIMEOUT_S:g} s")
-        ours.send(time.time() + LEAD_S)
-        deadline = LEAD_S + plan.span_s + plan.timeout_s + 30.0
-        if not ours.poll(deadline):
-            raise ReplayClientError(f"the replay client gave no result within {deadline:.0f} s")
-        return ours.recv()
-    except EOFError:
-        proc.join(5.0)
-        raise ReplayClientError(f"the replay client process died (exit code {proc.exitcode})") from None
-    finally:
-        ours.close()
+        return conn.recv()
+    except EOFError:  # the parent closed its end (or exited)
+        return None
+
+
+class Sender:
+    """The sender process (module docstring), started on the first plan and kept for the next ones: a spawned
+    interpreter imports the caller's main module (the whole `kvpilot` CLI), 1.5 s on 2 idle cores, once rather
+    than before every replay. A plan it fails (its process died, no answer in time, an error in between) ends
+    the process, whose state is then unknown: `ReplayClientError`, and the next plan starts a fresh one."""
+
+    def __init__(self) -> None:
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.is_alive() else None
+
+    def replay(self, plan: SendPlan) -> ClientResult:
+        """Send `plan`, arrival 0 `LEAD_S` after the sender says it is ready; wait for every answer."""
+        conn = self._connect()
+        try:
+            conn.send(plan)
+            if not conn.poll(READY_TIMEOUT_S) or conn.recv() != "ready":
+                raise ReplayClientError(f"the replay client process was not ready within {READY_TIMEOUT_S:g} s")
+            conn.send(time.time() + LEAD_S)
+            deadline = LEAD_S + plan.span_s + plan.timeout_s + 30.0
+            if not conn.poll(deadline):
+                raise ReplayClientError(f"the replay client gave no result within {deadline:.0f} s")
+            result = conn.recv()
+        except (EOFError, OSError):
+            code = self._end()
+            raise ReplayClientError(f"the replay client process died (exit code {code})") from None
+        except BaseException:
+            self._end()
+            raise
+        if not isinstance(result, ClientResult):  # the protocol broke: what the process holds is unknown
+            self._end()
+            raise ReplayClientError(f"the replay client answered {type(result).__name__}, not a result")
+        return result
+
+    def close(self) -> None:
+        """End the process (it finishes no plan; none is in flight between `replay` calls)."""
+        self._end()
+
+    def _connect(self) -> Connection:
+        if self._proc is not None and self._conn is not None and self._proc.is_alive():
+            return self._conn
+        self._end()
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_sender_main, args=(theirs,), name="kvpilot-replay-client", daemon=True)
+        proc.start()
+        theirs.close()
+        self._proc, self._conn = proc, ours
+        return ours
+
+    def _end(self) -> int | None:
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if conn is not None:
+            conn.close()  # a sender between plans reads EOF and exits
+        if proc is None:
+            return None
         proc.join(5.0)
         if proc.is_alive():
             proc.kill()
             proc.join(5.0)
+        return proc.exitcode
+
+
+_shared = Sender()
+_shared_lock = threading.Lock()
+
+
+def replay_plan(plan: SendPlan) -> ClientResult:
+    """Send `plan` from the sender process (`Sender`), one kept for this process's replays; a replay while
+    another is in flight (another thread's) gets a sender of its own for the one plan."""
+    if not _shared_lock.acquire(blocking=False):
+        own = Sender()
+        try:
+            return own.replay(plan)
+        finally:
+            own.close()
+    try:
+        return _shared.replay(plan)
+    finally:
+        _shared_lock.release()
 
 
 def replay_openai(

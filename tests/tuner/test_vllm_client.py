@@ -239,3 +239,52 @@ def test_a_spread_warm_up_uses_every_length_from_the_shortest_to_the_longest(ser
     C.warm_up(_url(server), "m", requests=5, prompt_tokens=16, max_tokens=64, longest_prompt=256)
     sent = sorted((len(b["prompt"]), b["max_tokens"]) for b in server.bodies)
     assert sent == [(16, 1), (76, 16), (136, 32), (196, 48), (256, 64)]
+
+
+def test_one_sender_process_serves_replay_after_replay_and_a_dead_one_is_replaced(server: _Server) -> None:
+    """`Sender`: the process started for the first plan sends the next ones (a spawned interpreter imports the
+    caller's main module before every replay otherwise); cores named for one plan are not kept for the next; a
+    sender that died mid-way fails its plan with the reason, and the next plan gets a fresh process."""
+    reqs, prompts = _workload(4, 0.2)
+    plan = C.plan_replay(_url(server), "m", reqs, prompts)
+    sender = C.Sender()
+    try:
+        first = sender.replay(plan)
+        last = max(os.sched_getaffinity(0))
+        pinned = sender.replay(plan.with_cpus(frozenset({last})))
+        again = sender.replay(plan)
+        assert first.ok == pinned.ok == again.ok == 4
+        assert first.sender_pid is not None and first.sender_pid == pinned.sender_pid == again.sender_pid
+        assert pinned.sender_cpus == [last] and again.sender_cpus == sorted(os.sched_getaffinity(0))
+        assert sender.pid == first.sender_pid
+        os.kill(first.sender_pid, 9)
+        time.sleep(0.2)
+        replaced = sender.replay(plan)  # dead between plans: found so before this plan, a fresh one sends it
+        assert replaced.ok == 4 and replaced.sender_pid not in (None, first.sender_pid)
+        slow = C.plan_replay(_url(server), "m", [W.WorkloadRequest(1.0, 8, 2)], [W.prompt_ids(reqs[0], 0)])
+        killer = threading.Timer(0.5, os.kill, (replaced.sender_pid, 9))
+        killer.start()
+        with pytest.raises(C.ReplayClientError, match=r"the replay client process died \(exit code -9\)"):
+            sender.replay(slow)  # killed mid-plan
+        killer.join()
+        assert sender.pid is None and sender.replay(plan).sender_pid not in (None, replaced.sender_pid)
+    finally:
+        sender.close()
+    assert sender.pid is None
+
+
+def test_a_replay_beside_one_in_flight_gets_a_sender_of_its_own(server: _Server) -> None:
+    """`replay_plan` from two threads at once: the shared sender takes one, a sender for the one plan the other;
+    neither waits for the other, both are measured."""
+    reqs, prompts = _workload(6, 4.0)
+    plan = C.plan_replay(_url(server), "m", reqs, prompts)
+    results: list[C.ClientResult] = []
+    threads = [threading.Thread(target=lambda: results.append(C.replay_plan(plan))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.ok for r in results] == [6, 6]
+    assert results[0].sender_pid != results[1].sender_pid
+    # side by side, not one after the other (a spawned sender starts in well under the plan's 4 s)
+    assert max(r.wall_start for r in results) < min(r.wall_end for r in results)
