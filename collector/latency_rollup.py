@@ -74,7 +74,8 @@ def roll_up(conn: Connection, *, now: float, first_start: float) -> RollupResult
             .group_by(bucket, binned)
         )
         cols = [s.c.metric, s.c.bucket_ts, s.c.bin, s.c.count, s.c.total, s.c.peak]
-        written += max(conn.execute(insert(s).from_select(cols, src)).rowcount or 0, 0)
+        stmt = insert(s).from_select(cols, src).execution_options(preserve_rowcount=True)  # else -1 on PostgreSQL
+        written += max(conn.execute(stmt).rowcount or 0, 0)
     set_watermark(conn, WATERMARK, end, exists=through is not None)
     return RollupResult(start, end, written)
 

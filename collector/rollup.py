@@ -128,7 +128,8 @@ def roll_up(
     table = kind.table
     conn.execute(delete(table).where(table.c.bucket_ts >= start, table.c.bucket_ts < end))
     src = kind.source(start, end, conn.dialect.name)
-    written = max(conn.execute(insert(table).from_select([table.c[c] for c in kind.columns], src)).rowcount or 0, 0)
+    stmt = insert(table).from_select([table.c[c] for c in kind.columns], src)
+    written = max(conn.execute(stmt.execution_options(preserve_rowcount=True)).rowcount or 0, 0)  # else -1 on PG
     set_watermark(conn, kind.name, end, exists=through is not None)
     return RollupResult(start, end, written)
 

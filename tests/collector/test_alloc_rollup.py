@@ -99,6 +99,8 @@ def test_maintenance_computes_records_stored_before_the_rollup(db_engine: Engine
             conn, now=T0 + 3000, first_start=T0 - 600, lookback_s=0, settle_s=60, max_span_s=DAY, kind=ALLOCS_KIND
         )
     assert done is not None
+    with db_engine.connect() as conn:  # the roll says how many rows it wrote (PostgreSQL too)
+        assert done.buckets == len(conn.execute(select(AllocRollup.bucket_ts)).all()) > 0
     assert queries.alloc_trace(db_engine, start=start, end=end, limit=0).total == len(events)
     assert got(queries.alloc_ops_over_time(db_engine, start=start, end=end, bucket_s=600.0)) == expected(
         events, start, end, 600.0
