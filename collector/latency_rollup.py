@@ -29,7 +29,7 @@ from sqlalchemy.dialects import postgresql
 from collector.queries.latency_sketch import METRICS, WATERMARK, bin_expr, bin_of
 from collector.queries.request_stats import metric_column
 from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
-from collector.rollup import RollupResult, floor_minute, set_watermark, watermark
+from collector.rollup import RollupResult, floor_minute, insert_from_select, set_watermark, watermark
 from collector.schema import LatencySketch, RequestRow, Run
 
 LOCK = 0x6B76_706C_6174  # the transaction advisory lock between the roll and ingest's late rows ("kvplat")
@@ -74,8 +74,7 @@ def roll_up(conn: Connection, *, now: float, first_start: float) -> RollupResult
             .group_by(bucket, binned)
         )
         cols = [s.c.metric, s.c.bucket_ts, s.c.bin, s.c.count, s.c.total, s.c.peak]
-        stmt = insert(s).from_select(cols, src).execution_options(preserve_rowcount=True)  # else -1 on PostgreSQL
-        written += max(conn.execute(stmt).rowcount or 0, 0)
+        written += insert_from_select(conn, insert(s).from_select(cols, src))
     set_watermark(conn, WATERMARK, end, exists=through is not None)
     return RollupResult(start, end, written)
 

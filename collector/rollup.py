@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Float, Select, Table, cast, delete, func, insert, literal, select
+from sqlalchemy import Connection, Float, Insert, Select, Table, cast, delete, func, insert, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from collector.queries import bucket_expr
@@ -128,8 +128,7 @@ def roll_up(
     table = kind.table
     conn.execute(delete(table).where(table.c.bucket_ts >= start, table.c.bucket_ts < end))
     src = kind.source(start, end, conn.dialect.name)
-    stmt = insert(table).from_select([table.c[c] for c in kind.columns], src)
-    written = max(conn.execute(stmt.execution_options(preserve_rowcount=True)).rowcount or 0, 0)  # else -1 on PG
+    written = insert_from_select(conn, insert(table).from_select([table.c[c] for c in kind.columns], src))
     set_watermark(conn, kind.name, end, exists=through is not None)
     return RollupResult(start, end, written)
 
@@ -140,6 +139,12 @@ def set_watermark(conn: Connection, name: str, through: float, *, exists: bool) 
         conn.execute(w.update().where(w.c.name == name).values(through_ts=through))
     else:
         conn.execute(insert(w).values(name=name, through_ts=literal(through, Float)))
+
+
+def insert_from_select(conn: Connection, stmt: Insert) -> int:
+    """Run an INSERT ... SELECT; the rows it wrote (SQLAlchemy reports -1 for one on PostgreSQL unless asked to
+    keep the driver's count)."""
+    return max(conn.execute(stmt.execution_options(preserve_rowcount=True)).rowcount or 0, 0)
 
 
 def floor_minute(ts: float) -> float:
