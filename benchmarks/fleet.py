@@ -280,8 +280,9 @@ def page_reads(url: str, engine: Any, instances: int) -> dict[str, Callable[[flo
 
     def overview(start: float, end: float) -> None:
         queries.headline_latency(engine, start=start, end=end)
-        queries.engine_peaks(engine, start=start, end=end)
-        queries.step_load_lines(engine, start=start, end=end, bucket_s=60.0)
+        facts = queries.step_facts(engine, start=start, end=end)  # as the dashboard does: read once for both
+        queries.engine_peaks(engine, start=start, end=end, facts=facts)
+        queries.step_load_lines(engine, start=start, end=end, bucket_s=60.0, facts=facts)
 
     def latency(start: float, end: float) -> None:
         for metric in ("ttft", "e2e"):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from sqlalchemy import Integer, Subquery, case, cast, func, null, select
@@ -71,11 +71,65 @@ class EnginePeaks:
 
 
 @dataclass(frozen=True)
-class _StepPeaks:
+class StepPeaks:
+    """One instance's highest step figures over a window, and how many steps they were read from."""
+
     kv: float | None
     running: int
     waiting: int
     steps: int
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What the peaks and the load chart of one window both start from: every instance's step peaks (`peaks`,
+    from the rollup when `rolled`) and the instances that push sample events (`pushing`: kvpilot's engines).
+
+    A page that shows both reads them once (`step_facts`) and passes them to `engine_peaks` and
+    `step_load_lines`: on a fleet each is a scan of the window's steps or rollup rows and of its samples.
+    `window` is what they were read for; passed with another window they are refused.
+    """
+
+    window: tuple[float, float, tuple[str, ...] | None, str | None]
+    peaks: dict[str, StepPeaks]
+    rolled: bool
+    pushing: frozenset[str]
+
+
+def _window(
+    start: float, end: float, instances: Sequence[str] | None, run_id: str | None
+) -> tuple[float, float, tuple[str, ...] | None, str | None]:
+    return (start, end, None if instances is None else tuple(instances), run_id)
+
+
+def step_facts(
+    db: Db,
+    *,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None = None,
+    run_id: str | None = None,
+) -> StepFacts:
+    """The window's step peaks per instance and its sampling instances (see `StepFacts`)."""
+    peaks, rolled = _step_peaks(db, start=start, end=end, instances=instances, run_id=run_id)
+    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    return StepFacts(_window(start, end, instances, run_id), peaks, rolled, frozenset(pushing))
+
+
+def _facts(
+    db: Db,
+    facts: StepFacts | None,
+    *,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None,
+    run_id: str | None,
+) -> StepFacts:
+    if facts is None:
+        return step_facts(db, start=start, end=end, instances=instances, run_id=run_id)
+    if facts.window != _window(start, end, instances, run_id):
+        raise ValueError("step facts read for another window (start, end, instances or run_id differ)")
+    return facts
 
 
 def engine_peaks(
@@ -85,14 +139,15 @@ def engine_peaks(
     end: float,
     instances: Sequence[str] | None = None,
     run_id: str | None = None,
+    facts: StepFacts | None = None,
 ) -> EnginePeaks:
     """KV usage, running and waiting peaks over `start <= ts < end` (warm-up steps left out).
 
     With `run_id`, steps and engine samples are those of that run; scraped series carry no run and are
-    read over the window.
+    read over the window. `facts`, read by `step_facts` for the same window, saves reading them again.
     """
-    step_peaks, rolled = _step_peaks(db, start=start, end=end, instances=instances, run_id=run_id)
-    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    known = _facts(db, facts, start=start, end=end, instances=instances, run_id=run_id)
+    step_peaks, rolled, pushing = known.peaks, known.rolled, known.pushing
     kv: list[tuple[float, str]] = []
     running: list[tuple[float, str]] = []
     waiting: list[tuple[float, str]] = []
@@ -232,17 +287,19 @@ def step_load_lines(
     run_id: str | None = None,
     max_lines: int = MAX_LINES,
     top: int = TOP_LINES,
+    facts: StepFacts | None = None,
 ) -> LoadLines:
     """The lines of a load chart over `start <= ts < end` (see `LoadLines`): every instance's buckets
     (`step_load_over_time`) when there are at most `max_lines` instances with steps, else the fleet's
     envelope and the `top` instances of each series. Three to four reads whose results are bounded by the
-    instances and the buckets, never by their product."""
+    instances and the buckets, never by their product; one or two fewer with `facts` (`step_facts`, the same
+    window)."""
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
     if max_lines < 1 or top < 1:
         raise ValueError("max_lines and top must be at least 1")
-    peaks, _ = _step_peaks(db, start=start, end=end, instances=instances, run_id=run_id)
-    pushing = _sampling_instances(db, start=start, end=end, instances=instances, run_id=run_id)
+    known = _facts(db, facts, start=start, end=end, instances=instances, run_id=run_id)
+    peaks, pushing = known.peaks, known.pushing
     sources = {name: KVPILOT_STEPS if name in pushing else VLLM_STEPS for name in sorted(peaks)}
     if len(peaks) <= max_lines:
         lines = step_load_over_time(db, start=start, end=end, bucket_s=bucket_s, instances=instances, run_id=run_id)
@@ -359,13 +416,13 @@ def _highest(found: list[tuple[float, str]]) -> tuple[float | None, str]:
 
 def _step_peaks(
     db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
-) -> tuple[dict[str, _StepPeaks], bool]:
+) -> tuple[dict[str, StepPeaks], bool]:
     """instance -> its step peaks, and whether they were read from the step rollup (`load_rows`)."""
     rows, rolled = load_rows(start=start, end=end, instances=instances, run_id=run_id)
     stmt = select(rows.c.instance, *_peak_columns(rows)).group_by(rows.c.instance)
     with _bound(db) as conn:
         peaks = {
-            name: _StepPeaks(None if kv is None else float(kv), int(running), int(waiting), int(n))
+            name: StepPeaks(None if kv is None else float(kv), int(running), int(waiting), int(n))
             for name, kv, running, waiting, n in conn.execute(stmt)
         }
     return peaks, rolled
@@ -417,7 +474,7 @@ def _sampled(
     instances: Sequence[str] | None,
     *,
     skip: set[str],
-    pushing: set[str],
+    pushing: Set[str],
 ) -> list[tuple[float, str]]:
     """(highest sample, its source) per instance not in `skip`, from every label set of the gauge. Only those
     instances' points are read: a fleet whose engines all have steps reads none (1,000 instances' samples of an

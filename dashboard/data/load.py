@@ -32,10 +32,16 @@ def shown_instances(f: Filters) -> list[str]:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
+def facts(f: Filters) -> queries.StepFacts:
+    """The shown instances' step peaks and sampling engines: what the peaks and the load lines both start from."""
+    return queries.step_facts(engine(f.db_url), start=f.start, end=f.end, instances=shown_instances(f), run_id=f.run_id)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
 def peaks(f: Filters) -> queries.EnginePeaks:
     """The window's KV usage, running and waiting peaks over the shown instances, with their sources."""
     return queries.engine_peaks(
-        engine(f.db_url), start=f.start, end=f.end, instances=shown_instances(f), run_id=f.run_id
+        engine(f.db_url), start=f.start, end=f.end, instances=shown_instances(f), run_id=f.run_id, facts=facts(f)
     )
 
 
@@ -43,7 +49,13 @@ def peaks(f: Filters) -> queries.EnginePeaks:
 def lines(f: Filters) -> queries.LoadLines:
     """The shown instances' load lines, every series at once: a page's two load charts read them once."""
     return queries.step_load_lines(
-        engine(f.db_url), start=f.start, end=f.end, bucket_s=f.bucket_s, instances=shown_instances(f), run_id=f.run_id
+        engine(f.db_url),
+        start=f.start,
+        end=f.end,
+        bucket_s=f.bucket_s,
+        instances=shown_instances(f),
+        run_id=f.run_id,
+        facts=facts(f),
     )
 
 

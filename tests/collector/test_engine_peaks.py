@@ -4,7 +4,7 @@ figures named as samples otherwise."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import Engine, insert
+from sqlalchemy import Engine, event, insert
 
 from collector import queries as q
 from collector.exposition import labels_json
@@ -190,6 +190,40 @@ def test_step_load_lines_of_a_long_window_read_the_rollup(db_engine: Engine) -> 
     assert all(b.rollup for b in fleet.fleet) and fleet.fleet_source().endswith(ROLLUP_NOTE)
     assert [b.kv_usage_max for b in fleet.fleet] == [0.38, 0.95]
     assert fleet.fleet[0].waiting_mean == pytest.approx(9.0)
+
+
+def test_step_facts_read_once_serve_the_peaks_and_the_lines_alike(db_engine: Engine) -> None:
+    _fleet(db_engine)
+    window = {"start": T0, "end": T0 + 120, "instances": [f"k{i}" for i in range(10)] + ["v7"]}
+    facts = q.step_facts(db_engine, **window)
+    assert facts.pushing == {f"k{i}" for i in range(10)} and not facts.rolled
+    assert facts.peaks["v7"] == q.StepPeaks(kv=0.95, running=11, waiting=0, steps=4)
+
+    statements: list[str] = []
+
+    def count(conn: object, cursor: object, sql: str, *args: object) -> None:
+        statements.append(sql)
+
+    event.listen(db_engine, "before_cursor_execute", count)
+    try:
+        peaks = q.engine_peaks(db_engine, **window, facts=facts)
+        with_facts = len(statements)
+        lines = q.step_load_lines(db_engine, **window, bucket_s=60.0, max_lines=5, facts=facts)
+        lines_with_facts = len(statements) - with_facts
+        statements.clear()
+        assert q.engine_peaks(db_engine, **window) == peaks
+        assert len(statements) == with_facts + 2  # the step peaks and the sampling engines, read again
+        statements.clear()
+        assert q.step_load_lines(db_engine, **window, bucket_s=60.0, max_lines=5) == lines
+        assert len(statements) == lines_with_facts + 2
+    finally:
+        event.remove(db_engine, "before_cursor_execute", count)
+    assert lines.top["kv_usage"][0] == "v7" and peaks.kv_usage_peak == 0.95
+    for other in ({**window, "end": T0 + 60}, {**window, "instances": None}, {**window, "run_id": "vllm-r"}):
+        with pytest.raises(ValueError, match="another window"):
+            q.engine_peaks(db_engine, **other, facts=facts)
+        with pytest.raises(ValueError, match="another window"):
+            q.step_load_lines(db_engine, **other, bucket_s=60.0, facts=facts)
 
 
 def test_series_instances_reads_only_the_named_engines_samples(db_engine: Engine) -> None:
