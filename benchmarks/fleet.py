@@ -521,6 +521,8 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
             acked[kind] = acked.get(kind, 0) + n
     stored = _stored_events(engine, fleet_load.LIVE_RUN)
     lags = [lag for report in reports for lag in report["lags"]]
+    ages = [age for report in reports for age in report["ages_at_send"]]
+    answers = [answer for report in reports for answer in report["answers"]]
     total = sum(acked.values())
     return {
         "events_per_s": round(total / elapsed),
@@ -534,6 +536,12 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
         "batches": len(lags),
         "ingest_lag_p50_s": _round(nearest_rank(lags, 0.5)),
         "ingest_lag_p99_s": _round(nearest_rank(lags, 0.99)),
+        # where the lag goes: the oldest event's age when its push left (the engine's flush interval, and the
+        # senders' own backlog when they cannot come back to a node in time), and the push to its answer
+        "ingest_age_at_send_p50_s": _round(nearest_rank(ages, 0.5)),
+        "ingest_age_at_send_p99_s": _round(nearest_rank(ages, 0.99)),
+        "ingest_answer_p50_s": _round(nearest_rank(answers, 0.5)),
+        "ingest_answer_p99_s": _round(nearest_rank(answers, 0.99)),
         "sender_failures": [f for r in reports for f in r["failures"]][:5],
     }
 

@@ -358,6 +358,10 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         "acked": {},
         "unacked": 0,
         "lags": [],
+        # the lag's two parts per batch: its oldest event's age when the push left (the engine's interval and the
+        # sender's own backlog), then the push to its answer (the collector: parse, COMMIT, any retry)
+        "ages_at_send": [],
+        "answers": [],
         "first_hot": {},
         "hot_stored": {},  # when the push carrying the first hot sample was acknowledged (after its COMMIT)
         "failures": [],
@@ -414,9 +418,12 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         ok = post(client, "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
         return ok, sum(len(finished) for _, finished in exports)
 
-    def account(rendered: list[tuple[Engine, Rendered, int]], stored: dict[str, bool], done: float) -> None:
+    def account(
+        rendered: list[tuple[Engine, Rendered, int]], stored: dict[str, bool], sent: float, done: float
+    ) -> None:
         """What each engine offered and what of it was acknowledged (`stored`: by instance; an engine with
-        no events has nothing to be refused); each acknowledged batch's lag from its oldest event to `done`."""
+        no events has nothing to be refused); each acknowledged batch's lag from its oldest event to `done`,
+        split at `sent`."""
         with lock:
             for engine, batch, offered in rendered:
                 report["offered"] += offered
@@ -427,6 +434,8 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                     report["acked"][kind] = report["acked"].get(kind, 0) + n
                 if batch.first_ts is not None:
                     report["lags"].append(done - batch.first_ts)
+                    report["ages_at_send"].append(sent - batch.first_ts)
+                    report["answers"].append(done - sent)
                 if batch.hot_ts is not None and engine.instance not in report["first_hot"]:
                     report["first_hot"][engine.instance] = batch.hot_ts
                     report["hot_stored"][engine.instance] = done
@@ -446,16 +455,18 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         pushed = [(engine, batch) for engine, batch, _ in rendered if batch.events]
         keys = {engine.instance: f"{engine.instance}-{engine.run_id}-{engine.batches}" for engine, _ in pushed}
         stored: dict[str, bool] = {}
+        sent = time.time()
         if per_node == 1:
             for engine, batch in pushed:
                 headers = {"Idempotency-Key": keys[engine.instance], "Content-Type": "application/json"}
                 stored[engine.instance] = post(client, "/v1/ingest", batch.body(), headers)
         elif pushed:
             body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in pushed])
+            sent = time.time()
             statuses = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True) or []
             answered = dict(zip([e.instance for e, _ in pushed], statuses, strict=False))
             stored = {e.instance: answered.get(e.instance) in (200, 202) for e, _ in pushed}
-        account(rendered, stored, time.time())
+        account(rendered, stored, sent, time.time())
         account_spans(*spans_of(client, rendered))
 
     def worker() -> None:

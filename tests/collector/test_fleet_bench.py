@@ -51,6 +51,9 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert all(v is not None and v > 0 for v in result["query_p95_s"].values())
     assert result["scrape_targets_up"] == 2 and result["scrape_points_per_s"] > 0
     assert result["db_mb_per_million_events"] > 0 and result["ingest_lag_p99_s"] > 0
+    # the lag's parts: the oldest event's age when its push left, then the push to its answer
+    assert 0 < result["ingest_age_at_send_p50_s"] <= result["ingest_age_at_send_p99_s"] <= result["ingest_lag_p99_s"]
+    assert 0 < result["ingest_answer_p50_s"] <= result["ingest_answer_p99_s"] <= result["ingest_lag_p99_s"]
     assert any("sender processes" in m for m in messages) and any("saturation" in m for m in messages)
 
 
