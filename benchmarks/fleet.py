@@ -333,6 +333,7 @@ def _saturation_configs(live: list[dict], config: FleetConfig, start: float) -> 
             "rates": rates,
             "hot": {},
             "min_interval_s": 0.0,
+            "outrank": False,  # a throughput figure: senders above the collectors would take the cores they measure
             "run_id": fleet_load.SATURATION_RUN,
             "start": start,
             "until": start + config.saturation_s,
@@ -364,6 +365,10 @@ def _sender_configs(config: FleetConfig, collector_urls: list[str], start: float
                 "engines_per_node": config.engines_per_relay,
                 "min_interval_s": 1.0,
                 "threads": config.sender_threads,
+                # a fleet's engines push on their own nodes' cores, on time: played on the collectors' machine,
+                # the senders take the CPU first (`plumbing.sched.outrank`) so that a batch leaves when its
+                # interval ends, and its lag is the collectors', not the senders' backlog
+                "outrank": True,
                 "start": start,
                 "until": start + config.live_s,
             }
@@ -543,6 +548,7 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
         "ingest_answer_p50_s": _round(nearest_rank(answers, 0.5)),
         "ingest_answer_p99_s": _round(nearest_rank(answers, 0.99)),
         "sender_failures": [f for r in reports for f in r["failures"]][:5],
+        "sender_sched": sorted({r.get("sched", "nice 0") for r in reports}),  # how the live senders were scheduled
     }
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from collector import bundle
+from plumbing.sched import outrank
 
 LIVE_RUN = "fleet-live"
 SATURATION_RUN = "fleet-saturation"
@@ -339,6 +340,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     """Play `config["instances"]` until `config["until"]` (epoch s); returns what was offered, sent, acked."""
     import httpx
 
+    sched = outrank() if config.get("outrank") else None  # before any thread starts: they inherit it
     rates = Rates(**config["rates"])
     otlp = set(config["otlp_instances"])
     hot = config["hot"]
@@ -509,6 +511,8 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     for t in threads:
         t.join()
     report["failures"] = report["failures"][:5]
+    if sched is not None:
+        report["sched"] = sched
     return report
 
 

