@@ -95,6 +95,9 @@ class FleetConfig:
     # collectors take, so what they acknowledge is their capacity (`ratio`'s numerator)
     saturation_s: float = 30.0
     saturation_load: float = 4.0
+    # from the senders' launch to a timed run: time for every engine's first push (`fleet_load`'s `first_contact`:
+    # a push that claims a new instance or run is stored alone), so that the run measures a fleet already known
+    first_contact_lead_s: float = 15.0
 
     @classmethod
     def for_run(cls, quick: bool, collectors: int = 2) -> FleetConfig:
@@ -369,6 +372,7 @@ def _sender_configs(config: FleetConfig, collector_urls: list[str], start: float
                 # the senders take the CPU first (`plumbing.sched.outrank`) so that a batch leaves when its
                 # interval ends, and its lag is the collectors', not the senders' backlog
                 "outrank": True,
+                "first_contact": True,
                 "start": start,
                 "until": start + config.live_s,
             }
@@ -468,7 +472,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
                 evaluators.append(
                     start_evaluator(url, rule_files=[rules], notifier=notifier, poll_s=0.25, lease_ttl_s=5.0)
                 )
-            start = time.time() + 3.0
+            start = time.time() + config.first_contact_lead_s
             configs, plan = _sender_configs(config, [c.url for c in collectors], start)
             progress(f"{config.senders} sender processes pushing for {config.live_s:.0f} s")
             reader.start()
@@ -481,7 +485,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
             stop_reads.set()
             reader.join(300.0)
             progress(f"saturation: the fleet at {config.saturation_load:g}x its rates for {config.saturation_s:.0f} s")
-            saturation_start = time.time() + 1.0
+            saturation_start = time.time() + config.first_contact_lead_s
             saturated = _run_senders(
                 _saturation_configs(configs, config, saturation_start), timeout_s=config.saturation_s + 120.0
             )
@@ -529,6 +533,7 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
     ages = [age for report in reports for age in report["ages_at_send"]]
     answers = [answer for report in reports for answer in report["answers"]]
     total = sum(acked.values())
+    first = sum(r["first_contact_acked"] for r in reports)  # stored under the run too, before it was timed
     return {
         "events_per_s": round(total / elapsed),
         "offered_events_per_s": round(sum(r["offered"] for r in reports) / elapsed),
@@ -536,7 +541,9 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
         "live_s": round(elapsed, 1),
         "acked_events": acked,
         "stored_events": stored,
-        "lost": total - sum(stored.values()),
+        "lost": total + first - sum(stored.values()),
+        # every engine's first push, before the timed run (its instance and run claimed), per sender: the longest
+        "first_contact_s": _round(max((r.get("first_contact_s", 0.0) for r in reports), default=None)),
         "unacked_events": sum(r["unacked"] for r in reports),
         "batches": len(lags),
         "ingest_lag_p50_s": _round(nearest_rank(lags, 0.5)),
@@ -561,7 +568,8 @@ def _saturation_figures(engine: Any, reports: list[dict], elapsed: float) -> dic
         "saturation_offered_events_per_s": round(sum(r["offered"] for r in reports) / elapsed),
         "saturation_s": round(elapsed, 1),
         "saturation_batches": sum(len(report["lags"]) for report in reports),  # one lag per acknowledged push
-        "saturation_lost": acked - sum(stored.values()),
+        "saturation_lost": acked + sum(r["first_contact_acked"] for r in reports) - sum(stored.values()),
+        "saturation_first_contact_s": _round(max((r.get("first_contact_s", 0.0) for r in reports), default=None)),
         "saturation_failures": [f for r in reports for f in r["failures"]][:5],
     }
 
@@ -627,4 +635,5 @@ def tiny_config() -> FleetConfig:
         alert_trials=2,
         engines_per_relay=4,
         saturation_s=3.0,
+        first_contact_lead_s=4.0,
     )

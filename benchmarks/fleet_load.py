@@ -25,6 +25,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,6 +360,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         "offered": 0,
         "acked": {},
         "unacked": 0,
+        "first_contact_acked": 0,  # the first pushes' events (`first_contact`), stored before the timed run
         "lags": [],
         # the lag's two parts per batch: its oldest event's age when the push left (the engine's interval and the
         # sender's own backlog), then the push to its answer (the collector: parse, COMMIT, any retry)
@@ -369,6 +371,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         "failures": [],
     }
     headers = {"Authorization": f"Bearer {config['token']}"}
+    as_json = {"Content-Type": "application/json"}
 
     def post(
         client: httpx.Client, path: str, body: bytes, kind_headers: dict[str, str], *, results: bool = False
@@ -460,7 +463,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         sent = time.time()
         if per_node == 1:
             for engine, batch in pushed:
-                headers = {"Idempotency-Key": keys[engine.instance], "Content-Type": "application/json"}
+                headers = {"Idempotency-Key": keys[engine.instance], **as_json}
                 stored[engine.instance] = post(client, "/v1/ingest", batch.body(), headers)
         elif pushed:
             body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in pushed])
@@ -470,6 +473,28 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
             stored = {e.instance: answered.get(e.instance) in (200, 202) for e, _ in pushed}
         account(rendered, stored, sent, time.time())
         account_spans(*spans_of(client, rendered))
+
+    def first_contact(client: httpx.Client, node: list[Engine]) -> None:
+        """The node's first push, one step per engine, before the timed run: the collectors claim each instance and
+        run it names (`collector.claims`: a push that creates one is stored alone, counted against the bounds),
+        as a fleet's engines did when they first started. Its events count as acknowledged (`lost`), not as the
+        run's rate or lag."""
+        now = time.time()
+        rendered = [(e, e.render(now - 0.001, now, {"step": 1})) for e in node]
+        keys = {e.instance: f"{e.instance}-{e.run_id}-first" for e, _ in rendered}
+        if per_node == 1:
+            stored = {
+                e.instance: post(client, "/v1/ingest", b.body(), {"Idempotency-Key": keys[e.instance], **as_json})
+                for e, b in rendered
+            }
+        else:
+            body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in rendered])
+            statuses = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True) or []
+            answered = dict(zip([e.instance for e, _ in rendered], statuses, strict=False))
+            stored = {e.instance: answered.get(e.instance) in (200, 202) for e, _ in rendered}
+        with lock:
+            report["first_contact_acked"] += sum(1 for e, _ in rendered if stored.get(e.instance))
+            report["unacked"] += sum(1 for e, _ in rendered if not stored.get(e.instance))
 
     def worker() -> None:
         """Take the node shipped longest ago (never one another thread holds), ship it, put it back."""
@@ -497,13 +522,25 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                 time.sleep(max(0.0, last[engine.instance] + config["min_interval_s"] - time.time()))
                 ship(client, [engine])
 
-    while time.time() < config["start"]:
-        time.sleep(0.01)
-    begin = time.time()  # a sender that started late has no events from before it ran
-    last.update((e.instance, begin) for e in engines)
     hot_engines = [e for e in engines if e.hot_from is not None]
     others = [e for e in engines if e.hot_from is None]
     queue[:] = [others[i : i + per_node] for i in range(0, len(others), per_node)]
+    if config.get("first_contact"):
+        began = time.time()
+        with httpx.Client(timeout=60.0) as client, ThreadPoolExecutor(config["threads"]) as pool:
+            list(pool.map(lambda node: first_contact(client, node), [*queue, *([e] for e in hot_engines)]))
+        report["first_contact_s"] = time.time() - began
+    while time.time() < config["start"]:
+        time.sleep(0.01)
+    begin = time.time()  # a sender that started late has no events from before it ran
+    # a fleet's sinks did not all start in the same second: each node's (and hot engine's) interval starts at its
+    # own phase, spread evenly over one interval, so they come due one after another rather than all at once (all
+    # at `begin`, the first seconds were one burst of every engine: the live run's whole lag tail, 3-4.6 s, and
+    # nothing like it after)
+    shippers = [*queue, *([e] for e in hot_engines)]
+    for k, node in enumerate(shippers):
+        phase = begin + config["min_interval_s"] * k / len(shippers)
+        last.update((e.instance, phase) for e in node)
     threads = [threading.Thread(target=worker) for _ in range(config["threads"])]
     threads += [threading.Thread(target=own_sink, args=(e,)) for e in hot_engines]
     for t in threads:

@@ -51,6 +51,8 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert all(v is not None and v > 0 for v in result["query_p95_s"].values())
     assert result["scrape_targets_up"] == 2 and result["scrape_points_per_s"] > 0
     assert result["db_mb_per_million_events"] > 0 and result["ingest_lag_p99_s"] > 0
+    # every engine's first push went before each timed run (its instance and run claimed), and is stored too
+    assert 0 < result["first_contact_s"] < 4.0 and 0 < result["saturation_first_contact_s"] < 4.0
     # the lag's parts: the oldest event's age when its push left, then the push to its answer
     assert 0 < result["ingest_age_at_send_p50_s"] <= result["ingest_age_at_send_p99_s"] <= result["ingest_lag_p99_s"]
     assert 0 < result["ingest_answer_p50_s"] <= result["ingest_answer_p99_s"] <= result["ingest_lag_p99_s"]
