@@ -24,6 +24,7 @@ from alerts.expr_values import (
     STALE_NAN,
     EvalError,
     Labels,
+    LatestSource,
     Points,
     SeriesSource,
     Vector,
@@ -51,11 +52,13 @@ LOOKBACK_S = 300.0
 
 
 class CachingSource:
-    """Memoises `points` calls within one evaluation round: rules repeat the same selectors."""
+    """Memoises `points` and `latest` calls within one evaluation round: rules repeat the same selectors. `latest`
+    is the inner source's where it has one (`LatestSource`), else the newest of its `points`."""
 
     def __init__(self, inner: SeriesSource) -> None:
         self.inner = inner
         self._cache: dict[tuple, dict[Labels, Points]] = {}
+        self._latest: dict[tuple, dict[Labels, tuple[float, float]]] = {}
         self.calls = 0
 
     def points(
@@ -66,6 +69,20 @@ class CachingSource:
         if hit is None:
             self.calls += 1
             hit = self._cache[key] = self.inner.points(name, start, end, instances)
+        return hit
+
+    def latest(
+        self, name: str, start: float, end: float, instances: Sequence[str] | None = None
+    ) -> dict[Labels, tuple[float, float]]:
+        key = (name, start, end, tuple(instances) if instances is not None else None)
+        hit = self._latest.get(key)
+        if hit is None:
+            if isinstance(self.inner, LatestSource):
+                self.calls += 1
+                hit = self.inner.latest(name, start, end, instances)
+            else:
+                hit = {labels: pts[-1] for labels, pts in self.points(name, start, end, instances).items() if pts}
+            self._latest[key] = hit
         return hit
 
 

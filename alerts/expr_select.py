@@ -2,7 +2,9 @@
 
 Matchers apply to any label as Prometheus's do: `=`/`!=` compare the value (an absent label is ""), `=~`/`!~`
 match the fully anchored regular expression, with RE2 semantics in linear time as Prometheus's
-(alerts.regex). An exact `instance="..."` is also pushed down to the source. The selector's name may be
+(alerts.regex). An exact `instance="..."` is also pushed down to the source. An instant selector needs each series'
+newest sample of the lookback and no other: a source that can say just that (`LatestSource`: the collector's
+database, one index probe per engine) is asked for it, not for every sample of the five minutes. The selector's name may be
 external (`DCGM_FI_DEV_FB_USED`): the source is asked for the canonical series (alerts.series_catalog.resolve)
 and values come back in the written name's unit; `__name__` is the name as written.
 """
@@ -10,49 +12,70 @@ and values come back in the written name's unit; `__name__` is the name as writt
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import TypeVar
 
 from alerts.expr_ast import Matcher, MatrixSelector, VectorSelector
-from alerts.expr_values import NAME, Labels, Points, SeriesSource, Vector, is_stale, with_name
+from alerts.expr_values import NAME, Labels, LatestSource, Points, SeriesSource, Vector, is_stale, with_name
 from alerts.matchers import label_matches
 from alerts.series_catalog import resolve
+
+T = TypeVar("T")
 
 
 def fetch(source: SeriesSource, sel: VectorSelector, start: float, end: float) -> list[tuple[Labels, Points]]:
     """The selector's series with samples in [start, end], in the written name's unit."""
     resolved = resolve(sel.name)
-    exact = [m.value for m in sel.matchers if m.label == "instance" and m.op == "="]
-    raw = source.points(resolved.canonical, start, end, exact[:1] if exact else None)
-    matchers = sel.matchers
-    out = [(labels, pts) for labels, pts in raw.items() if not matchers or _all_match(matchers, sel.name, labels)]
+    raw = source.points(resolved.canonical, start, end, _instance_hint(sel))
+    out = _selected(sel, raw.items())
     if resolved.scale != 1.0:
         out = [(labels, _unscaled(pts, resolved.scale)) for labels, pts in out]
     return out
 
 
+def newest(source: SeriesSource, sel: VectorSelector, t: float, lookback_s: float) -> list[tuple[Labels, float, float]]:
+    """(labels, ts, value) of each selected series' newest sample in (t - lookback, t], stale markers included,
+    in the written name's unit. A `LatestSource` is asked for those samples alone (one per series, not every
+    sample of the lookback); any other source is read through `points`."""
+    out: list[tuple[Labels, float, float]] = []
+    if not isinstance(source, LatestSource):
+        for labels, pts in fetch(source, sel, t - lookback_s, t):
+            for pt, value in reversed(pts):
+                if t - lookback_s < pt <= t:
+                    out.append((labels, pt, value))
+                    break
+        return out
+    resolved = resolve(sel.name)
+    raw = source.latest(resolved.canonical, t - lookback_s, t, _instance_hint(sel))
+    for labels, (pt, value) in _selected(sel, raw.items()):
+        if t - lookback_s < pt <= t:
+            if resolved.scale != 1.0:
+                [(pt, value)] = _unscaled([(pt, value)], resolved.scale)
+            out.append((labels, pt, value))
+    return out
+
+
 def instant(source: SeriesSource, sel: VectorSelector, ts: float, lookback_s: float) -> Vector:
     """The newest sample in (t - lookback, t] of each series, unless that sample is a stale marker."""
-    t = ts - sel.offset_s
-    out: Vector = {}
-    for labels, pts in fetch(source, sel, t - lookback_s, t):
-        for pt_ts, value in reversed(pts):
-            if t - lookback_s < pt_ts <= t:
-                if not is_stale(value):
-                    out[with_name(sel.name, labels)] = value
-                break
-    return out
+    found = newest(source, sel, ts - sel.offset_s, lookback_s)
+    return {with_name(sel.name, labels): value for labels, _, value in found if not is_stale(value)}
 
 
 def instant_timestamps(source: SeriesSource, sel: VectorSelector, ts: float, lookback_s: float) -> Vector:
     """timestamp(selector): the time of the sample `instant` would pick, the name dropped."""
-    t = ts - sel.offset_s
-    out: Vector = {}
-    for labels, pts in fetch(source, sel, t - lookback_s, t):
-        for pt_ts, value in reversed(pts):
-            if t - lookback_s < pt_ts <= t:
-                if not is_stale(value):
-                    out[labels] = pt_ts
-                break
-    return out
+    found = newest(source, sel, ts - sel.offset_s, lookback_s)
+    return {labels: pt for labels, pt, value in found if not is_stale(value)}
+
+
+def _instance_hint(sel: VectorSelector) -> list[str] | None:
+    """An exact `instance="..."` matcher, pushed down to the source."""
+    exact = [m.value for m in sel.matchers if m.label == "instance" and m.op == "="]
+    return exact[:1] if exact else None
+
+
+def _selected(sel: VectorSelector, found: Iterable[tuple[Labels, T]]) -> list[tuple[Labels, T]]:
+    matchers = sel.matchers
+    return [(labels, got) for labels, got in found if not matchers or _all_match(matchers, sel.name, labels)]
 
 
 def matrix(source: SeriesSource, node: MatrixSelector, ts: float) -> list[tuple[Labels, Points, list[float]]]:

@@ -33,6 +33,16 @@ class SeriesSource(Protocol):
         """
 
 
+@runtime_checkable
+class LatestSource(Protocol):
+    def latest(
+        self, name: str, start: float, end: float, instances: Sequence[str] | None = None
+    ) -> dict[Labels, tuple[float, float]]:
+        """The newest sample (ts, value) of each label set of `name` with start <= ts <= end: all an instant
+        selector reads. The same label sets and `instances` hint as `SeriesSource.points`; a source without it is
+        read through `points`."""
+
+
 class EvalError(RuntimeError):
     """An expression that parsed but cannot be computed on this data (e.g. duplicate label sets)."""
 

@@ -55,6 +55,17 @@ class SqlSource:
         # The tuner's replays are stored beside real traffic with current timestamps: never page for them.
         return {sid.all_labels(): pts for sid, pts in series.items() if not queries.is_simulated_instance(sid.instance)}
 
+    def latest(
+        self, name: str, start: float, end: float, instances: Sequence[str] | None = None
+    ) -> dict[Labels, tuple[float, float]]:
+        """Each label set's newest sample in [start, end] (`collector.queries.latest_points`: an engine gauge of a
+        fleet is one index probe per instance, not every sample of the lookback)."""
+        if name == "ttft_p99_seconds":
+            return {labels: pts[-1] for labels, pts in self.points(name, start, end, instances).items() if pts}
+        stop = math.nextafter(end, math.inf)
+        newest = queries.latest_points(self.engine, name=name, start=start, end=stop, instances=instances)
+        return {sid.all_labels(): pt for sid, pt in newest.items() if not queries.is_simulated_instance(sid.instance)}
+
     # --- ttft_p99_seconds -----------------------------------------------------------------------
 
     def _ttft_p99(self, start: float, stop: float, instances: Sequence[str] | None) -> dict[str, Points]:

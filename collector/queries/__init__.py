@@ -89,6 +89,7 @@ from collector.queries.timeseries import (
     group_key,
     group_sum,
     increase_of,
+    latest_points,
     parse_labels,
     series_points,
 )
@@ -163,6 +164,7 @@ __all__ = [
     "latency_histogram",
     "latency_percentiles",
     "latency_quantiles_over_time",
+    "latest_points",
     "latest_samples",
     "list_instances",
     "list_runs",

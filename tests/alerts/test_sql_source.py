@@ -11,6 +11,7 @@ import random
 from collections import defaultdict
 
 import pytest
+from sqlalchemy import insert
 
 from alerts.memory_source import MemorySource
 from alerts.metrics import AlertMetrics
@@ -19,6 +20,7 @@ from alerts.runner import AlertEvaluator
 from alerts.sql_source import SqlSource
 from collector.db import session_factory
 from collector.ingest import parse_batch, store_batch
+from collector.schema import SeriesPoint
 from plumbing.percentile import nearest_rank
 from tests.alerts.conftest import FakeClock
 from tests.collector import evfactory
@@ -206,6 +208,58 @@ def test_sql_source_agrees_with_memory_source(db_engine, name):
     _ingest(db_engine, events)
     sql = SqlSource(db_engine)
     assert sql.points(name, T + 30, T + 120) == memory.points(name, T + 30, T + 120)  # closed at both ends
+    # an instant selector's read: each series' newest sample of the window, closed at its end too
+    assert sql.latest(name, T + 30, T + 120) == {
+        (("instance", "e0"),): memory.points(name, T + 30, T + 120)[(("instance", "e0"),)][-1]
+    }
+
+
+def test_latest_is_each_series_newest_sample_pushed_or_scraped(db_engine):
+    """`latest` (what instant selectors read) against the newest of `points`: engines that pushed samples,
+    one whose newest sample has no value for the gauge, scraped series with labels, an instance filter, and
+    instances not seen in the window."""
+    events = []
+    for k in range(30):
+        ts = T + 2.0 * k
+        events.append(_at(evfactory.sample, ts, instance="e0", queue_depth=k))
+        events.append(_at(evfactory.sample, ts, instance="e1", queue_depth=100 - k, kv_usage=0.5))
+        if k < 10:
+            events.append(_at(evfactory.sample, ts, instance="e2", queue_depth=7))
+    events.append(_at(evfactory.sample, T + 59.5, instance="e1", queue_depth=None, kv_usage=0.9))  # no queue in it
+    events.append(_at(evfactory.sample, T - 3600, instance="old", queue_depth=3))  # not seen in the window
+    _ingest(db_engine, events)
+    with db_engine.begin() as conn:
+        for k, model in enumerate(("a", "b")):
+            conn.execute(
+                insert(SeriesPoint),
+                [
+                    {
+                        "name": "queue_depth",
+                        "instance": "vllm-0",
+                        "labels": f'{{"model":"{model}"}}',
+                        "ts": T + 15.0 * j + k,
+                        "value": 10.0 * j + k,
+                    }
+                    for j in range(4)
+                ],
+            )
+    sql = SqlSource(db_engine)
+    for start, end, instances in ((T, T + 60, None), (T + 1, T + 30, None), (T, T + 60, ["e1", "vllm-0"])):
+        every = sql.points("queue_depth", start, end, instances)
+        newest = {labels: pts[-1] for labels, pts in every.items() if pts}
+        assert sql.latest("queue_depth", start, end, instances) == newest
+    got = sql.latest("queue_depth", T, T + 60)
+    assert got[(("instance", "e1"),)] == (T + 58.0, 71.0)  # its last sample carried no queue depth
+    assert got[(("instance", "e2"),)] == (T + 18.0, 7.0)
+    assert got[(("instance", "vllm-0"), ("model", "b"))] == (T + 46.0, 31.0)
+    assert (("instance", "old"),) not in got
+    assert sql.latest("kv_usage", T, T + 60) == {
+        (("instance", "e0"),): (T + 58.0, 0.4),
+        (("instance", "e1"),): (T + 59.5, 0.9),
+        (("instance", "e2"),): (T + 18.0, 0.4),
+    }
+    with pytest.raises(ValueError, match="unknown series"):
+        sql.latest("no_such_series", T, T + 60)
 
 
 def test_the_tuners_replays_never_reach_the_rules(db_engine):

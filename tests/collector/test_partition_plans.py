@@ -146,6 +146,15 @@ READS: dict[str, Callable[[Engine], object]] = {
             "events_lost_total",
         )
     },
+    # what an instant selector reads (alerts.sql_source.latest): each series' newest sample of the lookback
+    **{
+        f"rule latest {name}": (
+            lambda db, name=name: SqlSource(db, clock=lambda: WINDOW["end"]).latest(
+                name, WINDOW["end"] - 300, WINDOW["end"]
+            )
+        )
+        for name in ("kv_usage", "queue_depth", "memory_usage")
+    },
     # kvpilot status
     "status diagnose": lambda db: queries.diagnose(db, now=WINDOW["end"], **WINDOW),
 }
@@ -195,6 +204,15 @@ def test_reads_of_an_hour_scan_only_its_day(loaded: Engine, read: str) -> None:
     }
     outside = [(node, rel) for node, rel in scans if not rel.endswith(THIRD_DAY) and rel not in allowed]
     assert not outside, f"{read} scans outside the hour's day partition: {outside}"
+
+
+def test_an_engine_gauges_newest_samples_are_read_by_index_probes(loaded: Engine) -> None:
+    """An instant selector over a fleet's engine gauge reads one sample per instance (the (instance, ts) index,
+    newest first), not every sample of the lookback."""
+    statements = _recorded(loaded, lambda: queries.latest_points(loaded, name="queue_depth", **WINDOW))
+    scans = [scan for plan in _plans(loaded, statements) for scan in _scans(plan) if scan[1].startswith("samples_p")]
+    assert scans and all(rel.endswith(THIRD_DAY) for _, rel in scans), scans
+    assert all(node in ("Index Scan", "Index Scan Backward", "Index Only Scan") for node, _ in scans), scans
 
 
 # Fleet-wide latency reads of an hour that read the latency sketch's minutes (collector.queries.latency_sketch)
