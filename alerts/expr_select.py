@@ -2,11 +2,13 @@
 
 Matchers apply to any label as Prometheus's do: `=`/`!=` compare the value (an absent label is ""), `=~`/`!~`
 match the fully anchored regular expression, with RE2 semantics in linear time as Prometheus's
-(alerts.regex). An exact `instance="..."` is also pushed down to the source. An instant selector needs each series'
-newest sample of the lookback and no other: a source that can say just that (`LatestSource`: the collector's
-database, one index probe per engine) is asked for it, not for every sample of the five minutes. The selector's name may be
+(alerts.regex). An exact `instance="..."` is also pushed down to the source. The selector's name may be
 external (`DCGM_FI_DEV_FB_USED`): the source is asked for the canonical series (alerts.series_catalog.resolve)
 and values come back in the written name's unit; `__name__` is the name as written.
+
+An instant selector needs each series' newest sample of the lookback and no other: a source that can say just
+that (`LatestSource`: the collector's database, one index probe per engine) is asked for it, not for every
+sample of the five minutes.
 """
 
 from __future__ import annotations
