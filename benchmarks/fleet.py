@@ -492,7 +492,8 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
             saturation_elapsed = time.time() - saturation_start
         finally:
             stop_reads.set()
-            reader.join(300.0)
+            if reader.ident is not None:  # started: a failure before it (a collector's start) has no reader
+                reader.join(300.0)
             scraped_until = time.time()
             for evaluator in evaluators:
                 evaluator.stop()

@@ -64,6 +64,18 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert any("sender processes" in m for m in messages) and any("saturation" in m for m in messages)
 
 
+@pytest.mark.postgres
+def test_a_failure_before_the_senders_is_reported_as_itself(_pg_schema_url: str, monkeypatch) -> None:
+    """A failure while the run is set up (here, a rule file the evaluators refuse) ends the bench with that error,
+    not with one from stopping the page reader that never started."""
+    from alerts.rules import RuleFileError
+    from benchmarks import fleet
+
+    monkeypatch.setattr(fleet, "RULES", fleet.RULES.replace("interval: 2s", "interval: 0.5s"))
+    with pytest.raises(RuleFileError, match="not a valid duration"):
+        run_fleet_bench(os.environ[PG_ENV], tiny_config(), progress=lambda _: None)
+
+
 def test_unreachable_postgres_is_refused_with_a_clear_message() -> None:
     out = CliRunner().invoke(app, ["bench", "fleet", "--pg-url", "postgresql+psycopg://postgres@127.0.0.1:9/none"])
     assert out.exit_code == 2
