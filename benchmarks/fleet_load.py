@@ -452,25 +452,30 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
             else:
                 report["unacked"] += spans
 
+    def deliver(
+        client: httpx.Client, pushed: list[tuple[Engine, Rendered]], keys: dict[str, str]
+    ) -> tuple[float, dict[str, bool]]:
+        """A node's pushes, each under its key: alone (one POST /v1/ingest per engine, `per_node` 1), or one bundle
+        holding each engine's push, each acknowledged by its own result (what the node's relay forwards). When the
+        request left (after the bundle was encoded), and whether each engine's push was stored."""
+        if per_node == 1:
+            sent = time.time()
+            return sent, {
+                e.instance: post(client, "/v1/ingest", b.body(), {"Idempotency-Key": keys[e.instance], **as_json})
+                for e, b in pushed
+            }
+        body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in pushed])
+        sent = time.time()
+        statuses = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True) or []
+        answered = dict(zip([e.instance for e, _ in pushed], statuses, strict=False))
+        return sent, {e.instance: answered.get(e.instance) in (200, 202) for e, _ in pushed}
+
     def ship(client: httpx.Client, node: list[Engine]) -> None:
-        """A node's pushes: alone (one POST /v1/ingest per engine, `per_node` 1), or one bundle holding each
-        engine's push under its own key, each acknowledged by its own result (what the node's relay forwards);
-        then the node's spans."""
+        """A node's pushes (`deliver`), then its spans."""
         rendered = [(engine, *render(engine)) for engine in node]
         pushed = [(engine, batch) for engine, batch, _ in rendered if batch.events]
         keys = {engine.instance: f"{engine.instance}-{engine.run_id}-{engine.batches}" for engine, _ in pushed}
-        stored: dict[str, bool] = {}
-        sent = time.time()
-        if per_node == 1:
-            for engine, batch in pushed:
-                headers = {"Idempotency-Key": keys[engine.instance], **as_json}
-                stored[engine.instance] = post(client, "/v1/ingest", batch.body(), headers)
-        elif pushed:
-            body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in pushed])
-            sent = time.time()
-            statuses = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True) or []
-            answered = dict(zip([e.instance for e, _ in pushed], statuses, strict=False))
-            stored = {e.instance: answered.get(e.instance) in (200, 202) for e, _ in pushed}
+        sent, stored = deliver(client, pushed, keys) if pushed else (time.time(), {})
         account(rendered, stored, sent, time.time())
         account_spans(*spans_of(client, rendered))
 
@@ -481,17 +486,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         run's rate or lag."""
         now = time.time()
         rendered = [(e, e.render(now - 0.001, now, {"step": 1})) for e in node]
-        keys = {e.instance: f"{e.instance}-{e.run_id}-first" for e, _ in rendered}
-        if per_node == 1:
-            stored = {
-                e.instance: post(client, "/v1/ingest", b.body(), {"Idempotency-Key": keys[e.instance], **as_json})
-                for e, b in rendered
-            }
-        else:
-            body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in rendered])
-            statuses = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True) or []
-            answered = dict(zip([e.instance for e, _ in rendered], statuses, strict=False))
-            stored = {e.instance: answered.get(e.instance) in (200, 202) for e, _ in rendered}
+        _, stored = deliver(client, rendered, {e.instance: f"{e.instance}-{e.run_id}-first" for e, _ in rendered})
         with lock:
             report["first_contact_acked"] += sum(1 for e, _ in rendered if stored.get(e.instance))
             report["unacked"] += sum(1 for e, _ in rendered if not stored.get(e.instance))
