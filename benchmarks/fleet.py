@@ -30,7 +30,12 @@ fleet at its own rate offers about half of a ceiling (`fleet_share_of_ceiling`):
 measure the fleet's size, not the collectors.
 
 `ingest_lag_p99_s` is per pushed batch: from its oldest event's timestamp to the collector's answer, which
-comes after COMMIT. `lost` is what collectors acknowledged minus what the database holds. A fleet at ~50
+comes after COMMIT; `ingest_age_at_send_*` and `ingest_answer_*` split it where the push left. Before each timed run
+every engine sends its first push and the senders wait for them all (`first_contact_s`): a push that claims a new
+instance or run is stored alone, so a fleet's first second is a thousand transactions, a cost of its own and not
+the lag of a fleet that is running. The live senders outrank the collectors in the CPU scheduler where granted
+(`plumbing.sched`), so that a batch leaves when its interval ends, as it would from the engine's own node.
+`lost` is what collectors acknowledged minus what the database holds. A fleet at ~50
 steps/s per engine offers far more than a 2-core machine can carry; the senders send what the machine
 lets them (an instance's batch then spans a longer interval, thinned to 1,000 events as the sink's bounded
 queue would), and `events_per_s` is what was acknowledged, beside `offered_events_per_s`.
