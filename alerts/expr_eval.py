@@ -31,6 +31,7 @@ from alerts.expr_values import (
     drop_name,
     is_stale,
     labels_dict,
+    newest_points,
 )
 
 __all__ = [
@@ -81,7 +82,7 @@ class CachingSource:
                 self.calls += 1
                 hit = self.inner.latest(name, start, end, instances)
             else:
-                hit = {labels: pts[-1] for labels, pts in self.points(name, start, end, instances).items() if pts}
+                hit = newest_points(self.points(name, start, end, instances))
             self._latest[key] = hit
         return hit
 

@@ -18,7 +18,17 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from alerts.expr_ast import Matcher, MatrixSelector, VectorSelector
-from alerts.expr_values import NAME, Labels, LatestSource, Points, SeriesSource, Vector, is_stale, with_name
+from alerts.expr_values import (
+    NAME,
+    Labels,
+    LatestSource,
+    Points,
+    SeriesSource,
+    Vector,
+    is_stale,
+    newest_points,
+    with_name,
+)
 from alerts.matchers import label_matches
 from alerts.series_catalog import resolve
 
@@ -39,16 +49,10 @@ def newest(source: SeriesSource, sel: VectorSelector, t: float, lookback_s: floa
     """(labels, ts, value) of each selected series' newest sample in (t - lookback, t], stale markers included,
     in the written name's unit. A `LatestSource` is asked for those samples alone (one per series, not every
     sample of the lookback); any other source is read through `points`."""
-    out: list[tuple[Labels, float, float]] = []
-    if not isinstance(source, LatestSource):
-        for labels, pts in fetch(source, sel, t - lookback_s, t):
-            for pt, value in reversed(pts):
-                if t - lookback_s < pt <= t:
-                    out.append((labels, pt, value))
-                    break
-        return out
     resolved = resolve(sel.name)
-    raw = source.latest(resolved.canonical, t - lookback_s, t, _instance_hint(sel))
+    args = (resolved.canonical, t - lookback_s, t, _instance_hint(sel))
+    raw = source.latest(*args) if isinstance(source, LatestSource) else newest_points(source.points(*args))
+    out: list[tuple[Labels, float, float]] = []
     for labels, (pt, value) in _selected(sel, raw.items()):
         if t - lookback_s < pt <= t:
             if resolved.scale != 1.0:

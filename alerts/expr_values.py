@@ -43,6 +43,11 @@ class LatestSource(Protocol):
         read through `points`."""
 
 
+def newest_points(series: dict[Labels, Points]) -> dict[Labels, tuple[float, float]]:
+    """Each label set's newest sample: `LatestSource.latest` from what `SeriesSource.points` returned."""
+    return {labels: pts[-1] for labels, pts in series.items() if pts}
+
+
 class EvalError(RuntimeError):
     """An expression that parsed but cannot be computed on this data (e.g. duplicate label sets)."""
 

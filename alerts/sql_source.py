@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from sqlalchemy import Engine
 
 from alerts.expr_eval import Labels, Points
+from alerts.expr_values import newest_points
 from collector import queries
 from collector.db import translate_errors
 
@@ -61,7 +62,7 @@ class SqlSource:
         """Each label set's newest sample in [start, end] (`collector.queries.latest_points`: an engine gauge of a
         fleet is one index probe per instance, not every sample of the lookback)."""
         if name == "ttft_p99_seconds":
-            return {labels: pts[-1] for labels, pts in self.points(name, start, end, instances).items() if pts}
+            return newest_points(self.points(name, start, end, instances))
         stop = math.nextafter(end, math.inf)
         newest = queries.latest_points(self.engine, name=name, start=start, end=stop, instances=instances)
         return {sid.all_labels(): pt for sid, pt in newest.items() if not queries.is_simulated_instance(sid.instance)}
