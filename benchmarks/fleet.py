@@ -539,7 +539,7 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
     ages = [age for report in reports for age in report["ages_at_send"]]
     answers = [answer for report in reports for answer in report["answers"]]
     total = sum(acked.values())
-    first = sum(r["first_contact_acked"] for r in reports)  # stored under the run too, before it was timed
+    first, first_s = _first_contact(reports)
     return {
         "events_per_s": round(total / elapsed),
         "offered_events_per_s": round(sum(r["offered"] for r in reports) / elapsed),
@@ -548,8 +548,7 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
         "acked_events": acked,
         "stored_events": stored,
         "lost": total + first - sum(stored.values()),
-        # every engine's first push, before the timed run (its instance and run claimed), per sender: the longest
-        "first_contact_s": _round(max((r.get("first_contact_s", 0.0) for r in reports), default=None)),
+        "first_contact_s": first_s,
         "unacked_events": sum(r["unacked"] for r in reports),
         "batches": len(lags),
         "ingest_lag_p50_s": _round(nearest_rank(lags, 0.5)),
@@ -567,6 +566,7 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
 
 def _saturation_figures(engine: Any, reports: list[dict], elapsed: float) -> dict[str, Any]:
     """What the collectors acknowledged per second while offered `saturation_load` times the fleet's rates."""
+    first, first_s = _first_contact(reports)
     acked = sum(n for report in reports for n in report["acked"].values())
     stored = _stored_events(engine, fleet_load.SATURATION_RUN)
     return {
@@ -574,10 +574,17 @@ def _saturation_figures(engine: Any, reports: list[dict], elapsed: float) -> dic
         "saturation_offered_events_per_s": round(sum(r["offered"] for r in reports) / elapsed),
         "saturation_s": round(elapsed, 1),
         "saturation_batches": sum(len(report["lags"]) for report in reports),  # one lag per acknowledged push
-        "saturation_lost": acked + sum(r["first_contact_acked"] for r in reports) - sum(stored.values()),
-        "saturation_first_contact_s": _round(max((r.get("first_contact_s", 0.0) for r in reports), default=None)),
+        "saturation_lost": acked + first - sum(stored.values()),
+        "saturation_first_contact_s": first_s,
         "saturation_failures": [f for r in reports for f in r["failures"]][:5],
     }
+
+
+def _first_contact(reports: list[dict]) -> tuple[int, float | None]:
+    """The events of every engine's first push, stored under the run before it was timed (they count in `lost`,
+    not in its rate), and the longest a sender took to have them all stored."""
+    acked = sum(r["first_contact_acked"] for r in reports)
+    return acked, _round(max((r.get("first_contact_s", 0.0) for r in reports), default=None))
 
 
 def _stored_events(engine: Any, run_id: str) -> dict[str, int]:

@@ -48,7 +48,7 @@ import httpx
 
 from engine import workload as W
 from plumbing.openloop import lateness, open_loop
-from plumbing.sched import outrank
+from plumbing.sched import NICE, RT_PRIORITY, outrank
 
 log = logging.getLogger("kvpilot.integrations.vllm.client")
 
@@ -58,8 +58,8 @@ MAX_LATE_P99_S = 0.05  # a replay whose p99 send lateness is above this is not m
 # 0.053-0.055 s; 0.013-0.033 s with it), and 3 attempts in a row lagged twice in one bench run
 ATTEMPTS = 5
 LEAD_S = 0.05  # from the start signal to arrival 0: the sender is ready and idle by then
-SENDER_RT_PRIORITY = 1  # the sender's real-time (SCHED_RR) priority where granted: above every ordinary process
-SENDER_NICE = -10  # its niceness where the real-time class is refused, above the server's (0) when granted
+SENDER_RT_PRIORITY = RT_PRIORITY  # the sender's real-time (SCHED_RR) priority where granted
+SENDER_NICE = NICE  # its niceness where the real-time class is refused, above the server's (0)
 READY_TIMEOUT_S = 60.0  # to the sender's "ready": its process's start (a Python interpreter importing httpx)
 HEADERS = {"content-type": "application/json"}
 
