@@ -40,6 +40,19 @@ class AlertMetrics:
             registry=reg,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30, 120, 600),
         )
+        self.group_duration = Histogram(
+            "kvpilot_alerts_rule_group_duration_seconds",
+            "one evaluation of a rule group (its rules' reads and state updates)",
+            ["group"],
+            registry=reg,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.iterations_missed = Counter(
+            "kvpilot_alerts_rule_group_iterations_missed_total",
+            "evaluations of a group skipped because the evaluator came back later than its next interval",
+            ["group"],
+            registry=reg,
+        )
         self.storage_errors = Counter(
             "kvpilot_alerts_storage_errors_total", "ticks failed on the database", registry=reg
         )

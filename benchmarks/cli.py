@@ -159,6 +159,12 @@ def bench_fleet(
         max=64,
         help="engines behind each node relay, whose pushes go as one bundle (1: every engine pushes alone)",
     ),
+    rule_interval: str = typer.Option(
+        "250ms",
+        "--rule-interval",
+        help="the paging rule's evaluation interval, a Prometheus duration (250ms to 1m): what a slower or faster "
+        "rule costs and buys",
+    ),
     json_path: Path | None = JsonOpt,
     pg_url: str | None = typer.Option(
         None,
@@ -171,9 +177,18 @@ def bench_fleet(
     on one PostgreSQL: events/s against COPY's ceiling, ingest lag, alert delivery, page reads, losses."""
     from dataclasses import replace
 
+    from alerts.durations import DurationError, parse_duration
     from benchmarks.fleet import FleetBenchError, FleetConfig, pg_url_from_env, run_fleet_bench
 
-    config = replace(FleetConfig.for_run(quick, collectors), engines_per_relay=engines_per_relay)
+    try:
+        interval_s = parse_duration(rule_interval)
+    except DurationError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--rule-interval") from None
+    if not 0.25 <= interval_s <= 60:
+        raise typer.BadParameter(f"{rule_interval!r} is outside 250ms to 1m", param_hint="--rule-interval")
+    config = replace(
+        FleetConfig.for_run(quick, collectors), engines_per_relay=engines_per_relay, rule_interval_s=interval_s
+    )
     with exits("fleet", (FleetBenchError, 2)):
         emit(run_fleet_bench(pg_url or pg_url_from_env(), config), json_path)
 

@@ -44,6 +44,7 @@ queue would), and `events_per_s` is what was acknowledged, beside `offered_event
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -70,7 +71,7 @@ ADMIN = "fleet-admin-token"
 RULES = """
 groups:
   - name: fleet
-    interval: 2s
+    interval: {interval}
     rules:
       - alert: FleetQueueHigh
         expr: queue_depth > 100
@@ -95,6 +96,9 @@ class FleetConfig:
     scrape_interval_s: float = 15.0  # the collector's default, and Prometheus's
     otlp_share: float = 0.1
     alert_trials: int = 5
+    # the paging rule's evaluation interval: a page within a second of the condition needs the rule evaluated
+    # within a fraction of one (each evaluation's cost is in the JSON: `alert_evaluation_*`)
+    rule_interval_s: float = 0.25
     engines_per_relay: int = 8  # a node's GPUs: its engines' pushes go as one bundle (1: each pushes alone)
     # after the live run, the same fleet at `saturation_load` times its rates for `saturation_s`: more than the
     # collectors take, so what they acknowledge is their capacity (`ratio`'s numerator)
@@ -446,6 +450,7 @@ def run_fleet_bench(pg_url: str, config: FleetConfig, progress: Callable[[str], 
 
 def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     from alerts.config import webhook_config
+    from alerts.durations import format_duration
     from alerts.runner import start_evaluator
     from alerts.sink import run_webhook_sink
 
@@ -464,7 +469,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
         dcgm = _start_dcgm(config.dcgm_nodes)
         sink = run_webhook_sink(port=0, log_payloads=False)
         rules = root / "rules.yml"
-        rules.write_text(RULES)
+        rules.write_text(RULES.replace("{interval}", format_duration(config.rule_interval_s)))
         notifier = webhook_config([sink.url], group_wait_s=0.0, group_interval_s=1.0, group_by=["instance"])
         evaluators = []
         stop_reads = threading.Event()
@@ -489,6 +494,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
             sink.wait_for(turned_hot, timeout_s=60.0)
             stop_reads.set()
             reader.join(300.0)
+            quiet = _quiet_evaluations(url, evaluators[0].evaluator.groups[0].rules[0].expr, config.rule_interval_s)
             progress(f"saturation: the fleet at {config.saturation_load:g}x its rates for {config.saturation_s:.0f} s")
             saturation_start = time.time() + config.first_contact_lead_s
             saturated = _run_senders(
@@ -518,6 +524,8 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
     result["ratio"] = round(result["saturated_events_per_s"] / result["copy_ceiling_events_per_s"], 3)
     result["fleet_share_of_ceiling"] = round(result["events_per_s"] / result["copy_ceiling_events_per_s"], 3)
     result.update(_alert_figures(sink, reports, plan))
+    result.update(_evaluation_figures([e.evaluator.metrics for e in evaluators], config))
+    result.update(quiet)
     result["query_p95_s"] = {p: _round(nearest_rank(v, 0.95)) for p, v in timings.items()}
     result["query_rounds"] = {p: len(v) for p, v in timings.items()}
     result["otlp_instances"] = plan["otlp_instances"]
@@ -622,6 +630,63 @@ def _alert_figures(sink: Any, reports: list[dict], plan: dict) -> dict[str, Any]
         "alert_stored_p99_s": _round(nearest_rank(to_stored, 0.99)),
         "alert_evaluated_and_delivered_p99_s": _round(nearest_rank(after_stored, 0.99)),
         "alert_duplicate_posts": sink.duplicates,
+    }
+
+
+def _evaluation_figures(metrics: list[Any], config: FleetConfig) -> dict[str, Any]:
+    """What evaluating the paging rule cost, from the evaluators' own metrics (the lease's holder evaluates; a
+    standby that took over adds its own): evaluations, their mean, the histogram bucket holding the 99th
+    percentile, and evaluations skipped because one came back later than the next interval."""
+    count = total = missed = 0.0
+    buckets: dict[float, float] = {}
+    for m in metrics:
+        for family in m.registry.collect():
+            for sample in family.samples:
+                if family.name == "kvpilot_alerts_rule_group_duration_seconds":
+                    if sample.name.endswith("_count"):
+                        count += sample.value
+                    elif sample.name.endswith("_sum"):
+                        total += sample.value
+                    elif sample.name.endswith("_bucket"):
+                        bound = float(sample.labels["le"])
+                        buckets[bound] = buckets.get(bound, 0.0) + sample.value
+                elif family.name == "kvpilot_alerts_rule_group_iterations_missed" and sample.name.endswith("_total"):
+                    missed += sample.value
+    p99 = next((b for b in sorted(buckets) if count and buckets[b] >= 0.99 * count), math.inf)
+    return {
+        "alert_rule_interval_s": config.rule_interval_s,
+        "alert_evaluations": int(count),
+        "alert_evaluation_mean_s": _round(total / count if count else None, 4),
+        "alert_evaluation_p99_le_s": p99 if p99 < math.inf else None,  # None: past the last bucket, or none ran
+        "alert_iterations_missed": int(missed),
+    }
+
+
+def _quiet_evaluations(url: str, expr: Any, interval_s: float, rounds: int = 20) -> dict[str, Any]:
+    """The paging rule's expression evaluated `rounds` times once the fleet has stopped (the senders and the page
+    reader done; the lease holder still evaluating on its interval): one evaluation's time (`_wall`: this
+    process's CPU, the database's and the round trips) and this thread's CPU in it, and the share of one core the
+    rule's interval asks for at that time (an upper bound: the wall time counts waits as well as work)."""
+    from alerts.expr_eval import CachingSource, Evaluator
+    from alerts.sql_source import SqlSource
+    from collector.db import make_engine
+
+    engine = make_engine(url)
+    walls, cpus = [], []
+    try:
+        source = SqlSource(engine)
+        for _ in range(rounds):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            Evaluator(CachingSource(source)).evaluate(expr, time.time())  # a fresh cache per evaluation, as a tick
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.thread_time() - cpu)
+    finally:
+        engine.dispose()
+    wall_p50 = nearest_rank(walls, 0.5)
+    return {
+        "alert_evaluation_quiet_p50_s": _round(wall_p50, 4),
+        "alert_evaluation_quiet_cpu_p50_s": _round(nearest_rank(cpus, 0.5), 4),
+        "alert_evaluation_core_share": _round(wall_p50 / interval_s if wall_p50 is not None else None),
     }
 
 

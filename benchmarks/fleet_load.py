@@ -166,7 +166,9 @@ class Engine:
 
     def render(self, start: float, end: float, counts: dict[str, int], *, spans: bool = False) -> Rendered:
         """`counts[kind]` events of each kind spread evenly over [start, end) (a request count starts that many
-        requests), and the requests in flight that end within it."""
+        requests), and the requests in flight that end within it. Samples are spread over (start, end], the
+        last taken at `end`: `engine.http_sink` pushes what is queued when a sample is taken, so a batch is
+        cut at its engine's sample."""
         out: list[str] = []
         made = {"step": 0, "alloc": 0, "request": 0, "sample": 0}
         first: float | None = None
@@ -208,7 +210,7 @@ class Engine:
                 made["request"] += 1
         n = counts.get("sample", 0)
         for i in range(n):
-            ts = start + width * (i + 1) / (n + 1)
+            ts = start + width * (i + 1) / n  # the last closes the interval: the sink pushes a sample at once
             hot = self.hot_from is not None and ts >= self.hot_from
             if hot and hot_ts is None:
                 hot_ts = ts

@@ -164,6 +164,9 @@ class TelemetryConfig(_Strict):
     http_batch_size: int = Field(1000, ge=1, le=20_000, description="events per POST to the collector")
     http_flush_interval_s: float = Field(1.0, gt=0, description="a partial batch is sent after this long")
     http_queue_size: int = Field(100_000, ge=1, description="in-memory events; past it new events are dropped")
+    http_flush_on_sample: bool = Field(
+        True, description="a gauge sample is pushed at once (with what is queued), not at the next flush"
+    )
     http_compress: bool = True
     spool_dir: str | None = Field(
         "kvpilot-data/spool", description="where batches wait while the collector is down; None: in memory"

@@ -3,7 +3,11 @@
 `emit()` appends to a bounded in-memory queue (O(1); when the queue is full the event is dropped and
 counted). A background thread cuts batches by size (`batch_size`) or time (`flush_interval_s`),
 serializes them in pydantic-core and POSTs them with an `Idempotency-Key` that stays the same on every
-retry, so the collector stores a retried batch once.
+retry, so the collector stores a retried batch once. A gauge sample (`flush_on_sample`, on by default)
+cuts the batch at once: the queue depth or KV usage a rule pages on leaves when it is taken, not up to a
+flush interval later; the engine samples once a second, so the pushes stay about one a second, in step
+with the samples. Samples faster than a quarter of `flush_interval_s` wait for the timer (a burst of
+them is not a burst of pushes).
 
 While the collector is unreachable (connection error, timeout, 408/425/5xx) batches go to the spool
 (`engine.spool`: a directory of one file per batch, bounded by `spool_max_bytes`). When it is full the
@@ -85,6 +89,7 @@ class HttpSink:
         probe_interval_s: float = 1.0,
         retry_after_max_s: float = 60.0,
         auth_max_tries: int = 3,
+        flush_on_sample: bool = True,
         registry: CollectorRegistry | None = None,
         client: httpx.Client | None = None,
     ) -> None:
@@ -94,6 +99,8 @@ class HttpSink:
         self.endpoint = self.url + "/v1/ingest"
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
+        self.flush_on_sample = flush_on_sample
+        self._last_cut = 0.0  # monotonic: when the sink thread last cut a batch (a sample's early cut is bounded)
         self.queue_size = queue_size
         self.compress = compress
         self.backoff_initial_s = backoff_initial_s
@@ -151,6 +158,7 @@ class HttpSink:
             spool_dir=spool_dir_for(telemetry.spool_dir, telemetry.instance) if telemetry.spool_dir else None,
             spool_max_bytes=telemetry.spool_max_bytes,
             compress=telemetry.http_compress,
+            flush_on_sample=telemetry.http_flush_on_sample,
             registry=registry,
         )
 
@@ -163,7 +171,11 @@ class HttpSink:
             self.ledger.record_event("queue_full", event.type, event.ts, event.instance, event.run_id)
             return
         self._queue.append(event)
-        if len(self._queue) >= self.batch_size:
+        if len(self._queue) >= self.batch_size or (
+            self.flush_on_sample
+            and event.type == "sample"
+            and time.monotonic() - self._last_cut >= self.flush_interval_s / 4
+        ):
             self._wake.set()
 
     def flush(self, timeout_s: float = 5.0) -> None:
@@ -268,6 +280,7 @@ class HttpSink:
         return max(wait, 0.005)
 
     def _cut_batch(self) -> list[AnyEvent]:
+        self._last_cut = time.monotonic()
         batch = []
         queue = self._queue
         for _ in range(min(self.batch_size, len(queue))):

@@ -60,3 +60,17 @@ def test_every_relative_link_of_the_readme_and_docs_resolves() -> None:
 
 def test_the_readme_reads_in_five_minutes() -> None:
     assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def test_the_paging_route_in_operations_is_a_notifier_config_kvpilot_loads(tmp_path: Path) -> None:
+    """The example of a route that pages at once (docs/operations.md, "Paging within a second") loads, and its
+    page route has no group_wait."""
+    from alerts.config import load_notifier_config, resolve_routes
+
+    text = (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
+    section = text[text.index("### Paging within a second") :]
+    path = tmp_path / "notifier.yml"
+    path.write_text(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    root, children = resolve_routes(load_notifier_config(path))
+    assert root.group_wait_s == 30.0
+    assert [(c.receiver, c.group_wait_s) for c in children] == [("pager", 0.0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import func, select
 
 from alerts.alertmanager import fingerprint
@@ -281,3 +282,39 @@ def test_each_gpu_has_its_own_for_state_notification_and_silence(config_for, mak
         rows = s.execute(select(AlertState)).scalars().all()
         assert sorted(r.labels["gpu"] for r in rows) == ["0", "1", "2"]
         assert len({r.fingerprint for r in rows}) == 3
+
+
+def test_the_loop_wakes_when_a_group_falls_due_and_counts_missed_evaluations(config_for, make_evaluator, sink, clock):
+    from alerts.rules import load_rules_text
+
+    groups = load_rules_text(
+        "groups:\n"
+        "  - {name: fast, interval: 250ms, rules: [{alert: Q, expr: queue_depth > 100}]}\n"
+        "  - {name: slow, interval: 10s, rules: [{alert: R, expr: queue_depth > 1000}]}\n"
+    )
+    source = MemorySource()
+    ev = make_evaluator(source, groups, config_for(sink))
+    assert ev.wait_s(1.0) == 1.0  # no lease yet: the poll
+    source.add("queue_depth", "a", clock.now, 5)
+    assert ev.tick().leader
+    assert ev.wait_s(1.0) == 0.25  # the fast group's next evaluation, not the poll
+    clock.advance(0.1)
+    assert ev.wait_s(1.0) == pytest.approx(0.15, abs=1e-6)
+    assert ev.wait_s(0.05) == 0.05  # the poll still bounds it (lease renewal, delivery retries)
+    clock.advance(0.15)
+    ev.tick()
+    assert ev.metrics.iterations_missed.labels("fast")._value.get() == 0
+    clock.advance(1.0)  # due at +0.5, +0.75, +1.0 and +1.25 (now): one evaluation runs, three were missed
+    ev.tick()
+    assert ev.metrics.iterations_missed.labels("fast")._value.get() == 3
+    assert ev.metrics.iterations_missed.labels("slow")._value.get() == 0
+    counts = {
+        s.labels["group"]: s.value
+        for m in ev.metrics.registry.collect()
+        if m.name == "kvpilot_alerts_rule_group_duration_seconds"
+        for s in m.samples
+        if s.name.endswith("_count")
+    }
+    assert counts == {"fast": 3, "slow": 1}
+    clock.advance(2.0)
+    assert ev.wait_s(1.0) == 0.0  # overdue: at once

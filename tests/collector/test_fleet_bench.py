@@ -47,6 +47,13 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert 0 < result["alert_stored_p99_s"] <= result["alert_delivery_p99_s"]
     assert 0 < result["alert_evaluated_and_delivered_p99_s"] <= result["alert_delivery_p99_s"]
     assert result["alert_duplicate_posts"] == 0  # two evaluators, one lease: one notification each
+    # the rule ran on its 250-ms interval (the loop wakes when it falls due), its cost from the evaluators' metrics
+    assert result["alert_rule_interval_s"] == 0.25 and result["alert_evaluations"] >= 12 / 0.25 / 2
+    assert 0 < result["alert_evaluation_mean_s"] <= (result["alert_evaluation_p99_le_s"] or 10.0)
+    assert result["alert_iterations_missed"] >= 0
+    assert 0 < result["alert_evaluation_quiet_cpu_p50_s"] <= result["alert_evaluation_quiet_p50_s"]
+    share = result["alert_evaluation_quiet_p50_s"] / 0.25
+    assert result["alert_evaluation_core_share"] == pytest.approx(share, abs=0.002)
     assert set(result["query_p95_s"]) == {"overview", "latency", "kv", "status --instance"}
     assert all(v is not None and v > 0 for v in result["query_p95_s"].values())
     assert result["scrape_targets_up"] == 2 and result["scrape_points_per_s"] > 0
@@ -71,7 +78,7 @@ def test_a_failure_before_the_senders_is_reported_as_itself(_pg_schema_url: str,
     from alerts.rules import RuleFileError
     from benchmarks import fleet
 
-    monkeypatch.setattr(fleet, "RULES", fleet.RULES.replace("interval: 2s", "interval: 0.5s"))
+    monkeypatch.setattr(fleet, "RULES", fleet.RULES.replace("interval: {interval}", "interval: 0.5s"))
     with pytest.raises(RuleFileError, match="not a valid duration"):
         run_fleet_bench(os.environ[PG_ENV], tiny_config(), progress=lambda _: None)
 
@@ -94,7 +101,13 @@ def test_collectors_option_gives_every_collector_a_sender() -> None:
 
 @pytest.mark.parametrize(
     ("args", "field"),
-    [(["--collectors", "0"], "--collectors"), (["--collectors", "9"], "--collectors")],
+    [
+        (["--collectors", "0"], "--collectors"),
+        (["--collectors", "9"], "--collectors"),
+        (["--rule-interval", "0.5s"], "--rule-interval"),  # not a Prometheus duration
+        (["--rule-interval", "100ms"], "--rule-interval"),
+        (["--rule-interval", "2m"], "--rule-interval"),
+    ],
 )
 def test_collectors_out_of_range_is_refused_naming_the_option(args: list[str], field: str) -> None:
     out = CliRunner().invoke(app, ["bench", "fleet", *args])

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.events import SampleEvent
+from engine.events import SampleEvent, StepEvent
 from engine.http_sink import DiskSpool, HttpSink, SpooledBatch
 from engine.sinks import EventSink
 
@@ -67,9 +67,56 @@ def make_sink(fake: FakeCollector, **kw) -> HttpSink:
 
 @pytest.fixture
 def sink(fake: FakeCollector) -> Iterator[HttpSink]:
-    s = make_sink(fake)
+    s = make_sink(fake, flush_on_sample=False)  # cuts by size and time only
     yield s
     s.close()
+
+
+def step(i: int) -> StepEvent:
+    return StepEvent(
+        instance="e0", run_id="r", ts=1.7e9 + i, step=i, duration_s=0.01, forward_s=0.01, num_seqs=1,
+        prefill_tokens=0, decode_tokens=1, kv_blocks_used=1, kv_blocks_total=8, queue_depth=i, busy_s=0.01,
+    )  # fmt: skip
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_sample_is_pushed_at_once_with_what_is_queued(fake: FakeCollector) -> None:
+    s = make_sink(fake, flush_interval_s=60.0)  # the timer never fires in this test
+    try:
+        s.emit(step(1))
+        s.emit(step(2))
+        time.sleep(0.3)
+        assert fake.bodies == []  # steps wait for the flush interval
+        s.emit(sample(3))
+        assert wait_for(lambda: fake.events() == [1, 2, 3])
+        assert len(fake.bodies) == 1
+        # another sample within a quarter of the interval since that cut waits for the timer: a burst of
+        # samples is not a burst of pushes
+        s.emit(sample(4))
+        time.sleep(0.3)
+        assert fake.events() == [1, 2, 3]
+    finally:
+        s.close()
+    assert fake.events() == [1, 2, 3, 4]  # close flushed it
+
+
+def test_without_flush_on_sample_a_sample_waits_like_any_event(fake: FakeCollector) -> None:
+    s = make_sink(fake, flush_interval_s=60.0, flush_on_sample=False)
+    try:
+        s.emit(sample(1))
+        time.sleep(0.3)
+        assert fake.bodies == []
+    finally:
+        s.close()
+    assert fake.events() == [1]
 
 
 def test_is_an_event_sink(sink: HttpSink) -> None:
@@ -251,7 +298,10 @@ def test_from_config() -> None:
 
     cfg = TelemetryConfig(sink="http", collector_url="http://127.0.0.1:1", spool_dir=None, http_batch_size=7)
     s = HttpSink.from_config(cfg)
-    assert s.batch_size == 7 and s.endpoint == "http://127.0.0.1:1/v1/ingest"
+    assert s.batch_size == 7 and s.endpoint == "http://127.0.0.1:1/v1/ingest" and s.flush_on_sample
+    s.close(timeout_s=0.2)
+    s = HttpSink.from_config(cfg.model_copy(update={"http_flush_on_sample": False}))
+    assert not s.flush_on_sample
     s.close(timeout_s=0.2)
 
 
