@@ -159,6 +159,14 @@ def bench_fleet(
         max=64,
         help="engines behind each node relay, whose pushes go as one bundle (1: every engine pushes alone)",
     ),
+    engine_flush_s: float = typer.Option(
+        1.0,
+        "--engine-flush-s",
+        min=0.25,
+        max=5.0,
+        help="the simulated engines' push interval (the sink's http_flush_interval_s, 1 s by default): the floor "
+        "of the ingest lag, against more pushes a second",
+    ),
     rule_interval: str = typer.Option(
         "250ms",
         "--rule-interval",
@@ -187,7 +195,10 @@ def bench_fleet(
     if not 0.25 <= interval_s <= 60:
         raise typer.BadParameter(f"{rule_interval!r} is outside 250ms to 1m", param_hint="--rule-interval")
     config = replace(
-        FleetConfig.for_run(quick, collectors), engines_per_relay=engines_per_relay, rule_interval_s=interval_s
+        FleetConfig.for_run(quick, collectors),
+        engines_per_relay=engines_per_relay,
+        rule_interval_s=interval_s,
+        engine_flush_s=engine_flush_s,
     )
     with exits("fleet", (FleetBenchError, 2)):
         emit(run_fleet_bench(pg_url or pg_url_from_env(), config), json_path)

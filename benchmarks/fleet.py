@@ -15,11 +15,13 @@ What runs, in one database created fresh for the run (dropped after it):
   and is not played here (1: every engine pushes alone); a share of them send requests as OTLP spans;
 - a DCGM-like exporter for 100 nodes x 8 GPUs: one local HTTP server, a page per node, each page a scrape
   target of the first collector;
-- two alert evaluators on the one lease (`alerts.runner.start_evaluator`), a rule on queue depth and a
-  local webhook receiver: a few engines turn hot during the run, `alert_delivery_p99_s` runs from the
-  first hot sample's timestamp (the condition true) to the receiver's receipt, split at the acknowledgement of
-  the push that carried it (`alert_stored_p99_s`: the engine's next push and the ingest;
-  `alert_evaluated_and_delivered_p99_s`: the rule's next evaluation and the delivery);
+- two alert evaluators on the one lease (`alerts.runner.start_evaluator`), a rule on queue depth evaluated
+  every `rule_interval_s` (250 ms) and a local webhook receiver: a few engines turn hot during the run, each
+  pushing on its own through a node relay (`kvpilot collector relay`, a process of its own) as an engine's
+  sink does, its sample pushed when taken; `alert_delivery_p99_s` runs from the first hot sample's timestamp
+  (the condition true) to the receiver's receipt, split at the acknowledgement of the push that carried it
+  (`alert_stored_p99_s`: the push, the relay's hold and the ingest; `alert_evaluated_and_delivered_p99_s`: the
+  rule's next evaluation and the delivery); what evaluating the rule costs is `alert_evaluation_*`;
 - while the fleet pushes, the reads of the dashboard's Overview, Latency and KV pages (their
   `collector.queries` calls) and of `kvpilot status --instance`, round after round: `query_p95_s` per page.
 
@@ -64,6 +66,7 @@ import httpx
 
 from benchmarks import fleet_load
 from plumbing.percentile import nearest_rank
+from plumbing.process import stop_process
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 TOKEN = "fleet-ingest-token"
@@ -100,6 +103,8 @@ class FleetConfig:
     # within a fraction of one (each evaluation's cost is in the JSON: `alert_evaluation_*`)
     rule_interval_s: float = 0.25
     engines_per_relay: int = 8  # a node's GPUs: its engines' pushes go as one bundle (1: each pushes alone)
+    # an engine's push interval (`telemetry.http_flush_interval_s`, 1 s by default): the floor of the ingest lag
+    engine_flush_s: float = 1.0
     # after the live run, the same fleet at `saturation_load` times its rates for `saturation_s`: more than the
     # collectors take, so what they acknowledge is their capacity (`ratio`'s numerator)
     saturation_s: float = 30.0
@@ -242,6 +247,47 @@ def _start_collectors(url: str, config: FleetConfig, logs: Path) -> list[Any]:
     return procs
 
 
+@dataclass
+class _Relay:
+    proc: subprocess.Popen
+    url: str
+
+
+def _start_relay(upstream: str, logs: Path) -> _Relay:
+    """One node relay (`kvpilot collector relay`, its default 0.2-s hold) in front of the first collector: the hot
+    engines push through it, so an alert's delay holds the hop every engine of a fleet takes to its collector."""
+    from plumbing.process import ProcessStartError, free_port, spawn, wait_healthy
+
+    port = free_port()
+    log = logs / "relay.log"
+    proc = spawn(
+        [sys.executable, "-m", "kvpilot.cli", "collector", "relay", "--upstream", upstream, "--port", str(port)],
+        log_path=log,
+        env={**os.environ, "KVPILOT_INGEST_TOKEN": TOKEN},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{url}/health", proc, timeout_s=60.0, what="the relay", log_path=log)
+    except ProcessStartError as exc:
+        stop_process(proc)
+        raise FleetBenchError(str(exc)) from None
+    return _Relay(proc, url)
+
+
+def _relay_pushes(url: str) -> dict[str, int]:
+    """The pushes the relay answered, by the status they got (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    return {
+        sample.labels["status"]: int(sample.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvpilot_relay_members"
+        for sample in family.samples
+        if sample.name == "kvpilot_relay_members_total"
+    }
+
+
 class _DcgmHandler(BaseHTTPRequestHandler):
     pages: ClassVar[dict[int, bytes]] = {}
 
@@ -354,7 +400,9 @@ def _saturation_configs(live: list[dict], config: FleetConfig, start: float) -> 
     ]
 
 
-def _sender_configs(config: FleetConfig, collector_urls: list[str], start: float) -> tuple[list[dict], dict]:
+def _sender_configs(
+    config: FleetConfig, collector_urls: list[str], start: float, *, hot_url: str
+) -> tuple[list[dict], dict]:
     names = [fleet_load.instance_name(i) for i in range(config.instances)]
     slices = [names[k :: config.senders] for k in range(config.senders)]
     every = max(1, round(1 / config.otlp_share)) if config.otlp_share > 0 else 0
@@ -372,10 +420,11 @@ def _sender_configs(config: FleetConfig, collector_urls: list[str], start: float
                 "instances": mine,
                 "otlp_instances": sorted(otlp & set(mine)),
                 "hot": {n: t for n, t in hot.items() if n in mine},
+                "hot_url": hot_url,  # the hot engines push to a node relay, as an engine's sink does in a fleet
                 "rates": asdict(fleet_load.Rates()),
                 "batch_events": 1000,
                 "engines_per_node": config.engines_per_relay,
-                "min_interval_s": 1.0,
+                "min_interval_s": config.engine_flush_s,
                 "threads": config.sender_threads,
                 # a fleet's engines push on their own nodes' cores, on time: played on the collectors' machine,
                 # the senders take the CPU first (`plumbing.sched.outrank`) so that a batch leaves when its
@@ -466,6 +515,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
         root = Path(tmp)
         progress(f"starting {config.collectors} collectors, {config.dcgm_nodes} DCGM targets, 2 alert evaluators")
         collectors = _start_collectors(url, config, root)
+        relay = _start_relay(collectors[0].url, root)
         dcgm = _start_dcgm(config.dcgm_nodes)
         sink = run_webhook_sink(port=0, log_payloads=False)
         rules = root / "rules.yml"
@@ -483,7 +533,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
                     start_evaluator(url, rule_files=[rules], notifier=notifier, poll_s=0.25, lease_ttl_s=5.0)
                 )
             start = time.time() + config.first_contact_lead_s
-            configs, plan = _sender_configs(config, [c.url for c in collectors], start)
+            configs, plan = _sender_configs(config, [c.url for c in collectors], start, hot_url=relay.url)
             progress(f"{config.senders} sender processes pushing for {config.live_s:.0f} s")
             reader.start()
             reports = _run_senders(configs, timeout_s=config.live_s + 120.0)
@@ -495,6 +545,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
             stop_reads.set()
             reader.join(300.0)
             quiet = _quiet_evaluations(url, evaluators[0].evaluator.groups[0].rules[0].expr, config.rule_interval_s)
+            quiet["alert_relay_pushes"] = _relay_pushes(relay.url)
             progress(f"saturation: the fleet at {config.saturation_load:g}x its rates for {config.saturation_s:.0f} s")
             saturation_start = time.time() + config.first_contact_lead_s
             saturated = _run_senders(
@@ -508,6 +559,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
             scraped_until = time.time()
             for evaluator in evaluators:
                 evaluator.stop()
+            stop_process(relay.proc)
             for proc in collectors:
                 proc.stop()
             dcgm.shutdown()

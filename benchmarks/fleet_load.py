@@ -376,14 +376,21 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     as_json = {"Content-Type": "application/json"}
 
     def post(
-        client: httpx.Client, path: str, body: bytes, kind_headers: dict[str, str], *, results: bool = False
+        client: httpx.Client,
+        path: str,
+        body: bytes,
+        kind_headers: dict[str, str],
+        *,
+        results: bool = False,
+        base: str | None = None,
     ) -> Any:
         """True once stored (for a bundle, `results`: its members' statuses), retrying a 408/429/503 or a
-        connection failure for 30 s; False (None for a bundle) when it never was."""
+        connection failure for 30 s; False (None for a bundle) when it never was. `base`: another address than
+        the collector's (a relay)."""
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             try:
-                resp = client.post(config["url"] + path, content=body, headers={**headers, **kind_headers})
+                resp = client.post((base or config["url"]) + path, content=body, headers={**headers, **kind_headers})
             except httpx.HTTPError as exc:
                 report["failures"].append(f"{type(exc).__name__}")
                 time.sleep(0.2)
@@ -455,15 +462,18 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                 report["unacked"] += spans
 
     def deliver(
-        client: httpx.Client, pushed: list[tuple[Engine, Rendered]], keys: dict[str, str]
+        client: httpx.Client, pushed: list[tuple[Engine, Rendered]], keys: dict[str, str], *, via: str | None = None
     ) -> tuple[float, dict[str, bool]]:
-        """A node's pushes, each under its key: alone (one POST /v1/ingest per engine, `per_node` 1), or one bundle
-        holding each engine's push, each acknowledged by its own result (what the node's relay forwards). When the
-        request left (after the bundle was encoded), and whether each engine's push was stored."""
-        if per_node == 1:
+        """A node's pushes, each under its key: alone (one POST /v1/ingest per engine, `per_node` 1, or to the relay
+        at `via`, which forwards it in its next bundle), or one bundle holding each engine's push, each
+        acknowledged by its own result (what the node's relay forwards). When the request left (after the bundle
+        was encoded), and whether each engine's push was stored."""
+        if per_node == 1 or via is not None:
             sent = time.time()
             return sent, {
-                e.instance: post(client, "/v1/ingest", b.body(), {"Idempotency-Key": keys[e.instance], **as_json})
+                e.instance: post(
+                    client, "/v1/ingest", b.body(), {"Idempotency-Key": keys[e.instance], **as_json}, base=via
+                )
                 for e, b in pushed
             }
         body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in pushed])
@@ -472,12 +482,12 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         answered = dict(zip([e.instance for e, _ in pushed], statuses, strict=False))
         return sent, {e.instance: answered.get(e.instance) in (200, 202) for e, _ in pushed}
 
-    def ship(client: httpx.Client, node: list[Engine]) -> None:
+    def ship(client: httpx.Client, node: list[Engine], *, via: str | None = None) -> None:
         """A node's pushes (`deliver`), then its spans."""
         rendered = [(engine, *render(engine)) for engine in node]
         pushed = [(engine, batch) for engine, batch, _ in rendered if batch.events]
         keys = {engine.instance: f"{engine.instance}-{engine.run_id}-{engine.batches}" for engine, _ in pushed}
-        sent, stored = deliver(client, pushed, keys) if pushed else (time.time(), {})
+        sent, stored = deliver(client, pushed, keys, via=via) if pushed else (time.time(), {})
         account(rendered, stored, sent, time.time())
         account_spans(*spans_of(client, rendered))
 
@@ -512,12 +522,13 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                         queue.append(node)
 
     def own_sink(engine: Engine) -> None:
-        """A hot engine ships on its own, every `min_interval_s`, as each engine's sink does: its alert's
-        delay is then the collector's, the evaluator's and the delivery's, not the shared pool's backlog."""
+        """A hot engine ships on its own, every `min_interval_s`, as each engine's sink does, to its node's relay
+        (`hot_url`) where one runs: its alert's delay is then the relay's, the collector's, the evaluator's and
+        the delivery's, not the shared pool's backlog."""
         with httpx.Client(timeout=60.0) as client:
             while time.time() < config["until"]:
                 time.sleep(max(0.0, last[engine.instance] + config["min_interval_s"] - time.time()))
-                ship(client, [engine])
+                ship(client, [engine], via=config.get("hot_url"))
 
     hot_engines = [e for e in engines if e.hot_from is not None]
     others = [e for e in engines if e.hot_from is None]

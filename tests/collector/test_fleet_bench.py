@@ -51,6 +51,8 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert result["alert_rule_interval_s"] == 0.25 and result["alert_evaluations"] >= 12 / 0.25 / 2
     assert 0 < result["alert_evaluation_mean_s"] <= (result["alert_evaluation_p99_le_s"] or 10.0)
     assert result["alert_iterations_missed"] >= 0
+    # the hot engines pushed through a node relay, every push stored (about one a second each over the 12 s)
+    assert set(result["alert_relay_pushes"]) == {"202"} and result["alert_relay_pushes"]["202"] >= 2 * 5
     assert 0 < result["alert_evaluation_quiet_cpu_p50_s"] <= result["alert_evaluation_quiet_p50_s"]
     share = result["alert_evaluation_quiet_p50_s"] / 0.25
     assert result["alert_evaluation_core_share"] == pytest.approx(share, abs=0.002)
