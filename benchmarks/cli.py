@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -200,8 +202,27 @@ def bench_fleet(
         rule_interval_s=interval_s,
         engine_flush_s=engine_flush_s,
     )
-    with exits("fleet", (FleetBenchError, 2)):
+    with exits("fleet", (FleetBenchError, 2)), _terminated_as_exit():
         emit(run_fleet_bench(pg_url or pg_url_from_env(), config), json_path)
+
+
+@contextmanager
+def _terminated_as_exit() -> Iterator[None]:
+    """SIGTERM (a timeout, a service manager) ends the run as Ctrl-C does, through its `finally` blocks: the
+    collectors, the relay and the senders it started are stopped and its database dropped, not left running
+    (they were, under `timeout`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(*_: object) -> None:
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @bench_app.command("latency-sketch")

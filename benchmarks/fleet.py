@@ -98,7 +98,7 @@ class FleetConfig:
     dcgm_nodes: int = 100
     scrape_interval_s: float = 15.0  # the collector's default, and Prometheus's
     otlp_share: float = 0.1
-    alert_trials: int = 5
+    alert_trials: int = 10  # hot engines, each one alert: the p99 of a handful is their slowest
     # the paging rule's evaluation interval: a page within a second of the condition needs the rule evaluated
     # within a fraction of one (each evaluation's cost is in the JSON: `alert_evaluation_*`)
     rule_interval_s: float = 0.25
@@ -125,7 +125,7 @@ class FleetConfig:
                 live_s=60.0,
                 history_events_per_instance=300,
                 ceiling_batches=150,
-                alert_trials=3,
+                alert_trials=5,
                 saturation_s=20.0,
             )
         return cls(collectors=collectors, senders=senders)

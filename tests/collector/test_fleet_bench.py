@@ -125,3 +125,23 @@ def test_a_collector_without_a_sender_is_refused_before_anything_starts() -> Non
     lonely = replace(FleetConfig.for_run(True, collectors=3), senders=2)
     with pytest.raises(FleetBenchError, match="without traffic"):
         run_fleet_bench("postgresql+psycopg://postgres@127.0.0.1:9/none", lonely)
+
+
+def test_sigterm_ends_the_bench_through_its_cleanup() -> None:
+    """Under `timeout` (SIGTERM) the bench's `finally` blocks run, as on Ctrl-C: its collectors are stopped and its
+    database dropped instead of left behind."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from benchmarks.cli import _terminated_as_exit\n"
+        "try:\n"
+        "    with _terminated_as_exit():\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(10)\n"
+        "finally:\n"
+        "    print('cleaned up', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143 and done.stdout == "cleaned up\n", done.stderr
