@@ -254,8 +254,10 @@ class AlertEvaluator:
     def wait_s(self, poll_s: float) -> float:
         """How long the loop may sleep before its next tick: `poll_s` (the lease's renewal, a delivery's retry),
         or less while this evaluator holds the lease and a group falls due sooner, so that a group runs on its
-        interval and not at the first poll after it (a 250-ms group behind a 250-ms poll ran every 0.3-0.5 s).
-        A group not yet scheduled waits for the poll: a tick that failed on the database is not retried at once."""
+        interval and not at the first poll after it (the poll's sleep starts when a tick ends: a 250-ms group
+        behind it ran every 250 ms plus a tick's own time). A group not yet scheduled waits for the poll: a tick
+        that failed on the database is not retried at once. An evaluator that cannot keep up ticks again at once
+        and counts the evaluations it skipped (`kvpilot_alerts_rule_group_iterations_missed_total`)."""
         if self.lease is None:
             return poll_s
         now = self.clock()
