@@ -544,7 +544,7 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
             sink.wait_for(turned_hot, timeout_s=60.0)
             stop_reads.set()
             reader.join(300.0)
-            quiet = _quiet_evaluations(url, evaluators[0].evaluator.groups[0].rules[0].expr, config.rule_interval_s)
+            quiet = _quiet_evaluations(engine, evaluators[0].evaluator.groups[0].rules[0].expr, config.rule_interval_s)
             quiet["alert_relay_pushes"] = _relay_pushes(relay.url)
             progress(f"saturation: the fleet at {config.saturation_load:g}x its rates for {config.saturation_s:.0f} s")
             saturation_start = time.time() + config.first_contact_lead_s
@@ -714,26 +714,21 @@ def _evaluation_figures(metrics: list[Any], config: FleetConfig) -> dict[str, An
     }
 
 
-def _quiet_evaluations(url: str, expr: Any, interval_s: float, rounds: int = 20) -> dict[str, Any]:
+def _quiet_evaluations(engine: Any, expr: Any, interval_s: float, rounds: int = 20) -> dict[str, Any]:
     """The paging rule's expression evaluated `rounds` times once the fleet has stopped (the senders and the page
     reader done; the lease holder still evaluating on its interval): one evaluation's time (`_wall`: this
     process's CPU, the database's and the round trips) and this thread's CPU in it, and the share of one core the
     rule's interval asks for at that time (an upper bound: the wall time counts waits as well as work)."""
     from alerts.expr_eval import CachingSource, Evaluator
     from alerts.sql_source import SqlSource
-    from collector.db import make_engine
 
-    engine = make_engine(url)
+    source = SqlSource(engine)
     walls, cpus = [], []
-    try:
-        source = SqlSource(engine)
-        for _ in range(rounds):
-            wall, cpu = time.perf_counter(), time.thread_time()
-            Evaluator(CachingSource(source)).evaluate(expr, time.time())  # a fresh cache per evaluation, as a tick
-            walls.append(time.perf_counter() - wall)
-            cpus.append(time.thread_time() - cpu)
-    finally:
-        engine.dispose()
+    for _ in range(rounds):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        Evaluator(CachingSource(source)).evaluate(expr, time.time())  # a fresh cache per evaluation, as a tick
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.thread_time() - cpu)
     wall_p50 = nearest_rank(walls, 0.5)
     return {
         "alert_evaluation_quiet_p50_s": _round(wall_p50, 4),
