@@ -12,7 +12,7 @@ asyncio loop a plan (the open loop of `plumbing.openloop`), so whatever the call
 collector serving in a thread, scrapes, database reads) cannot hold a send back, and it asks the server's /health
 once before each start so that its HTTP stack is loaded by then. On one host the server under test computes on every
 core while the sender needs a few milliseconds now and then; the sender asks to outrank it (the real-time
-round-robin class, else a session of its own at nice `SENDER_NICE`: see `_outrank_the_server`;
+round-robin class, else a session of its own at nice `plumbing.sched.NICE`: see `_outrank_the_server`;
 `ClientResult.sender_sched` says what it got), since a vLLM-CPU held sends back by up to 1.4 s on 2 cores at nice 0,
 and by up to 80 ms at nice -10. It measures each request's lateness (when its turn came in the sender's loop minus
 when the plan said) and reports the p99 (`ClientResult.late_p99_s`). `replay_on_time` holds a replay to that: one
@@ -48,7 +48,7 @@ import httpx
 
 from engine import workload as W
 from plumbing.openloop import lateness, open_loop
-from plumbing.sched import NICE, RT_PRIORITY, outrank
+from plumbing.sched import outrank
 
 log = logging.getLogger("kvpilot.integrations.vllm.client")
 
@@ -58,8 +58,6 @@ MAX_LATE_P99_S = 0.05  # a replay whose p99 send lateness is above this is not m
 # 0.053-0.055 s; 0.013-0.033 s with it), and 3 attempts in a row lagged twice in one bench run
 ATTEMPTS = 5
 LEAD_S = 0.05  # from the start signal to arrival 0: the sender is ready and idle by then
-SENDER_RT_PRIORITY = RT_PRIORITY  # the sender's real-time (SCHED_RR) priority where granted
-SENDER_NICE = NICE  # its niceness where the real-time class is refused, above the server's (0)
 READY_TIMEOUT_S = 60.0  # to the sender's "ready": its process's start (a Python interpreter importing httpx)
 HEADERS = {"content-type": "application/json"}
 
@@ -249,7 +247,7 @@ def _outrank_the_server() -> str:
     replays' p99 lateness was 30-38 ms (0.07-0.21 s in the bench, where all five attempts of that replay lagged);
     in the real-time class, p99 1.2-3.8 ms and no stall over 10 ms. The sender's work is small and bounded by its
     plan. Lateness is measured and bounded whatever it got."""
-    return outrank(rt_priority=SENDER_RT_PRIORITY, nice=SENDER_NICE)
+    return outrank()  # plumbing.sched's real-time priority, else its niceness (above the server's 0)
 
 
 def _sender_main(conn: Connection) -> None:

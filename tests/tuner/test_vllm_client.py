@@ -17,6 +17,7 @@ import pytest
 from engine import workload as W
 from integrations.vllm import client as C
 from integrations.vllm.config import VllmConfig
+from plumbing.sched import RT_PRIORITY
 from tuner.backends import NotMeasuredError
 from tuner.metrics import SLO
 from tuner.vllm import backend as B
@@ -145,7 +146,7 @@ def test_the_client_sends_on_time_from_its_own_process_while_this_one_is_busy(se
     # the sender outranks a server computing on the same cores when the OS grants it (root here and in CI): the
     # real-time class, else the niceness it could get
     granted = os.geteuid() == 0
-    expected = f"rr {C.SENDER_RT_PRIORITY}" if granted else f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
+    expected = f"rr {RT_PRIORITY}" if granted else f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
     assert result.sender_sched == expected, result.sender_sched
     assert result.sender_cpus == sorted(os.sched_getaffinity(0))  # no cores named: wherever this process may run
     for r, sent, late, wait in zip(reqs, result.sent_at, result.late_s, result.wait_s, strict=True):  # by index
