@@ -9,10 +9,13 @@ What runs, in one database created fresh for the run (dropped after it):
 - N collectors (`python -m collector serve`, each its own process on a free loopback port; 2 by default,
   `--collectors` 1 to 8 to see what one more buys), only the first scraping (one scraper per deployment);
 - sender processes (`benchmarks.fleet_load`), at least one per collector, each playing a slice of the
-  1,000 simulated engines as the HTTP sink ships them, `engines_per_relay` to a node: a node's pushes go
-  as one bundle (POST /v1/ingest/bundle, each push under its own key), as the node's relay
-  (`collector.relay`) forwards them; the engine-to-relay hop runs on each node's own cores in a fleet
-  and is not played here (1: every engine pushes alone); a share of them send requests as OTLP spans;
+  1,000 simulated engines as the HTTP sink ships them, `engines_per_relay` to a node, each node on its
+  own one-second timer from its own phase with one push in flight: a node's pushes go as one bundle (POST
+  /v1/ingest/bundle, each push under its own key), as the node's relay (`collector.relay`) forwards them;
+  the engine-to-relay hop runs on each node's own cores in a fleet and is not played here (1: every
+  engine pushes alone); a share of them send requests as OTLP spans,
+  each engine its own export every 5 s as a vLLM's OpenTelemetry span processor does (`spans_dropped`: what
+  a full span queue dropped);
 - a DCGM-like exporter for 100 nodes x 8 GPUs: one local HTTP server, a page per node, each page a scrape
   target of the first collector;
 - two alert evaluators on the one lease (`alerts.runner.start_evaluator`), a rule on queue depth evaluated
@@ -91,7 +94,9 @@ class FleetConfig:
     instances: int = 1000
     collectors: int = 2
     senders: int = 2  # processes; each pushes to one collector
-    sender_threads: int = 16  # pushes in flight per sender process: a fleet's engines push concurrently
+    # pushes in flight per sender process in the saturation run and the first contact; in the live run each node
+    # ships on its own timer, one push in flight, as a fleet's relays do
+    sender_threads: int = 16
     live_s: float = 150.0
     history_events_per_instance: int = 3000  # over 24 h (`fleet_load.HISTORY_S`), thinned
     ceiling_batches: int = 300  # of 1,000 events, written twice: before the live run and after the saturation
@@ -610,11 +615,12 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
         "lost": total + first - sum(stored.values()),
         "first_contact_s": first_s,
         "unacked_events": sum(r["unacked"] for r in reports),
+        "spans_dropped": sum(r["spans_dropped"] for r in reports),
         "batches": len(lags),
         "ingest_lag_p50_s": _round(nearest_rank(lags, 0.5)),
         "ingest_lag_p99_s": _round(nearest_rank(lags, 0.99)),
         # where the lag goes: the oldest event's age when its push left (the engine's flush interval, and the
-        # senders' own backlog when they cannot come back to a node in time), and the push to its answer
+        # node's previous push where its answer came after the next was due), and the push to its answer
         "ingest_age_at_send_p50_s": _round(nearest_rank(ages, 0.5)),
         "ingest_age_at_send_p99_s": _round(nearest_rank(ages, 0.99)),
         "ingest_answer_p50_s": _round(nearest_rank(answers, 0.5)),

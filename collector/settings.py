@@ -74,7 +74,7 @@ class CollectorSettings(BaseSettings):
     )
     max_batch_events: int = Field(20_000, ge=1, le=100_000)
     max_inflight_requests: int = Field(
-        64, ge=1, description="pushes admitted at once; 429 beyond (those queued for storage: the next round's group)"
+        256, ge=1, description="pushes admitted at once; 429 beyond (those queued for storage: the next round's group)"
     )
     max_inflight_bytes: int = Field(
         256 * 2**20, ge=64 * 1024, description="body bytes (wire plus inflated) held by admitted pushes; 429 beyond"

@@ -377,7 +377,7 @@ class HttpSink:
         if status in AUTH_STATUS:
             return self._unauthorized(status)
         if status in RETRYABLE_STATUS:
-            wait = _retry_after(resp) if status in (429, 503) else None
+            wait = retry_after(resp) if status in (429, 503) else None
             if wait is not None:
                 return self._told_to_wait(status, min(wait, self.retry_after_max_s))
             return self._failed(f"HTTP {status}: {resp.text[:200]}", probe=status in (502, 503, 504))
@@ -454,7 +454,7 @@ class HttpSink:
             self._next_probe = time.monotonic() + self.probe_interval_s
 
 
-def _retry_after(resp: httpx.Response) -> float | None:
+def retry_after(resp: httpx.Response) -> float | None:
     """Seconds from a `Retry-After: <seconds>` header (the collector's form), None without a usable one."""
     try:
         value = float(resp.headers.get("retry-after", ""))

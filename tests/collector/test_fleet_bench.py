@@ -36,6 +36,8 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert result["lost"] == 0 and result["unacked_events"] == 0, result["sender_failures"]
     assert sum(result["acked_events"].values()) > 1000 and result["events_per_s"] > 0
     assert result["acked_events"]["request"] > 0 and result["otlp_instances"] == 6
+    # the OTLP engines' own exporters: no span dropped from their queues, every request acknowledged is stored
+    assert result["spans_dropped"] == 0 and result["stored_events"]["request"] == result["acked_events"]["request"]
     assert result["copy_ceiling_events_per_s"] > 0 and len(result["copy_ceilings_events_per_s"]) == 2
     # the ratio is the collectors' capacity (the fleet offered 4x its rates) over the ceiling, not the fleet's share
     assert result["saturated_events_per_s"] > 0 and result["saturation_batches"] > 0
