@@ -51,7 +51,7 @@ class RelayConfig:
     upstream: str  # the collector's base URL
     token: str | None  # the ingest token: pushes must present it, bundles are sent with it
     flush_interval_s: float = 0.2
-    max_members: int = 64  # the collector's default `ingest_group_max_batches`
+    max_members: int = 64  # within the collector's `ingest_group_max_batches` (256 by default), its bound
     max_bundle_bytes: int = 16 * 2**20  # the collector's default `max_batch_bytes`
     max_member_bytes: int = 16 * 2**20
     max_pending_bytes: int = 128 * 2**20

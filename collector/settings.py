@@ -85,7 +85,7 @@ class CollectorSettings(BaseSettings):
         description="an admitted push waits this long for the database, then 503 (under a sink's 5 s timeout)",
     )
     ingest_group_max_batches: int = Field(
-        64, ge=1, le=1024, description="pushes stored in one transaction at most (group commit); 1 stores each alone"
+        256, ge=1, le=1024, description="pushes stored in one transaction at most (group commit); 1 stores each alone"
     )
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429/503 for overload")
     body_timeout_s: float = Field(10.0, gt=0, description="an admitted push's body must arrive within this (408)")

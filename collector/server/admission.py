@@ -64,7 +64,7 @@ class Admission:
         groups = Histogram(
             "kvpilot_collector_ingest_group_batches",
             "pushes stored per storage round (group commit; 1: alone)",
-            buckets=(1, 2, 4, 8, 16, 32, 64),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
             registry=registry,
         )
         self.gate = StorageGate(
