@@ -8,6 +8,13 @@ still commit together or not at all. COPY skips the per-row statement round of e
 own guide, "Populating a Database": use COPY to load many rows); binary skips formatting each value as
 text and parsing it back (`kvpilot bench ingest` measures both writers against each other).
 
+Upserts of many rows (the instance and run records, the rollups) go as one statement on PostgreSQL:
+`INSERT ... SELECT * FROM unnest(:a, :b, ...)`, one array per column, so a round's hundreds of rows are one
+execution and one plan (`many_rows_insert`, `many_rows_params`); executemany sends each row its own Bind and
+Execute and steps each through psycopg and the server (measured: a 256-row upsert took 2.7 ms of the
+client's CPU and 5.4 ms to commit, 0.85 ms and 2.1 ms through unnest). SQLite runs the same INSERT as an
+executemany of the rows.
+
 SQLite keeps the raw executemany of the same tuples (SQLAlchemy's per-row bind processing would cost more
 than the driver itself). Values the same in every row (an ingest batch's id) are our own integers, inlined
 as literals there and prepended to each row for COPY.
@@ -20,10 +27,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import psycopg
-from sqlalchemy import BigInteger, Boolean, Connection, Float, Integer, String, Table, Text
+from sqlalchemy import BigInteger, Boolean, Connection, Float, Integer, String, Table, Text, bindparam, func, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 
 CopyFormat = Literal["binary", "text"]
@@ -88,6 +96,28 @@ def copy_rows(
             connection_invalidated=conn.dialect.is_disconnect(exc, conn.connection, None),
             dialect=conn.dialect,
         ) from exc
+
+
+@functools.cache
+def many_rows_insert(dialect: str, table: Table, columns: tuple[str, ...]) -> postgresql.Insert | sqlite.Insert:
+    """An INSERT of many rows of `columns` as one statement: on PostgreSQL from `unnest` of one array per column,
+    whose parameters `many_rows_params` builds; on SQLite the plain INSERT, run as executemany. Either takes
+    `.on_conflict_do_update` (its `excluded` is the row that met the conflict). The rows must not repeat a
+    conflict key (one statement may not update a row twice)."""
+    if dialect != "postgresql":
+        return sqlite.insert(table)
+    arrays = [bindparam(c, type_=postgresql.ARRAY(table.c[c].type)) for c in columns]
+    given = func.unnest(*arrays).table_valued(*columns).render_derived(name="given")
+    return postgresql.insert(table).from_select(list(columns), select(*(given.c[c] for c in columns)))
+
+
+def many_rows_params(
+    conn: Connection, columns: Sequence[str], rows: Sequence[dict[str, Any]]
+) -> dict[str, list[Any]] | list[dict[str, Any]]:
+    """`rows` as `many_rows_insert` on `conn` takes them: a list per column on PostgreSQL, the rows elsewhere."""
+    if conn.dialect.name == "postgresql":
+        return {c: [row[c] for row in rows] for c in columns}
+    return list(rows)
 
 
 @functools.cache

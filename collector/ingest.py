@@ -30,7 +30,7 @@ from sqlalchemy.exc import IntegrityError
 
 from collector import claims as claims_module
 from collector import fastdecode, latency_rollup, rollup
-from collector.bulk import insert_rows
+from collector.bulk import insert_rows, many_rows_insert, many_rows_params
 from collector.claims import Claims
 from collector.db import translate_errors
 from collector.errors import CollectorError, IdempotencyConflictError
@@ -205,13 +205,19 @@ def _spans(
     return instances, runs
 
 
+UPSERT_COLUMNS = {
+    "instances": ("name", "first_seen_ts", "last_seen_ts"),
+    "runs": ("instance", "run_id", "first_seen_ts", "last_seen_ts"),
+}
+
+
 @functools.cache
 def upsert_statement(dialect: str, table_name: str):
-    """INSERT ... ON CONFLICT: keep first_seen, raise last_seen. Built once per dialect, run as executemany."""
+    """INSERT ... ON CONFLICT: keep first_seen, raise last_seen. Built once per dialect; its rows go through
+    `collector.bulk.many_rows_params` with `UPSERT_COLUMNS[table_name]`."""
     table = {"instances": Instance.__table__, "runs": Run.__table__}[table_name]
     keys = ["name"] if table_name == "instances" else ["instance", "run_id"]
-    dialect_insert = sqlite.insert if dialect == "sqlite" else postgresql.insert
-    stmt = dialect_insert(table)
+    stmt = many_rows_insert(dialect, table, UPSERT_COLUMNS[table_name])
     greatest = func.max if dialect == "sqlite" else func.greatest
     return stmt.on_conflict_do_update(
         index_elements=keys,
@@ -456,19 +462,18 @@ def _write_group(conn: Connection, members: list[tuple[str, str, ParsedBatch]], 
         _merge(instances, b.instances)
         _merge(runs, b.runs)
     if instances:
-        # Sorted, so concurrent transactions take row locks in one order (no deadlocks on PostgreSQL).
+        # Sorted, so concurrent transactions take row locks in one order (no deadlocks on PostgreSQL; unnest
+        # yields the rows in their arrays' order).
         dialect = conn.dialect.name
+        instance_rows = [{"name": n, "first_seen_ts": a, "last_seen_ts": z} for n, (a, z) in sorted(instances.items())]
+        run_rows = [
+            {"instance": i, "run_id": r, "first_seen_ts": a, "last_seen_ts": z}
+            for (i, r), (a, z) in sorted(runs.items())
+        ]
         conn.execute(
-            upsert_statement(dialect, "instances"),
-            [{"name": n, "first_seen_ts": a, "last_seen_ts": z} for n, (a, z) in sorted(instances.items())],
+            upsert_statement(dialect, "instances"), many_rows_params(conn, UPSERT_COLUMNS["instances"], instance_rows)
         )
-        conn.execute(
-            upsert_statement(dialect, "runs"),
-            [
-                {"instance": i, "run_id": r, "first_seen_ts": a, "last_seen_ts": z}
-                for (i, r), (a, z) in sorted(runs.items())
-            ],
-        )
+        conn.execute(upsert_statement(dialect, "runs"), many_rows_params(conn, UPSERT_COLUMNS["runs"], run_rows))
     return ids
 
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, Float, Insert, Select, Table, cast, delete, func, insert, literal, select
-from sqlalchemy.dialects import postgresql, sqlite
 
+from collector.bulk import many_rows_insert, many_rows_params
 from collector.queries import bucket_expr
 from collector.queries.step_rollup import ALLOC_WATERMARK as ALLOCS
 from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
@@ -183,7 +183,7 @@ def add_steps(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequen
          "running_max": rm, "waiting_max": wm}
         for (i, r, t), (n, d, kv, rm, wm) in sorted(buckets.items())  # one lock order for concurrent batches
     ]  # fmt: skip
-    conn.execute(_add_statement(conn.dialect.name), values)
+    conn.execute(_add_statement(conn.dialect.name), many_rows_params(conn, _ADD_STEP_COLUMNS, values))
     return len(values)
 
 
@@ -209,7 +209,7 @@ def add_allocs(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Seque
         for (i, r, t, o, tr), (n, bl, by) in sorted(buckets.items())  # one lock order for concurrent batches
     ]
     if values:
-        conn.execute(_add_allocs_statement(conn.dialect.name), values)
+        conn.execute(_add_allocs_statement(conn.dialect.name), many_rows_params(conn, _ADD_ALLOC_COLUMNS, values))
     return len(values)
 
 
@@ -217,7 +217,7 @@ def add_allocs(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Seque
 def _add_allocs_statement(dialect: str) -> Any:
     """INSERT ... ON CONFLICT: the counts and sums added."""
     table = AllocRollup.__table__
-    stmt = (sqlite.insert if dialect == "sqlite" else postgresql.insert)(table)
+    stmt = many_rows_insert(dialect, table, _ADD_ALLOC_COLUMNS)
     old, new = table.c, stmt.excluded
     return stmt.on_conflict_do_update(
         index_elements=["instance", "run_id", "bucket_ts", "op", "tier"],
@@ -225,11 +225,16 @@ def _add_allocs_statement(dialect: str) -> Any:
     )
 
 
+# the columns of a batch's rollup rows (`add_steps`, `add_allocs`), in the order their statements take them
+_ADD_STEP_COLUMNS = (*_STEP_COLUMNS, "waiting_max")
+_ADD_ALLOC_COLUMNS = ("instance", "run_id", "bucket_ts", "op", "tier", "events", "blocks", "bytes")
+
+
 @functools.cache  # built once per dialect: it runs on every batch with steps
 def _add_statement(dialect: str) -> Any:
     """INSERT ... ON CONFLICT: counts and sums added, maxima raised (a NULL KV usage is no maximum)."""
     table = StepRollup.__table__
-    stmt = (sqlite.insert if dialect == "sqlite" else postgresql.insert)(table)
+    stmt = many_rows_insert(dialect, table, _ADD_STEP_COLUMNS)
     greatest = func.max if dialect == "sqlite" else func.greatest  # SQLite's two-argument max() is scalar
     old, new = table.c, stmt.excluded
     return stmt.on_conflict_do_update(

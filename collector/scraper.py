@@ -43,11 +43,11 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, select, update
 
-from collector.bulk import insert_rows
+from collector.bulk import insert_rows, many_rows_params
 from collector.db import translate_errors
 from collector.errors import CollectorError
 from collector.exposition import Point, labels_json, map_samples
-from collector.ingest import upsert_statement
+from collector.ingest import UPSERT_COLUMNS, upsert_statement
 from collector.netpolicy import AddressPolicy, AddressRefusedError, ResolutionError
 from collector.redact import redact_text, redact_url
 from collector.schema import ScrapeTarget, SeriesPoint
@@ -324,9 +324,10 @@ class Scraper:
         t = ScrapeTarget.__table__
         with translate_errors(), self.engine.begin() as conn:
             insert_rows(conn, SeriesPoint.__table__, _POINT_COLUMNS, rows)
+            seen = [{"name": target.instance, "first_seen_ts": started, "last_seen_ts": started}]
             conn.execute(
                 upsert_statement(conn.dialect.name, "instances"),
-                [{"name": target.instance, "first_seen_ts": started, "last_seen_ts": started}],
+                many_rows_params(conn, UPSERT_COLUMNS["instances"], seen),
             )
             conn.execute(
                 update(t)
