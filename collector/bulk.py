@@ -111,12 +111,13 @@ def many_rows_insert(dialect: str, table: Table, columns: tuple[str, ...]) -> po
     return postgresql.insert(table).from_select(list(columns), select(*(given.c[c] for c in columns)))
 
 
-def many_rows_params(
-    conn: Connection, columns: Sequence[str], rows: Sequence[dict[str, Any]]
-) -> dict[str, list[Any]] | list[dict[str, Any]]:
-    """`rows` as `many_rows_insert` on `conn` takes them: a list per column on PostgreSQL, the rows elsewhere."""
+def many_rows_params(conn: Connection, rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]] | list[dict[str, Any]]:
+    """`rows` (one or more, each keyed by the statement's columns) as `many_rows_insert` on `conn` takes them: a
+    list per column on PostgreSQL (its arrays are bound by name), the rows elsewhere."""
+    if not rows:
+        raise ValueError("many_rows_params needs at least one row")
     if conn.dialect.name == "postgresql":
-        return {c: [row[c] for row in rows] for c in columns}
+        return {c: [row[c] for row in rows] for c in rows[0]}
     return list(rows)
 
 

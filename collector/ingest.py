@@ -214,7 +214,7 @@ UPSERT_COLUMNS = {
 @functools.cache
 def upsert_statement(dialect: str, table_name: str):
     """INSERT ... ON CONFLICT: keep first_seen, raise last_seen. Built once per dialect; its rows go through
-    `collector.bulk.many_rows_params` with `UPSERT_COLUMNS[table_name]`."""
+    `collector.bulk.many_rows_params`."""
     table = {"instances": Instance.__table__, "runs": Run.__table__}[table_name]
     keys = ["name"] if table_name == "instances" else ["instance", "run_id"]
     stmt = many_rows_insert(dialect, table, UPSERT_COLUMNS[table_name])
@@ -470,10 +470,8 @@ def _write_group(conn: Connection, members: list[tuple[str, str, ParsedBatch]], 
             {"instance": i, "run_id": r, "first_seen_ts": a, "last_seen_ts": z}
             for (i, r), (a, z) in sorted(runs.items())
         ]
-        conn.execute(
-            upsert_statement(dialect, "instances"), many_rows_params(conn, UPSERT_COLUMNS["instances"], instance_rows)
-        )
-        conn.execute(upsert_statement(dialect, "runs"), many_rows_params(conn, UPSERT_COLUMNS["runs"], run_rows))
+        conn.execute(upsert_statement(dialect, "instances"), many_rows_params(conn, instance_rows))
+        conn.execute(upsert_statement(dialect, "runs"), many_rows_params(conn, run_rows))
     return ids
 
 

@@ -183,7 +183,7 @@ def add_steps(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequen
          "running_max": rm, "waiting_max": wm}
         for (i, r, t), (n, d, kv, rm, wm) in sorted(buckets.items())  # one lock order for concurrent batches
     ]  # fmt: skip
-    conn.execute(_add_statement(conn.dialect.name), many_rows_params(conn, _ADD_STEP_COLUMNS, values))
+    conn.execute(_add_statement(conn.dialect.name), many_rows_params(conn, values))
     return len(values)
 
 
@@ -209,7 +209,7 @@ def add_allocs(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Seque
         for (i, r, t, o, tr), (n, bl, by) in sorted(buckets.items())  # one lock order for concurrent batches
     ]
     if values:
-        conn.execute(_add_allocs_statement(conn.dialect.name), many_rows_params(conn, _ADD_ALLOC_COLUMNS, values))
+        conn.execute(_add_allocs_statement(conn.dialect.name), many_rows_params(conn, values))
     return len(values)
 
 

@@ -47,7 +47,7 @@ from collector.bulk import insert_rows, many_rows_params
 from collector.db import translate_errors
 from collector.errors import CollectorError
 from collector.exposition import Point, labels_json, map_samples
-from collector.ingest import UPSERT_COLUMNS, upsert_statement
+from collector.ingest import upsert_statement
 from collector.netpolicy import AddressPolicy, AddressRefusedError, ResolutionError
 from collector.redact import redact_text, redact_url
 from collector.schema import ScrapeTarget, SeriesPoint
@@ -327,7 +327,7 @@ class Scraper:
             seen = [{"name": target.instance, "first_seen_ts": started, "last_seen_ts": started}]
             conn.execute(
                 upsert_statement(conn.dialect.name, "instances"),
-                many_rows_params(conn, UPSERT_COLUMNS["instances"], seen),
+                many_rows_params(conn, seen),
             )
             conn.execute(
                 update(t)
