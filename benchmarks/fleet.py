@@ -625,9 +625,32 @@ def _ingest_figures(engine: Any, reports: list[dict], elapsed: float, config: Fl
         "ingest_age_at_send_p99_s": _round(nearest_rank(ages, 0.99)),
         "ingest_answer_p50_s": _round(nearest_rank(answers, 0.5)),
         "ingest_answer_p99_s": _round(nearest_rank(answers, 0.99)),
+        # the answers' tail, where and when: per collector (each sender pushes to one), and per 10 s of the run
+        "ingest_answer_p99_by_collector_s": _answer_tail_by_collector(reports, config.collectors),
+        "ingest_answer_p99_by_10s": _answer_tail_by_window(
+            reports, start=min((t for r in reports for t in r["sent_at"]), default=0.0), window_s=10.0
+        ),
         "sender_failures": [f for r in reports for f in r["failures"]][:5],
         "sender_sched": sorted({r.get("sched", "nice 0") for r in reports}),  # how the live senders were scheduled
     }
+
+
+def _answer_tail_by_collector(reports: list[dict], collectors: int) -> list[float | None]:
+    """The answer p99 of each collector's pushes (sender k pushes to collector k mod N, `_sender_configs`)."""
+    by: list[list[float]] = [[] for _ in range(collectors)]
+    for k, report in enumerate(reports):
+        by[k % collectors].extend(report["answers"])
+    return [_round(nearest_rank(answers, 0.99)) for answers in by]
+
+
+def _answer_tail_by_window(reports: list[dict], *, start: float, window_s: float) -> list[float | None]:
+    """The answer p99 of the pushes sent in each `window_s` of the run, in order: a tail that comes back at a
+    period (a scrape round, a checkpoint) shows as its windows."""
+    by: dict[int, list[float]] = {}
+    for report in reports:
+        for sent, answer in zip(report["sent_at"], report["answers"], strict=True):
+            by.setdefault(int((sent - start) // window_s), []).append(answer)
+    return [_round(nearest_rank(by.get(k, []), 0.99), 2) for k in range(max(by, default=-1) + 1)]
 
 
 def _saturation_figures(engine: Any, reports: list[dict], elapsed: float) -> dict[str, Any]:

@@ -376,6 +376,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         # sender's own backlog), then the push to its answer (the collector: parse, COMMIT, any retry)
         "ages_at_send": [],
         "answers": [],
+        "sent_at": [],  # when each of those pushes left (epoch s): where in the run the slow answers fell
         "first_hot": {},
         "hot_stored": {},  # when the push carrying the first hot sample was acknowledged (after its COMMIT)
         "failures": [],
@@ -479,6 +480,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                     report["lags"].append(done - batch.first_ts)
                     report["ages_at_send"].append(sent - batch.first_ts)
                     report["answers"].append(done - sent)
+                    report["sent_at"].append(sent)
                 if batch.hot_ts is not None and engine.instance not in report["first_hot"]:
                     report["first_hot"][engine.instance] = batch.hot_ts
                     report["hot_stored"][engine.instance] = done

@@ -67,6 +67,11 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     # the lag's parts: the oldest event's age when its push left, then the push to its answer
     assert 0 < result["ingest_age_at_send_p50_s"] <= result["ingest_age_at_send_p99_s"] <= result["ingest_lag_p99_s"]
     assert 0 < result["ingest_answer_p50_s"] <= result["ingest_answer_p99_s"] <= result["ingest_lag_p99_s"]
+    # and where the answers' tail fell: per collector, per 10 s of the run (12 s here: two windows or three)
+    by_collector, by_window = result["ingest_answer_p99_by_collector_s"], result["ingest_answer_p99_by_10s"]
+    assert len(by_collector) == 2 and all(p > 0 for p in by_collector)
+    assert min(by_collector) <= result["ingest_answer_p99_s"] <= max(by_collector)
+    assert len(by_window) >= 2 and all(p is not None and p > 0 for p in by_window)
     # the live senders outrank the collectors where the OS grants it (root here and in CI), so the lag is theirs
     if os.geteuid() == 0:
         assert result["sender_sched"] == ["rr 1"]
