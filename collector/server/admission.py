@@ -11,7 +11,9 @@ still processed, and /health queues behind them. So:
   budget: 429), so 30 padded gzip bodies cannot take the process to gigabytes, and the rows they
   parse into (`Ticket.reserve_rows`: pushes and OTLP exports alike) count too;
 - an admitted push waits at most `storage_wait_s` for the storage stage (first come, first served):
-  503, the database is the bottleneck; a push whose client disconnected leaves the queue unprocessed;
+  503, the database is the bottleneck; a push whose client disconnected leaves the queue unprocessed (one
+  wait on its connection, `client_left`, not a question asked every few tenths of a second: the queue is
+  longest when the process has the least CPU to spare);
 - every refusal carries `Retry-After`, is counted in `kvpilot_collector_ingest_rejected_total{reason}`
   and logged at most once per reason every few seconds (`errors.RefusalLog`).
 `kvpilot_collector_inflight_requests` and `kvpilot_collector_inflight_bytes` show the two budgets in use.
@@ -40,7 +42,6 @@ from collector.settings import CollectorSettings
 
 ROW_BYTES = 512  # a parsed event's row tuple in memory, about (measured: 1.8x its JSON text)
 INFLATE_CHUNK = 1 << 20  # inflated bytes per step: the budget is checked between steps
-POLL_S = 0.2  # how often a queued push asks whether its client is still there
 MAX_RETRY_AFTER_S = 30
 # Inflating is CPU work outside the GIL: a thread per push would starve the event loop (and /health) of
 # the CPU itself, so bodies inflate two at a time; the others wait holding only their wire bytes.
@@ -139,15 +140,13 @@ class Admission:
         """`item` stored by the storage stage (`StorageGate`: alone, or in a group when `group`), its outcome; 503
         past `storage_wait_s` in the queue; a client that left while queued is not served. An outcome that is an
         error is raised."""
-        served = await self.gate.run(
-            item,
-            store,
-            group=group,
-            size=size,
-            count=count,
-            timeout_s=self.storage_wait_s,
-            gone=request.is_disconnected,
-        )
+        left = asyncio.ensure_future(client_left(request))
+        try:
+            served = await self.gate.run(
+                item, store, group=group, size=size, count=count, timeout_s=self.storage_wait_s, gone=left
+            )
+        finally:
+            left.cancel()
         if served == "busy":
             raise self.overloaded(
                 503, "storage_busy", f"the database did not take the batch within {self.storage_wait_s:g}s; retry later"
@@ -227,12 +226,13 @@ class StorageGate:
         size: int = 0,
         count: int = 1,
         timeout_s: float,
-        gone: Callable[[], Awaitable[bool]],
+        gone: asyncio.Future[Any],
     ) -> Any:
         """`item`'s outcome from `store` (one outcome per item, in order; an exception is an outcome to raise),
         in its own round or in a leader's group (`group`: it may share a round with others that may); "busy"
-        past `timeout_s` in the queue, "gone" when the client left while queued. `count`: the pushes `item`
-        holds (a bundle's members), counted against `max_group`."""
+        past `timeout_s` in the queue, "gone" when `gone` (done when the client left: `client_left`) is done
+        while it is queued. `count`: the pushes `item` holds (a bundle's members), counted against
+        `max_group`."""
         waiter = _Waiter(item if group else None, size, count, asyncio.get_running_loop().create_future())
         if self._held or self._waiters:
             outcome = await self._wait(waiter, timeout_s, gone)
@@ -242,8 +242,9 @@ class StorageGate:
             self._held = True
         return await self._lead(item, waiter, store)
 
-    async def _wait(self, waiter: _Waiter, timeout_s: float, gone: Callable[[], Awaitable[bool]]) -> Any:
-        """Queue until this push leads a round (None), a leader served it (its outcome), or it leaves."""
+    async def _wait(self, waiter: _Waiter, timeout_s: float, gone: asyncio.Future[Any]) -> Any:
+        """Queue until this push leads a round (None), a leader served it (its outcome), or it leaves. It wakes
+        when one of those happens, not on a clock."""
         loop = asyncio.get_running_loop()
         self._waiters.append(waiter)
         deadline = loop.time() + timeout_s
@@ -257,10 +258,9 @@ class StorageGate:
                 if remaining <= 0:
                     self._leave(waiter)
                     return "busy"
-                await asyncio.wait([turn], timeout=min(POLL_S, remaining))  # never cancels `turn`
-                if not turn.done() and not waiter.taken and await gone():
-                    if waiter.taken:  # a leader took it while we asked: it is being stored, and is answered
-                        continue
+                # never cancels `turn`; a `gone` done already returns at once, and is acted on below
+                await asyncio.wait([turn, gone], timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if gone.done() and not turn.done() and not waiter.taken:
                     self._leave(waiter)
                     return "gone"
         except BaseException:
@@ -318,6 +318,14 @@ class StorageGate:
                 nxt.turn.set_result(None)  # stays held, by the next in line
                 return
         self._held = False
+
+
+async def client_left(request: Request) -> None:
+    """Returns when the client of `request`, whose body was read, disconnects: the server's next message on it
+    is `http.disconnect` (uvicorn sends it when the connection drops, or once the response is sent). Anything
+    else is not expected after the body and is waited past."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # no busy loop on a server that repeats itself
 
 
 def client_gone() -> Rejected:

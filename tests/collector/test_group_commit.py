@@ -110,8 +110,7 @@ def test_the_storage_gate_groups_what_queued_behind_a_round() -> None:
             await asyncio.sleep(0.3 if items[0] == "a" else 0)  # past "b"'s and "c"'s own wait
             return [f"stored {i}" for i in items]
 
-        async def never_gone() -> bool:
-            return False
+        never_gone = asyncio.get_running_loop().create_future()  # the client never leaves
 
         def run(item: str, group: bool, timeout_s: float = 5.0) -> asyncio.Task[Any]:
             return asyncio.ensure_future(
@@ -138,6 +137,88 @@ def test_the_storage_gate_groups_what_queued_behind_a_round() -> None:
     assert rounds == [["first"], ["a", "b", "c"], ["otlp"]]
 
 
+def test_a_queued_push_leaves_when_its_client_does_and_one_taken_into_a_round_does_not() -> None:
+    """The client of a queued push disconnects (its `gone` future is done): it leaves at once, before its
+    wait is over, and the next round does not hold it. A push already taken into a round is stored and
+    answered even when its client left meanwhile."""
+    rounds: list[list[str]] = []
+
+    async def scenario() -> tuple[list[Any], float]:
+        gate = StorageGate(max_group=8)
+        first_open, second_open = asyncio.Event(), asyncio.Event()
+
+        async def store(items: list[str]) -> list[str]:
+            rounds.append(items)
+            await (first_open if items[0] == "first" else second_open).wait()
+            return [f"stored {i}" for i in items]
+
+        loop = asyncio.get_running_loop()
+        gone = {name: loop.create_future() for name in ("first", "leaves", "stays", "taken")}
+
+        def run(item: str) -> asyncio.Task[Any]:
+            return asyncio.ensure_future(gate.run(item, store, group=True, timeout_s=30.0, gone=gone[item], size=1))
+
+        first = run("first")
+        await asyncio.sleep(0.01)
+        leaves, stays = run("leaves"), run("stays")
+        await asyncio.sleep(0.01)
+        started = loop.time()
+        gone["leaves"].set_result(None)
+        left = await leaves
+        waited = loop.time() - started
+        first_open.set()
+        await asyncio.sleep(0.01)  # "stays" leads the next round, held open
+        taken = run("taken")
+        await asyncio.sleep(0.01)
+        gone["taken"].set_result(None)  # queued behind "stays", not yet taken: it leaves too
+        taken_out = await taken
+        second_open.set()
+        return [await first, left, await stays, taken_out], waited
+
+    (first, left, stays, taken), waited = asyncio.run(scenario())
+    assert left == "gone" and waited < 0.1  # not after a polling interval, nor after its 30-s wait
+    assert taken == "gone"
+    assert first.outcome == "stored first" and stays.outcome == "stored stays"
+    assert rounds == [["first"], ["stays"]]
+
+
+def test_a_push_taken_into_a_round_is_answered_though_its_client_left() -> None:
+    async def scenario() -> tuple[Any, list[list[str]]]:
+        gate = StorageGate(max_group=8)
+        first_open, second_open, second_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        rounds: list[list[str]] = []
+
+        async def store(items: list[str]) -> list[str]:
+            rounds.append(items)
+            if items == ["first"]:
+                await first_open.wait()
+            else:
+                second_in.set()
+                await second_open.wait()
+            return [f"stored {i}" for i in items]
+
+        loop = asyncio.get_running_loop()
+        gone = {name: loop.create_future() for name in ("first", "second", "third")}
+
+        def run(name: str) -> asyncio.Task[Any]:
+            return asyncio.ensure_future(gate.run(name, store, group=True, timeout_s=30.0, gone=gone[name], size=1))
+
+        first = run("first")
+        await asyncio.sleep(0.01)
+        second, third = run("second"), run("third")
+        await asyncio.sleep(0.01)
+        first_open.set()  # "second" leads the next round, and takes "third" into it
+        await second_in.wait()
+        gone["third"].set_result(None)  # its client leaves while its round is in the database
+        await asyncio.sleep(0.05)
+        second_open.set()
+        await asyncio.gather(first, second)
+        return await third, rounds
+
+    third, rounds = asyncio.run(scenario())
+    assert third.outcome == "stored third" and rounds == [["first"], ["second", "third"]]
+
+
 def test_a_failed_round_gives_every_push_in_it_the_error() -> None:
     async def scenario() -> list[Any]:
         gate = StorageGate(max_group=8)
@@ -149,8 +230,7 @@ def test_a_failed_round_gives_every_push_in_it_the_error() -> None:
                 return ["ok"]
             raise RuntimeError("the database went away")
 
-        async def never_gone() -> bool:
-            return False
+        never_gone = asyncio.get_running_loop().create_future()  # the client never leaves
 
         tasks = [
             asyncio.ensure_future(gate.run(i, store, group=True, timeout_s=5.0, gone=never_gone, size=1))
