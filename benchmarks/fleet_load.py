@@ -15,7 +15,9 @@ engines (the alert trials: their queue jumps at a set time) each ship from a thr
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import http.client
 import json
 import math
 import random
@@ -28,6 +30,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from collector import bundle
 from engine.http_sink import retry_after
@@ -235,6 +238,53 @@ class Engine:
         return r
 
 
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer as `Http.post` read it."""
+
+    status_code: int
+    headers: dict[str, str]  # names lowercased
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+class Http:
+    """A keep-alive HTTP/1.1 client on `http.client`: one connection per thread and address, reopened after a
+    failure. The senders share the cores of the collectors they measure, so they spend as little as an engine's
+    own sink would on its node: httpx cost about a millisecond of CPU a push here."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def post(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
+        """POST `body`; `OSError` or `http.client.HTTPException` when no answer came (the connection is then closed)."""
+        parts = urlsplit(url)
+        conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(parts.netloc)
+        if conn is None:
+            conn = conns[parts.netloc] = http.client.HTTPConnection(parts.netloc, timeout=self.timeout_s)
+        try:
+            conn.request("POST", parts.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            content = resp.read()
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            del conns[parts.netloc]
+            raise
+        return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, content)
+
+    def close(self) -> None:
+        for conn in self._local.__dict__.pop("conns", {}).values():
+            conn.close()
+
+
 def instance_name(i: int) -> str:
     return f"fleet-{i:04d}"
 
@@ -347,8 +397,6 @@ def dcgm_page(node: int, rng: random.Random) -> bytes:
 
 def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     """Play `config["instances"]` until `config["until"]` (epoch s); returns what was offered, sent, acked."""
-    import httpx
-
     sched = outrank() if config.get("outrank") else None  # before any thread starts: they inherit it
     rates = Rates(**config["rates"])
     otlp = set(config["otlp_instances"])
@@ -385,7 +433,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     as_json = {"Content-Type": "application/json"}
 
     def post(
-        client: httpx.Client,
+        client: Http,
         path: str,
         body: bytes,
         kind_headers: dict[str, str],
@@ -401,8 +449,8 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             try:
-                resp = client.post((base or config["url"]) + path, content=body, headers={**headers, **kind_headers})
-            except httpx.HTTPError as exc:
+                resp = client.post((base or config["url"]) + path, body, {**headers, **kind_headers})
+            except (OSError, http.client.HTTPException) as exc:
                 report["failures"].append(f"{type(exc).__name__}")
                 time.sleep(0.2)
                 continue
@@ -422,7 +470,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
             report["failures"].append(f"{resp.status_code}: {resp.text[:120]}")
             if resp.status_code not in (408, 429, 503):
                 return None if results else False
-            told = retry_after(resp) if resp.status_code in (429, 503) else None
+            told = retry_after(resp.headers) if resp.status_code in (429, 503) else None
             time.sleep(min(0.2 if told is None else told, max(0.0, deadline - time.monotonic())))
         return None if results else False
 
@@ -445,7 +493,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                     queued.extend(batch.finished[:room])
                     report["spans_dropped"] += max(0, len(batch.finished) - room)
 
-    def export_spans(client: httpx.Client, engine: Engine) -> None:
+    def export_spans(client: Http, engine: Engine) -> None:
         """One export of what `engine` queued (its own request, as each vLLM's exporter sends its own)."""
         with lock:
             finished, spans[engine.instance] = spans[engine.instance], []
@@ -455,7 +503,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
 
     def exporter(engine: Engine, phase: float) -> None:
         """An OTLP engine's span exporter: every `SPAN_EXPORT_S` from its own phase until the run ends."""
-        with httpx.Client(timeout=60.0) as client:
+        with contextlib.closing(Http(timeout_s=60.0)) as client:
             due = phase + SPAN_EXPORT_S
             while due < config["until"]:
                 time.sleep(max(0.0, due - time.time()))
@@ -493,7 +541,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                 report["unacked"] += spans
 
     def deliver(
-        client: httpx.Client, pushed: list[tuple[Engine, Rendered]], keys: dict[str, str], *, via: str | None = None
+        client: Http, pushed: list[tuple[Engine, Rendered]], keys: dict[str, str], *, via: str | None = None
     ) -> tuple[float, dict[str, bool]]:
         """A node's pushes, each under its key: alone (one POST /v1/ingest per engine, `per_node` 1, or to the relay
         at `via`, which forwards it in its next bundle), or one bundle holding each engine's push, each
@@ -513,7 +561,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         answered = dict(zip([e.instance for e, _ in pushed], statuses, strict=False))
         return sent, {e.instance: answered.get(e.instance) in (200, 202) for e, _ in pushed}
 
-    def ship(client: httpx.Client, node: list[Engine], *, via: str | None = None) -> None:
+    def ship(client: Http, node: list[Engine], *, via: str | None = None) -> None:
         """A node's pushes (`deliver`); its OTLP engines' finished requests queued for their exporters."""
         rendered = [(engine, *render(engine)) for engine in node]
         pushed = [(engine, batch) for engine, batch, _ in rendered if batch.events]
@@ -522,7 +570,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         account(rendered, stored, sent, time.time())
         queue_spans(rendered)
 
-    def first_contact(client: httpx.Client, node: list[Engine]) -> None:
+    def first_contact(client: Http, node: list[Engine]) -> None:
         """The node's first push, one step per engine, before the timed run: the collectors claim each instance and
         run it names (`collector.claims`: a push that creates one is stored alone, counted against the bounds),
         as a fleet's engines did when they first started. Its events count as acknowledged (`lost`), not as the
@@ -537,7 +585,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     def worker() -> None:
         """The collectors' capacity (`min_interval_s` 0): take the node shipped longest ago (never one another
         thread holds), ship it, put it back; `threads` pushes in flight."""
-        with httpx.Client(timeout=60.0) as client:
+        with contextlib.closing(Http(timeout_s=60.0)) as client:
             while time.time() < config["until"]:
                 with lock:
                     node = queue.pop(0) if queue else None
@@ -556,7 +604,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         answer delays this node's next push, not another node's: until 2026-12-06 the nodes shared a pool of
         `threads` pushes in flight, and a node waiting for a free one put that wait into its events' lag (the
         pool shipped 73% of the engines' pushes a second, the oldest event's age at send p99 2.15 s)."""
-        with httpx.Client(timeout=60.0) as client:
+        with contextlib.closing(Http(timeout_s=60.0)) as client:
             while (due := last[node[0].instance] + config["min_interval_s"]) < config["until"]:
                 time.sleep(max(0.0, due - time.time()))
                 ship(client, node, via=via)
@@ -566,7 +614,7 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
     queue[:] = [others[i : i + per_node] for i in range(0, len(others), per_node)]
     if config.get("first_contact"):
         began = time.time()
-        with httpx.Client(timeout=60.0) as client, ThreadPoolExecutor(config["threads"]) as pool:
+        with contextlib.closing(Http(timeout_s=60.0)) as client, ThreadPoolExecutor(config["threads"]) as pool:
             list(pool.map(lambda node: first_contact(client, node), [*queue, *([e] for e in hot_engines)]))
         report["first_contact_s"] = time.time() - began
     while time.time() < config["start"]:
@@ -594,7 +642,9 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
-    with httpx.Client(timeout=60.0) as client:  # what finished since each exporter's last export: flushed at shutdown
+    with contextlib.closing(
+        Http(timeout_s=60.0)
+    ) as client:  # what finished since each exporter's last export: flushed at shutdown
         for e in exporting:
             export_spans(client, e)
     report["failures"] = report["failures"][:5]

@@ -41,7 +41,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -377,7 +377,7 @@ class HttpSink:
         if status in AUTH_STATUS:
             return self._unauthorized(status)
         if status in RETRYABLE_STATUS:
-            wait = retry_after(resp) if status in (429, 503) else None
+            wait = retry_after(resp.headers) if status in (429, 503) else None
             if wait is not None:
                 return self._told_to_wait(status, min(wait, self.retry_after_max_s))
             return self._failed(f"HTTP {status}: {resp.text[:200]}", probe=status in (502, 503, 504))
@@ -454,10 +454,11 @@ class HttpSink:
             self._next_probe = time.monotonic() + self.probe_interval_s
 
 
-def retry_after(resp: httpx.Response) -> float | None:
-    """Seconds from a `Retry-After: <seconds>` header (the collector's form), None without a usable one."""
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds from an answer's `Retry-After: <seconds>` header (the collector's form; `headers` looked up by the
+    lowercase name, as httpx's are), None without a usable one."""
     try:
-        value = float(resp.headers.get("retry-after", ""))
+        value = float(headers.get("retry-after", ""))
     except ValueError:
         return None
     return value if value >= 0 else None
