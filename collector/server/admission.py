@@ -14,6 +14,11 @@ still processed, and /health queues behind them. So:
   503, the database is the bottleneck; a push whose client disconnected leaves the queue unprocessed (one
   wait on its connection, `client_left`, not a question asked every few tenths of a second: the queue is
   longest when the process has the least CPU to spare);
+- a push that would queue behind more than a round's worth of pushes (`ingest_group_max_batches`) that the
+  storage stage needs longer than `storage_wait_s` for, at the pace of its last rounds, is answered 503 when
+  it arrives (`storage_backlog`), before its body is read and parsed: it would have waited its time out, and
+  its parsing taken CPU from the pushes ahead of it (under sustained overload the late 503s and the retries
+  they bring were work the collector did for nothing);
 - every refusal carries `Retry-After`, is counted in `kvpilot_collector_ingest_rejected_total{reason}`
   and logged at most once per reason every few seconds (`errors.RefusalLog`).
 `kvpilot_collector_inflight_requests` and `kvpilot_collector_inflight_bytes` show the two budgets in use.
@@ -94,9 +99,19 @@ class Admission:
         crowd = max(current, previous) // self.max_requests
         return min(self.retry_after_s * max(1, crowd), MAX_RETRY_AFTER_S)
 
-    @property
-    def full(self) -> bool:
-        return self.requests >= self.max_requests
+    def refusal(self) -> Rejected | None:
+        """The refusal of a push arriving now, None when it is admitted: 429 at the in-flight bound, 503 when the
+        storage stage is backlogged (`StorageGate.backlog_s`)."""
+        if self.requests >= self.max_requests:
+            return self.overloaded(429, "overloaded", f"{self.requests} pushes in flight, the limit; retry later")
+        backlog = self.gate.backlog_s()
+        if backlog > self.storage_wait_s:
+            detail = (
+                f"the database needs {backlog:.1f}s for the pushes queued, over the {self.storage_wait_s:g}s a push"
+                " may wait; retry later"
+            )
+            return self.overloaded(503, "storage_backlog", detail)
+        return None
 
     async def inflate(
         self, data: bytes, *, limit: int, ticket: Ticket, coding: Literal["gzip", "deflate"] = "gzip"
@@ -115,8 +130,9 @@ class Admission:
     async def admit(self) -> AsyncIterator[Ticket]:
         """A slot for one push, or 429 now; the bytes it reserved are given back when it ends."""
         with self._lock:
-            if self.requests >= self.max_requests:
-                raise self.overloaded(429, "overloaded", f"{self.requests} pushes in flight, the limit; retry later")
+            refused = self.refusal()
+            if refused is not None:
+                raise refused
             self.requests += 1
         ticket = Ticket(self)
         try:
@@ -208,14 +224,27 @@ class StorageGate:
     on a future: a cancellation racing a grant could leak the stage. `observe` is told how many pushes each
     round held (`kvpilot_collector_ingest_group_batches`)."""
 
+    ROUNDS_PACED = 8  # the last rounds whose pace `backlog_s` reads
+
     def __init__(self, *, max_group: int = 1, max_bytes: int = 1 << 62, observe: Callable[[int], None] | None = None):
         self.max_group, self.max_bytes, self.observe = max_group, max_bytes, observe
         self._held = False
         self._waiters: deque[_Waiter] = deque()
+        self._rounds: deque[tuple[int, float]] = deque(maxlen=self.ROUNDS_PACED)  # (pushes, seconds) of each
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
+
+    def backlog_s(self) -> float:
+        """Seconds the stage would take for the pushes queued at it, at the pace (seconds per push) of its last
+        rounds; 0 while they fit in one round (the next round takes them all, whatever the pace of rounds
+        smaller than that) and before any round was timed."""
+        queued = sum(w.count for w in self._waiters)
+        if queued <= self.max_group or not self._rounds:
+            return 0.0
+        pushes = sum(n for n, _ in self._rounds)
+        return queued * sum(s for _, s in self._rounds) / pushes
 
     async def run(
         self,
@@ -272,12 +301,16 @@ class StorageGate:
     async def _lead(self, item: Any, waiter: _Waiter, store: Callable[[list[Any]], Awaitable[list[Any]]]) -> Any:
         followers = self._take(waiter) if waiter.item is not None else []
         items = [item, *(f.item for f in followers)]
+        count = waiter.count + sum(f.count for f in followers)
         if self.observe is not None:
-            self.observe(waiter.count + sum(f.count for f in followers))
+            self.observe(count)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         task = asyncio.ensure_future(store(items))
 
         def finish(done: asyncio.Future[list[Any]]) -> None:
             """Every follower gets its outcome, and the stage passes on, whatever became of the leader."""
+            self._rounds.append((count, loop.time() - started))
             failed = asyncio.CancelledError() if done.cancelled() else done.exception()
             outcomes = [failed] * len(items) if failed is not None else done.result()
             for follower, outcome in zip(followers, outcomes[1:], strict=True):

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from collector import bundle
 from collector.claims import CardinalityLimits, ClaimWindows
 from collector.db import check_schema_current, make_engine, redact, session_factory
 from collector.errors import CollectorError, StorageError
@@ -147,11 +148,12 @@ def create_app(
 
 class FastPaths:
     """ASGI middleware for what must stay cheap under overload, ahead of routing, auth and dependencies
-    (which cost about 1 ms of CPU a request): a push while the in-flight bound is reached is refused here
+    (which cost about 1 ms of CPU a request): a push while the in-flight bound is reached, or while the storage
+    stage is backlogged (`Admission.refusal`), is refused here
     (through the one refusal handler: counted, logged, OTLP-shaped on /v1/traces), and a healthy /health
     answered here. The route's own `admit` stays the authoritative check."""
 
-    PUSHES = frozenset({"/v1/ingest", otlp_routes.TRACES_PATH})
+    PUSHES = frozenset({"/v1/ingest", bundle.PATH, otlp_routes.TRACES_PATH})
     OK = b'{"status":"ok"}'
 
     def __init__(self, app: Any) -> None:
@@ -163,9 +165,8 @@ class FastPaths:
             state = getattr(scope["app"].state, "kvpilot", None)
         if state is not None:
             path, method = scope["path"], scope["method"]
-            if method == "POST" and path in self.PUSHES and state.admission.full:
-                exc = state.admission.overloaded(429, "overloaded", "pushes in flight at the limit; retry later")
-                response = await _rejected(Request(scope, receive), exc)
+            if method == "POST" and path in self.PUSHES and (refused := state.admission.refusal()) is not None:
+                response = await _rejected(Request(scope, receive), refused)
                 await response(scope, receive, send)
                 return
             if method == "GET" and path == "/health" and state.health.status() is None:

@@ -65,6 +65,7 @@ WARNING_REASONS = frozenset(
         "overloaded",
         "overloaded_bytes",
         "storage_busy",
+        "storage_backlog",
         "storage",
         "too_many_instances",
         "new_instances_rate",

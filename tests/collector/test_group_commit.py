@@ -219,6 +219,45 @@ def test_a_push_taken_into_a_round_is_answered_though_its_client_left() -> None:
     assert third.outcome == "stored third" and rounds == [["first"], ["second", "third"]]
 
 
+def test_the_backlog_is_the_queued_pushes_at_the_pace_of_the_last_rounds() -> None:
+    """Rounds of at most 2 pushes, each taking ~0.2 s: while the pushes queued fit in one round there is no
+    backlog (the next round takes them all); 4 queued behind a round are ~0.8 s of work."""
+
+    async def scenario() -> tuple[float, float, float]:
+        gate = StorageGate(max_group=2)
+        opened = asyncio.Event()
+
+        async def store(items: list[str]) -> list[str]:
+            await asyncio.sleep(0.2)
+            await opened.wait()
+            return items
+
+        never_gone = asyncio.get_running_loop().create_future()
+
+        def run(item: str) -> asyncio.Task[Any]:
+            return asyncio.ensure_future(gate.run(item, store, group=True, timeout_s=30.0, gone=never_gone, size=1))
+
+        before = gate.backlog_s()  # no round timed yet
+        opened.set()
+        await asyncio.gather(run("a"), run("b"))  # "a" alone, then "b" alone: two rounds of ~0.2 s
+        opened.clear()
+        tasks = [run("held")]
+        await asyncio.sleep(0)
+        tasks += [run("q1"), run("q2")]
+        await asyncio.sleep(0)
+        fits = gate.backlog_s()  # 2 queued: the next round's
+        tasks += [run("q3"), run("q4")]
+        await asyncio.sleep(0)
+        backlog = gate.backlog_s()
+        opened.set()
+        await asyncio.gather(*tasks)
+        return before, fits, backlog
+
+    before, fits, backlog = asyncio.run(scenario())
+    assert before == 0.0 and fits == 0.0
+    assert 4 * 0.2 <= backlog < 4 * 0.2 * 1.5  # 4 pushes at the pace of rounds of one push in ~0.2 s
+
+
 def test_a_failed_round_gives_every_push_in_it_the_error() -> None:
     async def scenario() -> list[Any]:
         gate = StorageGate(max_group=8)

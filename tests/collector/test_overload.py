@@ -157,6 +157,58 @@ def test_a_push_that_waits_too_long_for_the_database_gets_503(serve, shut: Shut)
     assert metric(handle.url, "kvpilot_collector_ingest_rejected_total", reason="storage_busy") == 1
 
 
+def test_a_push_behind_a_backlog_the_database_cannot_clear_in_time_is_refused_at_once(
+    serve, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rounds of one push (`ingest_group_max_batches` 1) that take ~0.4 s, a push may wait 1 s: with a round in
+    the database and three pushes queued behind it (~1.2 s of work), the next push is answered 503
+    `storage_backlog` at once, with Retry-After and without being stored; the queued ones are stored."""
+    turns = threading.Semaphore(0)
+    entered = threading.Event()
+    real = ingest.store_pushes
+
+    def store(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert turns.acquire(timeout=30), "the storage stage was never given its turn"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ingest_routes_module, "store_pushes", store)
+    handle = serve(ingest_group_max_batches=1, storage_wait_s=1.0)
+
+    async def scenario() -> tuple[httpx.Response, float, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=handle.url, timeout=20) as client:
+            first = asyncio.create_task(_post(client, "/v1/ingest", ev.body(ev.mixed(4)), "a"))
+            await asyncio.to_thread(entered.wait, 10)
+            await asyncio.sleep(0.4)
+            turns.release()  # the first round, timed: one push in ~0.4 s
+            assert (await first).status_code == 202
+            entered.clear()
+            queued = [
+                asyncio.create_task(_post(client, "/v1/ingest", ev.body(ev.mixed(4, start=4 * i)), f"q{i}"))
+                for i in range(1, 5)
+            ]
+            await asyncio.to_thread(entered.wait, 10)  # one of them in the database, three queued behind it
+            deadline = time.monotonic() + 5
+            while metric(handle.url, "kvpilot_collector_inflight_requests") < 4:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # parsed, at the storage stage
+            started = time.perf_counter()
+            refused = await _post(client, "/v1/ingest", ev.body(ev.mixed(4, start=40)), "late")
+            took = time.perf_counter() - started
+            for _ in range(4):
+                turns.release()
+            return refused, took, list(await asyncio.gather(*queued))
+
+    refused, took, stored = asyncio.run(scenario())
+    assert refused.status_code == 503, refused.text
+    assert "the database needs" in refused.json()["detail"] and refused.headers["retry-after"] == "1"
+    assert took < 0.5  # at once, not after its wait
+    assert [r.status_code for r in stored] == [202] * 4
+    assert metric(handle.url, "kvpilot_collector_ingest_rejected_total", reason="storage_backlog") == 1
+    assert batches(sqlite_url) == 5
+
+
 def test_a_push_whose_client_left_is_not_processed(serve, shut: Shut, sqlite_url: str) -> None:
     handle = serve(storage_wait_s=30)
     first = threading.Thread(
