@@ -267,18 +267,25 @@ class Http:
         """POST `body`; `OSError` or `http.client.HTTPException` when no answer came (the connection is then closed)."""
         parts = urlsplit(url)
         conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(parts.netloc)
-        if conn is None:
-            conn = conns[parts.netloc] = http.client.HTTPConnection(parts.netloc, timeout=self.timeout_s)
-        try:
-            conn.request("POST", parts.path, body=body, headers=headers)
-            resp = conn.getresponse()
-            content = resp.read()
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            del conns[parts.netloc]
-            raise
-        return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, content)
+        for fresh in (parts.netloc not in conns, True):
+            conn = conns.get(parts.netloc) or http.client.HTTPConnection(parts.netloc, timeout=self.timeout_s)
+            conns[parts.netloc] = conn
+            try:
+                conn.request("POST", parts.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                content = resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                del conns[parts.netloc]
+                # a kept connection the server closed while idle (uvicorn keeps one 5 s): once more on a new one
+                # (a push is keyed and a span stored once: a second delivery is answered as a duplicate)
+                if fresh or not isinstance(
+                    exc, ConnectionResetError | BrokenPipeError | http.client.RemoteDisconnected
+                ):
+                    raise
+                continue
+            return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, content)
+        raise AssertionError("unreachable: the second try is on a new connection")
 
     def close(self) -> None:
         for conn in self._local.__dict__.pop("conns", {}).values():
@@ -440,13 +447,14 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         *,
         results: bool = False,
         base: str | None = None,
+        deadline: float | None = None,
     ) -> Any:
-        """True once stored (for a bundle, `results`: its members' statuses), retrying a 408/429/503 or a
-        connection failure for 30 s, after the answer's `Retry-After` where it has one (as the engine's sink
-        waits it; until 2026-12-06 every retry came 0.2 s later, five times as often as a sink's under a 1-s
-        Retry-After); False (None for a bundle) when it never was. `base`: another address than the
-        collector's (a relay)."""
-        deadline = time.monotonic() + 30.0
+        """True once stored (for a bundle, `results`: its members' statuses and the answer's `Retry-After`),
+        retrying a 408/429/503 or a connection failure until `deadline` (30 s from now by default), after the
+        answer's `Retry-After` where it has one (as the engine's sink waits it; until 2026-12-06 every retry came
+        0.2 s later, five times as often as a sink's under a 1-s Retry-After); False (None for a bundle) when it
+        never was. `base`: another address than the collector's (a relay)."""
+        deadline = deadline or time.monotonic() + 30.0
         while time.monotonic() < deadline:
             try:
                 resp = client.post((base or config["url"]) + path, body, {**headers, **kind_headers})
@@ -458,15 +466,10 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                 if not results:
                     return True
                 members = resp.json()["results"]
-                statuses = [r["status"] for r in members]
-                if any(s in (408, 429, 503) for s in statuses):  # a member the storage stage did not take
-                    report["failures"].append(f"member statuses {sorted(set(statuses))}")
-                    time.sleep(0.2)
-                    continue  # every member again: the stored ones come back as duplicates
-                refused = [r for r in members if r["status"] not in (200, 202)]
+                refused = [r for r in members if r["status"] not in (200, 202, 408, 429, 503)]
                 if refused:
                     report["failures"].append(f"member {refused[0]['status']}: {str(refused[0].get('detail'))[:160]}")
-                return statuses
+                return [r["status"] for r in members], retry_after(resp.headers)
             report["failures"].append(f"{resp.status_code}: {resp.text[:120]}")
             if resp.status_code not in (408, 429, 503):
                 return None if results else False
@@ -555,11 +558,28 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
                 )
                 for e, b in pushed
             }
-        body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in pushed])
-        sent = time.time()
-        statuses = post(client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True) or []
-        answered = dict(zip([e.instance for e, _ in pushed], statuses, strict=False))
-        return sent, {e.instance: answered.get(e.instance) in (200, 202) for e, _ in pushed}
+        sent, deadline = time.time(), time.monotonic() + 30.0
+        stored: dict[str, bool] = {}
+        waiting = pushed
+        while waiting:
+            body = bundle.encode([bundle.Member(keys[e.instance], b.body()) for e, b in waiting])
+            answer = post(
+                client, bundle.PATH, body, {"Content-Type": bundle.MEDIA_TYPE}, results=True, deadline=deadline
+            )
+            statuses, told = answer or ([], None)
+            answered = dict(zip([e.instance for e, _ in waiting], statuses, strict=False))
+            stored.update((e.instance, answered.get(e.instance) in (200, 202)) for e, _ in waiting)
+            # the members the storage stage did not take go again, and only they, after the answer's Retry-After:
+            # each engine's sink retries its own push through the relay, which bundles the retries anew (until
+            # 2026-12-06 the whole bundle went again 0.2 s later, its stored members parsed again as duplicates)
+            waiting = [(e, b) for e, b in waiting if answered.get(e.instance) in (408, 429, 503)]
+            if waiting:
+                report["failures"].append(f"member statuses {sorted(set(statuses))}")
+                pause = 1.0 if told is None else told
+                if time.monotonic() + pause >= deadline:
+                    break
+                time.sleep(pause)
+        return sent, stored
 
     def ship(client: Http, node: list[Engine], *, via: str | None = None) -> None:
         """A node's pushes (`deliver`); its OTLP engines' finished requests queued for their exporters."""
