@@ -88,6 +88,12 @@ class CollectorSettings(BaseSettings):
         256, ge=1, le=1024, description="pushes stored in one transaction at most (group commit); 1 stores each alone"
     )
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After of a 429/503 for overload")
+    gc_young_threshold: int = Field(
+        50_000,
+        ge=0,
+        description="a served collector's young-generation GC threshold, its start-up heap frozen out of collections"
+        " (collector.server.run.tune_gc); 0 keeps Python's own settings",
+    )
     body_timeout_s: float = Field(10.0, gt=0, description="an admitted push's body must arrive within this (408)")
     max_instances_per_identity: int = Field(1000, ge=1, description="instances one ingest identity may own")
     max_new_instances_per_minute: int = Field(200, ge=1, description="new instances per ingest identity per minute")
