@@ -4,6 +4,7 @@ exactly what it would have met alone (its refusal, its duplicate, its own batch 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -137,10 +138,22 @@ def test_the_storage_gate_groups_what_queued_behind_a_round() -> None:
     assert rounds == [["first"], ["a", "b", "c"], ["otlp"]]
 
 
-def test_a_queued_push_leaves_when_its_client_does_and_one_taken_into_a_round_does_not() -> None:
+def _leavable(
+    gate: StorageGate, store: Callable[[list[str]], Awaitable[list[str]]], names: tuple[str, ...]
+) -> tuple[dict[str, asyncio.Future[Any]], Callable[[str], asyncio.Task[Any]]]:
+    """Per name, the future its client's leaving completes (`client_left`'s), and a starter of its push."""
+    loop = asyncio.get_running_loop()
+    gone = {name: loop.create_future() for name in names}
+
+    def run(name: str) -> asyncio.Task[Any]:
+        return asyncio.ensure_future(gate.run(name, store, group=True, timeout_s=30.0, gone=gone[name], size=1))
+
+    return gone, run
+
+
+def test_a_queued_push_leaves_when_its_client_does() -> None:
     """The client of a queued push disconnects (its `gone` future is done): it leaves at once, before its
-    wait is over, and the next round does not hold it. A push already taken into a round is stored and
-    answered even when its client left meanwhile."""
+    wait is over, and the next round does not hold it."""
     rounds: list[list[str]] = []
 
     async def scenario() -> tuple[list[Any], float]:
@@ -153,10 +166,7 @@ def test_a_queued_push_leaves_when_its_client_does_and_one_taken_into_a_round_do
             return [f"stored {i}" for i in items]
 
         loop = asyncio.get_running_loop()
-        gone = {name: loop.create_future() for name in ("first", "leaves", "stays", "taken")}
-
-        def run(item: str) -> asyncio.Task[Any]:
-            return asyncio.ensure_future(gate.run(item, store, group=True, timeout_s=30.0, gone=gone[item], size=1))
+        gone, run = _leavable(gate, store, ("first", "leaves", "stays", "taken"))
 
         first = run("first")
         await asyncio.sleep(0.01)
@@ -197,11 +207,7 @@ def test_a_push_taken_into_a_round_is_answered_though_its_client_left() -> None:
                 await second_open.wait()
             return [f"stored {i}" for i in items]
 
-        loop = asyncio.get_running_loop()
-        gone = {name: loop.create_future() for name in ("first", "second", "third")}
-
-        def run(name: str) -> asyncio.Task[Any]:
-            return asyncio.ensure_future(gate.run(name, store, group=True, timeout_s=30.0, gone=gone[name], size=1))
+        gone, run = _leavable(gate, store, ("first", "second", "third"))
 
         first = run("first")
         await asyncio.sleep(0.01)
