@@ -64,8 +64,8 @@ def tune_gc(young_threshold: int) -> None:
     start-up built (the app, its models, SQLAlchemy's metadata, the libraries) frozen out of every later
     collection (`gc.freeze`), and the young generation collected every `young_threshold` allocations instead of
     Python's 700. In the fleet bench with Python's settings a collector spent 4.5-5.3 s of its 31-40 s of CPU in
-    collections, 19-27 of them full ones (about 0.2 s each, walking that start-up heap), and their pauses, the
-    GIL held, added up to 11-16 s of the run; with these, 1.3-2.5 s, 3 full ones, and it stored half as many
+    collections, 19-28 of them full ones (about 0.2 s each, walking that start-up heap), and their pauses, the
+    GIL held, added up to 10-16 s of the run; with these, 1.3-2.5 s, 3 full ones, and it stored half as many
     pushes again (docs/benchmarks.md). 0: Python's settings. Only for the process `serve` runs: a collector in
     a thread (tests, the demo) leaves its host's GC alone."""
     if young_threshold <= 0:
