@@ -256,20 +256,25 @@ class Answer:
 
 class Http:
     """A keep-alive HTTP/1.1 client on `http.client`: one connection per thread and address, reopened after a
-    failure. The senders share the cores of the collectors they measure, so they spend as little as an engine's
-    own sink would on its node: httpx cost about a millisecond of CPU a push here."""
+    failure; `close` closes every thread's. The senders share the cores of the collectors they measure, so they
+    spend as little as an engine's own sink would on its node: httpx cost about a millisecond of CPU a push here."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._local = threading.local()
+        self._open: set[http.client.HTTPConnection] = set()  # every thread's, for `close`
+        self._lock = threading.Lock()
 
     def post(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
         """POST `body`; `OSError` or `http.client.HTTPException` when no answer came (the connection is then closed)."""
         parts = urlsplit(url)
         conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
         for fresh in (parts.netloc not in conns, True):
-            conn = conns.get(parts.netloc) or http.client.HTTPConnection(parts.netloc, timeout=self.timeout_s)
-            conns[parts.netloc] = conn
+            conn = conns.get(parts.netloc)
+            if conn is None:
+                conn = conns[parts.netloc] = http.client.HTTPConnection(parts.netloc, timeout=self.timeout_s)
+                with self._lock:
+                    self._open.add(conn)
             try:
                 conn.request("POST", parts.path, body=body, headers=headers)
                 resp = conn.getresponse()
@@ -277,6 +282,8 @@ class Http:
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 del conns[parts.netloc]
+                with self._lock:
+                    self._open.discard(conn)
                 # a kept connection the server closed while idle (uvicorn keeps one 5 s): once more on a new one
                 # (a push is keyed and a span stored once: a second delivery is answered as a duplicate)
                 if fresh or not isinstance(
@@ -288,7 +295,10 @@ class Http:
         raise AssertionError("unreachable: the second try is on a new connection")
 
     def close(self) -> None:
-        for conn in self._local.__dict__.pop("conns", {}).values():
+        """Every thread's connections (call it once the threads using this client are done)."""
+        with self._lock:
+            conns, self._open = self._open, set()
+        for conn in conns:
             conn.close()
 
 
@@ -662,9 +672,8 @@ def sender_main(config: dict[str, Any]) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
-    with contextlib.closing(
-        Http(timeout_s=60.0)
-    ) as client:  # what finished since each exporter's last export: flushed at shutdown
+    # what finished since each exporter's last export: flushed at shutdown
+    with contextlib.closing(Http(timeout_s=60.0)) as client:
         for e in exporting:
             export_spans(client, e)
     report["failures"] = report["failures"][:5]
