@@ -42,7 +42,7 @@ test: $(STAMP) $(VLLM_FOR_TESTS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # mypy checks the packages [tool.mypy] names in pyproject.toml; .mypy_cache makes a rerun take seconds
 lint: $(STAMP)

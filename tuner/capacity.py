@@ -35,6 +35,7 @@ list on a config serves (`Replayer`): the vLLM backend (`tuner.vllm.backend`), a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from typing import Any, Protocol
 from engine import workload as W
 from tuner.backends import NotMeasuredError
 from tuner.metrics import SLO, TrialMetrics
+
+log = logging.getLogger("kvpilot.tuner.capacity")
 
 MIN_FINISHED = 0.99  # share of the replayed requests that must finish
 MAX_REPLAYS = 20  # one search's bound: each replay lasts the workload's span (plus the queue's drain)
@@ -303,6 +306,7 @@ def search(
             break
         missed = breaches(metrics, slo)
         out.probes.append(Probe(m, not missed, missed, metrics, pressure(metrics, slo)))
+        log.info("x%.4g (%.3g req/s): %s", m, m * rate_rps, "; ".join(missed) if missed else "the SLOs hold")
         if not missed:
             low = m if low is None else max(low, m)
         else:

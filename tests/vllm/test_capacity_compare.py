@@ -2,10 +2,12 @@
 gets a capacity from a tiny search, then the A/A check runs the running config against itself, each round on
 fresh servers of ours (two started together per round: the attached one cannot be restarted), the idle one paused
 while the other serves. The A/A check must not say `proposal`; every capacity is positive and what the replays'
-SLO outcomes say."""
+SLO outcomes say (or, where a tiny search found none, the comparison says it found none)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -44,7 +46,7 @@ def _becomes(pid: int, stopped: bool, timeout_s: float = 5.0) -> bool:
 
 
 @pytest.mark.timeout(1200)  # two rounds of two vLLM starts together: 60-150 s each on 2 busy cores
-def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None:
+def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path, caplog) -> None:
     from tests.vllm.peer import ADMIN_TOKEN, KV_CACHE_BYTES, MODEL, TOKEN, vllm_python
 
     base = VllmConfig(model=str(vllm_peer.checkpoint), served_model_name=MODEL, kv_cache_memory_bytes=KV_CACHE_BYTES)
@@ -53,6 +55,7 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
     def workload(seed: int) -> list:
         return WL.scenario("mixed", 3.0, opts, seed=seed)
 
+    caplog.set_level(logging.INFO, logger="kvpilot.tuner.capacity")  # each replay's SLO outcome, on a failure
     db = make_engine(vllm_peer.db_url)
     backend = VllmBackend(
         workload=workload,
@@ -109,7 +112,12 @@ def test_capacity_and_an_aa_comparison_on_real_vllm(vllm_peer, tmp_path) -> None
         db.dispose()
     assert aa.verdict != PROPOSAL, aa.as_dict()
     assert all(p["replays"] >= 4 for p in aa.pairs)
-    assert all(c > 0 for p in aa.pairs for c in (*p["running"], *p["candidate"])), aa.as_dict()
+    if any(c <= 0 for p in aa.pairs for c in (*p["running"], *p["candidate"])):
+        # A search that failed the SLOs at every rate its tiny budget tried (2 + 2 replays down to a quarter of
+        # the prior; seen once in CI, each replay's outcome in the log): a bound, not a capacity, and the
+        # comparison must say so rather than conclude from it.
+        assert aa.verdict == INCONCLUSIVE and 0.0 in aa.lower_bounds, json.dumps(aa.pairs)
+        assert "capacity not found" in aa.sentence(), aa.sentence()
     assert (
         backend.restart_costs()["launches"] == backend.restart_costs()["isolated"] == 4
         and backend.stale_targets == []
