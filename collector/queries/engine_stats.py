@@ -222,17 +222,50 @@ def alloc_trace(
 ) -> AllocTrace:
     """The newest `limit` allocation events of the window in time order, and how many the window holds. The
     count of a window longer than `ROLLUP_AFTER_S` adds the allocation rollup's minutes inside it to the raw
-    records of the partial minutes at its ends: exact, without counting every record of an hour."""
-    t = AllocRow.__table__
-    conds = _alloc_filter(start, end, instances, run_id)
-    if ops is not None:
-        conds.append(t.c.op.in_(ops))
+    records of the partial minutes at its ends: exact, without counting every record of an hour.
+
+    The events are read from the window's end backwards (`_newest_allocs`): a fleet's newest 2,000 records are
+    its last second, and ordering the whole window's records (an hour of a 1,000-engine fleet's) to keep them
+    read every one of them."""
+    limit = max(0, int(limit))
     with _bound(db) as conn:
         total = _alloc_count(conn, start, end, instances, run_id, ops)
-        stmt = select(t).where(*conds).order_by(t.c.ts.desc(), t.c.id.desc()).limit(max(0, int(limit)))
-        events = [dict(row._mapping) for row in conn.execute(stmt)]
+        events = _newest_allocs(conn, start, end, limit, total, instances, run_id, ops) if limit else []
     events.reverse()
     return AllocTrace(total=total, events=events)
+
+
+TRACE_SLICE_MARGIN = 4.0  # the first slice read: this many times the span the window's mean rate fills `limit` in
+TRACE_SLICE_GROWTH = 8.0  # each later slice this many times as long, until it holds `limit` or is the window
+
+
+def _newest_allocs(
+    conn: Any,
+    start: float,
+    end: float,
+    limit: int,
+    total: int,
+    instances: Sequence[str] | None,
+    run_id: str | None,
+    ops: Sequence[str] | None,
+) -> list[dict[str, Any]]:
+    """The window's newest `limit` records, newest first: read from the last slice of the window, `[end - d,
+    end)`, whose length `d` the window's count suggests, and from longer slices until one holds `limit`
+    records (or is the whole window). Exact: a slice at the window's end that holds `limit` records holds the
+    newest `limit` (a wrong count only costs a longer slice or another statement)."""
+    t = AllocRow.__table__
+    span = end - start
+    d = span if total <= limit else min(span, max(1.0, TRACE_SLICE_MARGIN * span * limit / total))
+    while True:
+        lo = max(start, end - d)
+        conds = _alloc_filter(lo, end, instances, run_id)
+        if ops is not None:
+            conds.append(t.c.op.in_(ops))
+        stmt = select(t).where(*conds).order_by(t.c.ts.desc(), t.c.id.desc()).limit(limit)
+        events = [dict(row._mapping) for row in conn.execute(stmt)]
+        if len(events) >= limit or lo <= start:
+            return events
+        d *= TRACE_SLICE_GROWTH
 
 
 def _alloc_count(

@@ -87,6 +87,28 @@ def test_ingest_keeps_the_rollup_and_long_windows_read_it(db_engine: Engine) -> 
     assert sum(b.events for b in short) == sum(start <= e["ts"] < start + 600 for e in events)
 
 
+@pytest.mark.parametrize("rolled", [True, False])
+def test_the_trace_reads_back_from_the_window_end_until_it_has_the_newest(db_engine: Engine, rolled: bool) -> None:
+    """The newest records when the window's rate is no guide: most records early in the window and 3 in its
+    last minute, so the slice the mean rate suggests holds too few and is widened; and with the rows stored
+    around ingest (no rollup: a count short of the records), which only widens the first slice."""
+    events = [*records(2000, seed=4, span=300.0), *records(3, seed=5, start=T0 + 3540.0, span=30.0)]
+    if rolled:
+        ingest(db_engine, events, "all")
+    else:
+        rows = parse_batch(ev.body(events), max_events=10_000).rows["alloc"]
+        with db_engine.begin() as conn:
+            insert_rows(conn, AllocRow.__table__, EVENT_COLUMNS["alloc"], rows)
+    start, end = T0 - 30.0, T0 + 3590.0
+    newest = sorted(events, key=lambda e: e["ts"])
+    for limit in (1, 3, 10, 2003, 5000):
+        trace = queries.alloc_trace(db_engine, start=start, end=end, limit=limit)
+        assert [(e["ts"], e["instance"]) for e in trace.events] == [
+            (e["ts"], e["instance"]) for e in newest[-limit:]
+        ], limit
+        assert (trace.total == len(events)) is rolled
+
+
 def test_maintenance_computes_records_stored_before_the_rollup(db_engine: Engine) -> None:
     events = records(1500, seed=2)
     rows = parse_batch(ev.body(events), max_events=10_000).rows["alloc"]
