@@ -180,13 +180,21 @@ def alloc_ops_over_time(
     return [AllocOpBucket(float(b), op, tier, int(n), int(blk or 0), int(by or 0)) for b, op, tier, n, blk, by in rows]
 
 
-def _alloc_filter(start: float, end: float, instances: Sequence[str] | None, run_id: str | None) -> list[ColumnElement]:
+def _alloc_filter(
+    start: float,
+    end: float,
+    instances: Sequence[str] | None,
+    run_id: str | None,
+    ops: Sequence[str] | None = None,
+) -> list[ColumnElement]:
     a = AllocRow.__table__.c
     conds: list[ColumnElement] = [a.ts >= start, a.ts < end]
     if instances is not None:
         conds.append(a.instance.in_(instances))
     if run_id is not None:
         conds.append(a.run_id == run_id)
+    if ops is not None:
+        conds.append(a.op.in_(ops))
     return conds
 
 
@@ -258,9 +266,7 @@ def _newest_allocs(
     d = span if total <= limit else min(span, max(1.0, TRACE_SLICE_MARGIN * span * limit / total))
     while True:
         lo = max(start, end - d)
-        conds = _alloc_filter(lo, end, instances, run_id)
-        if ops is not None:
-            conds.append(t.c.op.in_(ops))
+        conds = _alloc_filter(lo, end, instances, run_id, ops)
         stmt = select(t).where(*conds).order_by(t.c.ts.desc(), t.c.id.desc()).limit(limit)
         events = [dict(row._mapping) for row in conn.execute(stmt)]
         if len(events) >= limit or lo <= start:
@@ -272,13 +278,9 @@ def _alloc_count(
     conn: Any, start: float, end: float, instances: Sequence[str] | None, run_id: str | None, ops: Sequence[str] | None
 ) -> int:
     """How many allocation records the window holds (`alloc_trace`)."""
-    a = AllocRow.__table__.c
 
     def raw(lo: float, hi: float) -> Any:
-        conds = _alloc_filter(lo, hi, instances, run_id)
-        if ops is not None:
-            conds.append(a.op.in_(ops))
-        return select(func.count()).where(*conds).scalar_subquery()
+        return select(func.count()).where(*_alloc_filter(lo, hi, instances, run_id, ops)).scalar_subquery()
 
     first = math.ceil(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S  # the whole minutes inside the window
     last = math.floor(end / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S
