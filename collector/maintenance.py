@@ -69,6 +69,11 @@ class MaintenanceMetrics:
             "the latency sketch holds every finished request before this time (PostgreSQL)",
             registry=registry,
         )
+        self.stages_through = Gauge(
+            "kvpilot_collector_stage_minutes_through_ts",
+            "the per-minute stage sums hold every finished request before this time (PostgreSQL)",
+            registry=registry,
+        )
 
 
 @dataclass
@@ -79,6 +84,7 @@ class RoundResult:
     rollup: rollup.RollupResult | None = None
     brin_ranges: int = 0  # BRIN page ranges summarized (PostgreSQL: `partitions.summarize_brin`)
     latency_sketch: RollupResult | None = None  # the last minutes the latency sketch took (PostgreSQL)
+    stage_minutes: RollupResult | None = None  # and the per-minute stage sums
 
 
 def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> RoundResult:
@@ -98,12 +104,17 @@ def run_round(engine: Engine, settings: CollectorSettings, *, now: float) -> Rou
             left = partitions.rehome_default(conn, since=since, max_days=REHOME_DAYS_PER_ROUND)
             summarized = partitions.summarize_brin(conn, now=now)
             rolled = _roll(conn, settings, now)
-            sketched = _sketch(conn, settings, now)
+            sketched, staged = _sketch(conn, settings, now)
         finally:
             conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})
             conn.commit()
         return RoundResult(
-            created=created, default_rows=left, rollup=rolled, brin_ranges=summarized, latency_sketch=sketched
+            created=created,
+            default_rows=left,
+            rollup=rolled,
+            brin_ranges=summarized,
+            latency_sketch=sketched,
+            stage_minutes=staged,
         )
 
 
@@ -133,19 +144,24 @@ def _roll(conn: Connection, settings: CollectorSettings, now: float) -> rollup.R
     return out
 
 
-def _sketch(conn: Connection, settings: CollectorSettings, now: float) -> RollupResult | None:
-    """Roll request latencies into the sketch up to `latency_rollup.SETTLE_S` before `now`, `CHUNK_S` per
-    transaction (each holds the lock ingest's late rows wait on), at most `SKETCH_CHUNKS_PER_ROUND` of them."""
-    last = None
+def _sketch(
+    conn: Connection, settings: CollectorSettings, now: float
+) -> tuple[RollupResult | None, RollupResult | None]:
+    """Roll request latencies into the sketch and the per-minute stage sums up to `latency_rollup.SETTLE_S`
+    before `now`, `CHUNK_S` of each per transaction (each holds the lock ingest's late rows wait on), at most
+    `SKETCH_CHUNKS_PER_ROUND` transactions; the last minutes each took (None: none)."""
+    first_start = now - settings.raw_retention_days * partitions.DAY_S
+    last: list[RollupResult | None] = [None, None]
     for _ in range(SKETCH_CHUNKS_PER_ROUND):
         with conn.begin():
-            done = latency_rollup.roll_up(
-                conn, now=now, first_start=now - settings.raw_retention_days * partitions.DAY_S
-            )
-        if done is None:
-            return last
-        last = done
-    return last
+            done = [
+                latency_rollup.roll_up(conn, now=now, first_start=first_start),
+                latency_rollup.roll_stages(conn, now=now, first_start=first_start),
+            ]
+        if done == [None, None]:
+            break
+        last = [d or before for d, before in zip(done, last, strict=True)]
+    return last[0], last[1]
 
 
 class Maintenance:
@@ -189,24 +205,29 @@ class Maintenance:
             self.metrics.rollup_through.set(result.rollup.end)
         if result.latency_sketch is not None:
             self.metrics.sketch_through.set(result.latency_sketch.end)
+        if result.stage_minutes is not None:
+            self.metrics.stages_through.set(result.stage_minutes.end)
         if result.brin_ranges:
             self.metrics.brin_ranges.inc(result.brin_ranges)
             log.debug("summarized %d BRIN page ranges", result.brin_ranges)
 
     def sketch_once(self) -> RollupResult | None:
-        """Between rounds, the latency sketch's closed minutes alone (PostgreSQL): the fleet's latency reads
-        sort only the requests after the sketch's watermark, so it follows the clock closer than a round."""
+        """Between rounds, the closed minutes of the latency sketch and the stage sums alone (PostgreSQL): the
+        fleet's latency reads sort only the requests after their watermarks, so they follow the clock closer than
+        a round. The sketch's minutes (the stage sums' go to their gauge)."""
         try:
             with translate_errors(), self.engine.connect() as conn:
                 if conn.dialect.name != "postgresql":
                     return None
-                done = _sketch(conn, self.settings, self.clock())
+                done, staged = _sketch(conn, self.settings, self.clock())
         except CollectorError as exc:
             self.metrics.runs.labels("failed").inc()
             log.warning("latency sketch roll failed (retried in %.0f s): %s", latency_rollup.EVERY_S, exc)
             return None
         if done is not None:
             self.metrics.sketch_through.set(done.end)
+        if staged is not None:
+            self.metrics.stages_through.set(staged.end)
         return done
 
     def _loop(self) -> None:

@@ -13,7 +13,7 @@ On PostgreSQL the raw tables are partitioned by day (`collector.partitions`): th
 day, and the days before it are dropped whole (their rows counted first), with no mass DELETE; only strays
 in a DEFAULT partition are deleted. So PostgreSQL keeps raw rows for `raw_days` plus up to a day. SQLite
 deletes rows before the minute-aligned cutoff. The step and allocation rollups (`collector.rollup`) and the
-latency sketch (`collector.latency_rollup`) are kept as long as the 1-minute aggregates.
+latency sketch and stage sums (`collector.latency_rollup`) are kept as long as the 1-minute aggregates.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from collector.schema import (
     LatencySketch,
     OtlpSpan,
     RequestRow,
+    RequestStageMinute,
     SampleRow,
     SeriesPoint,
     StepRollup,
@@ -130,6 +131,7 @@ def prune(
             expired = batch_table.c.received_at < raw_cutoff
             deleted[batch_table.name] = conn.execute(delete(batch_table).where(expired)).rowcount or 0
         deleted[d.name] = conn.execute(delete(d).where(d.c.bucket_ts < down_cutoff)).rowcount or 0
-        for rolled in (StepRollup.__table__, AllocRollup.__table__, LatencySketch.__table__):
+        for rolled_model in (StepRollup, AllocRollup, LatencySketch, RequestStageMinute):
+            rolled = rolled_model.__table__
             deleted[rolled.name] = conn.execute(delete(rolled).where(rolled.c.bucket_ts < down_cutoff)).rowcount or 0
     return PruneResult(raw_cutoff, down_cutoff, written, deleted)

@@ -330,6 +330,27 @@ class LatencySketch(Base):
     peak: Mapped[float] = mapped_column(Float)
 
 
+class RequestStageMinute(Base):
+    """Per minute, a fleet's finished requests (warm-up left out): how many, and the sums of their stages'
+    seconds and of their swaps and preemptions (`collector.latency_rollup`, beside the sketch, under its own
+    watermark), so the Latency page's stage breakdown over a long window reads a row a minute instead of every
+    request. Sums add, so any set of minutes has exact means. Kept as long as the sketch."""
+
+    __tablename__ = "request_stage_minutes"
+
+    bucket_ts: Mapped[float] = mapped_column(Float, primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    queue_s: Mapped[float] = mapped_column(Float)
+    prefill_s: Mapped[float] = mapped_column(Float)
+    decode_s: Mapped[float] = mapped_column(Float)
+    decode_excl_swap_s: Mapped[float] = mapped_column(Float)  # max(decode - swap, 0) per request, summed
+    swap_s: Mapped[float] = mapped_column(Float)
+    e2e_s: Mapped[float] = mapped_column(Float)
+    frontend_s: Mapped[float] = mapped_column(Float)  # a request that did not measure it counts 0
+    swaps: Mapped[int] = mapped_column(BigInteger)
+    preemptions: Mapped[int] = mapped_column(BigInteger)
+
+
 class RollupWatermark(Base):
     """How far a rollup is complete: buckets before `through_ts` are rolled up, later ones read raw."""
 

@@ -70,14 +70,16 @@ def sketch_window(
     statuses: Sequence[str] | None,
     include_warmup: bool,
     bucket_s: float | None = None,
+    watermark: str = WATERMARK,
 ) -> SketchWindow | None:
-    """The part of the window the sketch serves (module docstring), None when the window reads raw rows."""
+    """The part of the window the sketch serves (module docstring), None when the window reads raw rows;
+    `watermark` names another fleet-wide per-minute rollup of the same requests (the stage sums')."""
     if instances is not None or run_id is not None or include_warmup or tuple(statuses or ()) != ("finished",):
         return None
     if end - start <= ROLLUP_AFTER_S or (bucket_s is not None and bucket_s % ROLLUP_BUCKET_S):
         return None
     w = RollupWatermark.__table__.c
-    through = conn.execute(select(w.through_ts).where(w.name == WATERMARK)).scalar_one_or_none()
+    through = conn.execute(select(w.through_ts).where(w.name == watermark)).scalar_one_or_none()
     lo = math.floor(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S
     if through is None or through <= lo:
         return None

@@ -7,15 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, case, func, literal, select
+from sqlalchemy import and_, case, func, literal, select, union_all
 from sqlalchemy.sql import ColumnElement
 
+from collector.queries import latency_sketch as sketch
 from collector.queries._base import Db, GroupBy, LatencyMetric, _bound, _dialect, bucket_expr
 from collector.queries.catalog import SIMULATED_INSTANCE_PREFIX
 from collector.queries.request_stats import _group_column, _request_filter, metric_column, user_e2e, user_ttft
-from collector.schema import (
-    RequestRow,
-)
+from collector.schema import RequestRow, RequestStageMinute
 
 
 @dataclass(frozen=True)
@@ -274,37 +273,47 @@ def stage_breakdown_over_time(
     run_id: str | None = None,
     include_warmup: bool = False,
 ) -> list[StageBucket]:
-    """Per bucket: mean queue, prefill, first-token gap, decode and swap seconds of finished requests, and counts."""
+    """Per bucket: mean queue, prefill, first-token gap, decode and swap seconds of finished requests, and counts.
+
+    A fleet-wide window the latency sketch would serve (`latency_sketch.sketch_window`: no instance or run
+    filter, longer than `ROLLUP_AFTER_S`, buckets of whole minutes) reads the per-minute stage sums
+    (`request_stage_minutes`) before their watermark, whole minutes as the sketch does, and the raw rows after
+    it: sums add, so its means are the means of those requests.
+    """
     if bucket_s <= 0:
         raise ValueError("bucket_s must be positive")
     r = RequestRow.__table__.c
     conds = _request_filter(start, end, instances, run_id, ("finished",), include_warmup)
-    decode_excl_swap = case((r.decode_s > r.swap_s, r.decode_s - r.swap_s), else_=literal(0.0))
     with _bound(db) as conn:
         bucket = bucket_expr(r.ts, bucket_s, _dialect(conn)).label("b")
-        stmt = (
-            select(
-                bucket,
-                func.count(),
-                func.avg(r.queue_s),
-                func.avg(r.prefill_s),
-                func.avg(r.decode_s),
-                func.avg(decode_excl_swap),
-                func.avg(r.swap_s),
-                func.avg(r.e2e_s),
-                func.sum(r.swaps),
-                func.sum(r.preemptions),
-                func.avg(func.coalesce(r.frontend_s, 0.0)),
-            )
-            .where(*conds)
-            .group_by(bucket)
-            .order_by(bucket)
+        raw = select(bucket, func.count().label("requests"), *stage_sums(r)).where(*conds).group_by(bucket)
+        window = sketch.sketch_window(
+            conn,
+            start=start,
+            end=end,
+            instances=instances,
+            run_id=run_id,
+            statuses=("finished",),
+            include_warmup=include_warmup,
+            bucket_s=bucket_s,
+            watermark=STAGES,
         )
+        if window is not None:
+            m = RequestStageMinute.__table__.c
+            rolled = select(
+                bucket_expr(m.bucket_ts, bucket_s, _dialect(conn)).label("b"), *(m[c] for c in STAGE_COLUMNS)
+            )
+            rolled = rolled.where(m.bucket_ts >= window.lo, m.bucket_ts < min(window.through, window.end))
+            both = union_all(rolled, raw.where(r.ts >= window.through)).subquery("stages")
+            sums = [func.sum(both.c[c]) for c in STAGE_COLUMNS]
+            stmt = select(both.c.b, *sums).group_by(both.c.b).order_by(both.c.b)
+        else:
+            stmt = raw.order_by(bucket)
         rows = conn.execute(stmt).all()
     out = []
-    for b, n, queue, prefill, decode, decode_excl, swap, e2e, swaps, preemptions, frontend in rows:
-        queue, prefill, decode, e2e, frontend = float(queue), float(prefill), float(decode), float(e2e), float(frontend)
-        decode_excl, swap = float(decode_excl), float(swap)
+    for b, count, *sums in rows:
+        n = int(count)  # a sum of counts is a NUMERIC on PostgreSQL
+        queue, prefill, decode, decode_excl, swap, e2e, frontend = (float(x) / n for x in sums[:7])
         out.append(
             StageBucket(
                 ts=float(b),
@@ -316,9 +325,34 @@ def stage_breakdown_over_time(
                 swap_s=swap,
                 decode_s=decode,
                 e2e_s=e2e + frontend,
-                swaps=int(swaps or 0),
-                preemptions=int(preemptions or 0),
+                swaps=int(sums[7] or 0),
+                preemptions=int(sums[8] or 0),
                 frontend_s=frontend,
             )
         )
     return out
+
+
+STAGES = "stages"  # the stage sums' row in rollup_watermarks (`collector.latency_rollup` rolls them)
+# a stage minute's columns after its minute (`request_stage_minutes`): how many requests, then `stage_sums`
+STAGE_COLUMNS = (
+    "requests", "queue_s", "prefill_s", "decode_s", "decode_excl_swap_s", "swap_s", "e2e_s", "frontend_s", "swaps",
+    "preemptions",
+)  # fmt: skip
+
+
+def stage_sums(r: Any) -> list[ColumnElement]:
+    """The sums of a set of request rows (`r`: a table's columns) that a stage minute keeps, in `STAGE_COLUMNS`'
+    order after `requests`, labelled as those columns."""
+    decode_excl_swap = case((r.decode_s > r.swap_s, r.decode_s - r.swap_s), else_=literal(0.0))
+    return [
+        func.sum(r.queue_s).label("queue_s"),
+        func.sum(r.prefill_s).label("prefill_s"),
+        func.sum(r.decode_s).label("decode_s"),
+        func.sum(decode_excl_swap).label("decode_excl_swap_s"),
+        func.sum(r.swap_s).label("swap_s"),
+        func.sum(r.e2e_s).label("e2e_s"),
+        func.sum(func.coalesce(r.frontend_s, 0.0)).label("frontend_s"),
+        func.sum(r.swaps).label("swaps"),
+        func.sum(r.preemptions).label("preemptions"),
+    ]

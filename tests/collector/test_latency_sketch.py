@@ -18,9 +18,10 @@ from collector.db import make_engine
 from collector.ingest import parse_batch, store_batch
 from collector.maintenance import Maintenance, MaintenanceMetrics
 from collector.queries import latency_sketch as sketch
+from collector.queries.request_rates import STAGES
 from collector.retention import DAY, prune
 from collector.rollup import watermark
-from collector.schema import LatencySketch
+from collector.schema import LatencySketch, RequestStageMinute
 from collector.settings import CollectorSettings
 from tests.collector import evfactory as ev
 
@@ -248,3 +249,103 @@ def test_maintenance_rolls_the_sketch_in_its_round_and_between_rounds(pg: Engine
     later = job.sketch_once()
     assert later is not None and later.end == first + 120.0
     assert metrics.sketch_through._value.get() == later.end
+
+
+def staged(n: int, *, seed: int, start: float = T0, span: float = SPAN_S) -> list[dict[str, Any]]:
+    """`requests` with swaps, preemptions and swapped seconds, some longer than the decode (clamped at 0)."""
+    rnd = random.Random(seed)
+    out = requests(n, seed=seed, start=start, span=span)
+    for e in out:
+        swapped = rnd.random() < 0.3
+        e["swap_s"] = rnd.uniform(0.0, 2.0 * e["decode_s"]) if swapped else 0.0
+        e["swaps"] = rnd.randint(1, 3) if swapped else 0
+        e["preemptions"] = rnd.randint(0, 2)
+    return out
+
+
+def stage_truth(events: list[dict[str, Any]], bucket_s: float) -> dict[float, dict[str, float]]:
+    """The stage breakdown's buckets computed from the events themselves."""
+    by: dict[float, list[dict[str, Any]]] = {}
+    for e in counted(events):
+        by.setdefault(math.floor(e["ts"] / bucket_s) * bucket_s, []).append(e)
+    out = {}
+    for ts, es in by.items():
+        n = len(es)
+        out[ts] = {
+            "requests": n,
+            "queue_s": sum(e["queue_s"] for e in es) / n,
+            "decode_excl_swap_s": sum(max(e["decode_s"] - e["swap_s"], 0.0) for e in es) / n,
+            "swap_s": sum(e["swap_s"] for e in es) / n,
+            "e2e_s": sum(e["e2e_s"] + (e["frontend_s"] or 0.0) for e in es) / n,
+            "frontend_s": sum(e["frontend_s"] or 0.0 for e in es) / n,
+            "swaps": sum(e["swaps"] for e in es),
+            "preemptions": sum(e["preemptions"] for e in es),
+        }
+    return out
+
+
+def assert_stages(got: list[queries.StageBucket], want: dict[float, dict[str, float]]) -> None:
+    assert [b.ts for b in got] == sorted(want)
+    for b in got:
+        for field, value in want[b.ts].items():
+            assert getattr(b, field) == pytest.approx(value), (b.ts, field)
+
+
+def roll_stages(engine: Engine, now: float) -> float | None:
+    """Roll the stage sums until there is nothing left; their watermark."""
+    while True:
+        with engine.begin() as conn:
+            if latency_rollup.roll_stages(conn, now=now, first_start=T0 - DAY) is None:
+                return watermark(conn, STAGES)
+
+
+@pytest.mark.postgres
+def test_fleet_stage_breakdown_reads_the_stage_minutes_and_counts_late_rows_once(pg: Engine) -> None:
+    events = staged(2400, seed=11)
+    for k in range(0, len(events), 600):
+        ingest(pg, events[k : k + 600], f"b{k}")
+    raw = queries.stage_breakdown_over_time(pg, start=T0, end=END, bucket_s=300.0)
+    assert_stages(raw, stage_truth(events, 300.0))  # nothing rolled: every raw row
+    through = roll_stages(pg, now=T0 + 1200)
+    assert through == math.floor((T0 + 1200 - latency_rollup.SETTLE_S) / 60) * 60
+    with pg.connect() as conn:
+        minutes = conn.execute(select(func.count()).select_from(RequestStageMinute)).scalar_one()
+        assert minutes == len({math.floor(e["ts"] / 60) for e in counted(events) if e["ts"] < through})
+        # the rollup is read: a changed stage minute shows in the breakdown (the raw rows still hold the truth)
+    rolled = queries.stage_breakdown_over_time(pg, start=T0, end=END, bucket_s=300.0)
+    assert_stages(rolled, stage_truth(events, 300.0))  # the stage minutes before the watermark, raw rows after
+    late = staged(400, seed=12, span=600.0)  # the first ten minutes again, stored after they were rolled
+    ingest(pg, late, "late")
+    assert roll_stages(pg, now=T0 + 1200) == through  # nothing new to roll: the late rows were added by ingest
+    assert_stages(
+        queries.stage_breakdown_over_time(pg, start=T0, end=END, bucket_s=300.0), stage_truth(events + late, 300.0)
+    )
+    with pg.begin() as conn:  # the minutes are what the fleet-wide window reads
+        conn.execute(RequestStageMinute.__table__.update().values(swaps=RequestStageMinute.swaps + 1000))
+    bumped = queries.stage_breakdown_over_time(pg, start=T0, end=END, bucket_s=300.0)
+    assert sum(b.swaps for b in bumped) == sum(b.swaps for b in rolled) + 1000 * minutes + sum(
+        e["swaps"] for e in counted(late)
+    )
+    # one instance, a short window or a bucket of no whole minutes read the raw rows, exact
+    one = queries.stage_breakdown_over_time(pg, start=T0, end=END, bucket_s=300.0, instances=["e1"])
+    assert_stages(one, stage_truth([e for e in events + late if e["instance"] == "e1"], 300.0))
+    odd = queries.stage_breakdown_over_time(pg, start=T0, end=END, bucket_s=90.0)
+    assert_stages(odd, stage_truth(events + late, 90.0))
+
+
+@pytest.mark.postgres
+def test_stage_minutes_roll_from_the_oldest_request_when_the_sketch_is_ahead(pg: Engine, pg_url: str) -> None:
+    """A database that had the sketch before the stage minutes existed rolls them from its first request."""
+    events = staged(900, seed=13)
+    ingest(pg, events, "all")
+    assert roll(pg, now=END) is not None  # the sketch alone, as before the stage minutes
+    with pg.connect() as conn:
+        assert watermark(conn, STAGES) is None
+    settings = CollectorSettings(db_url=pg_url, raw_retention_days=3.0, partitions_ahead_days=2)
+    metrics = MaintenanceMetrics(CollectorRegistry())
+    result = Maintenance(pg, settings, metrics=metrics, clock=lambda: END).run_once()
+    assert result is not None and result.stage_minutes is not None and result.latency_sketch is None
+    assert metrics.stages_through._value.get() == result.stage_minutes.end
+    assert_stages(queries.stage_breakdown_over_time(pg, start=T0, end=END, bucket_s=300.0), stage_truth(events, 300.0))
+    result = prune(pg, raw_days=1.0, downsample_days=2.0, now=T0 + 3 * DAY)
+    assert result.deleted["request_stage_minutes"] > 0
