@@ -453,6 +453,9 @@ def _write_group(conn: Connection, members: list[tuple[str, str, ParsedBatch]], 
     allocs = [row for _, _, b in members for row in b.rows.get("alloc", ())]
     if allocs:
         rollup.add_allocs(conn, allocs, EVENT_COLUMNS["alloc"])
+    samples = [row for _, _, b in members for row in b.rows.get("sample", ())]
+    if samples:
+        rollup.add_samples(conn, samples, EVENT_COLUMNS["sample"])
     requests = [row for _, _, b in members for row in b.rows.get("request", ())]
     if requests:  # rows the latency sketch has rolled past (`collector.latency_rollup`)
         latency_rollup.add_late(conn, requests, EVENT_COLUMNS["request"])

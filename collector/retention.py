@@ -12,8 +12,8 @@ Series from the engine event tables have no labels and are stored with '{}'.
 On PostgreSQL the raw tables are partitioned by day (`collector.partitions`): the cutoff is aligned to the
 day, and the days before it are dropped whole (their rows counted first), with no mass DELETE; only strays
 in a DEFAULT partition are deleted. So PostgreSQL keeps raw rows for `raw_days` plus up to a day. SQLite
-deletes rows before the minute-aligned cutoff. The step and allocation rollups (`collector.rollup`) and the
-latency sketch and stage sums (`collector.latency_rollup`) are kept as long as the 1-minute aggregates.
+deletes rows before the minute-aligned cutoff. The step, allocation and sample rollups (`collector.rollup`)
+and the latency sketch and stage sums (`collector.latency_rollup`) are kept as long as the 1-minute aggregates.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from collector.schema import (
     OtlpSpan,
     RequestRow,
     RequestStageMinute,
+    SampleRollup,
     SampleRow,
     SeriesPoint,
     StepRollup,
@@ -131,7 +132,7 @@ def prune(
             expired = batch_table.c.received_at < raw_cutoff
             deleted[batch_table.name] = conn.execute(delete(batch_table).where(expired)).rowcount or 0
         deleted[d.name] = conn.execute(delete(d).where(d.c.bucket_ts < down_cutoff)).rowcount or 0
-        for rolled_model in (StepRollup, AllocRollup, LatencySketch, RequestStageMinute):
+        for rolled_model in (StepRollup, AllocRollup, SampleRollup, LatencySketch, RequestStageMinute):
             rolled = rolled_model.__table__
             deleted[rolled.name] = conn.execute(delete(rolled).where(rolled.c.bucket_ts < down_cutoff)).rowcount or 0
     return PruneResult(raw_cutoff, down_cutoff, written, deleted)

@@ -1,12 +1,14 @@
-"""The per-minute step and allocation rollups (`step_rollups`, `alloc_rollups`): what history views read
-instead of every raw row of a long range.
+"""The per-minute step, allocation and sample rollups (`step_rollups`, `alloc_rollups`, `sample_rollups`): what
+history views read instead of every raw row of a long range.
 
 Steps: one row per (instance, run, minute) of non-warm-up steps: how many, their summed duration, and the
 highest KV usage, batch size and queue depth among them. A maximum of maxima is the maximum, so peaks read
 from the rollup equal the peaks over every step (`collector.queries.step_rollup`). Allocation records: one
 row per (instance, run, minute, op, tier): how many, their blocks and bytes, exact sums for the KV page's
-operations chart and the trace's count (`collector.queries.engine_stats`). A rollup is a `Kind`; what follows
-holds for both (their watermarks are apart).
+operations chart and the trace's count (`collector.queries.engine_stats`). Engine samples: one row per
+(instance, run, minute): how many, and per KV gauge its sum and how many samples had it, exact means for the
+KV page's usage chart, and which engines sampled for the Overview. A rollup is a `Kind`; what follows holds for
+each (their watermarks are apart).
 
 Two writers keep it, and they agree:
 - ingest (`add_steps`, in the batch's own transaction): each batch's steps are added to their minutes (counts
@@ -37,8 +39,10 @@ from collector.bulk import many_rows_insert, many_rows_params
 from collector.queries import bucket_expr
 from collector.queries.step_rollup import ALLOC_WATERMARK as ALLOCS
 from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
+from collector.queries.step_rollup import SAMPLE_GAUGES
+from collector.queries.step_rollup import SAMPLE_WATERMARK as SAMPLES
 from collector.queries.step_rollup import WATERMARK as STEPS
-from collector.schema import AllocRollup, AllocRow, RollupWatermark, StepRollup, StepRow
+from collector.schema import AllocRollup, AllocRow, RollupWatermark, SampleRollup, SampleRow, StepRollup, StepRow
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,17 @@ def _alloc_source(start: float, end: float, dialect: str) -> Select:
     )
 
 
+def _sample_source(start: float, end: float, dialect: str) -> Select:
+    sm = SampleRow.__table__.c
+    bucket = bucket_expr(sm.ts, BUCKET_S, dialect).label("bucket")
+    gauges = [f(sm[g]) for g in SAMPLE_GAUGES for f in (lambda c: func.coalesce(func.sum(c), 0.0), func.count)]
+    return (
+        select(sm.instance, sm.run_id, bucket, func.count(), *gauges)
+        .where(sm.ts >= start, sm.ts < end)
+        .group_by(sm.instance, sm.run_id, bucket)
+    )
+
+
 _STEP_COLUMNS = ("instance", "run_id", "bucket_ts", "steps", "duration_sum", "kv_usage_max", "running_max")
 STEPS_KIND = Kind(STEPS, StepRollup.__table__, (*_STEP_COLUMNS, "waiting_max"), _step_source)
 ALLOCS_KIND = Kind(
@@ -101,7 +116,12 @@ ALLOCS_KIND = Kind(
     ("instance", "run_id", "bucket_ts", "op", "tier", "events", "blocks", "bytes"),
     _alloc_source,
 )
-KINDS = (STEPS_KIND, ALLOCS_KIND)
+# a sample rollup row's columns after its key: how many samples, then a sum and a count per gauge
+_SAMPLE_VALUES = ("samples", *(f"{g}_{part}" for g in SAMPLE_GAUGES for part in ("sum", "n")))
+SAMPLES_KIND = Kind(
+    SAMPLES, SampleRollup.__table__, ("instance", "run_id", "bucket_ts", *_SAMPLE_VALUES), _sample_source
+)
+KINDS = (STEPS_KIND, ALLOCS_KIND, SAMPLES_KIND)
 
 
 def roll_up(
@@ -211,6 +231,44 @@ def add_allocs(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Seque
     if values:
         conn.execute(_add_allocs_statement(conn.dialect.name), many_rows_params(conn, values))
     return len(values)
+
+
+def add_samples(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequence[str]) -> int:
+    """Add a batch's sample rows (tuples in `columns`' order) to their minutes' rollup rows, in the caller's
+    transaction; how many rollup rows were touched."""
+    at = {name: k for k, name in enumerate(columns)}
+    ins, run, ts = at["instance"], at["run_id"], at["ts"]
+    gauges = [at[g] for g in SAMPLE_GAUGES]
+    buckets: dict[tuple[str, str, float], list[Any]] = {}
+    for row in rows:
+        key = (row[ins], row[run], floor_minute(row[ts]))
+        b = buckets.get(key)
+        if b is None:
+            b = buckets[key] = [0] + [0.0, 0] * len(gauges)
+        b[0] += 1
+        for k, g in enumerate(gauges):
+            value = row[g]
+            if value is not None:
+                b[1 + 2 * k] += value
+                b[2 + 2 * k] += 1
+    values = [
+        {"instance": i, "run_id": r, "bucket_ts": t, **dict(zip(_SAMPLE_VALUES, b, strict=True))}
+        for (i, r, t), b in sorted(buckets.items())  # one lock order for concurrent batches
+    ]
+    if values:
+        conn.execute(_add_samples_statement(conn.dialect.name), many_rows_params(conn, values))
+    return len(values)
+
+
+@functools.cache
+def _add_samples_statement(dialect: str) -> Any:
+    """INSERT ... ON CONFLICT: every count and sum added."""
+    table = SampleRollup.__table__
+    stmt = many_rows_insert(dialect, table, ("instance", "run_id", "bucket_ts", *_SAMPLE_VALUES))
+    return stmt.on_conflict_do_update(
+        index_elements=["instance", "run_id", "bucket_ts"],
+        set_={c: table.c[c] + stmt.excluded[c] for c in _SAMPLE_VALUES},
+    )
 
 
 @functools.cache

@@ -315,6 +315,30 @@ class AllocRollup(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
 
 
+class SampleRollup(Base):
+    """Per-minute KV gauges of one instance's and run's engine samples: how many samples, and for each of KV
+    usage, cold usage, fragmentation and internal waste the sum and the count of samples that had it (NULL where
+    an engine had no value), so a long window's per-minute means are exact (`collector.rollup`, kept current by
+    ingest like `step_rollups`), for the KV page's usage chart and the Overview's sampling engines; as long as
+    `samples_downsampled`."""
+
+    __tablename__ = "sample_rollups"
+    __table_args__ = (Index("ix_sample_rollups_bucket_ts", "bucket_ts"),)
+
+    instance: Mapped[str] = mapped_column(Name, primary_key=True)
+    run_id: Mapped[str] = mapped_column(Name, primary_key=True)
+    bucket_ts: Mapped[float] = mapped_column(Float, primary_key=True)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    kv_usage_sum: Mapped[float] = mapped_column(Float)
+    kv_usage_n: Mapped[int] = mapped_column(BigInteger)
+    cold_usage_sum: Mapped[float] = mapped_column(Float)
+    cold_usage_n: Mapped[int] = mapped_column(BigInteger)
+    fragmentation_sum: Mapped[float] = mapped_column(Float)
+    fragmentation_n: Mapped[int] = mapped_column(BigInteger)
+    internal_waste_sum: Mapped[float] = mapped_column(Float)
+    internal_waste_n: Mapped[int] = mapped_column(BigInteger)
+
+
 class LatencySketch(Base):
     """Per minute and request stage, a fleet's finished requests (warm-up left out) in logarithmic bins, with
     each bin's count, sum and largest value (`collector.latency_rollup`, read by `collector.queries.latency_sketch`):

@@ -29,9 +29,10 @@ from sqlalchemy import Integer, Subquery, case, cast, func, null, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, _bound, _dialect, _f, bucket_expr
-from collector.queries.step_rollup import ROLLUP_NOTE, load_rows
+from collector.queries.engine_stats import sample_rollup_filter
+from collector.queries.step_rollup import ROLLUP_AFTER_S, ROLLUP_NOTE, load_rows
 from collector.queries.timeseries import series_instances, series_points
-from collector.schema import RequestRow, SampleRow
+from collector.schema import RequestRow, SampleRollup, SampleRow
 
 VLLM_STEPS = "vLLM iteration log (every step)"
 VLLM_SPANS = "vLLM spans (every request's time in the queue)"
@@ -455,15 +456,21 @@ def _queue_peaks(db: Db, *, start: float, end: float, instances: Sequence[str], 
 def _sampling_instances(
     db: Db, *, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
 ) -> set[str]:
-    """Instances that pushed sample events in the window: kvpilot engines."""
-    s = SampleRow.__table__.c
-    conds: list[ColumnElement] = [s.ts >= start, s.ts < end]
-    if instances is not None:
-        conds.append(s.instance.in_(instances))
-    if run_id is not None:
-        conds.append(s.run_id == run_id)
+    """Instances that pushed sample events in the window: kvpilot engines. A window longer than `ROLLUP_AFTER_S`
+    reads the sample rollup's minutes (whole, as the step peaks beside it read theirs), not every sample."""
+    if end - start > ROLLUP_AFTER_S:
+        r = SampleRollup.__table__.c
+        stmt = select(r.instance).where(*sample_rollup_filter(start, end, instances, run_id)).distinct()
+    else:
+        s = SampleRow.__table__.c
+        conds: list[ColumnElement] = [s.ts >= start, s.ts < end]
+        if instances is not None:
+            conds.append(s.instance.in_(instances))
+        if run_id is not None:
+            conds.append(s.run_id == run_id)
+        stmt = select(s.instance).where(*conds).distinct()
     with _bound(db) as conn:
-        return {row[0] for row in conn.execute(select(s.instance).where(*conds).distinct())}
+        return {row[0] for row in conn.execute(stmt)}
 
 
 def _sampled(

@@ -29,6 +29,8 @@ ROLLUP_BUCKET_S = 60.0
 ROLLUP_NOTE = "whole minutes from the per-minute step rollup"
 WATERMARK = "steps"  # its row in rollup_watermarks
 ALLOC_WATERMARK = "allocs"  # the allocation rollup's (`collector.queries.engine_stats`)
+SAMPLE_WATERMARK = "samples"  # the sample rollup's (`collector.queries.engine_stats`)
+SAMPLE_GAUGES = ("kv_usage", "cold_usage", "fragmentation", "internal_waste")  # a sum and a count each
 
 
 def load_rows(

@@ -170,7 +170,12 @@ ALL_TIME = {"status diagnose": {"samples": EVERY_DAY, "alloc_events": EVERY_DAY,
 
 
 # Reads of an hour that read a per-minute rollup instead of any raw row (collector.rollup), and which
-ROLLUP_ONLY = {"step_load_over_time": "step_rollups", "alloc_ops_over_time": "alloc_rollups"}
+ROLLUP_ONLY = {
+    "step_load_over_time": {"step_rollups"},
+    "alloc_ops_over_time": {"alloc_rollups"},
+    "kv_over_time": {"sample_rollups"},
+    "step_load_lines": {"step_rollups", "sample_rollups"},  # the sampling engines (kvpilot's) from the sample rollup
+}
 
 
 def _plans(engine: Engine, statements: list[tuple[str, Any]]) -> list[dict[str, Any]]:
@@ -187,9 +192,9 @@ def _plans(engine: Engine, statements: list[tuple[str, Any]]) -> list[dict[str, 
 def test_an_hour_of_load_and_allocations_reads_the_rollup_by_its_index(loaded: Engine, read: str) -> None:
     statements = _recorded(loaded, lambda: READS[read](loaded))
     assert not _raw_scans(loaded, statements), f"{read} read raw rows"
-    scans = [scan for plan in _plans(loaded, statements) for scan in _scans(plan) if scan[1] == ROLLUP_ONLY[read]]
+    scans = [scan for plan in _plans(loaded, statements) for scan in _scans(plan) if scan[1] in ROLLUP_ONLY[read]]
     # by its index (an index scan, or a bitmap heap scan driven by one): never the whole table
-    assert scans and all(node != "Seq Scan" for node, _ in scans), scans
+    assert {rel for _, rel in scans} == ROLLUP_ONLY[read] and all(node != "Seq Scan" for node, _ in scans), scans
 
 
 @pytest.mark.parametrize("read", [r for r in READS if r not in ROLLUP_ONLY])
