@@ -104,7 +104,6 @@ def collect(db_url: str, *, instance: str | None, since: str | None, run_id: str
     """Everything the Overview's headline shows, for one window; raises typer.Exit(2) on bad input."""
     from sqlalchemy.engine import make_url
 
-    from collector import queries
     from collector.db import check_schema_current, make_engine
     from collector.errors import CollectorError
 
@@ -118,12 +117,25 @@ def collect(db_url: str, *, instance: str | None, since: str | None, run_id: str
         raise _fail(f"--db-url: no database at {database} (start the collector or run `kvpilot demo`)")
     try:
         engine = make_engine(db_url)
-        check_schema_current(engine)
-    except CollectorError as exc:
-        raise _fail(f"--db-url: {exc}") from None
     except Exception as exc:  # a malformed URL or a missing driver: say which option
         shown = url.render_as_string(hide_password=True)
         raise _fail(f"--db-url: cannot open {shown}: {type(exc).__name__}") from None
+    try:  # a library call as well as the CLI's: its connections are closed here, not left to the GC
+        try:
+            check_schema_current(engine)
+        except CollectorError as exc:
+            raise _fail(f"--db-url: {exc}") from None
+        except Exception as exc:  # the database cannot be reached: say which option
+            shown = url.render_as_string(hide_password=True)
+            raise _fail(f"--db-url: cannot open {shown}: {type(exc).__name__}") from None
+        return _collect(engine, instance=instance, since=since, run_id=run_id, now=now)
+    finally:
+        engine.dispose()
+
+
+def _collect(engine: Any, *, instance: str | None, since: str | None, run_id: str | None, now: float) -> Status:
+    from collector import queries
+
     win = _window(engine, since=since, run_id=run_id, instance=instance, now=now)
     instances = [instance] if instance else None
     lat = queries.headline_latency(engine, start=win.start, end=win.end, instances=instances, run_id=win.run_id)
