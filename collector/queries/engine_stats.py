@@ -267,14 +267,24 @@ def alloc_trace(
     read every one of them."""
     limit = max(0, int(limit))
     with _bound(db) as conn:
-        total = _alloc_count(conn, start, end, instances, run_id, ops)
-        events = _newest_allocs(conn, start, end, limit, total, instances, run_id, ops) if limit else []
+        total, tail = _alloc_count(conn, start, end, instances, run_id, ops)
+        events = _newest_allocs(conn, start, end, limit, total, tail, instances, run_id, ops) if limit else []
     events.reverse()
     return AllocTrace(total=total, events=events)
 
 
-TRACE_SLICE_MARGIN = 4.0  # the first slice read: this many times the span the window's mean rate fills `limit` in
+TRACE_SLICE_MARGIN = 4.0  # the first slice read: this many times the span the end's rate fills `limit` in
 TRACE_SLICE_GROWTH = 8.0  # each later slice this many times as long, until it holds `limit` or is the window
+TRACE_TAIL_MIN_S = 5.0  # a partial last minute shorter than this says little of the rate: the window's mean does
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """The window's last partial minute, `[minute, end)`: its records and its length (none read: the window's
+    mean rate serves)."""
+
+    records: int = 0
+    span_s: float = 0.0
 
 
 def _newest_allocs(
@@ -283,17 +293,25 @@ def _newest_allocs(
     end: float,
     limit: int,
     total: int,
+    tail: _Tail,
     instances: Sequence[str] | None,
     run_id: str | None,
     ops: Sequence[str] | None,
 ) -> list[dict[str, Any]]:
     """The window's newest `limit` records, newest first: read from the last slice of the window, `[end - d,
-    end)`, whose length `d` the window's count suggests, and from longer slices until one holds `limit`
-    records (or is the whole window). Exact: a slice at the window's end that holds `limit` records holds the
-    newest `limit` (a wrong count only costs a longer slice or another statement)."""
+    end)`, whose length `d` the rate at the window's end suggests (its last partial minute's records, counted
+    for the window's total; else the window's mean), and from longer slices until one holds `limit` records (or
+    is the whole window). Exact: a slice at the window's end that holds `limit` records holds the newest
+    `limit` (a wrong rate only costs a longer slice or another statement). The mean alone misleads where a
+    fleet started late in the window (a run of a few minutes in an hour: the first slice read was 20 times
+    longer than the newest 2,000 needed)."""
     t = AllocRow.__table__
     span = end - start
-    d = span if total <= limit else min(span, max(1.0, TRACE_SLICE_MARGIN * span * limit / total))
+    if tail.span_s >= TRACE_TAIL_MIN_S and tail.records:
+        rate = tail.records / tail.span_s
+    else:
+        rate = total / span if span > 0 else 0.0
+    d = span if total <= limit or rate <= 0 else min(span, max(1.0, TRACE_SLICE_MARGIN * limit / rate))
     while True:
         lo = max(start, end - d)
         conds = _alloc_filter(lo, end, instances, run_id, ops)
@@ -306,8 +324,8 @@ def _newest_allocs(
 
 def _alloc_count(
     conn: Any, start: float, end: float, instances: Sequence[str] | None, run_id: str | None, ops: Sequence[str] | None
-) -> int:
-    """How many allocation records the window holds (`alloc_trace`)."""
+) -> tuple[int, _Tail]:
+    """How many allocation records the window holds (`alloc_trace`), and its last partial minute's."""
 
     def raw(lo: float, hi: float) -> Any:
         return select(func.count()).where(*_alloc_filter(lo, hi, instances, run_id, ops)).scalar_subquery()
@@ -315,7 +333,7 @@ def _alloc_count(
     first = math.ceil(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S  # the whole minutes inside the window
     last = math.floor(end / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S
     if end - start <= ROLLUP_AFTER_S or last <= first:
-        return int(conn.execute(select(raw(start, end))).scalar_one())
+        return int(conn.execute(select(raw(start, end))).scalar_one()), _Tail()
     r = AllocRollup.__table__.c
     conds = [r.bucket_ts >= first, r.bucket_ts < last]
     if instances is not None:
@@ -325,7 +343,8 @@ def _alloc_count(
     if ops is not None:
         conds.append(r.op.in_(ops))
     rolled = select(func.coalesce(func.sum(r.events), 0)).where(*conds).scalar_subquery()
-    return int(conn.execute(select(raw(start, first) + rolled + raw(last, end))).scalar_one())
+    head, middle, tail = conn.execute(select(raw(start, first), rolled, raw(last, end))).one()
+    return int(head) + int(middle) + int(tail), _Tail(int(tail), end - last)
 
 
 def latest_samples(

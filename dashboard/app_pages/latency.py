@@ -14,8 +14,8 @@ sel = catalog.selection(f)
 ui.page_caption(
     f"Finished requests in {ui.window_text()}; percentiles from per-request events are exact (nearest rank), "
     "computed in SQL, except a whole fleet's over more than a quarter of an hour, read in whole minutes from the "
-    "latency sketch (at most 2% above the exact, never below); those from scraped histograms are precise to a "
-    "bucket's width."
+    "latency sketch (at most 2% above the exact, never below), where the stage breakdown's means come from the "
+    "per-minute stage sums (exact); those from scraped histograms are precise to a bucket's width."
 )
 
 NO_REQUESTS = (

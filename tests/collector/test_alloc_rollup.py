@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, event, select
 
 from collector import queries
 from collector.bulk import insert_rows
@@ -147,3 +147,29 @@ def test_retention_drops_the_rollup_with_the_minute_aggregates(db_engine: Engine
     with db_engine.connect() as conn:
         left = conn.execute(select(AllocRollup.events)).all()
     assert bool(left) is kept and (result.deleted["alloc_rollups"] == 0) is kept
+
+
+def test_the_trace_sizes_its_first_slice_by_the_rate_at_the_window_end(db_engine: Engine) -> None:
+    """A fleet that started late in the window: the hour's mean rate would read most of the window for the newest
+    records; the last partial minute's rate (counted for the total anyway) reads a few seconds, and the records
+    are the same."""
+    end = math.floor((T0 + 3600.0) / 60.0) * 60.0 + 40.0  # 40 s into a minute
+    events = [*records(200, seed=6, span=3000.0), *records(3000, seed=7, start=end - 100.0, span=100.0)]
+    ingest(db_engine, events, "all")
+    lows: list[float] = []
+
+    def slice_start(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        if "ORDER BY alloc_events.ts DESC" in statement:
+            lows.append(
+                min(v for v in (params.values() if isinstance(params, dict) else params) if isinstance(v, float))
+            )
+
+    event.listen(db_engine, "before_cursor_execute", slice_start)
+    try:
+        trace = queries.alloc_trace(db_engine, start=end - 3600.0, end=end, limit=100)
+    finally:
+        event.remove(db_engine, "before_cursor_execute", slice_start)
+    inside = sorted(e["ts"] for e in events if end - 3600.0 <= e["ts"] < end)
+    assert [e["ts"] for e in trace.events] == inside[-100:] and trace.total == len(inside)
+    # one slice, 4x the 3.3 s the end's 30 records a second fill 100 in (the hour's mean rate: 450 s)
+    assert len(lows) == 1 and end - lows[0] < 20.0, (end, lows)
