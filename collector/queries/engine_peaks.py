@@ -29,7 +29,7 @@ from sqlalchemy import Integer, Subquery, case, cast, func, null, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, _bound, _dialect, _f, bucket_expr
-from collector.queries.engine_stats import sample_rollup_filter
+from collector.queries.engine_stats import rollup_filter
 from collector.queries.step_rollup import ROLLUP_AFTER_S, ROLLUP_NOTE, load_rows
 from collector.queries.timeseries import series_instances, series_points
 from collector.schema import RequestRow, SampleRollup, SampleRow
@@ -460,7 +460,9 @@ def _sampling_instances(
     reads the sample rollup's minutes (whole, as the step peaks beside it read theirs), not every sample."""
     if end - start > ROLLUP_AFTER_S:
         r = SampleRollup.__table__.c
-        stmt = select(r.instance).where(*sample_rollup_filter(start, end, instances, run_id)).distinct()
+        stmt = (
+            select(r.instance).where(*rollup_filter(SampleRollup.__table__, start, end, instances, run_id)).distinct()
+        )
     else:
         s = SampleRow.__table__.c
         conds: list[ColumnElement] = [s.ts >= start, s.ts < end]

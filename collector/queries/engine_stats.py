@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Table, func, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, Points, _bound, _dialect, _f, bucket_expr
@@ -52,7 +52,7 @@ def kv_over_time(
             r = SampleRollup.__table__.c
             b = bucket_expr(r.bucket_ts, bucket_s, _dialect(conn)).label("bucket")
             sums = [func.sum(r[f"{g}_{part}"]) for g in SAMPLE_GAUGES for part in ("sum", "n")]
-            conds = sample_rollup_filter(start, end, instances, run_id)
+            conds = rollup_filter(SampleRollup.__table__, start, end, instances, run_id)
             stmt = (
                 select(r.instance, b, func.sum(r.samples), *sums)
                 .where(*conds)
@@ -90,11 +90,12 @@ def kv_over_time(
     return dict(out)
 
 
-def sample_rollup_filter(
-    start: float, end: float, instances: Sequence[str] | None, run_id: str | None
+def rollup_filter(
+    table: Table, start: float, end: float, instances: Sequence[str] | None, run_id: str | None
 ) -> list[ColumnElement]:
-    """The sample rollup's minutes a window touches (the first whole), with the window's filters."""
-    r = SampleRollup.__table__.c
+    """A per-minute rollup's (`table`: instance, run_id, bucket_ts) minutes a window touches (the first whole),
+    with the window's filters."""
+    r = table.c
     conds: list[ColumnElement] = [r.bucket_ts >= math.floor(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S]
     conds.append(r.bucket_ts < end)
     if instances is not None:
@@ -199,7 +200,7 @@ def alloc_ops_over_time(
             r = AllocRollup.__table__.c
             bucket = bucket_expr(r.bucket_ts, bucket_s, _dialect(conn)).label("b")
             cols: tuple[Any, ...] = (r.op, r.tier, func.sum(r.events), func.sum(r.blocks), func.sum(r.bytes))
-            conds = _rollup_filter(start, end, instances, run_id)
+            conds = rollup_filter(AllocRollup.__table__, start, end, instances, run_id)
         else:
             a = AllocRow.__table__.c
             bucket = bucket_expr(a.ts, bucket_s, _dialect(conn)).label("b")
@@ -225,20 +226,6 @@ def _alloc_filter(
         conds.append(a.run_id == run_id)
     if ops is not None:
         conds.append(a.op.in_(ops))
-    return conds
-
-
-def _rollup_filter(
-    start: float, end: float, instances: Sequence[str] | None, run_id: str | None
-) -> list[ColumnElement]:
-    """The allocation rollup's minutes a window touches (the first whole), with the window's filters."""
-    r = AllocRollup.__table__.c
-    conds: list[ColumnElement] = [r.bucket_ts >= math.floor(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S]
-    conds.append(r.bucket_ts < end)
-    if instances is not None:
-        conds.append(r.instance.in_(instances))
-    if run_id is not None:
-        conds.append(r.run_id == run_id)
     return conds
 
 
