@@ -30,11 +30,19 @@ from sqlalchemy import Connection, Float, cast, func, insert, literal, select, t
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import ColumnElement
 
+from collector.bulk import many_rows_params
 from collector.queries.latency_sketch import METRICS, WATERMARK, bin_expr, bin_of
 from collector.queries.request_rates import STAGE_COLUMNS, STAGES, stage_sums
 from collector.queries.request_stats import metric_column
 from collector.queries.step_rollup import ROLLUP_BUCKET_S as BUCKET_S
-from collector.rollup import RollupResult, floor_minute, insert_from_select, set_watermark, watermark
+from collector.rollup import (
+    RollupResult,
+    floor_minute,
+    insert_from_select,
+    set_watermark,
+    summing_upsert,
+    watermark,
+)
 from collector.schema import LatencySketch, RequestRow, RequestStageMinute, RollupWatermark, Run
 
 LOCK = 0x6B76_706C_6174  # the transaction advisory lock between the roll and ingest's late rows ("kvplat")
@@ -180,7 +188,12 @@ def _add_to_stages(conn: Connection, late: Sequence[tuple[Any, ...]], at: dict[s
         ):  # fmt: skip
             sums[k] += value
     values = [{"bucket_ts": t, **dict(zip(STAGE_COLUMNS, sums, strict=True))} for t, sums in sorted(minutes.items())]
-    conn.execute(_add_stages_statement(), values)
+    conn.execute(_add_stages_statement(), many_rows_params(conn, values))
+
+
+@functools.cache
+def _add_stages_statement() -> Any:
+    return summing_upsert("postgresql", RequestStageMinute.__table__, ("bucket_ts",), STAGE_COLUMNS)
 
 
 def stage_values(row: tuple[Any, ...], at: dict[str, int]) -> list[tuple[str, float | None]]:
@@ -199,16 +212,6 @@ def stage_values(row: tuple[Any, ...], at: dict[str, int]) -> list[tuple[str, fl
         ("swap", row[at["swap_s"]]),
         ("tpot", decode / (out - 1) if out > 1 else None),
     ]
-
-
-@functools.cache
-def _add_stages_statement() -> Any:
-    """INSERT ... ON CONFLICT: every count and sum added."""
-    table = RequestStageMinute.__table__
-    stmt = postgresql.insert(table)
-    return stmt.on_conflict_do_update(
-        index_elements=["bucket_ts"], set_={c: table.c[c] + stmt.excluded[c] for c in STAGE_COLUMNS}
-    )
 
 
 @functools.cache

@@ -260,32 +260,26 @@ def add_samples(conn: Connection, rows: Sequence[tuple[Any, ...]], columns: Sequ
     return len(values)
 
 
+def summing_upsert(dialect: str, table: Table, keys: tuple[str, ...], sums: tuple[str, ...]) -> Any:
+    """An INSERT of many rows (`collector.bulk.many_rows_insert`) ... ON CONFLICT on `keys`: each column of
+    `sums` added to the stored row's (counts and sums of a minute, from a batch or late rows)."""
+    stmt = many_rows_insert(dialect, table, (*keys, *sums))
+    return stmt.on_conflict_do_update(index_elements=list(keys), set_={c: table.c[c] + stmt.excluded[c] for c in sums})
+
+
 @functools.cache
 def _add_samples_statement(dialect: str) -> Any:
-    """INSERT ... ON CONFLICT: every count and sum added."""
-    table = SampleRollup.__table__
-    stmt = many_rows_insert(dialect, table, ("instance", "run_id", "bucket_ts", *_SAMPLE_VALUES))
-    return stmt.on_conflict_do_update(
-        index_elements=["instance", "run_id", "bucket_ts"],
-        set_={c: table.c[c] + stmt.excluded[c] for c in _SAMPLE_VALUES},
-    )
+    return summing_upsert(dialect, SampleRollup.__table__, ("instance", "run_id", "bucket_ts"), _SAMPLE_VALUES)
 
 
 @functools.cache
 def _add_allocs_statement(dialect: str) -> Any:
-    """INSERT ... ON CONFLICT: the counts and sums added."""
-    table = AllocRollup.__table__
-    stmt = many_rows_insert(dialect, table, _ADD_ALLOC_COLUMNS)
-    old, new = table.c, stmt.excluded
-    return stmt.on_conflict_do_update(
-        index_elements=["instance", "run_id", "bucket_ts", "op", "tier"],
-        set_={"events": old.events + new.events, "blocks": old.blocks + new.blocks, "bytes": old.bytes + new.bytes},
-    )
+    keys = ("instance", "run_id", "bucket_ts", "op", "tier")
+    return summing_upsert(dialect, AllocRollup.__table__, keys, ("events", "blocks", "bytes"))
 
 
-# the columns of a batch's rollup rows (`add_steps`, `add_allocs`), in the order their statements take them
+# the columns of a batch's step rollup rows (`add_steps`), in the order its statement takes them
 _ADD_STEP_COLUMNS = (*_STEP_COLUMNS, "waiting_max")
-_ADD_ALLOC_COLUMNS = ("instance", "run_id", "bucket_ts", "op", "tier", "events", "blocks", "bytes")
 
 
 @functools.cache  # built once per dialect: it runs on every batch with steps

@@ -115,22 +115,20 @@ def collect(db_url: str, *, instance: str | None, since: str | None, run_id: str
     local_file = url.get_backend_name() == "sqlite" and database not in ("", ":memory:")
     if local_file and not database.startswith("file:") and not Path(database).expanduser().exists():
         raise _fail(f"--db-url: no database at {database} (start the collector or run `kvpilot demo`)")
-    try:
-        engine = make_engine(db_url)
-    except Exception as exc:  # a malformed URL or a missing driver: say which option
-        shown = url.render_as_string(hide_password=True)
-        raise _fail(f"--db-url: cannot open {shown}: {type(exc).__name__}") from None
+    engine = None
     try:  # a library call as well as the CLI's: its connections are closed here, not left to the GC
         try:
+            engine = make_engine(db_url)
             check_schema_current(engine)
         except CollectorError as exc:
             raise _fail(f"--db-url: {exc}") from None
-        except Exception as exc:  # the database cannot be reached: say which option
+        except Exception as exc:  # a malformed URL, a missing driver, no database there: say which option
             shown = url.render_as_string(hide_password=True)
             raise _fail(f"--db-url: cannot open {shown}: {type(exc).__name__}") from None
         return _collect(engine, instance=instance, since=since, run_id=run_id, now=now)
     finally:
-        engine.dispose()
+        if engine is not None:
+            engine.dispose()
 
 
 def _collect(engine: Any, *, instance: str | None, since: str | None, run_id: str | None, now: float) -> Status:

@@ -29,7 +29,7 @@ from sqlalchemy import Integer, Subquery, case, cast, func, null, select
 from sqlalchemy.sql import ColumnElement
 
 from collector.queries._base import Db, _bound, _dialect, _f, bucket_expr
-from collector.queries.engine_stats import rollup_filter
+from collector.queries.engine_stats import rollup_filter, sample_filter
 from collector.queries.step_rollup import ROLLUP_AFTER_S, ROLLUP_NOTE, load_rows
 from collector.queries.timeseries import series_instances, series_points
 from collector.schema import RequestRow, SampleRollup, SampleRow
@@ -459,18 +459,10 @@ def _sampling_instances(
     """Instances that pushed sample events in the window: kvpilot engines. A window longer than `ROLLUP_AFTER_S`
     reads the sample rollup's minutes (whole, as the step peaks beside it read theirs), not every sample."""
     if end - start > ROLLUP_AFTER_S:
-        r = SampleRollup.__table__.c
-        stmt = (
-            select(r.instance).where(*rollup_filter(SampleRollup.__table__, start, end, instances, run_id)).distinct()
-        )
+        rolled = SampleRollup.__table__
+        stmt = select(rolled.c.instance).where(*rollup_filter(rolled, start, end, instances, run_id)).distinct()
     else:
-        s = SampleRow.__table__.c
-        conds: list[ColumnElement] = [s.ts >= start, s.ts < end]
-        if instances is not None:
-            conds.append(s.instance.in_(instances))
-        if run_id is not None:
-            conds.append(s.run_id == run_id)
-        stmt = select(s.instance).where(*conds).distinct()
+        stmt = select(SampleRow.__table__.c.instance).where(*sample_filter(start, end, instances, run_id)).distinct()
     with _bound(db) as conn:
         return {row[0] for row in conn.execute(stmt)}
 

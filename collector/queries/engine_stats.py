@@ -60,17 +60,13 @@ def kv_over_time(
                 .order_by(r.instance, b)
             )
             for inst, bucket, n, *pairs in conn.execute(stmt):
-                sums, counts = pairs[::2], pairs[1::2]
-                kv, cold, frag, waste = (float(t) / int(c) if c else None for t, c in zip(sums, counts, strict=True))
+                totals, counts = pairs[::2], pairs[1::2]
+                kv, cold, frag, waste = (float(t) / int(c) if c else None for t, c in zip(totals, counts, strict=True))
                 out[inst].append(KvBucket(float(bucket), kv, cold, frag, waste, int(n)))
             return dict(out)
         s = SampleRow.__table__.c
         b = bucket_expr(s.ts, bucket_s, _dialect(conn)).label("bucket")
-        conds = [s.ts >= start, s.ts < end]
-        if instances is not None:
-            conds.append(s.instance.in_(instances))
-        if run_id is not None:
-            conds.append(s.run_id == run_id)
+        conds = sample_filter(start, end, instances, run_id)
         stmt = (
             select(
                 s.instance,
@@ -88,6 +84,17 @@ def kv_over_time(
         for inst, bucket, kv, cold, frag, waste, n in conn.execute(stmt):
             out[inst].append(KvBucket(float(bucket), _f(kv), _f(cold), _f(frag), _f(waste), int(n)))
     return dict(out)
+
+
+def sample_filter(start: float, end: float, instances: Sequence[str] | None, run_id: str | None) -> list[ColumnElement]:
+    """The raw samples of a window, with its filters."""
+    s = SampleRow.__table__.c
+    conds: list[ColumnElement] = [s.ts >= start, s.ts < end]
+    if instances is not None:
+        conds.append(s.instance.in_(instances))
+    if run_id is not None:
+        conds.append(s.run_id == run_id)
+    return conds
 
 
 def rollup_filter(
