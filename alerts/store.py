@@ -58,6 +58,8 @@ def try_acquire(factory: sessionmaker[Session], *, holder: str, now: float, ttl_
         ).first()
         if current is None:
             raise RuntimeError("alert_evaluator_lease row missing; call ensure_lease_row first")
+        if current.holder != holder and current.expires_at >= now:
+            return None  # held by another, unexpired: the compare-and-set below could not match
         taking_over = current.holder != holder or current.expires_at < now
         values: dict = {"holder": holder, "expires_at": now + ttl_s, "renewed_at": now}
         if taking_over:

@@ -214,7 +214,8 @@ def _copy_ceiling(engine: Any, batches: int) -> float:
     rows = []
     now = time.time()
     for b in range(batches):
-        sim = fleet_load.Engine(f"ceiling-{b % 50}", "fleet-ceiling", rng)
+        name = f"ceiling-{b % 50}"
+        sim = fleet_load.Engine(name, fleet_load.run_of("fleet-ceiling", name), rng)
         batch, _ = sim.events(now - 60, now, fleet_load.Rates(), cap=1000)
         rows.append(parse_batch(batch.body(), max_events=100_000).rows)
     elapsed = raw_write(engine, rows, "copy-binary")
@@ -676,15 +677,18 @@ def _first_contact(reports: list[dict]) -> tuple[int, float | None]:
     return acked, _round(max((r.get("first_contact_s", 0.0) for r in reports), default=None))
 
 
-def _stored_events(engine: Any, run_id: str) -> dict[str, int]:
-    """Rows of every event table under `run_id`, by kind."""
+def _stored_events(engine: Any, run: str) -> dict[str, int]:
+    """Rows of every event table in the bench's run `run` (every engine's own run id in it), by kind."""
     from sqlalchemy import func, select
 
     from collector.schema import EVENT_TABLES
 
+    prefix = fleet_load.run_of(run, "")
     with engine.connect() as conn:
         return {
-            kind: conn.execute(select(func.count()).select_from(table).where(table.c.run_id == run_id)).scalar_one()
+            kind: conn.execute(
+                select(func.count()).select_from(table).where(table.c.run_id.startswith(prefix, autoescape=True))
+            ).scalar_one()
             for kind, table in EVENT_TABLES.items()
         }
 

@@ -144,15 +144,21 @@ FAST_COLUMNS: dict[str, tuple[str, ...]] = _built[1] if _built else {}
 
 def decode(body: bytes) -> tuple[str | None, dict[str, list[tuple]]] | None:
     """(idempotency key, row tuples per event type) if msgspec accepts the body, else None."""
-    if _built is None or b"\\u" in body:
+    # a backslash first: one byte is looked for at memory speed, two bytes at a byte a cycle (11 us in a 10-kB
+    # body, a third of decoding it), and most bodies have no escape at all
+    if _built is None or (b"\\" in body and b"\\u" in body):
         return None
     try:
         batch = _built[0].decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    rows: dict[str, list[tuple]] = {}
+    # grouped by struct type, named after the loop: the loop runs once per event (a fleet's millions a minute),
+    # and a dict lookup on the type costs half of reading each event's tag
+    by_type: dict[Any, list[tuple]] = {}  # a struct class (msgspec types them loosely)
     astuple = msgspec.structs.astuple
     for event in batch.events:
-        kind = event.__struct_config__.tag
-        rows.setdefault(kind, []).append(astuple(event)[:-1])
-    return batch.idempotency_key, rows
+        rows = by_type.get(type(event))
+        if rows is None:
+            rows = by_type[type(event)] = []
+        rows.append(astuple(event)[:-1])  # the last field is `v`, not stored
+    return batch.idempotency_key, {kind.__struct_config__.tag: rows for kind, rows in by_type.items()}

