@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.config import Receiver
 from alerts.metrics import AlertMetrics
-from alerts.outbox import claim_due
+from alerts.outbox import claim_due, pending
 from alerts.outbox import list_notifications as list_notifications
 from alerts.store import Lease, LeaseLostError, fence, renew
 from collector.db import rowcount, translate_errors
@@ -107,6 +107,9 @@ class DeliveryWorker:
 
     def _claim(self, lease: Lease) -> list[AlertNotification]:
         now = self.clock()
+        with translate_errors(), self.factory() as session:  # a read of its own: the fence opens the write
+            if not pending(session):
+                return []  # nothing to claim: no fenced write (a committed transaction every tick of a quiet fleet)
         with translate_errors(), self.factory() as session:
             try:
                 fence(session, lease, now)

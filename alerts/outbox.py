@@ -84,6 +84,12 @@ def claim_due(
     return due
 
 
+def pending(session: Session) -> bool:
+    """Whether any notification waits to be sent (what `claim_due` reads), one index probe."""
+    n = AlertNotification.__table__.c
+    return session.execute(select(n.id).where(n.status == "pending").limit(1)).first() is not None
+
+
 def list_notifications(session: Session, *, limit: int = 100, status: str | None = None) -> list[dict]:
     """Deliveries and their attempts, newest first (for the CLI and the dashboard)."""
     stmt = select(AlertNotification).order_by(AlertNotification.id.desc()).limit(limit)

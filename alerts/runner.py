@@ -44,9 +44,9 @@ from alerts.store import (
     LeaseLostError,
     delete_rules_except,
     ensure_lease_row,
-    fence,
     load_states,
     release,
+    renew,
     save_rule_states,
     try_acquire,
 )
@@ -157,7 +157,7 @@ class AlertEvaluator:
             return result
         if self.delivery is not None:
             try:
-                result.delivered = sum(1 for r in self.delivery.run_once(lease) if r.outcome == "delivered")
+                result.delivered = sum(1 for r in self.delivery.run_once(self.lease) if r.outcome == "delivered")
             except StorageError as exc:
                 self.metrics.storage_errors.inc()
                 log.error("alerts: delivery failed on the database: %s", exc)
@@ -165,10 +165,10 @@ class AlertEvaluator:
         return result
 
     def _lease(self, now: float) -> Lease | None:
-        """The lease this tick runs under: the one held, until a third of its TTL has passed since it was renewed
-        (nobody can take a lease before it expires, and every write is fenced); then renewed, or acquired when
-        free. Renewing on every tick cost the leader a committed write per poll, four a second on a 250-ms
-        group, for a lease of seconds."""
+        """The lease this tick runs under: the one held, until a third of its TTL has passed since it was last
+        renewed (each tick's fenced write renews it; nobody can take a lease before it expires); then renewed, or
+        acquired when free. A renewal of its own every tick cost the leader a committed transaction per poll,
+        four a second on a 250-ms group, for a lease of seconds."""
         held = self.lease
         if held is not None and now < held.expires_at - self.lease_ttl_s * (1 - RENEW_AFTER):
             return held
@@ -193,7 +193,8 @@ class AlertEvaluator:
                         session, ((a.alert.fingerprint, a.alert.labels) for a in alerts), now
                     )
                 with self.factory() as session:
-                    fence(session, lease, now)
+                    # the fence, extending the lease: a leader that writes every tick needs no renewal of its own
+                    renewed = renew(session, lease, now, self.lease_ttl_s)
                     if reloaded:
                         delete_rules_except(session, {s.rule.name for s in self.states.values()})
                     for state in changed:
@@ -210,6 +211,7 @@ class AlertEvaluator:
         except BaseException:
             self._loaded_token = None  # in-memory state may be ahead of what is stored: reload it next tick
             raise
+        self.lease = renewed
         self._loaded_token = lease.token
         for receiver_id in result.notifications:
             log.debug("alerts: enqueued notification %d", receiver_id)

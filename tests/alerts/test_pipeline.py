@@ -187,30 +187,39 @@ def test_superseded_evaluator_cannot_write(config_for, make_evaluator, groups, s
     assert a.metrics.lease_held._value.get() == 0
 
 
-def test_the_leader_renews_its_lease_a_third_into_it_and_a_standby_writes_nothing(
+def test_the_leaders_fenced_write_renews_its_lease_and_a_standby_writes_nothing(
     config_for, make_evaluator, groups, sink, clock
 ):
     source = MemorySource()
     a = make_evaluator(source, groups, config_for(sink), holder="a", lease_ttl_s=15)
     b = make_evaluator(source, groups, config_for(sink), holder="b", lease_ttl_s=15)
-    statements: list[str] = []
-    event.listen(b.factory.kw["bind"], "before_cursor_execute", lambda *args: statements.append(args[2]))
+    statements: dict[str, list[str]] = {"a": [], "b": []}
+    for name, ev in (("a", a), ("b", b)):
+        event.listen(
+            ev.factory.kw["bind"], "before_cursor_execute", lambda *args, n=name: statements[n].append(args[2])
+        )
+
+    def lease_writes(name: str) -> int:
+        writes = [
+            sql for sql in statements.pop(name) if sql.lstrip().upper().startswith("UPDATE ALERT_EVALUATOR_LEASE")
+        ]
+        statements[name] = []
+        return len(writes)
 
     def expires_at() -> float:
         with a.factory() as s:
             return s.execute(select(AlertEvaluatorLease.expires_at)).scalar_one()
 
-    acquired = clock.now
-    assert a.tick().leader and expires_at() == pytest.approx(acquired + 15, abs=1e-3)
-    clock.advance(4.9)  # under a third of the TTL: the lease held is used as it is
-    assert a.tick().leader and expires_at() == pytest.approx(acquired + 15, abs=1e-3)
-    assert b.tick().leader is False
-    assert not [
-        sql for sql in statements if "alert_evaluator_lease" in sql and sql.lstrip().upper().startswith("UPDATE")
-    ]
-    clock.advance(0.2)  # past a third: renewed
-    assert a.tick().leader and expires_at() == pytest.approx(clock.now + 15, abs=1e-3)
-    clock.advance(15.1)  # a stopped renewing: its lease expired, b takes it, and a's next tick finds it gone
+    assert a.tick().leader and b.tick().leader is False
+    lease_writes("a"), lease_writes("b")
+    for _ in range(3):  # ticks within a third of the TTL: the tick's own fenced write renews, nothing else does
+        clock.advance(4.9)
+        assert a.tick().leader and expires_at() == pytest.approx(clock.now + 15, abs=1e-3)
+        assert lease_writes("a") == 1  # no renewal of its own, no fenced claim with nothing pending
+        assert b.tick().leader is False and lease_writes("b") == 0
+    clock.advance(5.1)  # a third of the TTL since the last write: renewed before the tick, then fenced again
+    assert a.tick().leader and lease_writes("a") == 2
+    clock.advance(15.1)  # a stopped: its lease expired, b takes it, and a's next tick finds it gone
     assert b.tick().leader and a.tick().leader is False
 
 
