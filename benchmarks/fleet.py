@@ -86,6 +86,7 @@ groups:
 """
 
 
+OVERLOADED = 0.9  # of the collectors' capacity offered by the live fleet: its lag then measures the machine
 MAX_COLLECTORS = 8  # collector processes on one machine; more measure the machine, not kvpilot
 
 
@@ -581,6 +582,16 @@ def _run(url: str, engine: Any, config: FleetConfig, progress: Callable[[str], N
     result["copy_ceiling_events_per_s"] = round(sum(ceilings) / len(ceilings))
     result["ratio"] = round(result["saturated_events_per_s"] / result["copy_ceiling_events_per_s"], 3)
     result["fleet_share_of_ceiling"] = round(result["events_per_s"] / result["copy_ceiling_events_per_s"], 3)
+    # what the fleet offered at its own rates over what the collectors take: at 1 or more the machine cannot carry
+    # the fleet, its queue only grows, and the lag measures that overload rather than the ingest
+    result["offered_share_of_capacity"] = round(
+        result["offered_events_per_s"] / max(result["saturated_events_per_s"], 1.0), 3
+    )
+    if result["offered_share_of_capacity"] >= OVERLOADED:
+        progress(
+            f"the fleet offered {result['offered_share_of_capacity']:.0%} of what the collectors take on this machine: "
+            "its lag and delivery figures measure the overload"
+        )
     result.update(_alert_figures(sink, reports, plan))
     result.update(_evaluation_figures([e.evaluator.metrics for e in evaluators], config))
     result.update(quiet)

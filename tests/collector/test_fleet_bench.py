@@ -46,6 +46,10 @@ def test_tiny_fleet_reports_every_figure_and_loses_nothing(_pg_schema_url: str) 
     assert result["saturation_failures"] == []  # its own keys and ids: nothing refused as a replay of the live run
     assert result["ratio"] == round(result["saturated_events_per_s"] / result["copy_ceiling_events_per_s"], 3)
     assert result["saturation_offered_events_per_s"] > result["events_per_s"]
+    share = result["offered_events_per_s"] / result["saturated_events_per_s"]
+    assert result["offered_share_of_capacity"] == pytest.approx(share, abs=1e-3)
+    overloaded = any("of what the collectors take" in m for m in messages)
+    assert overloaded == (result["offered_share_of_capacity"] >= 0.9)
     assert result["alert_trials_planned"] == 2 and result["alert_trials"] >= 1
     assert result["alerts_delivered"] == result["alert_trials"] and result["alert_delivery_p99_s"] > 0
     assert 0 < result["alert_stored_p99_s"] <= result["alert_delivery_p99_s"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine, text
@@ -52,26 +53,28 @@ def test_a_connection_back_moments_ago_is_not_pinged_and_an_idle_one_is(pg_url: 
         engine.dispose()
 
 
-@pytest.mark.postgres
-def test_an_idle_connection_that_died_is_replaced_before_it_is_used(pg_url: str) -> None:
+@pytest.fixture
+def killed(pg_url: str) -> Iterator[tuple[Engine, int]]:
+    """A one-connection pool whose connection's backend was just terminated, and that backend's pid."""
     engine = make_engine(pg_url, pool_size=1)
     try:
         dead = _backend(engine)
         _terminate(pg_url, dead)
-        time.sleep(PING_AFTER_IDLE_S + 0.1)
-        assert _backend(engine) != dead  # the ping found it gone: a new connection, no error
+        yield engine, dead
     finally:
         engine.dispose()
 
 
 @pytest.mark.postgres
-def test_a_connection_that_died_within_the_window_fails_once_and_the_pool_recovers(pg_url: str) -> None:
-    engine = make_engine(pg_url, pool_size=1)
-    try:
-        dead = _backend(engine)
-        _terminate(pg_url, dead)
-        with pytest.raises(OperationalError):
-            _backend(engine)
-        assert _backend(engine) != dead
-    finally:
-        engine.dispose()
+def test_an_idle_connection_that_died_is_replaced_before_it_is_used(killed: tuple[Engine, int]) -> None:
+    engine, dead = killed
+    time.sleep(PING_AFTER_IDLE_S + 0.1)
+    assert _backend(engine) != dead  # the ping found it gone: a new connection, no error
+
+
+@pytest.mark.postgres
+def test_a_connection_that_died_within_the_window_fails_once_and_the_pool_recovers(killed: tuple[Engine, int]) -> None:
+    engine, dead = killed
+    with pytest.raises(OperationalError):
+        _backend(engine)
+    assert _backend(engine) != dead
