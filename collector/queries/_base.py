@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine, Float, Integer, cast, func, literal
+from sqlalchemy import Connection, Engine, Float, Integer, Table, cast, func, literal
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement
 
@@ -53,3 +53,23 @@ def _int_floor(expr: ColumnElement, dialect: str) -> ColumnElement:
     if dialect == "sqlite":
         return cast(expr, Integer)
     return cast(func.floor(expr), Integer)
+
+
+def scope(
+    table: Table,
+    start: float,
+    end: float,
+    instances: Sequence[str] | None,
+    run_id: str | None,
+    *,
+    ts: str = "ts",
+) -> list[ColumnElement]:
+    """`table`'s rows with `start <= ts < end` (`ts`: its time column, `bucket_ts` for a rollup), of `instances`
+    and of `run_id` where given: the filters every window read starts from."""
+    c = table.c
+    conds: list[ColumnElement] = [c[ts] >= start, c[ts] < end]
+    if instances is not None:
+        conds.append(c.instance.in_(instances))
+    if run_id is not None:
+        conds.append(c.run_id == run_id)
+    return conds

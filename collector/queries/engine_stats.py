@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Table, func, select
 from sqlalchemy.sql import ColumnElement
 
-from collector.queries._base import Db, Points, _bound, _dialect, _f, bucket_expr
+from collector.queries._base import Db, Points, _bound, _dialect, _f, bucket_expr, scope
 from collector.queries.step_rollup import ROLLUP_AFTER_S, ROLLUP_BUCKET_S, SAMPLE_GAUGES
 from collector.schema import AllocRollup, AllocRow, SampleRollup, SampleRow, StepRow
 from collector.series import SAMPLE_COLUMNS
@@ -88,13 +88,7 @@ def kv_over_time(
 
 def sample_filter(start: float, end: float, instances: Sequence[str] | None, run_id: str | None) -> list[ColumnElement]:
     """The raw samples of a window, with its filters."""
-    s = SampleRow.__table__.c
-    conds: list[ColumnElement] = [s.ts >= start, s.ts < end]
-    if instances is not None:
-        conds.append(s.instance.in_(instances))
-    if run_id is not None:
-        conds.append(s.run_id == run_id)
-    return conds
+    return scope(SampleRow.__table__, start, end, instances, run_id)
 
 
 def rollup_filter(
@@ -102,14 +96,8 @@ def rollup_filter(
 ) -> list[ColumnElement]:
     """A per-minute rollup's (`table`: instance, run_id, bucket_ts) minutes a window touches (the first whole),
     with the window's filters."""
-    r = table.c
-    conds: list[ColumnElement] = [r.bucket_ts >= math.floor(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S]
-    conds.append(r.bucket_ts < end)
-    if instances is not None:
-        conds.append(r.instance.in_(instances))
-    if run_id is not None:
-        conds.append(r.run_id == run_id)
-    return conds
+    lo = math.floor(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S
+    return scope(table, lo, end, instances, run_id, ts="bucket_ts")
 
 
 @dataclass(frozen=True)
@@ -142,11 +130,7 @@ def throughput_over_time(
     st = StepRow.__table__.c
     with _bound(db) as conn:
         b = bucket_expr(st.ts - st.duration_s / 2, bucket_s, _dialect(conn)).label("bucket")
-        conds = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
-        if instances is not None:
-            conds.append(st.instance.in_(instances))
-        if run_id is not None:
-            conds.append(st.run_id == run_id)
+        conds = [*scope(StepRow.__table__, start, end, instances, run_id), st.warmup.is_(False)]
         stmt = (
             select(
                 st.instance,
@@ -225,14 +209,9 @@ def _alloc_filter(
     run_id: str | None,
     ops: Sequence[str] | None = None,
 ) -> list[ColumnElement]:
-    a = AllocRow.__table__.c
-    conds: list[ColumnElement] = [a.ts >= start, a.ts < end]
-    if instances is not None:
-        conds.append(a.instance.in_(instances))
-    if run_id is not None:
-        conds.append(a.run_id == run_id)
+    conds = scope(AllocRow.__table__, start, end, instances, run_id)
     if ops is not None:
-        conds.append(a.op.in_(ops))
+        conds.append(AllocRow.__table__.c.op.in_(ops))
     return conds
 
 
@@ -329,11 +308,7 @@ def _alloc_count(
     if end - start <= ROLLUP_AFTER_S or last <= first:
         return int(conn.execute(select(raw(start, end))).scalar_one()), _Tail()
     r = AllocRollup.__table__.c
-    conds = [r.bucket_ts >= first, r.bucket_ts < last]
-    if instances is not None:
-        conds.append(r.instance.in_(instances))
-    if run_id is not None:
-        conds.append(r.run_id == run_id)
+    conds = scope(AllocRollup.__table__, first, last, instances, run_id, ts="bucket_ts")
     if ops is not None:
         conds.append(r.op.in_(ops))
     rolled = select(func.coalesce(func.sum(r.events), 0)).where(*conds).scalar_subquery()

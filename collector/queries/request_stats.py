@@ -32,6 +32,7 @@ from collector.queries._base import (
     _f,
     _int_floor,
     bucket_expr,
+    scope,
 )
 from collector.schema import (
     RequestRow,
@@ -98,11 +99,7 @@ def _request_filter(
     include_warmup: bool,
 ) -> list[ColumnElement]:
     r = RequestRow.__table__.c
-    conds: list[ColumnElement] = [r.ts >= start, r.ts < end]
-    if instances is not None:
-        conds.append(r.instance.in_(instances))
-    if run_id is not None:
-        conds.append(r.run_id == run_id)
+    conds = scope(RequestRow.__table__, start, end, instances, run_id)
     if statuses is not None:
         conds.append(r.status.in_(statuses))
     if not include_warmup:

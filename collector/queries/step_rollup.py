@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 
 from sqlalchemy import Float, Integer, Select, Subquery, cast, func, literal, select
-from sqlalchemy.sql import ColumnElement
 
+from collector.queries._base import scope
 from collector.schema import StepRollup, StepRow
 
 # Windows longer than this read the rollup: an hour of a 1,000-engine fleet is millions of steps (the fleet
@@ -47,11 +47,7 @@ def load_rows(
         return _raw(start, end, instances, run_id).subquery("load"), False
     r = StepRollup.__table__.c
     lo = math.floor(start / ROLLUP_BUCKET_S) * ROLLUP_BUCKET_S  # the minute `start` falls in, whole
-    conds: list[ColumnElement] = [r.bucket_ts >= lo, r.bucket_ts < end]
-    if instances is not None:
-        conds.append(r.instance.in_(instances))
-    if run_id is not None:
-        conds.append(r.run_id == run_id)
+    conds = scope(StepRollup.__table__, lo, end, instances, run_id, ts="bucket_ts")
     one = cast(literal(1), Integer).label("rolled")
     rolled = select(r.instance, r.bucket_ts.label("ts"), r.kv_usage_max, r.running_max, r.waiting_max, r.steps, one)
     return rolled.where(*conds).subquery("load"), True
@@ -59,11 +55,7 @@ def load_rows(
 
 def _raw(start: float, end: float, instances: Sequence[str] | None, run_id: str | None) -> Select:
     st = StepRow.__table__.c
-    conds: list[ColumnElement] = [st.ts >= start, st.ts < end, st.warmup.is_(False)]
-    if instances is not None:
-        conds.append(st.instance.in_(instances))
-    if run_id is not None:
-        conds.append(st.run_id == run_id)
+    conds = [*scope(StepRow.__table__, start, end, instances, run_id), st.warmup.is_(False)]
     usage = cast(st.kv_blocks_used, Float) / func.nullif(st.kv_blocks_total, 0)
     return select(
         st.instance,
