@@ -15,7 +15,8 @@ still processed, and /health queues behind them. So:
   wait on its connection, `client_left`, not a question asked every few tenths of a second: the queue is
   longest when the process has the least CPU to spare);
 - a push that would queue behind more than a round's worth of pushes (`ingest_group_max_batches`) that the
-  storage stage needs longer than `storage_wait_s` for, at the pace of its last rounds, is answered 503 when
+  storage stage needs longer than `storage_wait_s` for (the rounds they fill, each at what its last rounds
+  cost: a part per round and a part per push, `round_cost`), is answered 503 when
   it arrives (`storage_backlog`), before its body is read and parsed: it would have waited its time out, and
   its parsing taken CPU from the pushes ahead of it (under sustained overload the late 503s and the retries
   they bring were work the collector did for nothing);
@@ -33,7 +34,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -215,6 +216,28 @@ class _Served:
     outcome: Any  # the store's outcome for the item (a result, or the exception it met)
 
 
+def round_cost(rounds: Iterable[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds a round costs whatever it holds, seconds each push in it adds), fitted by least squares to
+    rounds' (pushes, seconds). A group's cost is mostly per round (the transaction, the claims' reads, the
+    commit's flush): pricing every queued push at the pace of the last rounds, small ones, made a backlog look
+    several times what the full rounds that clear it take (a fleet's collectors refused pushes at a third of
+    their capacity while a round waited on the database). Rounds all of one size cannot tell the parts apart:
+    then each push costs their pace, as under a sustained overload, whose rounds are all full. Neither part is
+    negative: where the fit says one is, the other takes it all."""
+    sizes, times = zip(*rounds, strict=True)
+    mean_n, mean_t = sum(sizes) / len(sizes), sum(times) / len(times)
+    spread = sum((n - mean_n) ** 2 for n in sizes)
+    if spread == 0:
+        return 0.0, mean_t / mean_n
+    per_push = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, times, strict=True)) / spread
+    if per_push <= 0:
+        return mean_t, 0.0
+    fixed = mean_t - per_push * mean_n
+    if fixed < 0:
+        return 0.0, sum(times) / sum(sizes)
+    return fixed, per_push
+
+
 class StorageGate:
     """The storage stage: one round at a time, first come first served, a round storing one push or a group
     (group commit). The push whose turn comes leads the round: it takes the groupable pushes queued right
@@ -224,7 +247,7 @@ class StorageGate:
     on a future: a cancellation racing a grant could leak the stage. `observe` is told how many pushes each
     round held (`kvpilot_collector_ingest_group_batches`)."""
 
-    ROUNDS_PACED = 8  # the last rounds whose pace `backlog_s` reads
+    ROUNDS_PACED = 16  # the last rounds whose cost `backlog_s` reads
 
     def __init__(self, *, max_group: int = 1, max_bytes: int = 1 << 62, observe: Callable[[int], None] | None = None):
         self.max_group, self.max_bytes, self.observe = max_group, max_bytes, observe
@@ -237,14 +260,14 @@ class StorageGate:
         return len(self._waiters)
 
     def backlog_s(self) -> float:
-        """Seconds the stage would take for the pushes queued at it, at the pace (seconds per push) of its last
-        rounds; 0 while they fit in one round (the next round takes them all, whatever the pace of rounds
-        smaller than that) and before any round was timed."""
+        """Seconds the stage would take for the pushes queued at it: the rounds they fill, each costing what a
+        round costs whatever it holds plus what each push in it costs (`round_cost`, from the last rounds); 0
+        while they fit in one round (the next round takes them all) and before any round was timed."""
         queued = sum(w.count for w in self._waiters)
         if queued <= self.max_group or not self._rounds:
             return 0.0
-        pushes = sum(n for n, _ in self._rounds)
-        return queued * sum(s for _, s in self._rounds) / pushes
+        fixed, per_push = round_cost(self._rounds)
+        return -(-queued // self.max_group) * fixed + queued * per_push
 
     async def run(
         self,

@@ -15,7 +15,7 @@ from collector.claims import CardinalityLimits, Claims, ClaimWindows, InstanceOw
 from collector.errors import IdempotencyConflictError
 from collector.ingest import BatchValidationError, IngestResult, Push, parse_batch, store_batch, store_pushes
 from collector.schema import IngestBatch, Instance, Run, StepRollup, StepRow
-from collector.server.admission import StorageGate
+from collector.server.admission import StorageGate, round_cost
 from tests.collector import evfactory as ev
 
 
@@ -262,6 +262,49 @@ def test_the_backlog_is_the_queued_pushes_at_the_pace_of_the_last_rounds() -> No
     before, fits, backlog = asyncio.run(scenario())
     assert before == 0.0 and fits == 0.0
     assert 4 * 0.2 <= backlog < 4 * 0.2 * 1.5  # 4 pushes at the pace of rounds of one push in ~0.2 s
+
+
+def test_a_backlog_of_pushes_costs_the_rounds_it_fills_not_the_pace_of_small_rounds() -> None:
+    """Rounds that cost 0.2 s whatever they hold and 1 ms a push (a transaction's commit against a few rows
+    each): after rounds of one, one and seven pushes, 20 pushes queued behind a round of at most 8 are three
+    rounds, ~0.62 s; at the pace of the rounds seen (0.61 s for 9 pushes) they would be 1.35 s."""
+
+    async def scenario() -> float:
+        gate = StorageGate(max_group=8)
+        opened = asyncio.Event()
+        opened.set()
+
+        async def store(items: list[str]) -> list[str]:
+            await asyncio.sleep(0.2 + 0.001 * len(items))
+            await opened.wait()
+            return items
+
+        never_gone = asyncio.get_running_loop().create_future()
+
+        def run(item: str) -> asyncio.Task[Any]:
+            return asyncio.ensure_future(gate.run(item, store, group=True, timeout_s=30.0, gone=never_gone, size=1))
+
+        await run("alone")
+        await asyncio.gather(*[run(f"g{i}") for i in range(8)])  # the first alone, seven in the next round
+        opened.clear()
+        tasks = [run("held")]
+        await asyncio.sleep(0)
+        tasks += [run(f"q{i}") for i in range(20)]
+        await asyncio.sleep(0)
+        backlog = gate.backlog_s()
+        opened.set()
+        await asyncio.gather(*tasks)
+        return backlog
+
+    backlog = asyncio.run(scenario())
+    assert 3 * 0.2 + 20 * 0.001 <= backlog < 0.8, backlog
+
+
+def test_round_cost_splits_a_round_into_its_fixed_part_and_its_pushes() -> None:
+    assert round_cost([(1, 0.3), (5, 0.7), (3, 0.5)]) == pytest.approx((0.2, 0.1))
+    assert round_cost([(4, 0.4), (4, 0.6)]) == pytest.approx((0.0, 0.125))  # one size: its pace
+    assert round_cost([(1, 0.5), (9, 0.3)]) == pytest.approx((0.4, 0.0))  # bigger and cheaper: all per round
+    assert round_cost([(1, 0.0), (2, 0.5)]) == pytest.approx((0.0, 0.5 / 3))  # below zero per round: the pace
 
 
 def test_a_failed_round_gives_every_push_in_it_the_error() -> None:
