@@ -366,9 +366,7 @@ def run_gauges_over_time(
     if unknown:
         raise ValueError(f"not engine-sampled gauges: {unknown}; sampled: {', '.join(sorted(SAMPLE_COLUMNS))}")
     s = SampleRow.__table__.c
-    conds: list[ColumnElement] = [s.ts >= start, s.ts < end, s.run_id == run_id]
-    if instances is not None:
-        conds.append(s.instance.in_(instances))
+    conds = scope(SampleRow.__table__, start, end, instances, run_id)
     out: dict[str, Points] = {}
     with _bound(db) as conn:
         b = bucket_expr(s.ts, bucket_s, _dialect(conn)).label("bucket")

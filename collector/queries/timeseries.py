@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import ColumnElement, Float, Select, Text, cast, func, literal, select, true, union_all
 
-from collector.queries._base import Db, _bound, _dialect, bucket_expr
+from collector.queries._base import Db, _bound, _dialect, bucket_expr, scope
 from collector.schema import (
     AllocRow,
     DownsampledPoint,
@@ -101,14 +101,10 @@ def _scraped_sources(name: str, start: float, end: float, instances: Sequence[st
     """SELECT (instance, labels, ts, value) from the scraped series' points and their downsampled rows."""
     selects: list[Select] = []
     t = SeriesPoint.__table__
-    conds = [t.c.name == name, t.c.ts >= start, t.c.ts < end]
-    if instances is not None:
-        conds.append(t.c.instance.in_(instances))
+    conds = [t.c.name == name, *scope(t, start, end, instances, None)]
     selects.append(select(t.c.instance, t.c.labels, t.c.ts, t.c.value).where(*conds))
     d = DownsampledPoint.__table__
-    dconds = [d.c.name == name, d.c.bucket_ts >= start, d.c.bucket_ts < end]
-    if instances is not None:
-        dconds.append(d.c.instance.in_(instances))
+    dconds = [d.c.name == name, *scope(d, start, end, instances, None, ts="bucket_ts")]
     selects.append(
         select(
             d.c.instance,
